@@ -1,0 +1,38 @@
+# Everything installs itself into .venv on first use, so `make serve` and `make test` work on a
+# fresh machine with only python3 (and apt for redis-server, which the tests start).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+
+.PHONY: setup serve test lint demo bench redis clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml client/pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ./client -e '.[test]'
+	touch $@
+
+redis:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (needed by the remote-tier tests)"; \
+	  (apt-get update -q && apt-get install -y -q redis-server) >/dev/null; }
+	@# Debian starts a system instance on 6379; the tests start their own on free ports.
+
+serve: setup
+	$(VENV)/bin/kvstore serve $(ARGS)
+
+test: setup redis
+	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+demo: setup
+	$(VENV)/bin/kvstore demo $(ARGS)
+
+clean:
+	rm -rf $(VENV) data .pytest_cache

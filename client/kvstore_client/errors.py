@@ -1,0 +1,57 @@
+"""Exceptions shared by the SDK and the daemon.
+
+One exception class per gRPC status the protocol documents, so the daemon can raise a Python
+exception deep in the store and the server turns it into the right status, and the SDK turns a
+status back into the same exception on the client side.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base class; `code` is the gRPC status name the error travels as."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(KVStoreError, ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(KVStoreError, KeyError):
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class LeaseExpired(KVStoreError):
+    code = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(KVStoreError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(KVStoreError):
+    code = "UNAVAILABLE"
+
+
+class DataLoss(KVStoreError):
+    code = "DATA_LOSS"
+
+
+class DeadlineExceeded(KVStoreError, TimeoutError):
+    code = "DEADLINE_EXCEEDED"
+
+
+BY_CODE: dict[str, type[KVStoreError]] = {
+    cls.code: cls
+    for cls in (InvalidArgument, NotFound, LeaseExpired, ResourceExhausted, Unavailable, DataLoss,
+                DeadlineExceeded)
+}
+
+
+def from_code(code: str, message: str) -> KVStoreError:
+    """Rebuild the exception a status code stands for (unknown codes give the base class)."""
+    return BY_CODE.get(code, KVStoreError)(message)

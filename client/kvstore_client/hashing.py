@@ -1,0 +1,83 @@
+"""The reference prefix hasher (spec: docs/hashing.md).
+
+A block key must name the whole prefix, not just the block's tokens, or two prompts that share
+block i but differ before it would share KV that is not interchangeable. So each key covers its
+parent's key. The encoding is fixed byte for byte so other languages produce the same keys; it
+never uses Python's `hash`, which is salted per process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import blake3
+import numpy as np
+
+from .errors import InvalidArgument
+
+DOMAIN = b"kvstore-prefix-v1\x00"
+DEFAULT_KEY_BYTES = 16
+MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 32
+
+ExtraKey = bytes | str
+
+
+def _extra_bytes(extra: Sequence[ExtraKey]) -> bytes:
+    parts = [len(extra).to_bytes(4, "little")]
+    for e in extra:
+        b = e.encode("utf-8") if isinstance(e, str) else bytes(e)
+        parts.append(len(b).to_bytes(4, "little"))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
+        raise InvalidArgument("token ids must lie in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chain_key(parent: bytes | None, tokens: Sequence[int] | np.ndarray,
+              extra_keys: Sequence[ExtraKey] = (), key_bytes: int = DEFAULT_KEY_BYTES) -> bytes:
+    """Key of one block given its parent's key (None for the first block)."""
+    parent = parent or b""
+    if len(parent) > 255:
+        raise InvalidArgument("parent key longer than 255 bytes")
+    tb = _token_bytes(tokens)
+    msg = b"".join((DOMAIN, bytes([len(parent)]), parent,
+                    (len(tb) // 4).to_bytes(4, "little"), tb, _extra_bytes(extra_keys)))
+    return blake3.blake3(msg).digest(key_bytes)
+
+
+def block_keys(token_ids: Sequence[int] | np.ndarray, block_tokens: int, *,
+               parent: bytes | None = None, extra_keys: Sequence[ExtraKey] = (),
+               block_extra_keys: Sequence[Sequence[ExtraKey]] | None = None,
+               key_bytes: int = DEFAULT_KEY_BYTES) -> list[bytes]:
+    """Keys of every *full* block of `token_ids`; a trailing partial block gets no key.
+
+    `extra_keys` apply to every block (e.g. a LoRA name); `block_extra_keys[i]` are appended for
+    block i only (e.g. hashes of images whose tokens fall in that block).
+    """
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
+        raise InvalidArgument(f"block_tokens must be a positive integer, got {block_tokens!r}")
+    if not MIN_KEY_BYTES <= key_bytes <= MAX_KEY_BYTES:
+        raise InvalidArgument(f"key_bytes must be in [{MIN_KEY_BYTES}, {MAX_KEY_BYTES}]")
+    arr = np.asarray(token_ids)
+    n = len(arr) // block_tokens
+    if block_extra_keys is not None and len(block_extra_keys) < n:
+        raise InvalidArgument(
+            f"block_extra_keys has {len(block_extra_keys)} entries for {n} full blocks")
+    keys: list[bytes] = []
+    prev = parent
+    for i in range(n):
+        extra = list(extra_keys)
+        if block_extra_keys is not None:
+            extra.extend(block_extra_keys[i])
+        prev = chain_key(prev, arr[i * block_tokens:(i + 1) * block_tokens], extra, key_bytes)
+        keys.append(prev)
+    return keys

@@ -1,0 +1,141 @@
+"""KV layout and namespace identity.
+
+A block is only comparable with blocks of the same model, layout, shard, hash scheme and codec,
+so all of those go into the namespace digest. The digest is computed from a canonical encoding
+(sorted JSON, no whitespace), never from Python's `hash`, so every process on every machine
+agrees on it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import blake3
+
+from .errors import InvalidArgument
+
+# Element sizes of the dtypes a namespace may hold. fp8 is a storage codec, not a namespace dtype.
+DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+CODECS: tuple[str, ...] = ("lossless", "fp8_e4m3", "int8")
+HASH_SCHEMES: tuple[str, ...] = ("kvstore-blake3-v1", "external")
+
+# One block above this is almost certainly a units mistake (tokens vs blocks, bytes vs MiB).
+MAX_BLOCK_BYTES = 256 * 1024 * 1024
+MAX_BLOCK_TOKENS = 4096
+
+
+def _positive_int(name: str, value: object, upper: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name} must be an integer, got {value!r}")
+    if value <= 0:
+        raise InvalidArgument(f"{name} must be positive, got {value}")
+    if value > upper:
+        raise InvalidArgument(f"{name}={value} is larger than the supported maximum {upper}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one block in the canonical layout [layers, 2 (K,V), block_tokens, heads, head_dim]."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _positive_int("num_layers", self.num_layers, 1024)
+        _positive_int("num_kv_heads", self.num_kv_heads, 1024)
+        _positive_int("head_dim", self.head_dim, 4096)
+        _positive_int("block_tokens", self.block_tokens, MAX_BLOCK_TOKENS)
+        if self.dtype not in DTYPE_BYTES:
+            raise InvalidArgument(
+                f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+        if self.block_bytes > MAX_BLOCK_BYTES:
+            raise InvalidArgument(
+                f"one block would be {self.block_bytes / 2**20:.1f} MiB, above the "
+                f"{MAX_BLOCK_BYTES // 2**20} MiB limit; check block_tokens and the head sizes")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.block_tokens, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_elements(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_elements * self.itemsize
+
+
+@dataclass(frozen=True)
+class NamespaceSpec:
+    """Everything that decides whether two writers' blocks are interchangeable."""
+
+    model: str
+    layout: KVLayout
+    revision: str = ""
+    shard_rank: int = 0
+    shard_size: int = 1
+    hash_scheme: str = "kvstore-blake3-v1"
+    tenant_salt: str = ""
+    codec: str = "lossless"
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise InvalidArgument("model must be a non-empty string naming the model")
+        if len(self.model) > 512:
+            raise InvalidArgument("model name is longer than 512 characters")
+        if not isinstance(self.layout, KVLayout):
+            raise InvalidArgument("layout must be a KVLayout")
+        if isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int) \
+                or self.shard_size < 1:
+            raise InvalidArgument(f"shard_size must be a positive integer, got {self.shard_size!r}")
+        if isinstance(self.shard_rank, bool) or not isinstance(self.shard_rank, int) \
+                or not 0 <= self.shard_rank < self.shard_size:
+            raise InvalidArgument(
+                f"shard_rank must be in [0, shard_size={self.shard_size}), got {self.shard_rank!r}")
+        if self.hash_scheme not in HASH_SCHEMES and not self.hash_scheme.startswith("external:"):
+            raise InvalidArgument(
+                f"unknown hash_scheme {self.hash_scheme!r}; use one of {list(HASH_SCHEMES)} "
+                "or 'external:<name>' for engine-computed keys")
+        if self.codec not in CODECS:
+            raise InvalidArgument(f"unknown codec {self.codec!r}; expected one of {list(CODECS)}")
+
+    def canonical(self) -> bytes:
+        """The byte string the digest covers (sorted-key JSON, stable across versions)."""
+        d = asdict(self)
+        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def digest(self) -> bytes:
+        """16-byte namespace id."""
+        return blake3.blake3(b"kvstore-namespace-v1\0" + self.canonical()).digest(16)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> NamespaceSpec:
+        d = dict(d)
+        layout = d.pop("layout")
+        if isinstance(layout, dict):
+            try:
+                layout = KVLayout(**layout)
+            except TypeError as e:
+                raise InvalidArgument(f"bad layout: {e}") from None
+        try:
+            return cls(layout=layout, **d)
+        except TypeError as e:
+            raise InvalidArgument(f"bad namespace spec: {e}") from None

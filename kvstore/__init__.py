@@ -1,0 +1,1 @@
+"""kvstore daemon: block index, leases, eviction, tier movement, gRPC server."""

@@ -1,0 +1,217 @@
+"""Daemon configuration: an embedded default, a TOML file, `KVSTORE_*` variables, then flags.
+
+Sizes accept plain integers (bytes) or strings with a unit ("512MiB", "2GB"). Every field is
+validated once here so the store can trust its config; errors name the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore_client.errors import InvalidArgument
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+class ConfigError(InvalidArgument):
+    """A configuration value is wrong; the message names the key."""
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{key}: cannot read {value!r} as a size (e.g. 4096, '512MiB', '2GB')")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n < 0:
+        raise ConfigError(f"{key}: size must not be negative")
+    return n
+
+
+@dataclass
+class TierConfig:
+    enabled: bool = True
+    capacity: int = 0               # bytes
+    high_watermark: float = 0.95    # start evicting above this fraction of capacity
+    low_watermark: float = 0.85     # evict down to this fraction
+    policy: str = "default"
+
+    def check(self, name: str) -> None:
+        if self.enabled and self.capacity <= 0:
+            raise ConfigError(f"{name}.capacity must be positive when {name} is enabled")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ConfigError(f"{name}: need 0 < low_watermark <= high_watermark <= 1, got "
+                              f"{self.low_watermark} / {self.high_watermark}")
+
+
+@dataclass
+class HostConfig(TierConfig):
+    capacity: int = 1 << 30
+    shm_name: str = ""              # default: derived from the data folder
+
+
+@dataclass
+class SSDConfig(TierConfig):
+    capacity: int = 8 << 30
+    sync: bool = False              # fsync every write batch (durable across power loss)
+    write_through: bool = False     # also write every committed block to SSD immediately
+
+
+@dataclass
+class GPUConfig(TierConfig):
+    enabled: bool = False
+    capacity: int = 4 << 30         # per device
+    devices: list[int] = field(default_factory=lambda: [0])
+
+
+@dataclass
+class RemoteConfig(TierConfig):
+    enabled: bool = False
+    capacity: int = 64 << 30        # bytes this daemon writes before it stops demoting there
+    urls: list[str] = field(default_factory=list)
+    cluster: bool = False
+    password: str = ""
+    username: str = ""
+    tls: bool = False
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    key_prefix: str = "kvs:"
+    deadline_ms: int = 200
+    write_through: bool = False
+
+
+@dataclass
+class ServerConfig:
+    socket: str = ""                # default: <data_dir>/kvstore.sock
+    tcp: str = "127.0.0.1:50551"    # "" disables TCP
+    metrics: str = "127.0.0.1:9551"  # "" disables the Prometheus endpoint
+    workers: int = 16
+    max_message_bytes: int = 256 << 20
+
+
+@dataclass
+class LeaseConfig:
+    default_ttl_s: float = 30.0
+    max_ttl_s: float = 600.0
+
+
+@dataclass
+class StoreConfig:
+    data_dir: str = "./data"
+    host: HostConfig = field(default_factory=HostConfig)
+    ssd: SSDConfig = field(default_factory=SSDConfig)
+    gpu: GPUConfig = field(default_factory=GPUConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    leases: LeaseConfig = field(default_factory=LeaseConfig)
+    log_level: str = "info"
+
+    def check(self) -> StoreConfig:
+        self.host.check("host")
+        if self.ssd.enabled:
+            self.ssd.check("ssd")
+        if self.gpu.enabled:
+            self.gpu.check("gpu")
+        if self.remote.enabled:
+            self.remote.check("remote")
+            if not self.remote.urls:
+                raise ConfigError("remote.urls must list at least one redis:// URL when "
+                                  "remote is enabled")
+        if not 0 < self.leases.default_ttl_s <= self.leases.max_ttl_s:
+            raise ConfigError("leases: need 0 < default_ttl_s <= max_ttl_s")
+        return self
+
+    @property
+    def socket_path(self) -> str:
+        return self.server.socket or str(Path(self.data_dir) / "kvstore.sock")
+
+
+_SIZE_KEYS = {"capacity", "max_message_bytes"}
+
+
+def _apply(obj: Any, values: dict[str, Any], where: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for k, v in values.items():
+        if k not in fields:
+            raise ConfigError(f"{where}{k}: unknown setting; known: {sorted(fields)}")
+        cur = getattr(obj, k)
+        if dataclasses.is_dataclass(cur):
+            if not isinstance(v, dict):
+                raise ConfigError(f"{where}{k}: expected a table")
+            _apply(cur, v, f"{where}{k}.")
+            continue
+        setattr(obj, k, _coerce(cur, v, f"{where}{k}", k in _SIZE_KEYS))
+
+
+def _coerce(cur: Any, v: Any, key: str, is_size: bool) -> Any:
+    if is_size:
+        return parse_size(v, key)
+    if isinstance(cur, bool):
+        if isinstance(v, str):
+            if v.lower() in ("1", "true", "yes", "on"):
+                return True
+            if v.lower() in ("0", "false", "no", "off"):
+                return False
+        if not isinstance(v, bool):
+            raise ConfigError(f"{key}: expected true or false, got {v!r}")
+        return v
+    try:
+        if isinstance(cur, int):
+            return int(v)
+        if isinstance(cur, float):
+            return float(v)
+        if isinstance(cur, list):
+            if isinstance(v, str):
+                return [type(cur[0])(x) if cur else x for x in v.split(",") if x]
+            return list(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: cannot use {v!r} here (expected {type(cur).__name__})") from None
+    return str(v)
+
+
+def _env_values(environ: dict[str, str]) -> dict[str, Any]:
+    """KVSTORE_HOST__CAPACITY=2GiB -> {"host": {"capacity": "2GiB"}}; KVSTORE_DATA_DIR -> data_dir."""
+    out: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith("KVSTORE_") or name == "KVSTORE_CONFIG":
+            continue
+        path = name[len("KVSTORE_"):].lower().split("__")
+        d = out
+        for p in path[:-1]:
+            d = d.setdefault(p, {})
+        d[path[-1]] = value
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
+                environ: dict[str, str] | None = None) -> StoreConfig:
+    """Default, then the TOML file (or $KVSTORE_CONFIG), then KVSTORE_* variables, then overrides."""
+    cfg = StoreConfig()
+    env = dict(os.environ if environ is None else environ)
+    path = path or env.get("KVSTORE_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        _apply(cfg, data, "")
+    _apply(cfg, _env_values(env), "KVSTORE_ ")
+    if overrides:
+        _apply(cfg, overrides, "")
+    return cfg.check()

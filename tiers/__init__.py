@@ -1,0 +1,1 @@
+"""Storage tiers (host shared memory, SSD, GPU, remote) and the codecs blocks are stored with."""
