@@ -1,0 +1,141 @@
+"""ExtentAllocator: exact reuse, alignment, coalescing, exhaustion and bookkeeping invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvstore_client.errors import InvalidArgument, ResourceExhausted
+
+from tiers.slab import ExtentAllocator
+
+KIB = 1024
+MIB = 1 << 20
+
+
+def test_offsets_are_aligned_and_sizes_rounded():
+    a = ExtentAllocator(1 * MIB)
+    offs = [a.alloc(n) for n in (1, 4095, 4096, 4097, 10_000)]
+    assert all(o % 4096 == 0 for o in offs)
+    assert [a.size_of(o) for o in offs] == [4096, 4096, 4096, 8192, 12288]
+    assert a.used_bytes == 4096 * 3 + 8192 + 12288
+    assert len(set(offs)) == len(offs)
+
+
+def test_custom_alignment():
+    a = ExtentAllocator(64 * KIB, align=256)
+    assert a.alloc(1) == 0
+    assert a.alloc(300) == 256
+    assert a.size_of(256) == 512
+    with pytest.raises(InvalidArgument, match="power of two"):
+        ExtentAllocator(64 * KIB, align=3000)
+
+
+def test_equal_size_reuses_exact_extent():
+    a = ExtentAllocator(16 * MIB)
+    blocks = [a.alloc(2 * MIB) for _ in range(4)]
+    a.free(blocks[2])
+    assert a.alloc(2 * MIB) == blocks[2]          # not bump, not a split of something else
+    small = a.alloc(4096)
+    assert small == 8 * MIB                       # bump: the freed 2 MiB slot was reused above
+    a.free(blocks[0])
+    a.free(blocks[1])
+    assert {a.alloc(2 * MIB), a.alloc(2 * MIB)} == {blocks[0], blocks[1]}
+
+
+def test_exhaustion_raises_resource_exhausted():
+    a = ExtentAllocator(8 * MIB)
+    offs = [a.alloc(2 * MIB) for _ in range(4)]
+    with pytest.raises(ResourceExhausted, match="slab full"):
+        a.alloc(1)
+    a.free(offs[1])
+    with pytest.raises(ResourceExhausted):
+        a.alloc(2 * MIB + 1)                      # 3 MiB round-up does not fit a 2 MiB hole
+    assert a.alloc(2 * MIB) == offs[1]
+
+
+def test_coalescing_makes_room_for_a_larger_extent():
+    a = ExtentAllocator(8 * MIB)
+    offs = [a.alloc(1 * MIB) for _ in range(8)]
+    for o in offs[2:6]:                           # four adjacent 1 MiB holes in the middle
+        a.free(o)
+    big = a.alloc(4 * MIB)
+    assert big == offs[2]
+    assert a.used_bytes == 8 * MIB
+
+
+def test_coalescing_returns_tail_to_bump_region_and_splits_remainder():
+    a = ExtentAllocator(4 * MIB)
+    offs = [a.alloc(1 * MIB) for _ in range(4)]
+    for o in offs[1:]:
+        a.free(o)
+    assert a.alloc(2 * MIB) == 1 * MIB            # three free MiBs merged; 2 MiB carved off
+    assert a.alloc(1 * MIB) == 3 * MIB
+    with pytest.raises(ResourceExhausted):
+        a.alloc(4096)
+
+
+def test_split_of_larger_free_extent():
+    a = ExtentAllocator(3 * MIB)
+    x = a.alloc(2 * MIB)
+    a.alloc(1 * MIB)
+    a.free(x)
+    assert a.alloc(4096) == 0                     # best fit: split the 2 MiB hole
+    assert a.alloc(2 * MIB - 4096) == 4096
+
+
+def test_double_free_and_unknown_offset():
+    a = ExtentAllocator(1 * MIB)
+    o = a.alloc(100)
+    a.free(o)
+    with pytest.raises(InvalidArgument, match="already freed"):
+        a.free(o)
+    with pytest.raises(InvalidArgument, match="not an allocated extent"):
+        a.free(12345)
+    with pytest.raises(InvalidArgument):
+        a.size_of(o)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "4096", True])
+def test_bad_sizes(bad):
+    with pytest.raises(InvalidArgument, match="positive integer"):
+        ExtentAllocator(1 * MIB).alloc(bad)
+
+
+ops = st.lists(
+    st.one_of(st.tuples(st.just("alloc"), st.sampled_from([1, 4096, 5000, 8192, 65536, 200_000])),
+              st.tuples(st.just("free"), st.integers(0, 1000))),
+    max_size=200)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_random_sequences_keep_invariants(seq):
+    cap = 1 * MIB
+    a = ExtentAllocator(cap)
+    live: dict[int, int] = {}
+    for op, arg in seq:
+        if op == "alloc":
+            try:
+                off = a.alloc(arg)
+            except ResourceExhausted:
+                # must be genuinely impossible: no contiguous aligned gap of that size
+                need = a.round(arg)
+                ends = sorted((o, o + s) for o, s in live.items())
+                gaps, prev = [], 0
+                for s, e in ends:
+                    gaps.append(s - prev)
+                    prev = e
+                gaps.append(cap - prev)
+                assert max(gaps) < need
+                continue
+            assert off % 4096 == 0 and a.size_of(off) >= arg
+            live[off] = a.size_of(off)
+        elif live:
+            off = sorted(live)[arg % len(live)]
+            a.free(off)
+            del live[off]
+        spans = sorted((o, o + s) for o, s in live.items())
+        assert all(e <= s2 for (_, e), (s2, _) in zip(spans, spans[1:], strict=False))
+        assert all(e <= cap for _, e in spans)
+        assert a.used_bytes == sum(live.values())

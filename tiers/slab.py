@@ -1,0 +1,142 @@
+"""Extent allocator that cuts one preallocated slab (host shm, GPU) into block slots.
+
+Why this shape: KV blocks of one namespace all have the same size, so the common path is
+"free a 2 MiB slot, allocate a 2 MiB slot". Per-size free lists make that O(1) and reuse the
+exact extent, so a namespace's blocks never fragment the slab. New sizes are bump-allocated
+from the end of the used region. Only when neither works (the slab is full of free extents of
+other sizes) do we pay for coalescing adjacent free extents and splitting a larger one.
+
+Every extent is rounded up to `align` (default 4096) so copies in and out of the slab stay
+page-aligned (PERF-NOTES copy-alignment trap). Not thread-safe: the owner (store) holds a lock.
+"""
+
+from __future__ import annotations
+
+from kvstore_client.errors import InvalidArgument, ResourceExhausted
+
+
+class ExtentAllocator:
+    """Offsets into a `capacity`-byte region; `alloc`/`free` in O(1) on the common path."""
+
+    def __init__(self, capacity: int, align: int = 4096) -> None:
+        if align <= 0 or align & (align - 1):
+            raise InvalidArgument(f"slab alignment must be a positive power of two, got {align}")
+        if capacity < 0:
+            raise InvalidArgument(f"slab capacity must not be negative, got {capacity}")
+        self.capacity = capacity
+        self.align = align
+        self._limit = capacity - capacity % align      # usable bytes (whole aligned extents)
+        self._top = 0                                  # bump pointer: [top, limit) never used
+        self._used: dict[int, int] = {}                # offset -> size of allocated extents
+        self._free: dict[int, int] = {}                # offset -> size of free extents
+        # size -> insertion-ordered set of free offsets (dict keys): O(1) pop and removal
+        self._by_size: dict[int, dict[int, None]] = {}
+        self.used_bytes = 0
+
+    # -- public -------------------------------------------------------------------------------
+    def round(self, nbytes: int) -> int:
+        """The extent size `alloc(nbytes)` takes (nbytes rounded up to the alignment)."""
+        return (nbytes + self.align - 1) & ~(self.align - 1)
+
+    def alloc(self, nbytes: int) -> int:
+        """Offset of a fresh `align`-aligned extent of at least `nbytes` bytes."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise InvalidArgument(f"allocation size must be a positive integer, got {nbytes!r}")
+        size = self.round(nbytes)
+        off = self._take_exact(size)
+        if off is None:
+            off = self._bump(size)
+        if off is None:
+            off = self._split(size)
+        if off is None and self._free:
+            self.coalesce()
+            off = self._take_exact(size)
+            if off is None:
+                off = self._bump(size)
+            if off is None:
+                off = self._split(size)
+        if off is None:
+            raise ResourceExhausted(
+                f"slab full: no free extent of {size} bytes ({self.used_bytes} of "
+                f"{self.capacity} bytes in use, {len(self._free)} free extents)")
+        self._used[off] = size
+        self.used_bytes += size
+        return off
+
+    def free(self, offset: int) -> None:
+        """Return an extent; it is reused first by the next allocation of the same size."""
+        size = self._used.pop(offset, None)
+        if size is None:
+            why = "already freed" if offset in self._free else "not an allocated extent"
+            raise InvalidArgument(f"cannot free slab offset {offset}: {why}")
+        self.used_bytes -= size
+        self._add_free(offset, size)
+
+    def size_of(self, offset: int) -> int:
+        """Size of the allocated extent starting at `offset`."""
+        try:
+            return self._used[offset]
+        except KeyError:
+            raise InvalidArgument(f"slab offset {offset} is not an allocated extent") from None
+
+    def is_allocated(self, offset: int) -> bool:
+        return offset in self._used
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not allocated (free extents plus the never-used tail)."""
+        return self._limit - self.used_bytes
+
+    def coalesce(self) -> None:
+        """Merge adjacent free extents; a free run ending at the bump pointer lowers it."""
+        runs: list[tuple[int, int]] = []
+        for off in sorted(self._free):
+            size = self._free[off]
+            if runs and runs[-1][0] + runs[-1][1] == off:
+                runs[-1] = (runs[-1][0], runs[-1][1] + size)
+            else:
+                runs.append((off, size))
+        self._free.clear()
+        self._by_size.clear()
+        if runs and runs[-1][0] + runs[-1][1] == self._top:
+            self._top = runs.pop()[0]
+        for off, size in runs:
+            self._add_free(off, size)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _add_free(self, off: int, size: int) -> None:
+        self._free[off] = size
+        self._by_size.setdefault(size, {})[off] = None
+
+    def _remove_free(self, off: int) -> int:
+        size = self._free.pop(off)
+        bucket = self._by_size[size]
+        del bucket[off]
+        if not bucket:
+            del self._by_size[size]
+        return size
+
+    def _take_exact(self, size: int) -> int | None:
+        bucket = self._by_size.get(size)
+        if not bucket:
+            return None
+        off = next(iter(bucket))   # oldest freed first: spreads reuse, keeps it deterministic
+        self._remove_free(off)
+        return off
+
+    def _bump(self, size: int) -> int | None:
+        if self._top + size > self._limit:
+            return None
+        off = self._top
+        self._top += size
+        return off
+
+    def _split(self, size: int) -> int | None:
+        """Best fit: the smallest free extent larger than `size`; the rest stays free."""
+        best = min((s for s in self._by_size if s > size), default=None)
+        if best is None:
+            return None
+        off = next(iter(self._by_size[best]))
+        self._remove_free(off)
+        self._add_free(off + size, best - size)
+        return off
