@@ -96,7 +96,9 @@ class HostTier:
         try:
             shm.close()
         except BufferError:
-            pass  # numpy views handed out still live; the mapping is freed with them
+            # numpy views handed out still live; the mapping is freed with them. Keep the
+            # object so its __del__ doesn't retry the close and warn mid-run.
+            _OPEN_VIEWS.append(shm)
 
     @property
     def closed(self) -> bool:
@@ -112,6 +114,9 @@ class HostTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_OPEN_VIEWS: list[shared_memory.SharedMemory] = []
 
 
 def _create_fresh(name: str, size: int) -> shared_memory.SharedMemory:

@@ -1,0 +1,138 @@
+"""Host and SSD tier throughput through the Store API, as ratios against memcpy and raw disk.
+
+Figures (issue 2):
+- host_vs_memcpy: put + get of 64 x 2 MiB blocks through the Store (copy into the slab, then
+  acquire, copy out into a reused buffer, release) against numpy copies of the same bytes.
+- ssd_write_vs_disk: demotion of those blocks (encode + LMDB write + fsync) against a sequential
+  O_DIRECT write of the same bytes.
+- ssd_read_vs_disk: cold promotion (page cache of LMDB's files dropped; read + decode + verify)
+  against a sequential O_DIRECT read.
+Usage: python bench/tiers.py [--quick] [--dir DIR]. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# This script is named like the `tiers` package: take its folder off the path, import by package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+from kvstore_client import KVLayout, NamespaceSpec, block_keys  # noqa: E402
+
+from bench.refs import aligned_buffer, drop_page_cache, memcpy_seconds, odirect_write_read  # noqa: E402
+from kvstore.config import StoreConfig  # noqa: E402
+from kvstore.store import Store  # noqa: E402
+
+# 16 layers x 2 x 32 tokens x 8 heads x 128 dims x bf16 = 2 MiB, a typical block.
+LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_tokens=32, dtype="bfloat16")
+
+
+def kv_like(n_blocks: int) -> list[np.ndarray]:
+    """bf16 blocks with KV-like statistics (per-channel scale, a few outlier channels)."""
+    rng = np.random.default_rng(0)
+    shape = LAYOUT.block_shape
+    scale = rng.gamma(2.0, 0.5, size=(shape[0], 2, 1, shape[3], shape[4])).astype(np.float32)
+    scale[:, 0, :, :, :4] *= 20                     # outlier key channels
+    out = []
+    for _ in range(n_blocks):
+        x = (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
+        out.append((x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(-1))
+    return out
+
+
+def run(quick: bool, folder: str) -> dict:
+    n = 64
+    blocks = kv_like(n)
+    total = n * LAYOUT.block_bytes
+    tmp = tempfile.mkdtemp(prefix="kvstore-bench-", dir=folder)
+    try:
+        cfg = StoreConfig(data_dir=tmp)
+        cfg.host.capacity = 4 * total
+        cfg.ssd.capacity = 4 * total
+        store = Store(cfg)
+        ns = store.register_namespace(NamespaceSpec(model="bench", layout=LAYOUT)).ns_id
+        keys = block_keys(np.arange(n * LAYOUT.block_tokens), LAYOUT.block_tokens)
+        out = aligned_buffer(total)
+        rounds = 3 if quick else 10
+
+        def host_round(r: int) -> float:
+            ks = [bytes([r]) + k[1:] for k in keys]        # fresh keys each round: no dedup
+            t = time.perf_counter()
+            store.put(ns, ks, blocks)
+            lease = store.acquire(ns, ks)
+            for i, s in enumerate(lease.slots):
+                np.copyto(out[i * s.length:(i + 1) * s.length], store.host.view(s.offset, s.length))
+            store.release(lease.id)
+            dt = time.perf_counter() - t
+            store.delete(ns, ks)
+            return dt
+
+        host_round(255)                                   # warm the slab and the code paths
+        host_s = min(host_round(r) for r in range(rounds))
+        memcpy_s = 2 * memcpy_seconds(total)              # put and get are one copy each
+
+        # Demotion: host -> ssd (encode, LMDB write, fsync).
+        store.put(ns, keys, blocks)
+        t = time.perf_counter()
+        store.evict("host")
+        store.ssd.sync()
+        write_s = time.perf_counter() - t
+        stored = store.ssd.used_bytes
+
+        # Cold promotion: drop LMDB's pages, then acquire everything back into host.
+        drop_page_cache(store.ssd.data_files())
+        t = time.perf_counter()
+        lease = store.acquire(ns, keys)
+        read_s = time.perf_counter() - t
+        assert len(lease.keys) == n, "promotion lost blocks"
+        for i, s in enumerate(lease.slots):
+            assert np.array_equal(store.host.view(s.offset, s.length), blocks[i])
+        store.release(lease.id)
+        counters = store.stats()["counters"]
+        store.close(flush=False)
+
+        disk_w, disk_r = odirect_write_read(tmp, total)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    gb = total / 1e9
+    res = {
+        "host_vs_memcpy": round(memcpy_s / host_s, 3),
+        "ssd_write_vs_disk": round(disk_w / write_s, 3),
+        "ssd_read_vs_disk": round(disk_r / read_s, 3),
+        "host_put_get_gbps": round(2 * gb / host_s, 2),
+        "memcpy_gbps": round(2 * gb / memcpy_s, 2),
+        "demote_gbps": round(gb / write_s, 2),
+        "disk_write_gbps": round(gb / disk_w, 2),
+        "promote_cold_gbps": round(gb / read_s, 2),
+        "disk_read_gbps": round(gb / disk_r, 2),
+        "ssd_stored_ratio": round(stored / total, 3),
+        "lossy_refused": counters.get("lossy_refused_nonfinite", 0),
+        "blocks": n, "block_bytes": LAYOUT.block_bytes,
+    }
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dir", default=os.getcwd(), help="folder on the disk to measure")
+    args = ap.parse_args()
+    res = run(args.quick, args.dir)
+    print(f"{'figure':<22}{'value':>10}")
+    for k, v in res.items():
+        print(f"{k:<22}{v:>10}")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

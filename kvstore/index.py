@@ -1,0 +1,97 @@
+"""The block index: where each block lives, its parent, size and checksum.
+
+Keyed by global key (namespace id + block key) so one dict serves every namespace and no lookup
+can reach another namespace's block. A key appears once per tier (dedup): an entry records
+residency per tier rather than holding copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+NS_ID_BYTES = 16
+
+
+@dataclass(slots=True)
+class Entry:
+    ns_id: bytes
+    key: bytes
+    parent: bytes | None        # parent block key (same namespace), None for a prompt's first block
+    size: int                   # raw block bytes
+    checksum: int               # xxh3-64 of the raw bytes
+    host: int | None = None     # offset in the host slab
+    ssd: bool = False
+    remote: bool = False
+    pins: int = 0               # read leases holding the host copy
+    children: int = 0           # indexed blocks whose parent this is
+
+    @property
+    def gkey(self) -> bytes:
+        return self.ns_id + self.key
+
+    @property
+    def parent_gkey(self) -> bytes | None:
+        return self.ns_id + self.parent if self.parent else None
+
+    @property
+    def resident(self) -> bool:
+        return self.host is not None or self.ssd or self.remote
+
+
+class BlockIndex:
+    def __init__(self) -> None:
+        self._entries: dict[bytes, Entry] = {}
+        self._by_ns: dict[bytes, set[bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, gkey: bytes) -> bool:
+        return gkey in self._entries
+
+    def get(self, gkey: bytes) -> Entry | None:
+        return self._entries.get(gkey)
+
+    def add(self, entry: Entry) -> None:
+        g = entry.gkey
+        self._entries[g] = entry
+        self._by_ns.setdefault(entry.ns_id, set()).add(g)
+        p = entry.parent_gkey
+        if p is not None and (parent := self._entries.get(p)) is not None:
+            parent.children += 1
+
+    def recount_children(self) -> None:
+        """Child counts after a bulk load in arbitrary order (warm restart)."""
+        for e in self._entries.values():
+            e.children = 0
+        for e in self._entries.values():
+            p = e.parent_gkey
+            if p is not None and (parent := self._entries.get(p)) is not None:
+                parent.children += 1
+
+    def set_parent(self, entry: Entry, parent: bytes | None) -> None:
+        """Fill in a parent learned late (a block first seen without one)."""
+        if entry.parent or not parent:
+            return
+        entry.parent = parent
+        if (p := self._entries.get(entry.parent_gkey)) is not None:
+            p.children += 1
+
+    def discard(self, gkey: bytes) -> None:
+        e = self._entries.pop(gkey, None)
+        if e is not None:
+            p = e.parent_gkey
+            if p is not None and (parent := self._entries.get(p)) is not None:
+                parent.children -= 1
+            keys = self._by_ns.get(e.ns_id)
+            if keys is not None:
+                keys.discard(gkey)
+                if not keys:
+                    del self._by_ns[e.ns_id]
+
+    def namespace_keys(self, ns_id: bytes) -> list[bytes]:
+        return list(self._by_ns.get(ns_id, ()))
+
+    def entries(self) -> Iterator[Entry]:
+        return iter(list(self._entries.values()))

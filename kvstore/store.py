@@ -1,0 +1,839 @@
+"""The store: namespaces, lookups, leases and block movement between tiers.
+
+Everything that changes the index happens under one lock, so the invariants the tests check
+(no leased block evicted, byte accounting equal to the resident sizes, no tier over its cap)
+hold between any two calls. Copies of block bytes in and out of the host slab happen inside the
+lock too; they run at memcpy speed, far below an RPC's cost.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import blake3
+import msgpack
+import numpy as np
+import xxhash
+from kvstore_client.errors import (
+    DataLoss,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvstore_client.hashing import MAX_KEY_BYTES, MIN_KEY_BYTES
+from kvstore_client.layout import NamespaceSpec
+
+from tiers.host import HostTier
+from tiers.ssd import SSDTier
+
+from .config import StoreConfig
+from .index import NS_ID_BYTES, BlockIndex, Entry
+from .leases import Lease, LeaseTable, Slot
+from .movement import decode_block, encode_block
+from .policy import EvictionPolicy, make_policy
+
+log = logging.getLogger("kvstore.store")
+
+MAX_KEYS_PER_CALL = 1 << 16
+TIERS = ("gpu", "host", "ssd", "remote")
+SLAB_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    ns_id: bytes
+    spec: NamespaceSpec
+
+    @property
+    def block_bytes(self) -> int:
+        return self.spec.layout.block_bytes
+
+
+@dataclass
+class LookupResult:
+    prefix_blocks: int
+    per_tier: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class CommitResult:
+    stored: int
+    duplicates: int
+
+
+def _aligned(n: int) -> int:
+    return -(-n // SLAB_ALIGN) * SLAB_ALIGN
+
+
+def _meta(e: Entry) -> bytes:
+    return msgpack.packb({"p": e.parent, "s": e.size, "c": e.checksum, "t": time.time()})
+
+
+class Store:
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config.check()
+        self.daemon_id = uuid.uuid4().hex
+        self._lock = threading.RLock()
+        self._closed = False
+        self.counters: Counter = Counter()
+        self.tier_counters: dict[str, Counter] = {t: Counter() for t in TIERS}
+        self.namespaces: dict[bytes, NamespaceInfo] = {}
+        self.index = BlockIndex()
+        self.leases = LeaseTable(config.leases.default_ttl_s, config.leases.max_ttl_s)
+        data = Path(config.data_dir)
+        data.mkdir(parents=True, exist_ok=True)
+        shm_name = config.host.shm_name or "kvstore-" + blake3.blake3(
+            str(data.resolve()).encode()).hexdigest()[:16]
+        self.host = HostTier(config.host.capacity, shm_name=shm_name)
+        self.ssd: SSDTier | None = None
+        self.remote = None
+        self.policies: dict[str, EvictionPolicy] = {
+            "host": make_policy(config.host.policy, config.host.capacity // (1 << 20))}
+        try:
+            if config.ssd.enabled:
+                self.ssd = SSDTier(str(data / "ssd"), config.ssd.capacity, sync=config.ssd.sync)
+                self.policies["ssd"] = make_policy(config.ssd.policy,
+                                                   config.ssd.capacity // (1 << 20))
+            if config.remote.enabled:
+                from tiers.remote import RemoteTier  # redis only where configured
+                self.remote = RemoteTier(config.remote)
+            self._rebuild()
+        except BaseException:
+            self.host.close()
+            if self.ssd is not None:
+                self.ssd.close()
+            raise
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="kvstore-reaper",
+                                        daemon=True)
+        self._reaper.start()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _rebuild(self) -> None:
+        """Warm restart: namespaces and SSD residency come back from LMDB's meta records."""
+        if self.ssd is None:
+            return
+        for ns_id, blob in self.ssd.namespaces().items():
+            spec = NamespaceSpec.from_dict(json.loads(blob))
+            self.namespaces[ns_id] = NamespaceInfo(ns_id, spec)
+        policy = self.policies["ssd"]
+        state = self.ssd.get_state("policy.ssd")
+        for gkey, meta, _vsize in self.ssd.scan_meta():
+            m = msgpack.unpackb(meta)
+            ns_id, key = gkey[:NS_ID_BYTES], gkey[NS_ID_BYTES:]
+            if ns_id not in self.namespaces:
+                continue
+            e = Entry(ns_id, key, m.get("p") or None, m["s"], m.get("c", 0), ssd=True)
+            self.index.add(e)
+            policy.insert(gkey, e.parent_gkey, e.size)
+        self.index.recount_children()
+        if state:
+            try:
+                policy.restore(state)
+            except Exception as exc:  # an old or damaged snapshot only costs recency
+                log.warning("ignoring the saved SSD eviction state: %s", exc)
+        if len(self.index):
+            log.info("rebuilt the index: %d blocks in %d namespaces from SSD", len(self.index),
+                     len(self.namespaces))
+
+    def close(self, flush: bool = True) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._stop.set()
+            try:
+                if flush and self.ssd is not None:
+                    self._flush_locked()
+            finally:
+                self._closed = True
+                if self.ssd is not None:
+                    self.ssd.close()
+                if self.remote is not None:
+                    self.remote.close()
+                self.host.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable("the store is shutting down")
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                with self._lock:
+                    if not self._closed:
+                        self._reap_locked()
+            except Exception:  # the reaper must outlive any single bad lease
+                log.exception("lease reaper")
+
+    def _reap_locked(self) -> None:
+        for lease in self.leases.reap():
+            self.counters["leases_expired"] += 1
+            self._end_lease(lease)
+
+    # ----------------------------------------------------------------- validation
+
+    def _ns(self, ns_id: bytes) -> NamespaceInfo:
+        if not isinstance(ns_id, (bytes, bytearray)) or len(ns_id) != NS_ID_BYTES:
+            raise InvalidArgument(f"namespace_id must be {NS_ID_BYTES} bytes as returned by "
+                                  "RegisterNamespace")
+        info = self.namespaces.get(bytes(ns_id))
+        if info is None:
+            raise NotFound(f"unknown namespace {bytes(ns_id).hex()}; register it first")
+        return info
+
+    @staticmethod
+    def _keys(keys: Sequence[bytes], allow_empty: bool = False) -> list[bytes]:
+        if not allow_empty and len(keys) == 0:
+            raise InvalidArgument("no keys given")
+        if len(keys) > MAX_KEYS_PER_CALL:
+            raise InvalidArgument(f"{len(keys)} keys in one call; the limit is "
+                                  f"{MAX_KEYS_PER_CALL}")
+        out = []
+        for i, k in enumerate(keys):
+            ok = isinstance(k, (bytes, bytearray))
+            if not ok or not MIN_KEY_BYTES <= len(k) <= MAX_KEY_BYTES:
+                n = len(k) if ok else type(k).__name__
+                raise InvalidArgument(f"key {i} is {n} bytes; block keys are "
+                                      f"{MIN_KEY_BYTES}..{MAX_KEY_BYTES} bytes")
+            out.append(bytes(k))
+        return out
+
+    @staticmethod
+    def _parent(parent: bytes | None) -> bytes | None:
+        if not parent:
+            return None
+        if not MIN_KEY_BYTES <= len(parent) <= MAX_KEY_BYTES:
+            raise InvalidArgument(f"parent key is {len(parent)} bytes; block keys are "
+                                  f"{MIN_KEY_BYTES}..{MAX_KEY_BYTES} bytes")
+        return bytes(parent)
+
+    def _tier(self, tier: str) -> str:
+        tier = tier or "host"
+        if tier == "host":
+            return tier
+        if tier == "gpu":
+            raise Unavailable("the gpu tier is not enabled on this daemon")
+        raise InvalidArgument(f"tier {tier!r} cannot hold leased slots; use 'host'")
+
+    # ----------------------------------------------------------------- namespaces
+
+    def register_namespace(self, spec: NamespaceSpec) -> NamespaceInfo:
+        if not isinstance(spec, NamespaceSpec):
+            raise InvalidArgument("register_namespace takes a NamespaceSpec")
+        if _aligned(spec.layout.block_bytes) > self.host.capacity:
+            raise InvalidArgument(
+                f"one block of this layout is {spec.layout.block_bytes} bytes, larger than the "
+                f"host tier ({self.host.capacity} bytes)")
+        ns_id = spec.digest
+        with self._lock:
+            self._check_open()
+            info = self.namespaces.get(ns_id)
+            if info is None:
+                info = NamespaceInfo(ns_id, spec)
+                self.namespaces[ns_id] = info
+                if self.ssd is not None:
+                    self.ssd.put_namespace(ns_id, json.dumps(spec.to_dict()).encode())
+            return info
+
+    def namespace(self, ns_id: bytes) -> NamespaceInfo:
+        with self._lock:
+            return self._ns(ns_id)
+
+    # ----------------------------------------------------------------- lookup
+
+    def lookup(self, ns_id: bytes, keys: Sequence[bytes]) -> LookupResult:
+        keys = self._keys(keys, allow_empty=True)
+        with self._lock:
+            self._check_open()
+            self._ns(ns_id)
+            per = {"host": 0}
+            if self.ssd is not None:
+                per["ssd"] = 0
+            if self.remote is not None:
+                per["remote"] = 0
+            running = dict.fromkeys(per, True)
+            n = 0
+            for k in keys:
+                e = self.index.get(ns_id + k)
+                if e is None or not e.resident:
+                    break
+                n += 1
+                for t, where in (("host", e.host is not None), ("ssd", e.ssd),
+                                 ("remote", e.remote)):
+                    if t in per and running[t]:
+                        if where:
+                            per[t] += 1
+                        else:
+                            running[t] = False
+            self.counters["lookups"] += 1
+            self.counters["lookup_blocks"] += len(keys)
+            self.counters["lookup_hit_blocks"] += n
+            for t, c in per.items():
+                self.tier_counters[t]["hits"] += c
+                self.tier_counters[t]["misses"] += len(keys) - c
+            for k in keys[n:n + 1]:
+                for p in self.policies.values():
+                    rec = getattr(p, "record_miss", None)
+                    if rec is not None:
+                        rec(ns_id + k)
+        if self.remote is not None and n < len(keys):
+            extra = self._remote_extend(ns_id, keys, n)
+            if running["remote"]:
+                per["remote"] += extra
+            n += extra
+        return LookupResult(n, per)
+
+    def _remote_extend(self, ns_id: bytes, keys: list[bytes], start: int) -> int:
+        """How many blocks after `start` the remote tier holds (one batched round trip)."""
+        found = self.remote.exists_many([ns_id + k for k in keys[start:]])
+        n = 0
+        for hit in found:
+            if not hit:
+                break
+            n += 1
+        if n:
+            with self._lock:
+                info = self.namespaces.get(ns_id)
+                if info is None:
+                    return 0
+                for i in range(start, start + n):
+                    g = ns_id + keys[i]
+                    e = self.index.get(g)
+                    if e is None:
+                        parent = keys[i - 1] if i > 0 else None
+                        e = Entry(ns_id, keys[i], parent, info.block_bytes, 0)
+                        self.index.add(e)
+                    e.remote = True
+        return n
+
+    # ----------------------------------------------------------------- host space
+
+    def _host_room(self, need: int) -> None:
+        """Evict from host so `need` more bytes fit: past the high watermark, down to the low."""
+        cap = self.host.capacity
+        high, low = self.config.host.high_watermark * cap, self.config.host.low_watermark * cap
+        if self.host.used_bytes + need <= high:
+            return
+        target = max(0.0, min(low, high - need))
+        self._evict_host(int(self.host.used_bytes + need - target))
+
+    def _alloc_host(self, nbytes: int) -> int:
+        try:
+            return self.host.alloc(nbytes)
+        except ResourceExhausted:
+            # Watermarks are a target, not a guarantee: try evicting exactly what is missing.
+            self._evict_host(_aligned(nbytes))
+            try:
+                return self.host.alloc(nbytes)
+            except ResourceExhausted:
+                raise ResourceExhausted(
+                    f"host tier full: {self.host.used_bytes} of {self.host.capacity} bytes are "
+                    "leased or pinned and nothing is evictable; release leases or raise "
+                    "host.capacity") from None
+
+    def _evict_host(self, nbytes: int | None) -> tuple[int, int]:
+        """Evict host blocks until `nbytes` are freed (None: all evictable), demoting in batches.
+
+        Victims are demoted before their slots are freed: the bytes are read from the slot.
+        """
+        policy = self.policies["host"]
+        lower = self.ssd is not None or self.remote is not None
+
+        def can(g: bytes) -> bool:
+            # A block whose children are indexed may only go if a lower tier keeps a copy,
+            # or its children would become unreachable.
+            e = self.index.get(g)
+            return (e is not None and e.pins == 0 and e.host is not None
+                    and (lower or e.ssd or e.remote or e.children == 0))
+        freed = blocks = 0
+        while nbytes is None or freed < nbytes:
+            batch: list[Entry] = []
+            planned = freed
+            while len(batch) < 16 and (nbytes is None or planned < nbytes):
+                g = policy.pick(can)
+                if g is None:
+                    break
+                policy.remove(g)
+                e = self.index.get(g)
+                if e is None or e.host is None:
+                    continue
+                batch.append(e)
+                planned += _aligned(e.size)
+            if not batch:
+                break
+            self._demote_from_host(batch)
+            for e in batch:
+                self.host.free(e.host)
+                e.host = None
+                if not e.resident:
+                    self.index.discard(e.gkey)
+            self.tier_counters["host"]["evictions"] += len(batch)
+            freed, blocks = planned, blocks + len(batch)
+        return freed, blocks
+
+    def _demote_from_host(self, entries: list[Entry]) -> None:
+        todo = [e for e in entries if not e.ssd]
+        if not todo:
+            return
+        if self.ssd is None:
+            if self.remote is not None:
+                self._demote_to_remote(todo, from_host=True)
+            return
+        items = []
+        for e in todo:
+            info = self.namespaces[e.ns_id]
+            raw = self.host.view(e.host, e.size)
+            value = encode_block(raw, info.spec.layout, info.spec.codec, self.counters)
+            items.append((e, value))
+        self._ssd_room(sum(len(v) for _, v in items))
+        self.ssd.put_many([(e.gkey, v, _meta(e)) for e, v in items])
+        for e, v in items:
+            e.ssd = True
+            self.policies["ssd"].insert(e.gkey, e.parent_gkey, e.size)
+            self.tier_counters["ssd"]["demotions_in"] += 1
+            self.counters["bytes_host_to_ssd"] += len(v)
+        self.tier_counters["host"]["demotions"] += len(items)
+
+    def _ssd_room(self, need: int) -> None:
+        cap = self.ssd.capacity
+        high = self.config.ssd.high_watermark * cap
+        if self.ssd.used_bytes + need <= high:
+            return
+        target = max(0.0, min(self.config.ssd.low_watermark * cap, high - need))
+        self._evict_ssd(int(self.ssd.used_bytes + need - target))
+        if self.ssd.used_bytes + need > cap:
+            raise ResourceExhausted(f"ssd tier full ({self.ssd.used_bytes} of {cap} bytes) and "
+                                    "nothing is evictable")
+
+    def _evict_ssd(self, nbytes: int | None) -> tuple[int, int]:
+        policy = self.policies["ssd"]
+        freed = blocks = 0
+
+        def can(g: bytes) -> bool:
+            e = self.index.get(g)
+            return (e is not None and e.ssd and (self.remote is not None or e.remote
+                                                 or e.host is not None or e.children == 0))
+        while nbytes is None or freed < nbytes:
+            g = policy.pick(can)
+            if g is None:
+                break
+            policy.remove(g)
+            e = self.index.get(g)
+            if e is None or not e.ssd:
+                continue
+            if self.remote is not None and not e.remote:
+                self._demote_to_remote([e], from_host=False)
+            before = self.ssd.used_bytes
+            self.ssd.delete(g)
+            freed += max(before - self.ssd.used_bytes, 1)
+            blocks += 1
+            e.ssd = False
+            self.tier_counters["ssd"]["evictions"] += 1
+            if not e.resident:
+                self.index.discard(g)
+        return freed, blocks
+
+    def _demote_to_remote(self, entries: list[Entry], from_host: bool) -> None:
+        items = []
+        for e in entries:
+            info = self.namespaces[e.ns_id]
+            if from_host or e.host is not None:
+                value = encode_block(self.host.view(e.host, e.size), info.spec.layout,
+                                     info.spec.codec, self.counters)
+            else:
+                value = self.ssd.get(e.gkey)
+                if value is None:
+                    continue
+            items.append((e, value))
+        if not items:
+            return
+        self.remote.put_many([(e.gkey, bytes(v)) for e, v in items])
+        for e, v in items:
+            e.remote = True
+            self.counters["bytes_to_remote"] += len(v)
+        self.tier_counters["remote"]["demotions_in"] += len(items)
+
+    # ----------------------------------------------------------------- write path
+
+    def reserve(self, ns_id: bytes, n: int, tier: str = "host",
+                ttl_s: float | None = None) -> Lease:
+        tier = self._tier(tier)
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise InvalidArgument(f"count must be a positive integer, got {n!r}")
+        if n > MAX_KEYS_PER_CALL:
+            raise InvalidArgument(f"count {n} is above the per-call limit {MAX_KEYS_PER_CALL}")
+        with self._lock:
+            self._check_open()
+            self._reap_locked()
+            info = self._ns(ns_id)
+            size = info.block_bytes
+            if n * _aligned(size) > self.host.capacity * self.config.host.high_watermark:
+                raise ResourceExhausted(
+                    f"{n} blocks of {size} bytes do not fit the host tier "
+                    f"({self.host.capacity} bytes); reserve in smaller batches")
+            ttl = self.leases.ttl(ttl_s)
+            self._host_room(n * _aligned(size))
+            offsets: list[int] = []
+            try:
+                for _ in range(n):
+                    offsets.append(self._alloc_host(size))
+            except ResourceExhausted:
+                for off in offsets:
+                    self.host.free(off)
+                raise
+            return self.leases.new("write", bytes(ns_id), tier,
+                                   [Slot(o, size) for o in offsets], ttl)
+
+    def commit(self, lease_id: str, keys: Sequence[bytes], parent: bytes | None = None,
+               checksums: Sequence[int] | None = None) -> CommitResult:
+        keys = self._keys(keys, allow_empty=True)
+        parent = self._parent(parent)
+        with self._lock:
+            self._check_open()
+            lease = self.leases.get(lease_id)
+            if lease.kind != "write":
+                raise InvalidArgument(f"lease {lease_id} is a read lease; commit takes the lease "
+                                      "Reserve returned")
+            if len(keys) > len(lease.slots):
+                raise InvalidArgument(f"{len(keys)} keys for a lease of {len(lease.slots)} slots")
+            if checksums and len(checksums) != len(keys):
+                raise InvalidArgument(f"{len(checksums)} checksums for {len(keys)} keys")
+            sums = []
+            for i, slot in enumerate(lease.slots[:len(keys)]):
+                got = xxhash.xxh3_64_intdigest(self.host.view(slot.offset, slot.length))
+                if checksums and got != checksums[i]:
+                    self.leases.pop(lease_id)
+                    self._end_lease(lease)
+                    self.counters["commit_checksum_mismatch"] += 1
+                    raise DataLoss(f"block {i}'s bytes in the slot do not match the checksum "
+                                   "sent with Commit (torn or overlapping write); nothing "
+                                   "from this lease was stored")
+                sums.append(got)
+            self.leases.pop(lease_id)
+            stored = dups = 0
+            published: list[Entry] = []
+            for i, (k, slot) in enumerate(zip(keys, lease.slots, strict=False)):
+                prev = parent if i == 0 else keys[i - 1]
+                placed, e = self._publish(lease.ns_id, k, prev, slot.offset, slot.length, sums[i])
+                if placed:
+                    stored += 1
+                    published.append(e)
+                else:
+                    dups += 1
+                    self.host.free(slot.offset)
+            for slot in lease.slots[len(keys):]:
+                self.host.free(slot.offset)
+            self.counters["bytes_client_to_host"] += stored * (lease.slots[0].length
+                                                               if lease.slots else 0)
+            self._write_through(published)
+            return CommitResult(stored, dups)
+
+    def _publish(self, ns_id: bytes, key: bytes, parent: bytes | None, offset: int, size: int,
+                 checksum: int) -> tuple[bool, Entry]:
+        """Make a filled slot the host copy of `key`; False when host already has one (dedup)."""
+        g = ns_id + key
+        e = self.index.get(g)
+        policy = self.policies["host"]
+        if e is not None and e.host is not None:
+            policy.touch(g)
+            self.counters["duplicate_blocks"] += 1
+            return False, e
+        if e is None:
+            e = Entry(ns_id, key, parent, size, checksum)
+            self.index.add(e)
+        else:
+            if not e.checksum:
+                e.checksum = checksum
+            self.index.set_parent(e, parent)
+        e.host = offset
+        policy.insert(g, e.parent_gkey, size)
+        self.tier_counters["host"]["stored"] += 1
+        return True, e
+
+    def _write_through(self, entries: list[Entry]) -> None:
+        if not entries:
+            return
+        if self.ssd is not None and self.config.ssd.write_through:
+            self._demote_from_host(entries)
+        if self.remote is not None and self.config.remote.write_through:
+            self._demote_to_remote([e for e in entries if not e.remote], from_host=True)
+
+    def put(self, ns_id: bytes, keys: Sequence[bytes], blocks: Sequence,
+            parent: bytes | None = None) -> CommitResult:
+        """Bytes path: store blocks sent over the network (dedup before copying)."""
+        keys = self._keys(keys)
+        parent = self._parent(parent)
+        if len(blocks) != len(keys):
+            raise InvalidArgument(f"{len(blocks)} blocks for {len(keys)} keys")
+        with self._lock:
+            self._check_open()
+            info = self._ns(ns_id)
+            size = info.block_bytes
+            for i, b in enumerate(blocks):
+                if len(b) != size:
+                    raise InvalidArgument(f"block {i} is {len(b)} bytes; this namespace's blocks "
+                                          f"are {size} bytes")
+            stored = dups = 0
+            published = []
+            for i, (k, b) in enumerate(zip(keys, blocks, strict=True)):
+                e = self.index.get(ns_id + k)
+                if e is not None and e.host is not None:
+                    self.policies["host"].touch(e.gkey)
+                    self.counters["duplicate_blocks"] += 1
+                    dups += 1
+                    continue
+                self._host_room(_aligned(size))
+                off = self._alloc_host(size)
+                view = self.host.view(off, size)
+                view[:] = np.frombuffer(b, dtype=np.uint8)
+                prev = parent if i == 0 else keys[i - 1]
+                _, e = self._publish(bytes(ns_id), k, prev, off, size,
+                                     xxhash.xxh3_64_intdigest(view))
+                published.append(e)
+                stored += 1
+            self.counters["bytes_client_to_host"] += stored * size
+            self._write_through(published)
+            return CommitResult(stored, dups)
+
+    # ----------------------------------------------------------------- read path
+
+    def acquire(self, ns_id: bytes, keys: Sequence[bytes], tier: str = "host",
+                ttl_s: float | None = None) -> Lease:
+        """Pin the longest cached prefix in host memory, promoting from lower tiers."""
+        tier = self._tier(tier)
+        keys = self._keys(keys)
+        ttl = self.leases.ttl(ttl_s)
+        remote_values = self._prefetch_remote(ns_id, keys)
+        with self._lock:
+            self._check_open()
+            self._reap_locked()
+            info = self._ns(ns_id)
+            pinned: list[Entry] = []
+            try:
+                for k in keys:
+                    e = self.index.get(ns_id + k)
+                    if e is None or not self._ensure_host(e, info, remote_values):
+                        break
+                    e.pins += 1
+                    pinned.append(e)
+                    self.policies["host"].touch(e.gkey)
+                    if e.ssd:
+                        self.policies["ssd"].touch(e.gkey)
+            except BaseException:
+                for e in pinned:
+                    e.pins -= 1
+                raise
+            self.counters["acquired_blocks"] += len(pinned)
+            return self.leases.new("read", bytes(ns_id), tier,
+                                   [Slot(e.host, e.size) for e in pinned], ttl,
+                                   keys=[e.key for e in pinned],
+                                   checksums=[e.checksum for e in pinned])
+
+    def _prefetch_remote(self, ns_id: bytes, keys: list[bytes]) -> dict[bytes, bytes]:
+        """Fetch, outside the lock, the blocks only the remote tier has (one batched trip)."""
+        if self.remote is None:
+            return {}
+        with self._lock:
+            want = []
+            for k in keys:
+                e = self.index.get(ns_id + k)
+                if e is None:
+                    break
+                if e.host is None and not e.ssd:
+                    want.append(e.gkey)
+        if not want:
+            return {}
+        values = self.remote.get_many(want)
+        return {g: v for g, v in zip(want, values, strict=True) if v is not None}
+
+    def _ensure_host(self, e: Entry, info: NamespaceInfo, remote_values: dict) -> bool:
+        """Give `e` a verified host copy; False (a counted miss) when that is not possible."""
+        if e.host is not None:
+            self.tier_counters["host"]["read_hits"] += 1
+            return True
+        value, source = None, None
+        if e.ssd:
+            value, source = self.ssd.get(e.gkey), "ssd"
+            if value is None:
+                e.ssd = False
+        if value is None and e.remote:
+            value, source = remote_values.get(e.gkey), "remote"
+            if value is None:
+                e.remote = False
+        if value is None:
+            if not e.resident:
+                self.index.discard(e.gkey)
+            return False
+        self._host_room(_aligned(e.size))
+        off = self._alloc_host(e.size)
+        out = self.host.view(off, e.size)
+        try:
+            decode_block(value, info.spec.layout, out, e.checksum)
+        except DataLoss as exc:
+            self.host.free(off)
+            self.counters["corrupt_blocks"] += 1
+            log.warning("dropping corrupt %s copy of block %s: %s", source, e.key.hex(), exc)
+            if source == "ssd":
+                self.ssd.delete(e.gkey)
+                self.policies["ssd"].remove(e.gkey)
+                e.ssd = False
+            else:
+                self.remote.delete_many([e.gkey])
+                e.remote = False
+            if not e.resident:
+                self.index.discard(e.gkey)
+            return False
+        if not e.checksum:
+            e.checksum = xxhash.xxh3_64_intdigest(out)
+        e.host = off
+        self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
+        self.tier_counters["host"]["promotions"] += 1
+        self.counters[f"bytes_{source}_to_host"] += len(value)
+        return True
+
+    def get(self, ns_id: bytes, keys: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
+        """Bytes path: copies of the longest cached prefix."""
+        lease = self.acquire(ns_id, keys, ttl_s=self.config.leases.default_ttl_s)
+        try:
+            with self._lock:
+                out = [(k, self.host.view(s.offset, s.length).tobytes())
+                       for k, s in zip(lease.keys, lease.slots, strict=True)]
+                self.counters["bytes_host_to_client"] += sum(s.length for s in lease.slots)
+                return out
+        finally:
+            self.release(lease.id, missing_ok=True)
+
+    def release(self, lease_id: str, missing_ok: bool = False) -> None:
+        with self._lock:
+            try:
+                lease = self.leases.pop(lease_id)
+            except NotFound:
+                if missing_ok:
+                    return
+                raise
+            self._end_lease(lease)
+
+    def renew(self, lease_id: str, ttl_s: float | None = None) -> float:
+        with self._lock:
+            self._check_open()
+            return self.leases.renew(lease_id, ttl_s)
+
+    def _end_lease(self, lease: Lease) -> None:
+        if lease.kind == "write":
+            for s in lease.slots:
+                self.host.free(s.offset)
+            return
+        for k in lease.keys:
+            e = self.index.get(lease.ns_id + k)
+            if e is not None and e.pins > 0:
+                e.pins -= 1
+
+    # ----------------------------------------------------------------- admin
+
+    def delete(self, ns_id: bytes, keys: Sequence[bytes] | None = None) -> int:
+        with self._lock:
+            self._check_open()
+            self._ns(ns_id)
+            gkeys = (self.index.namespace_keys(ns_id) if keys is None
+                     else [ns_id + k for k in self._keys(keys)])
+            n = 0
+            for g in gkeys:
+                e = self.index.get(g)
+                if e is None:
+                    continue
+                if e.pins:
+                    continue  # leased: a reader is copying it; it goes when evicted later
+                if e.host is not None:
+                    self.host.free(e.host)
+                    self.policies["host"].remove(g)
+                if e.ssd:
+                    self.ssd.delete(g)
+                    self.policies["ssd"].remove(g)
+                if e.remote:
+                    self.remote.delete_many([g])
+                self.index.discard(g)
+                n += 1
+            self.counters["deleted_blocks"] += n
+            return n
+
+    def evict(self, tier: str, nbytes: int = 0) -> tuple[int, int]:
+        """Evict from `tier` until `nbytes` are freed (0: everything evictable)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidArgument(f"bytes must be a non-negative integer, got {nbytes!r}")
+        with self._lock:
+            self._check_open()
+            if tier == "host":
+                return self._evict_host(nbytes or None)
+            if tier == "ssd":
+                if self.ssd is None:
+                    raise Unavailable("the ssd tier is not enabled")
+                return self._evict_ssd(nbytes or None)
+            raise InvalidArgument(f"cannot evict from tier {tier!r}; use 'host' or 'ssd'")
+
+    def flush(self) -> int:
+        """Write every host-only block down to SSD and sync; returns blocks written."""
+        with self._lock:
+            self._check_open()
+            return self._flush_locked()
+
+    def _flush_locked(self) -> int:
+        if self.ssd is None:
+            return 0
+        todo = [e for e in self.index.entries() if e.host is not None and not e.ssd]
+        for i in range(0, len(todo), 64):
+            self._demote_from_host(todo[i:i + 64])
+        self.ssd.put_state("policy.ssd", self.policies["ssd"].snapshot())
+        self.ssd.sync()
+        return len(todo)
+
+    # ----------------------------------------------------------------- reporting
+
+    def host_info(self) -> dict:
+        return self.host.describe()
+
+    def gpu_info(self) -> list[dict]:
+        return []
+
+    def stats(self) -> dict:
+        with self._lock:
+            tiers = {}
+            host_blocks = ssd_blocks = remote_blocks = 0
+            for e in self.index.entries():
+                host_blocks += e.host is not None
+                ssd_blocks += e.ssd
+                remote_blocks += e.remote
+            tiers["host"] = {"capacity_bytes": self.host.capacity,
+                             "used_bytes": self.host.used_bytes, "blocks": host_blocks,
+                             **self.tier_counters["host"]}
+            if self.ssd is not None:
+                tiers["ssd"] = {"capacity_bytes": self.ssd.capacity,
+                                "used_bytes": self.ssd.used_bytes, "blocks": ssd_blocks,
+                                **self.tier_counters["ssd"]}
+            if self.remote is not None:
+                tiers["remote"] = {"capacity_bytes": self.config.remote.capacity,
+                                   "used_bytes": self.counters["bytes_to_remote"],
+                                   "blocks": remote_blocks, **self.tier_counters["remote"],
+                                   **{f"client_{k}": v for k, v in self.remote.stats.items()
+                                      if isinstance(v, (int, float))}}
+            for t in tiers.values():
+                for k in ("hits", "misses", "evictions"):
+                    t.setdefault(k, 0)
+            return {"tiers": tiers, "counters": dict(self.counters),
+                    "namespaces": len(self.namespaces), "active_leases": len(self.leases),
+                    "blocks": len(self.index), "daemon_id": self.daemon_id}

@@ -1,0 +1,41 @@
+"""Small builders shared by the store tests: a store in a temp dir and random KV blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+from kvstore.config import StoreConfig
+from kvstore.store import Store
+from kvstore_client import KVLayout, NamespaceSpec, block_keys
+
+# 2 layers x 2 (K,V) x 8 tokens x 2 heads x 16 dims x fp16 = 2 KiB a block: fast tests.
+SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=8, dtype="float16")
+
+
+def make_store(tmp_path, host_capacity: int = 1 << 20, ssd_capacity: int = 64 << 20,
+               ssd: bool = True, **host_kw) -> Store:
+    cfg = StoreConfig(data_dir=str(tmp_path / "data"))
+    cfg.host.capacity = host_capacity
+    for k, v in host_kw.items():
+        setattr(cfg.host, k, v)
+    cfg.ssd.enabled = ssd
+    cfg.ssd.capacity = ssd_capacity
+    cfg.leases.default_ttl_s = 30
+    return Store(cfg)
+
+
+def namespace(store: Store, layout: KVLayout = SMALL, codec: str = "lossless",
+              model: str = "test-model") -> bytes:
+    return store.register_namespace(NamespaceSpec(model=model, layout=layout, codec=codec)).ns_id
+
+
+def random_prompt(rng: np.random.Generator, n_blocks: int, layout: KVLayout = SMALL):
+    tokens = rng.integers(0, 32000, size=n_blocks * layout.block_tokens)
+    return tokens, block_keys(tokens, layout.block_tokens)
+
+
+def kv_block(key: bytes, layout: KVLayout = SMALL) -> bytes:
+    """Deterministic pseudo-KV for a key, so any test can recompute what a block must hold."""
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+    vals = rng.standard_normal(layout.block_elements).astype(np.float32)
+    return vals.astype(np.float16 if layout.dtype == "float16" else np.float32).tobytes() \
+        if layout.dtype != "bfloat16" else (vals.view(np.uint32) >> 16).astype(np.uint16).tobytes()

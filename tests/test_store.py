@@ -1,0 +1,229 @@
+"""The in-process Store: dedup, leases, demotion/promotion, restart, corruption, invariants."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import xxhash
+from kvstore_client.errors import (DataLoss, InvalidArgument, LeaseExpired, NotFound,
+                                   ResourceExhausted)
+from kvstore_client.hashing import block_keys
+
+from tiers.ssd import SSDTier
+
+from .store_helpers import SMALL, kv_block, make_store, namespace, random_prompt
+
+
+def write_via_lease(store, ns, keys, parent=None, checksums=True):
+    lease = store.reserve(ns, len(keys))
+    sums = []
+    for slot, k in zip(lease.slots, keys, strict=True):
+        data = kv_block(k)
+        store.host.view(slot.offset, slot.length)[:] = np.frombuffer(data, np.uint8)
+        sums.append(xxhash.xxh3_64_intdigest(data))
+    return store.commit(lease.id, keys, parent=parent, checksums=sums if checksums else None)
+
+
+def test_reserve_commit_lookup_acquire(tmp_path):
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(0), 5)
+        assert store.lookup(ns, keys).prefix_blocks == 0
+        assert write_via_lease(store, ns, keys[:3]).stored == 3
+        res = store.lookup(ns, keys)
+        assert res.prefix_blocks == 3 and res.per_tier["host"] == 3
+        lease = store.acquire(ns, keys)
+        assert lease.keys == keys[:3]
+        for k, s, c in zip(lease.keys, lease.slots, lease.checksums, strict=True):
+            got = store.host.view(s.offset, s.length).tobytes()
+            assert got == kv_block(k) and xxhash.xxh3_64_intdigest(got) == c
+        store.release(lease.id)
+        with pytest.raises(NotFound):
+            store.release(lease.id)
+
+
+def test_dedup_commit_of_existing_key_stores_nothing(tmp_path):
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(1), 4)
+        assert write_via_lease(store, ns, keys).stored == 4
+        used, blocks = store.host.used_bytes, store.stats()["blocks"]
+        r = write_via_lease(store, ns, keys)
+        assert (r.stored, r.duplicates) == (0, 4)
+        r = store.put(ns, keys, [kv_block(k) for k in keys])
+        assert (r.stored, r.duplicates) == (0, 4)
+        assert store.host.used_bytes == used and store.stats()["blocks"] == blocks
+        assert store.stats()["counters"]["duplicate_blocks"] == 8
+
+
+def test_commit_with_wrong_checksum_publishes_nothing(tmp_path):
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(2), 2)
+        used = store.host.used_bytes
+        lease = store.reserve(ns, 2)
+        with pytest.raises(DataLoss):
+            store.commit(lease.id, keys, checksums=[1, 2])
+        assert store.lookup(ns, keys).prefix_blocks == 0
+        assert store.host.used_bytes == used
+
+
+def test_second_process_maps_host_slab_and_reads_committed_block(tmp_path):
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(3), 3)
+        write_via_lease(store, ns, keys)
+        lease = store.acquire(ns, keys)
+        info = store.host_info()
+        slots = [(s.offset, s.length) for s in lease.slots]
+        code = (
+            "import sys, xxhash\n"
+            "from kvstore_client.shm import attach\n"
+            f"slab = attach({info['name']!r}, {info['size']})\n"
+            f"for off, n in {slots!r}:\n"
+            "    print(xxhash.xxh3_64_hexdigest(slab.array[off:off + n]))\n"
+            "slab.close()\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, timeout=60).stdout.split()
+        assert out == [xxhash.xxh3_64_hexdigest(kv_block(k)) for k in keys]
+        store.release(lease.id)
+        # The child's exit must not have unlinked the daemon's segment.
+        assert store.get(ns, keys)[0][1] == kv_block(keys[0])
+
+
+def test_restart_serves_1000_demoted_blocks_byte_equal(tmp_path):
+    rng = np.random.default_rng(4)
+    prompts = [random_prompt(rng, 10)[1] for _ in range(100)]
+    with make_store(tmp_path, host_capacity=256 << 10) as store:   # 128 blocks of host
+        ns = namespace(store)
+        for keys in prompts:
+            store.put(ns, keys, [kv_block(k) for k in keys])
+        assert store.stats()["tiers"]["ssd"]["blocks"] >= 1000 - 128
+    with make_store(tmp_path, host_capacity=256 << 10) as store:
+        ns2 = namespace(store)
+        assert ns2 == ns
+        assert store.stats()["tiers"]["ssd"]["blocks"] == 1000
+        for keys in prompts:
+            assert store.lookup(ns, keys).prefix_blocks == 10
+            got = store.get(ns, keys)
+            assert [k for k, _ in got] == keys
+            assert all(data == kv_block(k) for k, data in got)
+
+
+def test_flipped_byte_on_ssd_is_a_counted_miss_never_served(tmp_path):
+    _, keys = random_prompt(np.random.default_rng(5), 4)
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        store.put(ns, keys, [kv_block(k) for k in keys])
+    ssd = SSDTier(str(tmp_path / "data" / "ssd"), 64 << 20)
+    value = bytearray(ssd.get(ns + keys[2]))
+    value[len(value) // 2] ^= 0x40
+    ssd.put(ns + keys[2], bytes(value), ssd.get_meta(ns + keys[2]))
+    ssd.close()
+    with make_store(tmp_path) as store:
+        got = store.get(ns, keys)
+        assert [k for k, _ in got] == keys[:2]
+        assert all(d == kv_block(k) for k, d in got)
+        assert store.stats()["counters"]["corrupt_blocks"] == 1
+        assert store.lookup(ns, keys).prefix_blocks == 2     # the bad copy was dropped
+
+
+def test_expired_write_lease_gives_its_slots_back(tmp_path):
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        used = store.host.used_bytes
+        lease = store.reserve(ns, 8, ttl_s=0.2)
+        assert store.host.used_bytes > used
+        deadline = time.monotonic() + 5
+        while store.host.used_bytes != used and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.host.used_bytes == used
+        assert store.stats()["active_leases"] == 0
+        with pytest.raises(LeaseExpired):
+            store.commit(lease.id, random_prompt(np.random.default_rng(6), 8)[1])
+
+
+def test_read_lease_pins_blocks_against_eviction(tmp_path):
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(7), 6)
+        store.put(ns, keys, [kv_block(k) for k in keys])
+        lease = store.acquire(ns, keys[:3])
+        store.evict("host")
+        res = store.lookup(ns, keys)
+        assert res.per_tier["host"] == 3 and res.prefix_blocks == 6
+        assert all(store.index.get(ns + k).host is not None for k in keys[:3])
+        store.release(lease.id)
+        store.evict("host")
+        assert store.lookup(ns, keys).per_tier["host"] == 0
+        # promotion brings them back, byte-equal, and keeps the SSD copy
+        assert all(d == kv_block(k) for k, d in store.get(ns, keys))
+        assert store.lookup(ns, keys).per_tier == {"host": 6, "ssd": 6}
+
+
+def test_host_full_of_pinned_blocks_is_resource_exhausted(tmp_path):
+    with make_store(tmp_path, host_capacity=64 << 10, ssd=False) as store:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(8), 12)
+        store.put(ns, keys, [kv_block(k) for k in keys])
+        lease = store.acquire(ns, keys)
+        with pytest.raises(ResourceExhausted, match="host tier full|do not fit"):
+            store.reserve(ns, 8)            # 12 pinned 4 KiB extents + 8 > 64 KiB
+        store.release(lease.id)
+        assert len(store.reserve(ns, 8).slots) == 8   # now evictable (no lower tier: dropped)
+        n = store.lookup(ns, keys).prefix_blocks      # leaves went first: what stays is a prefix
+        assert all((ns + k) in store.index for k in keys[:n])
+        assert not any((ns + k) in store.index for k in keys[n:])
+
+
+def test_namespaces_never_see_each_other(tmp_path):
+    with make_store(tmp_path) as store:
+        a, b = namespace(store, model="a"), namespace(store, model="b")
+        _, keys = random_prompt(np.random.default_rng(9), 3)
+        store.put(a, keys, [kv_block(k) for k in keys])
+        assert store.lookup(b, keys).prefix_blocks == 0
+        assert store.get(b, keys) == []
+        assert store.delete(b) == 0 and store.lookup(a, keys).prefix_blocks == 3
+        assert store.delete(a, keys[1:]) == 2 and store.lookup(a, keys).prefix_blocks == 1
+
+
+@pytest.mark.parametrize("call", [
+    lambda s, ns: s.lookup(b"short", []),
+    lambda s, ns: s.lookup(ns, [b"x" * 8]),
+    lambda s, ns: s.reserve(ns, 0),
+    lambda s, ns: s.reserve(ns, -3),
+    lambda s, ns: s.reserve(ns, 1, tier="tape"),
+    lambda s, ns: s.put(ns, [b"k" * 16], [b"too short"]),
+    lambda s, ns: s.acquire(ns, [b"k" * 16], ttl_s=-1),
+    lambda s, ns: s.commit("", [b"k" * 16]),
+    lambda s, ns: s.evict("nvme"),
+])
+def test_bad_input_is_invalid_argument(tmp_path, call):
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        with pytest.raises(InvalidArgument):
+            call(store, ns)
+
+
+def test_unknown_namespace_and_lease_are_not_found(tmp_path):
+    with make_store(tmp_path) as store:
+        with pytest.raises(NotFound):
+            store.lookup(b"\0" * 16, [])
+        with pytest.raises(NotFound):
+            store.renew("0" * 32)
+
+
+def test_keys_continue_a_chain_across_calls(tmp_path):
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        toks = np.arange(8 * 6)
+        keys = block_keys(toks, 8)
+        store.put(ns, keys[:2], [kv_block(k) for k in keys[:2]])
+        store.put(ns, keys[2:], [kv_block(k) for k in keys[2:]], parent=keys[1])
+        e = store.index.get(ns + keys[2])
+        assert e.parent == keys[1]
+        assert store.index.get(ns + keys[1]).children == 1
