@@ -15,6 +15,9 @@ from kvstore_client.layout import KVLayout
 
 from tiers import codecs, frame
 
+LOSSY = ("fp8_e4m3", "int8")
+ERROR_SAMPLE_EVERY = 32     # one lossy block in this many is decoded again to measure its error
+
 
 def encode_block(raw: np.ndarray, layout: KVLayout, codec: str, counters: Counter) -> bytes:
     """Framed value for a keyed tier (ssd, remote)."""
@@ -27,7 +30,27 @@ def encode_block(raw: np.ndarray, layout: KVLayout, codec: str, counters: Counte
     value = frame.frame(codec, len(raw), payload)
     counters[f"codec_in_bytes_{codec}"] += len(raw)
     counters[f"codec_out_bytes_{codec}"] += len(value)
+    if codec in LOSSY and counters[f"codec_blocks_{codec}"] % ERROR_SAMPLE_EVERY == 0:
+        _sample_error(raw, payload, layout, codec, counters)
+    counters[f"codec_blocks_{codec}"] += 1
     return value
+
+
+def _as_float(block: np.ndarray, layout: KVLayout):
+    import torch  # numpy has no bfloat16
+
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    return torch.from_numpy(np.ascontiguousarray(block)).view(dt[layout.dtype]).float()
+
+
+def _sample_error(raw: np.ndarray, payload, layout: KVLayout, codec: str,
+                  counters: Counter) -> None:
+    """Element-wise relative error ‖x̂−x‖/‖x‖ of one block, summed for the metrics' mean."""
+    out = np.empty_like(raw)
+    codecs.decode(codec, payload, layout, out)
+    err = codecs.relative_error(_as_float(raw, layout), _as_float(out, layout))
+    counters[f"codec_error_sum_{codec}"] += err
+    counters[f"codec_error_samples_{codec}"] += 1
 
 
 def decode_block(value: bytes | memoryview, layout: KVLayout, out: np.ndarray,
