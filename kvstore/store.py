@@ -97,12 +97,13 @@ class Store:
         self.ssd: SSDTier | None = None
         self.remote = None
         self.policies: dict[str, EvictionPolicy] = {
-            "host": make_policy(config.host.policy, config.host.capacity // (1 << 20))}
+            # No capacity hint: blocks differ in size per namespace, so the policy learns its
+            # capacity in blocks from peak residency.
+            "host": make_policy(config.host.policy, None)}
         try:
             if config.ssd.enabled:
                 self.ssd = SSDTier(str(data / "ssd"), config.ssd.capacity, sync=config.ssd.sync)
-                self.policies["ssd"] = make_policy(config.ssd.policy,
-                                                   config.ssd.capacity // (1 << 20))
+                self.policies["ssd"] = make_policy(config.ssd.policy, None)
             if config.remote.enabled:
                 from tiers.remote import RemoteTier  # redis only where configured
                 self.remote = RemoteTier(config.remote)
