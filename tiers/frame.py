@@ -1,0 +1,93 @@
+"""Framing of every value a keyed tier (ssd, remote) stores: fixed header + codec payload.
+
+Why a frame: a value read back from disk or another machine may be truncated, bit-flipped, from
+a newer format or from a different codec; the header lets the reader reject all of these as a
+DATA_LOSS miss before decoding a single byte. The checksum is seeded with the header fields, so a
+flipped bit in the lengths or codec id fails it too.
+
+Header, 32 bytes, little-endian (struct "<4sBBHQQQ"):
+    0   4s   magic b"KVB\\x01"
+    4   u8   format version (1)
+    5   u8   codec id (tiers.codecs.CODEC_IDS)
+    6   u16  flags (0; readers reject unknown bits)
+    8   u64  raw length: bytes of the decoded block
+    16  u64  payload length: bytes after the header
+    24  u64  xxh3-64 of the payload, seed = xxh3-64 of header bytes 0..23
+    32  ...  payload
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+from kvstore_client.errors import DataLoss, InvalidArgument
+
+from .codec_common import CODEC_IDS, CODEC_NAMES
+
+MAGIC = b"KVB\x01"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQQQ")
+HEADER_BYTES = HEADER.size  # 32
+_PREFIX = struct.Struct("<4sBBHQQ")
+
+
+def _checksum(prefix: bytes, payload) -> int:
+    return xxhash.xxh3_64_intdigest(payload, seed=xxhash.xxh3_64_intdigest(prefix))
+
+
+def header(codec: str, raw_len: int, payload) -> bytes:
+    """The 32-byte header for `payload` (so a writer can send header and payload separately)."""
+    cid = CODEC_IDS.get(codec)
+    if cid is None:
+        raise InvalidArgument(f"unknown codec {codec!r}; expected one of {list(CODEC_IDS)}")
+    if not 0 <= raw_len < 2**63:
+        raise InvalidArgument(f"raw length {raw_len} out of range")
+    mv = memoryview(payload).cast("B")
+    prefix = _PREFIX.pack(MAGIC, VERSION, cid, 0, raw_len, len(mv))
+    return prefix + struct.pack("<Q", _checksum(prefix, mv))
+
+
+def frame(codec: str, raw_len: int, payload) -> bytes:
+    """Header + payload as one bytes object (one copy of the payload)."""
+    return b"".join((header(codec, raw_len, payload), payload))
+
+
+def frame_into(buf: bytearray | memoryview, codec: str, raw_len: int, payload) -> int:
+    """Write header + payload into a caller-owned buffer; returns bytes written."""
+    mv = memoryview(payload).cast("B")
+    n = HEADER_BYTES + len(mv)
+    out = memoryview(buf).cast("B")
+    if len(out) < n:
+        raise InvalidArgument(f"buffer of {len(out)} bytes is too small for a {n}-byte frame")
+    out[:HEADER_BYTES] = header(codec, raw_len, mv)
+    out[HEADER_BYTES:n] = mv
+    return n
+
+
+def unframe(value) -> tuple[str, int, memoryview]:
+    """value -> (codec name, raw length, payload view). DataLoss on anything inconsistent."""
+    try:
+        mv = memoryview(value).cast("B")
+    except TypeError:
+        raise DataLoss(f"stored value of type {type(value).__name__} is not a buffer") from None
+    if len(mv) < HEADER_BYTES:
+        raise DataLoss(f"stored value is {len(mv)} bytes, shorter than the {HEADER_BYTES}-byte "
+                       "frame header")
+    magic, version, cid, flags, raw_len, plen, csum = HEADER.unpack_from(mv)
+    if magic != MAGIC:
+        raise DataLoss(f"stored value has bad magic {bytes(magic)!r} (expected {MAGIC!r})")
+    if version != VERSION:
+        raise DataLoss(f"stored value has frame version {version}; this build reads {VERSION}")
+    if flags:
+        raise DataLoss(f"stored value has unknown frame flags {flags:#x}")
+    if plen != len(mv) - HEADER_BYTES:
+        raise DataLoss(f"stored value declares a {plen}-byte payload but holds "
+                       f"{len(mv) - HEADER_BYTES}")
+    payload = mv[HEADER_BYTES:]
+    if _checksum(bytes(mv[:_PREFIX.size]), payload) != csum:
+        raise DataLoss("stored value fails its xxh3 checksum")
+    codec = CODEC_NAMES.get(cid)
+    if codec is None:
+        raise DataLoss(f"stored value uses unknown codec id {cid}")
+    return codec, raw_len, payload
