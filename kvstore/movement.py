@@ -53,14 +53,15 @@ def _sample_error(raw: np.ndarray, payload, layout: KVLayout, codec: str,
     counters[f"codec_error_samples_{codec}"] += 1
 
 
-def decode_block(value: bytes | memoryview, layout: KVLayout, out: np.ndarray,
+def decode_block(value: bytes | memoryview | tuple, layout: KVLayout, out: np.ndarray,
                  checksum: int | None) -> None:
     """Decode a framed value into `out`; DataLoss when it does not decode or verify.
 
     A lossless block must reproduce the checksum taken when it was first stored; lossy blocks
     cannot, so the frame's own checksum (over the encoded payload) is what guards them.
     """
-    codec, raw_len, payload = frame.unframe(value)
+    # A keyed tier may hand over an already verified (codec, raw_len, payload) triple.
+    codec, raw_len, payload = value if isinstance(value, tuple) else frame.unframe(value)
     if raw_len != len(out):
         raise DataLoss(f"stored block is {raw_len} bytes, the namespace expects {len(out)}")
     codecs.decode(codec, payload, layout, out)

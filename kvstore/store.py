@@ -462,9 +462,13 @@ class Store:
                 if value is None:
                     continue
             items.append((e, value))
+        items = [(e, v) for e, v in items if self.remote.has_room(len(v))]
         if not items:
             return
-        self.remote.put_many([(e.gkey, bytes(v)) for e, v in items])
+        written = self.remote.put_many([(e.gkey, v) for e, v in items])
+        if written < sum(len(v) for _, v in items):
+            self.counters["remote_demotion_failures"] += 1
+            return  # Redis down or full: the blocks stay local; a later demotion retries
         for e, v in items:
             e.remote = True
             self.counters["bytes_to_remote"] += len(v)
@@ -646,21 +650,30 @@ class Store:
                                    keys=[e.key for e in pinned],
                                    checksums=[e.checksum for e in pinned])
 
-    def _prefetch_remote(self, ns_id: bytes, keys: list[bytes]) -> dict[bytes, bytes]:
-        """Fetch, outside the lock, the blocks only the remote tier has (one batched trip)."""
+    def _prefetch_remote(self, ns_id: bytes, keys: list[bytes]) -> dict[bytes, tuple]:
+        """Fetch, outside the lock, the blocks only the remote tier has (one batched trip).
+
+        Keys the index has never seen may still be remote (another node wrote them): the first
+        unknown key starts a remote existence check, as Lookup does.
+        """
         if self.remote is None:
             return {}
         with self._lock:
-            want = []
-            for k in keys:
+            want, first_unknown = [], None
+            for i, k in enumerate(keys):
                 e = self.index.get(ns_id + k)
                 if e is None:
+                    first_unknown = i
                     break
                 if e.host is None and not e.ssd:
                     want.append(e.gkey)
+        if first_unknown is not None:
+            n = self._remote_extend(ns_id, keys, first_unknown)
+            want += [ns_id + k for k in keys[first_unknown:first_unknown + n]]
         if not want:
             return {}
-        values = self.remote.get_many(want)
+        # unframed: the tier already verified each frame's checksum; don't hash twice.
+        values = self.remote.get_many(want, unframed=True)
         return {g: v for g, v in zip(want, values, strict=True) if v is not None}
 
     def _ensure_host(self, e: Entry, info: NamespaceInfo, remote_values: dict) -> bool:
@@ -676,7 +689,7 @@ class Store:
         if value is None and e.remote:
             value, source = remote_values.get(e.gkey), "remote"
             if value is None:
-                e.remote = False
+                e.remote = False        # vanished (Redis evicted it) or unreachable: a miss
         if value is None:
             if not e.resident:
                 self.index.discard(e.gkey)
@@ -705,7 +718,8 @@ class Store:
         e.host = off
         self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
         self.tier_counters["host"]["promotions"] += 1
-        self.counters[f"bytes_{source}_to_host"] += len(value)
+        self.counters[f"bytes_{source}_to_host"] += (len(value[2]) if isinstance(value, tuple)
+                                                     else len(value))
         return True
 
     def get(self, ns_id: bytes, keys: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
@@ -828,9 +842,9 @@ class Store:
                                 **self.tier_counters["ssd"]}
             if self.remote is not None:
                 tiers["remote"] = {"capacity_bytes": self.config.remote.capacity,
-                                   "used_bytes": self.counters["bytes_to_remote"],
+                                   "used_bytes": self.remote.used_bytes,
                                    "blocks": remote_blocks, **self.tier_counters["remote"],
-                                   **{f"client_{k}": v for k, v in self.remote.stats.items()
+                                   **{f"remote_{k}": v for k, v in self.remote.stats.items()
                                       if isinstance(v, (int, float))}}
             for t in tiers.values():
                 for k in ("hits", "misses", "evictions"):

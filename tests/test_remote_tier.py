@@ -1,0 +1,428 @@
+"""Remote tier against a real redis-server and a real 3-node Redis Cluster (no mocks).
+
+What is pinned here: framed values round-trip; a batch costs one round trip per node (checked
+with our counter and with the servers' own command counts); keys spread over the cluster; a hung
+or dead server costs at most the deadline and the tier recovers by itself; corrupt values are
+counted misses; keys Redis evicted or flushed are ordinary misses.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from kvstore_client.errors import InvalidArgument, Unavailable
+from kvstore_client.layout import KVLayout
+
+from tests.redis_fixtures import (  # noqa: F401 - pytest fixtures used by name
+    redis_cluster_fixture,
+    redis_server_fixture,
+    start_redis,
+)
+from tiers.frame import frame, unframe
+from tiers.remote import RemoteTier, make_key
+
+pytestmark = pytest.mark.redis
+
+DEADLINE_MS = 200
+MARGIN_S = 1.0          # generous: the machine is shared and noisy
+
+
+@dataclass
+class Cfg:
+    """Duck-typed stand-in with RemoteConfig's field names (tiers never imports kvstore)."""
+
+    urls: list[str] = field(default_factory=list)
+    cluster: bool = False
+    username: str = ""
+    password: str = ""
+    tls: bool = False
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    key_prefix: str = "kvs:"
+    deadline_ms: int = DEADLINE_MS
+    capacity: int = 0
+    backoff_min_ms: int = 20
+    backoff_max_ms: int = 300
+
+
+def gkeys(n: int, ns: bytes | None = None) -> list[bytes]:
+    ns = ns or os.urandom(16)
+    return [ns + os.urandom(16) for _ in range(n)]
+
+
+def framed(size: int, seed: int = 0) -> bytes:
+    payload = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    return frame("raw", size, payload)
+
+
+def pairs(keys: list[bytes], vals: list[bytes]) -> list[tuple[bytes, bytes]]:
+    return list(zip(keys, vals, strict=True))
+
+
+def wait_until(pred, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def cmd_calls(client, cmd: str) -> int:
+    """How many times this server ran `cmd` (INFO commandstats): the server's own count."""
+    return int(client.info("commandstats").get(f"cmdstat_{cmd}", {}).get("calls", 0))
+
+
+# ---------------------------------------------------------------------------------- config
+
+
+def test_config_errors_name_the_setting():
+    with pytest.raises(InvalidArgument, match="urls"):
+        RemoteTier(Cfg(urls=[]))
+    with pytest.raises(InvalidArgument, match="cluster"):
+        RemoteTier(Cfg(urls=["redis://127.0.0.1:1", "redis://127.0.0.1:2"]))
+    with pytest.raises(InvalidArgument, match="hash tag"):
+        RemoteTier(Cfg(urls=["redis://127.0.0.1:1"], cluster=True, key_prefix="{kvs}:"))
+
+
+def test_key_naming_is_prefix_ns_hex_block_hex():
+    g = bytes(range(16)) + b"\xab" * 20
+    assert make_key(b"kvs:", g) == b"kvs:" + bytes(range(16)).hex().encode() + b":" + b"ab" * 20
+
+
+# ---------------------------------------------------------------------------------- standalone
+
+
+def test_standalone_round_trip_and_counters(redis_server):
+    with RemoteTier(Cfg(urls=[redis_server.url])) as t:
+        keys = gkeys(16)
+        vals = [framed(50_000 + i, seed=i) for i in range(16)]
+        assert t.put_many(pairs(keys, vals)) == sum(map(len, vals))
+        missing = gkeys(3)
+        assert t.exists_many(keys + missing) == [True] * 16 + [False] * 3
+        got = t.get_many(keys + missing)
+        assert got[:16] == vals and got[16:] == [None] * 3
+        codec, raw_len, payload = t.get_many(keys[:1], unframed=True)[0]
+        assert (codec, raw_len, bytes(payload)) == ("raw", 50_000, bytes(unframe(vals[0])[2]))
+        # stored under the documented name, readable with redis-cli
+        assert redis_server.client().strlen(make_key(b"kvs:", keys[0])) == len(vals[0])
+        s = t.stats
+        assert s["hits"] == 17 and s["misses"] == 3 and s["corrupt"] == 0 and s["errors"] == 0
+        assert s["bytes_written"] == t.used_bytes == sum(map(len, vals))
+        assert s["bytes_read"] == sum(map(len, vals)) + len(vals[0])
+        assert s["round_trips"] == s["calls"] == 4 and s["up"]
+        assert s["latency"]["get"]["count"] == 2 and len(t.latency_samples("get")) == 2
+        assert t.delete_many(keys[:4], sizes=[len(v) for v in vals[:4]]) == 4
+        assert t.used_bytes == sum(map(len, vals[4:]))
+        assert t.exists_many(keys[:5]) == [False] * 4 + [True]
+
+
+def test_standalone_batch_is_one_pipeline(redis_server):
+    """64 keys: the server runs 64 EXISTS/GET but the tier counts one round trip per call."""
+    r = redis_server.client()
+    with RemoteTier(Cfg(urls=[redis_server.url])) as t:
+        keys = gkeys(64)
+        t.put_many([(k, framed(1000)) for k in keys])
+        before = t.stats["round_trips"], cmd_calls(r, "exists"), cmd_calls(r, "get")
+        t.exists_many(keys)
+        t.get_many(keys)
+        after = t.stats["round_trips"], cmd_calls(r, "exists"), cmd_calls(r, "get")
+        assert after[0] - before[0] == 2
+        assert (after[1] - before[1], after[2] - before[2]) == (64, 64)
+
+
+def test_corrupt_values_are_counted_misses_never_served(redis_server):
+    r = redis_server.client()
+    with RemoteTier(Cfg(urls=[redis_server.url])) as t:
+        keys = gkeys(4)
+        vals = [framed(10_000, seed=i) for i in range(4)]
+        t.put_many(pairs(keys, vals))
+        k = [make_key(b"kvs:", g) for g in keys]
+        flipped = bytearray(vals[0])
+        flipped[5000] ^= 0x01
+        r.set(k[0], bytes(flipped))             # one bit in the payload
+        r.set(k[1], vals[1][:-100])             # truncated
+        r.set(k[2], b"not a frame at all")      # foreign value under our key
+        got = t.get_many(keys)
+        assert got[:3] == [None, None, None] and got[3] == vals[3]
+        s = t.stats
+        assert s["corrupt"] == 3 and s["hits"] == 1 and s["misses"] == 3
+        assert t.get_many(keys[:1], unframed=True) == [None]
+        # the tier drops the bad values (in the background) so a writer can store good ones
+        assert wait_until(lambda: r.exists(*k[:3]) == 0)
+        assert r.get(k[3]) == vals[3]
+
+
+def test_flushed_keys_are_ordinary_misses(redis_server):
+    with RemoteTier(Cfg(urls=[redis_server.url])) as t:
+        keys = gkeys(8)
+        t.put_many([(k, framed(1000)) for k in keys])
+        redis_server.client().flushall()
+        assert t.exists_many(keys) == [False] * 8
+        assert t.get_many(keys) == [None] * 8
+        s = t.stats
+        assert s["errors"] == 0 and s["corrupt"] == 0 and s["up"]
+        t.forget(8 * len(framed(1000)))          # the store reports what it found gone
+        assert t.used_bytes == 0
+
+
+def test_maxmemory_eviction_is_ordinary_misses(tmp_path):
+    """A small Redis with allkeys-lru drops old blocks; they read as misses, never errors."""
+    proc = start_redis(tmp_path, maxmemory="2mb", **{"maxmemory-policy": "allkeys-lru"})
+    try:
+        with RemoteTier(Cfg(urls=[proc.url])) as t:
+            keys = gkeys(24)
+            vals = [framed(200_000, seed=i) for i in range(24)]
+            for k, v in pairs(keys, vals):               # one by one so LRU has an order
+                assert t.put_many([(k, v)]) == len(v)
+            got = t.get_many(keys)
+            present = [g is not None for g in got]
+            assert 0 < sum(present) < 24                 # some evicted, some kept
+            assert all(g == v for g, v in zip(got, vals, strict=True) if g is not None)
+            assert present[-1]                           # the newest survived
+            # Redis may evict more at any command (the big GET reply used memory): what EXISTS
+            # sees now is a subset of what GET found, and nothing is an error
+            assert all(p or not e for p, e in zip(present, t.exists_many(keys), strict=True))
+            s = t.stats
+            assert s["errors"] == 0 and s["corrupt"] == 0
+            assert s["bytes_written"] == sum(map(len, vals))   # what we wrote, not what stayed
+    finally:
+        proc.kill()
+
+
+def test_hung_server_costs_at_most_the_deadline_then_recovers(redis_server):
+    with RemoteTier(Cfg(urls=[redis_server.url])) as t:
+        keys = gkeys(8)
+        vals = [framed(1000, seed=i) for i in range(8)]
+        t.put_many(pairs(keys, vals))
+        redis_server.pause()                             # SIGSTOP: accepts, never answers
+        try:
+            t0 = time.monotonic()
+            assert t.exists_many(keys) == [False] * 8
+            assert time.monotonic() - t0 < DEADLINE_MS / 1000 + MARGIN_S
+            t0 = time.monotonic()
+            assert t.get_many(keys, deadline_s=DEADLINE_MS / 1000) == [None] * 8
+            assert t.exists_many(keys) == [False] * 8    # down: skipped, no new wait
+            assert time.monotonic() - t0 < DEADLINE_MS / 1000 + MARGIN_S
+            s = t.stats
+            assert not s["up"] and s["timeouts"] >= 1 and s["errors"] >= 1
+            assert s["skipped_down"] >= 1
+        finally:
+            redis_server.resume()
+        assert wait_until(lambda: t.exists_many(keys) == [True] * 8)
+        assert t.get_many(keys) == vals and t.stats["up"] and t.stats["reconnects"] >= 1
+
+
+def test_dead_server_never_raises_and_reconnects_after_restart(redis_server):
+    with RemoteTier(Cfg(urls=[redis_server.url])) as t:
+        keys = gkeys(4)
+        vals = [framed(1000, seed=i) for i in range(4)]
+        assert t.put_many(pairs(keys, vals)) > 0
+        redis_server.kill()                              # SIGKILL: connections reset
+        for _ in range(20):                              # a busy engine keeps asking
+            t0 = time.monotonic()
+            assert t.exists_many(keys) == [False] * 4
+            assert t.get_many(keys) == [None] * 4
+            assert t.put_many(pairs(keys, vals)) == 0
+            assert time.monotonic() - t0 < DEADLINE_MS / 1000 + MARGIN_S
+        assert not t.stats["up"] and t.stats["errors"] >= 1
+        redis_server.start()                             # same port, empty (no persistence)
+        assert wait_until(lambda: t.put_many(pairs(keys, vals)) == 4 * len(vals[0]))
+        assert t.get_many(keys) == vals and t.stats["up"]
+
+
+def test_raise_errors_mode_raises_unavailable(redis_server):
+    with RemoteTier(Cfg(urls=[redis_server.url]), raise_errors=True) as t:
+        redis_server.kill()
+        with pytest.raises(Unavailable):
+            t.exists_many(gkeys(2))
+
+
+def test_constructed_while_server_is_down(tmp_path):
+    """The daemon starts even if Redis is not up yet; the tier joins when Redis appears."""
+    proc = start_redis(tmp_path)
+    proc.stop()
+    try:
+        with RemoteTier(Cfg(urls=[proc.url])) as t:
+            keys = gkeys(2)
+            t0 = time.monotonic()
+            assert t.exists_many(keys) == [False, False]
+            assert time.monotonic() - t0 < DEADLINE_MS / 1000 + MARGIN_S
+            proc.start()
+            v = framed(100)
+            assert wait_until(lambda: t.put_many([(keys[0], v)]) == len(v))
+            assert t.get_many(keys) == [v, None]
+    finally:
+        proc.kill()
+
+
+# ---------------------------------------------------------------------------------- cluster
+
+
+def per_node_counts(cluster, prefix: bytes) -> list[int]:
+    return [sum(1 for _ in n.client().scan_iter(match=prefix + b"*", count=1000))
+            for n in cluster.nodes]
+
+
+def test_cluster_spreads_keys_and_sends_one_batch_per_node(redis_cluster):
+    prefix = b"spread:"
+    with RemoteTier(Cfg(urls=redis_cluster.urls, cluster=True, key_prefix="spread:")) as t:
+        assert t.wait_ready()
+        keys = gkeys(96)                                  # one namespace
+        vals = [framed(2000, seed=i) for i in range(96)]
+        assert t.put_many(pairs(keys, vals)) == sum(map(len, vals))
+        counts = per_node_counts(redis_cluster, prefix)
+        assert sum(counts) == 96 and sum(1 for c in counts if c) >= 2, counts
+        clients = [n.client() for n in redis_cluster.nodes]
+        before_rt = t.stats["round_trips"]
+        before = [cmd_calls(c, "get") for c in clients]
+        assert t.get_many(keys) == vals
+        after = [cmd_calls(c, "get") for c in clients]
+        # each node ran exactly the GETs for its own keys
+        assert [a - b for a, b in zip(after, before, strict=True)] == counts
+        nodes_used = sum(1 for c in counts if c)
+        assert t.stats["round_trips"] - before_rt == nodes_used   # not 96
+        before_rt = t.stats["round_trips"]
+        assert t.exists_many(keys) == [True] * 96
+        assert t.stats["round_trips"] - before_rt == nodes_used
+        # a namespace is not pinned to a node: keys of one ns_id land on several slots
+        slots = {clients[0].execute_command("CLUSTER KEYSLOT", make_key(prefix, k))
+                 for k in keys[:8]}
+        assert len(slots) > 1
+
+
+def test_two_daemons_share_a_prefix_through_the_cluster(redis_cluster):
+    """Daemon A (own local tiers) encodes and stores; daemon B (separate process state) loads
+    through its own RemoteTier: lossless is bit-exact, int8 within the codec's error."""
+    from tiers.codecs import decode, encode, relative_error
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16,
+                      dtype="bfloat16")
+    rng = np.random.default_rng(7)
+    blocks = [rng.standard_normal(layout.block_bytes // 2).astype(np.float32)
+              .view(np.uint32).__rshift__(16).astype(np.uint16).view(np.uint8)
+              for _ in range(8)]
+    cfg = Cfg(urls=redis_cluster.urls, cluster=True, key_prefix="share:")
+    with RemoteTier(cfg) as a, RemoteTier(cfg) as b:
+        assert a.wait_ready() and b.wait_ready()
+        for codec in ("lossless", "int8"):
+            keys = gkeys(8)
+            a.put_many([(k, frame(codec, layout.block_bytes, encode(codec, blk, layout)))
+                        for k, blk in zip(keys, blocks, strict=True)])
+            assert b.exists_many(keys) == [True] * 8
+            got = b.get_many(keys, unframed=True)
+            for (c, raw_len, payload), blk in zip(got, blocks, strict=True):
+                out = np.empty(layout.block_bytes, np.uint8)
+                assert (c, raw_len) == (codec, layout.block_bytes)
+                decode(c, payload, layout, out)
+                if codec == "lossless":
+                    assert np.array_equal(out, blk)
+                else:
+                    x = blk.view(np.uint16).astype(np.uint32) << 16
+                    y = out.view(np.uint16).astype(np.uint32) << 16
+                    assert relative_error(x.view(np.float32), y.view(np.float32)) < 0.02
+        assert b.stats["hits"] == 16 and b.stats["corrupt"] == 0
+
+
+def test_cluster_node_down_misses_only_its_keys_then_recovers(redis_cluster):
+    cfg = Cfg(urls=redis_cluster.urls, cluster=True, key_prefix="down:")
+    with RemoteTier(cfg) as t:
+        assert t.wait_ready()
+        keys = gkeys(48)
+        vals = [framed(1000, seed=i) for i in range(48)]
+        t.put_many(pairs(keys, vals))
+        victim = redis_cluster.nodes[1]
+        on_victim = [redis_cluster.node_for_key(make_key(b"down:", k)) is victim for k in keys]
+        assert any(on_victim) and not all(on_victim)
+        victim.kill()
+        try:
+            for _ in range(3):
+                t0 = time.monotonic()
+                found = t.exists_many(keys)
+                assert time.monotonic() - t0 < DEADLINE_MS / 1000 + MARGIN_S
+                assert found == [not v for v in on_victim]   # live nodes still serve
+            got = t.get_many(keys)
+            assert all((g is None) if v else (g == val)
+                       for g, v, val in zip(got, on_victim, vals, strict=True))
+            assert not t.stats["up"] and t.stats["errors"] >= 1
+        finally:
+            redis_cluster.start()                          # same port + nodes.conf
+        # the restarted node is empty (no persistence): rewrite, then everything is back
+        assert wait_until(lambda: t.put_many(pairs(keys, vals)) == sum(map(len, vals)),
+                          timeout=20)
+        assert t.get_many(keys) == vals and t.stats["up"]
+
+
+def test_cluster_hung_node_is_bounded_by_the_deadline(redis_cluster):
+    cfg = Cfg(urls=redis_cluster.urls, cluster=True, key_prefix="hung:")
+    with RemoteTier(cfg) as t:
+        assert t.wait_ready()
+        keys = gkeys(24)
+        t.put_many([(k, framed(500)) for k in keys])
+        victim = redis_cluster.nodes[2]
+        on_victim = [redis_cluster.node_for_key(make_key(b"hung:", k)) is victim for k in keys]
+        victim.pause()
+        try:
+            t0 = time.monotonic()
+            found = t.exists_many(keys)
+            assert time.monotonic() - t0 < DEADLINE_MS / 1000 + MARGIN_S
+            assert found == [not v for v in on_victim]
+        finally:
+            victim.resume()
+        assert wait_until(lambda: t.exists_many(keys) == [True] * 24)
+
+
+# ---------------------------------------------------------------------------------- daemons
+
+
+def test_two_daemons_share_a_prefix_and_survive_redis_outage(redis_cluster, tmp_path):
+    """Daemon A stores (write-through to the cluster); daemon B, with its own empty local tiers,
+    loads the same prefix bit-exact. Then the whole cluster goes away: B still answers lookups
+    from its local copy within the deadline, keeps serving, and uses Redis again once it is back.
+    """
+    import kvstore_client
+    import torch
+
+    from tests.daemon import cleanup, start_daemon
+
+    remote = {"remote.enabled": True, "remote.urls": ",".join(redis_cluster.urls),
+              "remote.cluster": True, "remote.key_prefix": "dmn:",
+              "remote.deadline_ms": DEADLINE_MS}
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16)
+    a = start_daemon(tmp_path / "a", {**remote, "remote.write_through": True})
+    b = None
+    try:
+        b = start_daemon(tmp_path / "b", {**remote, "ssd.enabled": False})
+        na = kvstore_client.connect(a.address).namespace(layout, model="shared-model")
+        nb = kvstore_client.connect(b.address).namespace(layout, model="shared-model")
+        toks = list(range(16 * 6))
+        kv = torch.randn(2, 2, 96, 2, 64).to(torch.bfloat16)
+        assert na.store(toks, kv) == 6
+        assert nb.lookup(toks) == 96                      # B found it in Redis
+        out = torch.zeros_like(kv)
+        assert nb.load(toks, out) == 96 and torch.equal(out, kv)
+
+        more = toks + list(range(1000, 1032))             # 2 more blocks only A would know
+        redis_cluster.stop()
+        try:
+            t0 = time.monotonic()
+            assert nb.lookup(more) == 96                  # local prefix, remote part a miss
+            assert time.monotonic() - t0 < DEADLINE_MS / 1000 + MARGIN_S + 1.0
+            out2 = torch.zeros_like(kv)
+            assert nb.load(toks, out2) == 96 and torch.equal(out2, kv)   # still serving
+            assert b.alive()
+        finally:
+            redis_cluster.start()
+        kv2 = torch.randn(2, 2, 128, 2, 64).to(torch.bfloat16)
+        kv2[:, :, :96] = kv
+        assert wait_until(lambda: na.store(more, kv2) == 2 or nb.lookup(more) == 128, 20)
+        assert wait_until(lambda: nb.lookup(more) == 128, 20)   # B reconnected by itself
+    finally:
+        for d in (a, b):
+            if d is not None:
+                cleanup(d)
