@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +86,7 @@ class Store:
         self.daemon_id = uuid.uuid4().hex
         self._lock = threading.RLock()
         self._closed = False
+        self._decoders: ThreadPoolExecutor | None = None
         self.counters: Counter = Counter()
         self.tier_counters: dict[str, Counter] = {t: Counter() for t in TIERS}
         self.namespaces: dict[bytes, NamespaceInfo] = {}
@@ -161,6 +164,8 @@ class Store:
                     self.ssd.close()
                 if self.remote is not None:
                     self.remote.close()
+                if self._decoders is not None:
+                    self._decoders.shutdown(wait=True)
                 self.host.close()
 
     def __enter__(self) -> Store:
@@ -620,7 +625,12 @@ class Store:
 
     def acquire(self, ns_id: bytes, keys: Sequence[bytes], tier: str = "host",
                 ttl_s: float | None = None) -> Lease:
-        """Pin the longest cached prefix in host memory, promoting from lower tiers."""
+        """Pin the longest cached prefix in host memory, promoting from lower tiers.
+
+        Blocks to promote get their host slots first, then are decoded in parallel (zstd and
+        torch release the GIL), then installed in order; the prefix ends at the first block
+        that is missing or fails to decode.
+        """
         tier = self._tier(tier)
         keys = self._keys(keys)
         ttl = self.leases.ttl(ttl_s)
@@ -629,21 +639,52 @@ class Store:
             self._check_open()
             self._reap_locked()
             info = self._ns(ns_id)
-            pinned: list[Entry] = []
+            chain: list[tuple[Entry, int | None, object, str | None]] = []
             try:
                 for k in keys:
                     e = self.index.get(ns_id + k)
-                    if e is None or not self._ensure_host(e, info, remote_values):
+                    if e is None:
                         break
+                    if e.host is not None:
+                        e.pins += 1                  # pinned now: later room-making can't evict it
+                        chain.append((e, None, None, None))
+                        self.tier_counters["host"]["read_hits"] += 1
+                        continue
+                    value, source = self._lower_copy(e, remote_values)
+                    if value is None:
+                        break
+                    self._host_room(_aligned(e.size))
+                    chain.append((e, self._alloc_host(e.size), value, source))
+            except BaseException:
+                for e, off, _, _ in chain:
+                    if off is None:
+                        e.pins -= 1
+                    else:
+                        self.host.free(off)
+                raise
+            failed = self._decode_all(info, [(i, c) for i, c in enumerate(chain)
+                                             if c[1] is not None])
+            pinned: list[Entry] = []
+            cut = False
+            for i, (e, off, value, source) in enumerate(chain):
+                if off is None:
+                    if cut:
+                        e.pins -= 1
+                    else:
+                        pinned.append(e)
+                    continue
+                if i in failed:
+                    cut = True
+                    self._drop_corrupt(e, off, source, failed[i])
+                    continue
+                self._install_promoted(e, off, value, source)
+                if not cut:
                     e.pins += 1
                     pinned.append(e)
-                    self.policies["host"].touch(e.gkey)
-                    if e.ssd:
-                        self.policies["ssd"].touch(e.gkey)
-            except BaseException:
-                for e in pinned:
-                    e.pins -= 1
-                raise
+            for e in pinned:
+                self.policies["host"].touch(e.gkey)
+                if e.ssd:
+                    self.policies["ssd"].touch(e.gkey)
             self.counters["acquired_blocks"] += len(pinned)
             return self.leases.new("read", bytes(ns_id), tier,
                                    [Slot(e.host, e.size) for e in pinned], ttl,
@@ -676,51 +717,69 @@ class Store:
         values = self.remote.get_many(want, unframed=True)
         return {g: v for g, v in zip(want, values, strict=True) if v is not None}
 
-    def _ensure_host(self, e: Entry, info: NamespaceInfo, remote_values: dict) -> bool:
-        """Give `e` a verified host copy; False (a counted miss) when that is not possible."""
-        if e.host is not None:
-            self.tier_counters["host"]["read_hits"] += 1
-            return True
-        value, source = None, None
+    def _lower_copy(self, e: Entry, remote_values: dict) -> tuple[object, str | None]:
+        """The encoded value of a block not in host: from SSD, else from the remote prefetch."""
         if e.ssd:
-            value, source = self.ssd.get(e.gkey), "ssd"
-            if value is None:
-                e.ssd = False
-        if value is None and e.remote:
-            value, source = remote_values.get(e.gkey), "remote"
-            if value is None:
-                e.remote = False        # vanished (Redis evicted it) or unreachable: a miss
-        if value is None:
-            if not e.resident:
-                self.index.discard(e.gkey)
-            return False
-        self._host_room(_aligned(e.size))
-        off = self._alloc_host(e.size)
-        out = self.host.view(off, e.size)
-        try:
-            decode_block(value, info.spec.layout, out, e.checksum)
-        except DataLoss as exc:
-            self.host.free(off)
-            self.counters["corrupt_blocks"] += 1
-            log.warning("dropping corrupt %s copy of block %s: %s", source, e.key.hex(), exc)
-            if source == "ssd":
-                self.ssd.delete(e.gkey)
-                self.policies["ssd"].remove(e.gkey)
-                e.ssd = False
-            else:
-                self.remote.delete_many([e.gkey])
-                e.remote = False
-            if not e.resident:
-                self.index.discard(e.gkey)
-            return False
+            value = self.ssd.get(e.gkey)
+            if value is not None:
+                return value, "ssd"
+            e.ssd = False
+        if e.remote:
+            value = remote_values.get(e.gkey)
+            if value is not None:
+                return value, "remote"
+            e.remote = False            # vanished (Redis evicted it) or unreachable: a miss
+        if not e.resident:
+            self.index.discard(e.gkey)
+        return None, None
+
+    def _decode_all(self, info: NamespaceInfo, jobs: list) -> dict[int, DataLoss]:
+        """Decode promoted blocks into their slots, in parallel; returns failures by index."""
+        layout = info.spec.layout
+
+        def one(job):
+            i, (e, off, value, _) = job
+            try:
+                decode_block(value, layout, self.host.view(off, e.size), e.checksum)
+            except DataLoss as exc:
+                return i, exc
+            return i, None
+
+        if len(jobs) > 1:
+            results = list(self._pool().map(one, jobs))
+        else:
+            results = [one(j) for j in jobs]
+        return {i: exc for i, exc in results if exc is not None}
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._decoders is None:
+            self._decoders = ThreadPoolExecutor(max(2, os.cpu_count() or 2),
+                                                thread_name_prefix="kvstore-decode")
+        return self._decoders
+
+    def _drop_corrupt(self, e: Entry, off: int, source: str, exc: DataLoss) -> None:
+        """A copy that does not decode or verify is deleted from its tier: never served."""
+        self.host.free(off)
+        self.counters["corrupt_blocks"] += 1
+        log.warning("dropping corrupt %s copy of block %s: %s", source, e.key.hex(), exc)
+        if source == "ssd":
+            self.ssd.delete(e.gkey)
+            self.policies["ssd"].remove(e.gkey)
+            e.ssd = False
+        else:
+            self.remote.delete_many([e.gkey])
+            e.remote = False
+        if not e.resident:
+            self.index.discard(e.gkey)
+
+    def _install_promoted(self, e: Entry, off: int, value: object, source: str) -> None:
         if not e.checksum:
-            e.checksum = xxhash.xxh3_64_intdigest(out)
+            e.checksum = xxhash.xxh3_64_intdigest(self.host.view(off, e.size))
         e.host = off
         self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
         self.tier_counters["host"]["promotions"] += 1
         self.counters[f"bytes_{source}_to_host"] += (len(value[2]) if isinstance(value, tuple)
                                                      else len(value))
-        return True
 
     def get(self, ns_id: bytes, keys: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
         """Bytes path: copies of the longest cached prefix."""
