@@ -1,0 +1,215 @@
+"""GPU tier transfer throughput, as ratios against plain torch copies in the same run (issue 5).
+
+Figures (each a ratio of the reference's time to ours; ≥ 0.8 is the target):
+- ipc_gather_vs_d2d: a separate client process opens the daemon's pool over CUDA IPC and
+  gathers 256 blocks (shuffled slots) into a vLLM-layout paged cache (random block table),
+  end to end through `PagedCopier.load` + wait, against one device-to-device copy of the same
+  bytes in that process. `ipc_gather_kernel_vs_d2d` is the same on CUDA-event time (no host
+  planning/launch overhead); `ipc_gather_torch_vs_d2d` is the no-Triton fallback.
+- h2d_vs_pinned / d2h_vs_pinned: the GPU tier's batched copies between pool slots and the
+  registered (cudaHostRegister) shared-memory host slab, 256 blocks in shuffled order, against
+  torch copies between a device tensor and a pin_memory() tensor of the same size.
+Raw GB/s and the device model are recorded alongside.
+
+Usage: python bench/gpu.py [--quick] [--blocks N]. The last line is one JSON object; without a
+CUDA device it is {"skipped": "no CUDA device"} and the exit status is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "client"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from kvstore_client import gpu as cg  # noqa: E402
+from kvstore_client.layout import KVLayout  # noqa: E402
+
+# 16 layers x 2 x 32 tokens x 8 heads x 128 dims x bf16 = 2 MiB, a typical block.
+LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_tokens=32, dtype="bfloat16")
+
+
+def _time(fn: Any, reps: int) -> float:
+    """Median wall seconds of `fn` (which must return only when its copy is complete)."""
+    fn()
+    fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def _client(desc: dict, slots: list[int], n_cache: int, reps: int, q: Any) -> None:
+    """Runs in its own process: the pool is a real IPC mapping here."""
+    try:
+        import torch
+
+        torch.cuda.set_device(0)
+        pool = cg.open_pool(desc)
+        L = LAYOUT
+        caches = [torch.zeros((2, n_cache, L.block_tokens, L.num_kv_heads, L.head_dim),
+                              dtype=torch.bfloat16, device="cuda") for _ in range(L.num_layers)]
+        cache = cg.PagedKVCache.from_vllm(caches)
+        targets = np.random.default_rng(1).permutation(n_cache)[:len(slots)]
+        nbytes = len(slots) * L.block_bytes
+        res: dict[str, Any] = {}
+        for method in ("auto", "torch"):
+            cp = cg.PagedCopier(pool, cache, L, method=method)
+
+            def gather(cp: cg.PagedCopier = cp) -> None:
+                cp.load(targets, slots).wait(60)
+
+            res[f"{method}_s"] = _time(gather, reps)
+            res[f"{method}_method"] = cp.load(targets, slots).method
+            torch.cuda.synchronize()
+            evs = []
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(cp.stream)
+                t = cp.load(targets, slots)
+                b.record(cp.stream)
+                t.wait(60)
+                b.synchronize()
+                evs.append(a.elapsed_time(b) / 1e3)
+            res[f"{method}_kernel_s"] = statistics.median(evs)
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+
+        def d2d() -> None:
+            dst.copy_(src)
+            torch.cuda.synchronize()
+
+        res["d2d_s"] = _time(d2d, reps)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        res["d2d_kernel_s"] = a.elapsed_time(b) / 1e3
+        q.put(("ok", res))
+    except BaseException as e:  # report instead of hanging the parent
+        q.put(("error", repr(e)))
+
+
+def _host_buffer(nbytes: int) -> tuple[np.ndarray, Any, str]:
+    """The host tier's shm slab; an anonymous mapping where /dev/shm is too small."""
+    try:
+        from tiers.host import HostTier
+
+        host = HostTier(nbytes)
+        return host.array, host, "shm slab"
+    except Exception as e:  # small /dev/shm in containers
+        buf = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+        buf[:] = 0
+        return buf, None, f"anonymous mmap ({type(e).__name__}: shm unavailable)"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (< 1 minute)")
+    ap.add_argument("--blocks", type=int, default=256)
+    args = ap.parse_args()
+    if not cg.cuda_available():
+        print(json.dumps({"skipped": "no CUDA device"}))
+        return 0
+    import torch
+
+    from tiers.gpu import GPUTier
+
+    reps = 5 if args.quick else 20
+    n = args.blocks
+    L = LAYOUT
+    nbytes = n * L.block_bytes
+    rng = np.random.default_rng(0)
+    tier = GPUTier(nbytes + (8 << 20), 0, slab_name="bench-gpu0")
+    host_arr, host_tier, host_kind = _host_buffer(nbytes)
+    try:
+        slots = [tier.alloc(L.block_bytes) for _ in range(n)]
+        rng.shuffle(slots)
+        tier.view(0, tier.capacity).random_(0, 255)
+        torch.cuda.synchronize()
+
+        # --- client gather over IPC (separate process) ---
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        proc = ctx.Process(target=_client, args=(tier.describe(), slots, 2 * n, reps, q),
+                           daemon=True)
+        proc.start()
+        status, res = q.get(timeout=300)
+        proc.join(60)
+        if status != "ok":
+            raise RuntimeError(f"client process failed: {res}")
+
+        # --- pool <-> registered host slab, against pin_memory() copies ---
+        pin = tier.pin_host(host_arr)
+        host_offs = (rng.permutation(n) * L.block_bytes).tolist()
+        items = [(g, h, L.block_bytes) for g, h in zip(slots, host_offs, strict=True)]
+
+        def h2d() -> None:
+            tier.copy_from_host_batch(items, host_arr).wait(60)
+
+        def d2h() -> None:
+            tier.copy_to_host_batch(items, host_arr).wait(60)
+
+        t_h2d, t_d2h = _time(h2d, reps), _time(d2h, reps)
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+        def ref_h2d() -> None:
+            dev.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize()
+
+        def ref_d2h() -> None:
+            pinned.copy_(dev, non_blocking=True)
+            torch.cuda.synchronize()
+
+        r_h2d, r_d2h = _time(ref_h2d, reps), _time(ref_d2h, reps)
+        host_pinned = pin.pinned
+        pin.close()
+    finally:
+        tier.close()
+        if host_tier is not None:
+            host_tier.close()
+
+    def gbps(s: float) -> float:
+        return round(nbytes / s / 1e9, 2)
+
+    props = torch.cuda.get_device_properties(0)
+    out = {
+        "device": props.name, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "blocks": n, "block_bytes": L.block_bytes, "host_buffer": host_kind,
+        "host_pinned": host_pinned,
+        "ipc_gather_vs_d2d": round(res["d2d_s"] / res["auto_s"], 3),
+        "ipc_gather_method": res["auto_method"],
+        "ipc_gather_kernel_vs_d2d": round(res["d2d_kernel_s"] / res["auto_kernel_s"], 3),
+        "ipc_gather_torch_vs_d2d": round(res["d2d_s"] / res["torch_s"], 3),
+        "ipc_gather_GBps": gbps(res["auto_s"]), "ipc_gather_torch_GBps": gbps(res["torch_s"]),
+        "d2d_GBps": gbps(res["d2d_s"]),
+        "h2d_vs_pinned": round(r_h2d / t_h2d, 3), "d2h_vs_pinned": round(r_d2h / t_d2h, 3),
+        "h2d_GBps": gbps(t_h2d), "d2h_GBps": gbps(t_d2h),
+        "pinned_h2d_GBps": gbps(r_h2d), "pinned_d2h_GBps": gbps(r_d2h),
+        "targets": {"ipc_gather_vs_d2d": 0.8, "h2d_vs_pinned": 0.8, "d2h_vs_pinned": 0.8},
+    }
+    print(f"{out['device']}: gather {out['ipc_gather_GBps']} GB/s ({out['ipc_gather_method']}) "
+          f"vs d2d {out['d2d_GBps']}; h2d {out['h2d_GBps']} vs {out['pinned_h2d_GBps']}; "
+          f"d2h {out['d2h_GBps']} vs {out['pinned_d2h_GBps']}", file=sys.stderr)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
