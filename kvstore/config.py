@@ -21,6 +21,9 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
           "tib": 2**40}
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 class ConfigError(InvalidArgument):
     """A configuration value is wrong; the message names the key."""
 
@@ -33,7 +36,8 @@ def parse_size(value: Any, key: str = "size") -> int:
     else:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ConfigError(f"{key}: cannot read {value!r} as a size (e.g. 4096, '512MiB', '2GB')")
+            raise ConfigError(f"{key}: cannot read {value!r} as a size "
+                              "(e.g. 4096, '512MiB', '2GB')")
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n < 0:
         raise ConfigError(f"{key}: size must not be negative")
@@ -100,6 +104,31 @@ class ServerConfig:
     metrics: str = "127.0.0.1:9551"  # "" disables the Prometheus endpoint
     workers: int = 16
     max_message_bytes: int = 256 << 20
+    shutdown_grace_s: float = 10.0  # on SIGTERM: how long in-flight calls may take to finish
+
+    def check(self) -> None:
+        for key in ("tcp", "metrics"):
+            addr = getattr(self, key)
+            if addr and not _is_host_port(addr):
+                raise ConfigError(f"server.{key}: expected 'host:port' (port 0..65535, e.g. "
+                                  f"'127.0.0.1:50551') or '' to disable, got {addr!r}")
+        if len(self.socket.encode()) > 107:
+            raise ConfigError(f"server.socket: a Unix socket path holds at most 107 bytes, "
+                              f"{self.socket!r} is {len(self.socket.encode())}")
+        if not 1 <= self.workers <= 1024:
+            raise ConfigError(f"server.workers must be in 1..1024, got {self.workers}")
+        if not 4 << 20 <= self.max_message_bytes <= (2 << 30) - 1:
+            raise ConfigError("server.max_message_bytes must be between 4MiB and 2GiB "
+                              f"(one message carries at least one block), got "
+                              f"{self.max_message_bytes}")
+        if not 0 <= self.shutdown_grace_s <= 3600:
+            raise ConfigError(f"server.shutdown_grace_s must be in 0..3600, got "
+                              f"{self.shutdown_grace_s}")
+
+
+def _is_host_port(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep and host and port.isdigit() and int(port) <= 65535)
 
 
 @dataclass
@@ -132,6 +161,10 @@ class StoreConfig:
                                   "remote is enabled")
         if not 0 < self.leases.default_ttl_s <= self.leases.max_ttl_s:
             raise ConfigError("leases: need 0 < default_ttl_s <= max_ttl_s")
+        self.server.check()
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"log_level: expected one of {list(LOG_LEVELS)}, got "
+                              f"{self.log_level!r}")
         return self
 
     @property
@@ -183,7 +216,8 @@ def _coerce(cur: Any, v: Any, key: str, is_size: bool) -> Any:
 
 
 def _env_values(environ: dict[str, str]) -> dict[str, Any]:
-    """KVSTORE_HOST__CAPACITY=2GiB -> {"host": {"capacity": "2GiB"}}; KVSTORE_DATA_DIR -> data_dir."""
+    """KVSTORE_HOST__CAPACITY=2GiB -> {"host": {"capacity": "2GiB"}};
+    KVSTORE_DATA_DIR -> data_dir."""
     out: dict[str, Any] = {}
     for name, value in environ.items():
         if not name.startswith("KVSTORE_") or name == "KVSTORE_CONFIG":
@@ -198,7 +232,8 @@ def _env_values(environ: dict[str, str]) -> dict[str, Any]:
 
 def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
                 environ: dict[str, str] | None = None) -> StoreConfig:
-    """Default, then the TOML file (or $KVSTORE_CONFIG), then KVSTORE_* variables, then overrides."""
+    """Default, then the TOML file (or $KVSTORE_CONFIG), then KVSTORE_* variables, then
+    overrides."""
     cfg = StoreConfig()
     env = dict(os.environ if environ is None else environ)
     path = path or env.get("KVSTORE_CONFIG")

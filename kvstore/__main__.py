@@ -1,0 +1,8 @@
+"""`python -m kvstore ...`: the same command line as the `kvstore` script."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

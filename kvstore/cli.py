@@ -1,0 +1,280 @@
+"""The `kvstore` command: `serve` runs the daemon, `status` shows a running one, `demo` demos.
+
+Why `serve` may re-execute itself: glibc reads its MALLOC_* tunables once, at process start.
+Without them every multi-MiB gRPC message is a fresh mmap and a round of page faults (3.5×
+slower for 2 MiB messages, PERF-NOTES). So when a variable is unset, `serve` sets it and
+replaces itself (os.execve: same pid) once, before anything else happens. Values already set
+by the operator are kept; `--no-malloc-tuning` skips the whole step.
+
+Config errors exit with code 2 and one line on stderr; a daemon that cannot start (data folder
+locked, port in use) exits with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, StoreConfig, load_config
+
+# glibc malloc tunables for large gRPC messages (see module docstring and docs/metrics.md).
+MALLOC_ENV = {
+    "MALLOC_ARENA_MAX": "4",                      # 16 RPC threads must not mean 16 arenas
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),      # serve messages up to 32 MiB from the heap
+    "MALLOC_TRIM_THRESHOLD_": str(256 << 20),     # and keep freed heap for the next message
+    "MALLOC_TOP_PAD_": str(64 << 20),             # grow the heap in big steps
+}
+_REEXEC_GUARD = "_KVSTORE_MALLOC_REEXEC"          # not KVSTORE_*: config would read it
+SMALL_MACHINE_BYTES = 8 << 30
+SMALL_HOST_POOL = 512 << 20
+
+
+def default_config_path() -> Path:
+    """The embedded default.toml (loaded when neither --config nor $KVSTORE_CONFIG is given)."""
+    return Path(str(resources.files("kvstore").joinpath("default.toml")))
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"kvstore: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _set_pair(text: str) -> tuple[list[str], str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+    return key.strip().split("."), value
+
+
+def _nest(overrides: dict[str, Any], path: list[str], value: Any) -> None:
+    d = overrides
+    for p in path[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ConfigError(f"--set {'.'.join(path)}: {p} is a value, not a section")
+    d[path[-1]] = value
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Flags -> the nested overrides dict load_config applies last."""
+    out: dict[str, Any] = {}
+    for text in args.set or []:
+        path, value = _set_pair(text)
+        _nest(out, path, value)
+    named = {("data_dir",): args.data_dir, ("server", "socket"): args.socket,
+             ("server", "tcp"): args.tcp, ("server", "metrics"): args.metrics,
+             ("host", "capacity"): args.host_capacity, ("ssd", "capacity"): args.ssd_capacity,
+             ("log_level",): args.log_level}
+    for path, value in named.items():
+        if value is not None:
+            _nest(out, list(path), value)
+    return out
+
+
+def _sets_host_capacity(config_path: str | None, overrides: dict, environ: dict) -> bool:
+    if "capacity" in overrides.get("host", {}) or "KVSTORE_HOST__CAPACITY" in environ:
+        return True
+    if config_path:
+        import tomllib
+        try:
+            with open(config_path, "rb") as f:
+                return "capacity" in tomllib.load(f).get("host", {})
+        except (OSError, tomllib.TOMLDecodeError):
+            return True   # load_config reports the problem
+    return False
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 40
+
+
+def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
+                 ) -> StoreConfig:
+    """--config / $KVSTORE_CONFIG / the embedded default, then KVSTORE_*, then flags."""
+    env = dict(os.environ if environ is None else environ)
+    overrides = overrides_from_args(args)
+    user_path = args.config or env.get("KVSTORE_CONFIG")
+    path = user_path or str(default_config_path())
+    cfg = load_config(path, overrides, env)
+    if (not _sets_host_capacity(user_path, overrides, env)
+            and _physical_memory() < SMALL_MACHINE_BYTES):
+        cfg.host.capacity = min(cfg.host.capacity, SMALL_HOST_POOL)
+    return cfg
+
+
+def tune_malloc(argv: list[str]) -> None:
+    """Re-exec once with MALLOC_* set (glibc reads them only at start); no-op when all set."""
+    missing = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
+    if not missing or os.environ.get(_REEXEC_GUARD):
+        return
+    env = dict(os.environ, **missing, **{_REEXEC_GUARD: "1"})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "kvstore", *argv], env)
+
+
+# -------------------------------------------------------------------------------- commands
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    try:
+        cfg = build_config(args)
+        sock = os.path.abspath(cfg.socket_path)
+        if len(sock.encode()) > 107:   # only the daemon binds it; the Store never does
+            raise ConfigError(f"the socket path {sock} is longer than the 107 bytes a Unix "
+                              "socket allows; set --socket / server.socket to a shorter path")
+    except ConfigError as e:
+        return _fail(f"config error: {e}")
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .daemon import run
+    return run(cfg)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_status(resp: Any) -> str:
+    """A StatsResponse as a table a person reads at a terminal."""
+    rows = [("tier", "capacity", "used", "fill", "blocks", "hits", "misses", "hit rate",
+             "evictions")]
+    for t in resp.tiers:
+        fill = f"{100 * t.used_bytes / t.capacity_bytes:.1f}%" if t.capacity_bytes else "-"
+        looked = t.hits + t.misses
+        rate = f"{100 * t.hits / looked:.1f}%" if looked else "-"
+        rows.append((t.name, _size(t.capacity_bytes), _size(t.used_bytes), fill,
+                     str(t.blocks), str(t.hits), str(t.misses), rate, str(t.evictions)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"daemon {resp.daemon_id}   namespaces {resp.namespaces}   "
+             f"active leases {resp.active_leases}", ""]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+    from kvstore_client._proto import kvstore_pb2, kvstore_pb2_grpc
+
+    try:
+        address = args.address or f"unix:{build_config(args).socket_path}"
+    except ConfigError as e:
+        return _fail(f"config error: {e}")
+    if address.startswith("unix:") and not os.path.exists(address[len("unix:"):]):
+        return _fail(f"no kvstore daemon at {address}: the socket does not exist (start one "
+                     "with `kvstore serve`, or pass --address / --data-dir)", 1)
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(),
+                                                         timeout=args.timeout)
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return _fail(f"no kvstore daemon answers at {address} ({e.code().name}: "
+                         f"{e.details()}); start one with `kvstore serve` or pass --address", 1)
+        return _fail(f"Stats at {address} failed: {e.code().name}: {e.details()}", 1)
+    if args.json:
+        print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True), indent=2))
+    else:
+        print(format_status(resp))
+    return 0
+
+
+def run_demo(demo_args: list[str]) -> int:
+    """`kvstore demo ...`: every argument goes to kvstore.demo (imported only now)."""
+    try:
+        from .demo import main as demo_main
+    except ImportError as e:
+        return _fail(f"the demo is not available in this install ({e})", 1)
+    return int(demo_main(demo_args) or 0)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return run_demo(args.demo_args)
+
+
+def _config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (default: $KVSTORE_CONFIG, else the "
+                                    "embedded default)")
+    p.add_argument("--data-dir", help="data folder: SSD tier, lock file, default socket")
+    p.add_argument("--socket", help="Unix socket path (default <data-dir>/kvstore.sock)")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="any config key, e.g. --set ssd.sync=true (repeatable)")
+    # Accepted here so `status --config x` and `serve --config x` find the same socket.
+    p.add_argument("--tcp", help=argparse.SUPPRESS)
+    p.add_argument("--metrics", help=argparse.SUPPRESS)
+    p.add_argument("--host-capacity", help=argparse.SUPPRESS)
+    p.add_argument("--ssd-capacity", help=argparse.SUPPRESS)
+    p.add_argument("--log-level", help=argparse.SUPPRESS)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstore", description="Tiered KV-cache store for LLM inference engines.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the daemon",
+                           description="Run the daemon until SIGTERM/SIGINT. Settings: "
+                           "embedded default < --config file < KVSTORE_* variables < flags.")
+    _config_flags(serve)
+    for action in serve._actions:   # the capacity/listener flags are documented for serve
+        if action.dest == "tcp":
+            action.help = "TCP listen address host:port ('' disables)"
+        elif action.dest == "metrics":
+            action.help = "Prometheus listen address host:port ('' disables)"
+        elif action.dest == "host_capacity":
+            action.help = "host (shared-memory) tier size, e.g. 2GiB"
+        elif action.dest == "ssd_capacity":
+            action.help = "SSD tier size, e.g. 100GiB"
+        elif action.dest == "log_level":
+            action.help = "debug | info | warning | error"
+    serve.add_argument("--no-malloc-tuning", action="store_true",
+                       help="do not set MALLOC_* variables and re-execute")
+    serve.set_defaults(func=cmd_serve)
+
+    status = sub.add_parser("status", help="show a running daemon's tiers",
+                            description="Ask a running daemon for its Stats and print a table.")
+    _config_flags(status)
+    status.add_argument("--address", help="gRPC target, e.g. unix:./data/kvstore.sock or "
+                                          "127.0.0.1:50551 (default: the config's socket)")
+    status.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    status.set_defaults(func=cmd_status)
+
+    demo = sub.add_parser("demo", help="run the end-to-end demo (kvstore.demo)",
+                          add_help=False)
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kvstore` script and `python -m kvstore`.
+
+    Only a real command line (argv None) may re-execute for malloc tuning, so calling
+    main([...]) from Python never replaces the caller's process.
+    """
+    from_command_line = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:       # argparse would eat the demo's own options (--help...)
+        return run_demo(argv[1:])
+    args = make_parser().parse_args(argv)
+    if from_command_line and args.command == "serve" and not args.no_malloc_tuning:
+        tune_malloc(argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,251 @@
+"""Daemon lifecycle: lock the data folder, start store + gRPC + metrics, stop cleanly on a signal.
+
+Why a lock file: two daemons on one data folder would share one LMDB environment and one
+shared-memory slab name and silently corrupt each other's index. `fcntl.flock` is released by
+the kernel when the holder dies (even on SIGKILL), so a crashed daemon never leaves a stale lock
+behind, and the file carries the holder's pid for the error message.
+
+Shutdown order on SIGTERM/SIGINT: health flips to NOT_SERVING and new calls get UNAVAILABLE;
+the gRPC server stops accepting and gives in-flight calls `server.shutdown_grace_s`; only then
+is the store closed (flush to SSD, close LMDB, unlink the shm slab) and the socket removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket as socketlib
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvstore_client.errors import KVStoreError
+
+from .config import StoreConfig
+
+log = logging.getLogger("kvstore.daemon")
+
+LOCK_NAME = "LOCK"
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says why in one line. `exit_code` for the CLI."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class DataDirLock:
+    """An exclusive flock on <data_dir>/LOCK holding the owner's pid."""
+
+    def __init__(self, data_dir: str | os.PathLike) -> None:
+        self.path = Path(data_dir) / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise StartupError(
+                    f"data folder {self.path.parent} is in use by another kvstore daemon "
+                    f"(pid {holder}, lock {self.path}); stop it or pass another --data-dir"
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)
+        finally:
+            os.close(self._fd)    # closing drops the flock
+            self._fd = None
+
+
+def check_socket_free(path: str) -> None:
+    """Refuse a socket path another live process listens on; remove a dead leftover."""
+    if not os.path.exists(path):
+        return
+    s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)       # left behind by a crashed daemon
+        return
+    except OSError as e:
+        raise StartupError(f"cannot use socket path {path}: {e}") from None
+    finally:
+        s.close()
+    raise StartupError(f"another process is listening on {path}; stop it or set "
+                       "server.socket / --socket to another path")
+
+
+def _bind_unix(server: Any, path: str) -> None:
+    """Bind the socket with mode 0600 from the first instant (umask), not chmod-after."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    old = os.umask(0o177)
+    try:
+        server.add_insecure_port(f"unix:{path}")
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+
+
+def _bind_tcp(server: Any, address: str) -> str:
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise StartupError(f"cannot listen on TCP {address}: {e} (is the port in use? set "
+                           "server.tcp / --tcp, or '' to disable)") from None
+    if not port:
+        raise StartupError(f"cannot listen on TCP {address} (is the port in use?)")
+    host = address.rpartition(":")[0]
+    return f"{host}:{port}"
+
+
+class Daemon:
+    """Owns the lock, store, gRPC server and metrics endpoint of one daemon run."""
+
+    def __init__(self, config: StoreConfig, store_factory: Callable[[StoreConfig], Any] | None
+                 = None, out: TextIO | None = None) -> None:
+        self.config = config
+        self._store_factory = store_factory
+        self.out = out or sys.stderr
+        self.lock = DataDirLock(config.data_dir)
+        self.stop_requested = threading.Event()
+        self.store: Any = None
+        self.server: Any = None
+        self.health: Any = None
+        self.servicer: Any = None
+        self.metrics: Any = None
+        self.socket_path = os.path.abspath(config.socket_path)
+        self.tcp_address: str | None = None
+        self.metrics_url: str | None = None
+
+    def _say(self, line: str) -> None:
+        print(f"kvstore: {line}", file=self.out, flush=True)
+
+    def start(self) -> None:
+        """Everything up to SERVING; raises StartupError (after undoing what it did)."""
+        from grpc_health.v1 import health_pb2
+
+        from .metrics import Metrics
+        from .server import SERVICE, KVStoreServicer, build_server
+
+        cfg = self.config
+        self.lock.acquire()
+        try:
+            check_socket_free(self.socket_path)
+            factory = self._store_factory
+            if factory is None:
+                from .store import Store as factory
+            try:
+                self.store = factory(cfg)
+            except KVStoreError as e:
+                raise StartupError(f"cannot open the store: {e}") from None
+            except OSError as e:
+                raise StartupError(f"cannot open the store in {cfg.data_dir}: {e}") from None
+            self.metrics = Metrics(self.store)
+            self.servicer = KVStoreServicer(
+                self.store, max_ttl_s=cfg.leases.max_ttl_s, gpu_enabled=bool(self.store.gpu),
+                observe=self.metrics.observe, in_flight=self.metrics.in_flight)
+            self.server, self.health = build_server(self.servicer, cfg.server.workers,
+                                                    cfg.server.max_message_bytes)
+            _bind_unix(self.server, self.socket_path)
+            if cfg.server.tcp:
+                self.tcp_address = _bind_tcp(self.server, cfg.server.tcp)
+            if cfg.server.metrics:
+                try:
+                    self.metrics_url = self.metrics.serve(cfg.server.metrics)
+                except OSError as e:
+                    raise StartupError(f"cannot serve metrics on {cfg.server.metrics}: {e} "
+                                       "(set server.metrics / --metrics, or '' to disable)"
+                                       ) from None
+            self.server.start()
+        except BaseException:
+            self._teardown()
+            raise
+        self._say(f"serving gRPC on unix:{self.socket_path}")
+        if self.tcp_address:
+            self._say(f"serving gRPC on {self.tcp_address}")
+        self._say(f"metrics on {self.metrics_url}" if self.metrics_url else "metrics disabled")
+        for name in ("", SERVICE):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("daemon %s ready (pid %d, data %s)", self.store.daemon_id, os.getpid(),
+                 cfg.data_dir)
+
+    def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
+        if signum is not None and self.stop_requested.is_set():
+            log.warning("second signal while stopping; still waiting for in-flight calls")
+        self.stop_requested.set()
+
+    def wait(self) -> None:
+        while not self.stop_requested.wait(1.0):
+            pass
+
+    def shutdown(self) -> None:
+        """Graceful stop: see the module docstring for the order."""
+        from grpc_health.v1 import health_pb2
+
+        grace = self.config.server.shutdown_grace_s
+        log.info("stopping: finishing in-flight calls (grace %.1f s)", grace)
+        if self.health is not None:
+            self.health.enter_graceful_shutdown()
+            self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.servicer is not None:
+            self.servicer.start_shutdown()
+        if self.server is not None:
+            self.server.stop(grace).wait(grace + 5)
+            self.server = None
+        self._teardown()
+        self._say("stopped")
+
+    def _teardown(self) -> None:
+        if self.server is not None:
+            self.server.stop(None)
+            self.server = None
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception:
+                log.exception("closing the store failed")
+            self.store = None
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        self.lock.release()
+
+
+def run(config: StoreConfig, store_factory: Callable[[StoreConfig], Any] | None = None) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    d = Daemon(config, store_factory)
+    signal.signal(signal.SIGTERM, d.request_stop)
+    signal.signal(signal.SIGINT, d.request_stop)
+    try:
+        d.start()
+    except StartupError as e:
+        print(f"kvstore: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    try:
+        d.wait()
+    finally:
+        d.shutdown()
+    return 0

@@ -1,0 +1,221 @@
+"""Prometheus metrics: RPC latencies and errors measured here, store figures read at scrape time.
+
+Why a custom collector for the store: the store already counts everything it does (hits,
+evictions, bytes moved...) in `store.stats()`. Reading that dict when Prometheus scrapes keeps
+one source of truth and costs nothing on the hot path; counting the same events again here
+would double the bookkeeping and drift. Only what the store cannot see — RPC latency, status
+codes, calls in flight — is measured in this module.
+
+Naming (docs/metrics.md lists every metric):
+- known tier fields become `kvstore_tier_<field>{tier}` (levels are gauges, events `_total`
+  counters); fields this module does not know go to `kvstore_tier_other{tier,stat}`.
+- `bytes_<src>_to_<dst>` counters become `kvstore_bytes_moved_total{path="<src>-><dst>"}`
+  (`bytes_to_<dst>` is path "host-><dst>"); `codec_in_bytes_<codec>` / `codec_out_bytes_<codec>`
+  become `kvstore_codec_bytes_in_total{codec}` / `kvstore_codec_bytes_out_total{codec}`.
+- known counters become `kvstore_<name>_total`; unknown ones `kvstore_store_events_total{name}`,
+  so a counter the store adds later is exported at once and the names stay documented.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import start_http_server
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("kvstore.metrics")
+
+# 50 µs .. 10 s, roughly ×2.5 per step: a local Lookup is ~0.1–0.5 ms, a 256 MiB Put seconds.
+RPC_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1,
+               0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+# Tier fields: levels (gauges) and event counts (counters); others -> kvstore_tier_other.
+TIER_GAUGES = {"capacity_bytes": "Bytes the tier may hold",
+               "used_bytes": "Bytes the tier holds now",
+               "blocks": "Blocks resident in the tier"}
+TIER_COUNTERS = {"hits": "Looked-up blocks found in the tier (longest-prefix count)",
+                 "misses": "Looked-up blocks not found in the tier",
+                 "evictions": "Blocks evicted from the tier",
+                 "stored": "Blocks written into the tier by clients",
+                 "demotions": "Blocks copied from this tier down to the next",
+                 "demotions_in": "Blocks received from the tier above",
+                 "promotions": "Blocks copied up into this tier from a lower one",
+                 "read_hits": "Acquired/Get blocks already resident in the tier"}
+STORE_COUNTERS = {"lookups": "Lookup calls",
+                  "lookup_blocks": "Keys asked about by Lookup",
+                  "lookup_hit_blocks": "Keys Lookup found cached (longest prefix, any tier)",
+                  "acquired_blocks": "Blocks pinned by Acquire and Get",
+                  "duplicate_blocks": "Written blocks dropped because the key was stored",
+                  "deleted_blocks": "Blocks removed by Delete",
+                  "corrupt_blocks": "Blocks that failed their checksum and were dropped",
+                  "commit_checksum_mismatch": "Commits refused: slot bytes != sent checksum",
+                  "leases_expired": "Leases reaped after their deadline",
+                  "lossy_refused_nonfinite": "Blocks a lossy codec refused (inf/NaN), stored "
+                                             "lossless instead"}
+_MOVE = re.compile(r"^bytes_(?:(?P<src>[a-z]+)_)?to_(?P<dst>[a-z]+)$")
+_CODEC = re.compile(r"^codec_(?P<dir>in|out)_bytes_(?P<codec>[a-z0-9_]+)$")
+_SAFE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def metric_name(raw: str) -> str:
+    """A stats key as a Prometheus name fragment (letters, digits, underscores)."""
+    name = _SAFE.sub("_", str(raw)).strip("_").lower()
+    return name or "unnamed"
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+class StoreCollector(Collector):
+    """Turns `store.stats()` into metric families at each scrape."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.failures = 0
+
+    def describe(self) -> list[Metric]:
+        return []   # families depend on the store's keys; describe lazily (no registry check)
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self.store.stats()
+        except Exception:
+            self.failures += 1
+            log.exception("store.stats() failed during a metrics scrape")
+            stats = None
+        up = GaugeMetricFamily("kvstore_stats_up", "1 when store.stats() answered this scrape")
+        up.add_metric([], 0.0 if stats is None else 1.0)
+        yield up
+        if stats is None:
+            return
+        yield from self._tiers(stats.get("tiers", {}))
+        yield from self._counters(stats.get("counters", {}))
+        for key, help_ in (("namespaces", "Registered namespaces"),
+                           ("active_leases", "Leases currently held by clients"),
+                           ("blocks", "Distinct blocks known to the index, any tier")):
+            v = _number(stats.get(key))
+            if v is not None:
+                g = GaugeMetricFamily(f"kvstore_{key}", help_)
+                g.add_metric([], v)
+                yield g
+        info = GaugeMetricFamily("kvstore_daemon_info", "Always 1; the labels identify this run",
+                                 labels=["daemon_id"])
+        info.add_metric([str(stats.get("daemon_id") or getattr(self.store, "daemon_id", ""))],
+                        1.0)
+        yield info
+
+    @staticmethod
+    def _tiers(tiers: dict[str, dict]) -> Iterator[Metric]:
+        fams: dict[str, Metric] = {}
+        other = GaugeMetricFamily("kvstore_tier_other", "Tier figures without their own metric",
+                                  labels=["tier", "stat"])
+        for tier, fields in tiers.items():
+            for field, value in fields.items():
+                v = _number(value)
+                if v is None:
+                    continue
+                if field in TIER_GAUGES:
+                    fam = fams.get(field) or GaugeMetricFamily(
+                        f"kvstore_tier_{field}", TIER_GAUGES[field], labels=["tier"])
+                elif field in TIER_COUNTERS:
+                    fam = fams.get(field) or CounterMetricFamily(
+                        f"kvstore_tier_{field}", TIER_COUNTERS[field], labels=["tier"])
+                else:
+                    other.add_metric([tier, metric_name(field)], v)
+                    continue
+                fams[field] = fam
+                fam.add_metric([tier], v)
+        yield from fams.values()
+        yield other
+
+    @staticmethod
+    def _counters(counters: dict[str, Any]) -> Iterator[Metric]:
+        moved = CounterMetricFamily("kvstore_bytes_moved", "Block bytes moved, by path",
+                                    labels=["path"])
+        codec = {d: CounterMetricFamily(f"kvstore_codec_bytes_{d}",
+                                        f"Bytes {'into' if d == 'in' else 'out of'} the "
+                                        "tier codecs (raw vs encoded)", labels=["codec"])
+                 for d in ("in", "out")}
+        events = CounterMetricFamily("kvstore_store_events", "Store counters without their "
+                                     "own metric", labels=["name"])
+        known = {name: CounterMetricFamily(f"kvstore_{name}", help_)
+                 for name, help_ in STORE_COUNTERS.items()}
+        for name in known:
+            known[name].add_metric([], float(_number(counters.get(name)) or 0.0))
+        for key, value in sorted(counters.items()):
+            v = _number(value)
+            key = str(key)
+            if v is None or key in known:
+                continue
+            if m := _MOVE.match(key):
+                moved.add_metric([f"{m.group('src') or 'host'}->{m.group('dst')}"], v)
+            elif m := _CODEC.match(key):
+                codec[m.group("dir")].add_metric([m.group("codec")], v)
+            else:
+                events.add_metric([metric_name(key)], v)
+        yield from known.values()
+        yield moved
+        yield from codec.values()
+        yield events
+
+
+class Metrics:
+    """The daemon's registry: RPC metrics (observed by the server) + the store collector."""
+
+    def __init__(self, store: Any | None = None) -> None:
+        disable_created_metrics()   # `_created` series double the output and nobody graphs them
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.rpc_seconds = Histogram(
+            "kvstore_rpc_duration_seconds", "Server-side RPC latency, by method",
+            ["method"], buckets=RPC_BUCKETS, registry=self.registry)
+        self.rpc_total = Counter(
+            "kvstore_rpcs", "Finished RPCs, by method and status code",
+            ["method", "code"], registry=self.registry)
+        self.rpc_errors = Counter(
+            "kvstore_rpc_errors", "RPCs that ended with a status other than OK",
+            ["method", "code"], registry=self.registry)
+        self.in_flight = Gauge("kvstore_rpcs_in_flight", "RPCs being served now",
+                               registry=self.registry)
+        self.started = Gauge("kvstore_start_time_seconds", "Unix time the daemon started",
+                             registry=self.registry)
+        self.started.set(time.time())
+        ProcessCollector(registry=self.registry)
+        self.store_collector: StoreCollector | None = None
+        if store is not None:
+            self.store_collector = StoreCollector(store)
+            self.registry.register(self.store_collector)
+        self._http: Any = None
+        self._thread: threading.Thread | None = None
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        self.rpc_seconds.labels(method).observe(seconds)
+        self.rpc_total.labels(method, code).inc()
+        if code != "OK":
+            self.rpc_errors.labels(method, code).inc()
+
+    def serve(self, address: str) -> str:
+        """Start the HTTP endpoint on "host:port" (port 0: any free port); returns its URL."""
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]") or "127.0.0.1"
+        self._http, self._thread = start_http_server(int(port), addr=host,
+                                                     registry=self.registry)
+        bound = self._http.server_port
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{bound}/metrics"
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,501 @@
+"""gRPC front of the Store: parse, validate, call the store, map errors to status codes.
+
+Why requests arrive as raw bytes: grpcio answers a request it cannot deserialize with INTERNAL,
+which would make garbage from a client look like a daemon bug. Every handler therefore
+receives the undecoded bytes and parses them itself, so a malformed message is an
+INVALID_ARGUMENT with a message naming the expected type.
+
+Why the server validates even though the Store does too: the server is the trust boundary. It
+checks every field a client controls (lengths, counts, ranges, tier names) before anything
+reaches the store, so a malformed request can never become a crash or an INTERNAL, and the
+messages can name the protocol field ("keys[3]", "ttl_s") rather than a Python argument.
+
+Error mapping: a `kvstore_client.errors` exception travels as the status its `.code` names;
+anything else is a bug: INTERNAL, with the traceback logged, and the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from kvstore_client._proto import kvstore_pb2 as pb
+from kvstore_client.errors import InvalidArgument, KVStoreError, NotFound, Unavailable
+from kvstore_client.layout import KVLayout, NamespaceSpec
+
+log = logging.getLogger("kvstore.server")
+
+SERVICE = "kvstore.v1.KVStore"
+NS_ID_BYTES = 16
+MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 32
+MAX_KEYS = 1 << 16            # per request: a 1M-token prompt in 16-token blocks
+MAX_LEASE_ID = 128
+MAX_TEXT = 1024               # model, revision, tenant salt, extra entries
+MAX_EXTRA = 64
+GET_BATCH_BYTES = 8 << 20     # block bytes per Get stream message
+TIERS = ("gpu", "host", "ssd", "remote")
+SLOT_TIERS = ("host", "gpu")  # tiers that hand out slots under leases
+
+Observer = Callable[[str, str, float], None]
+
+
+# -------------------------------------------------------------------------- validation helpers
+
+def check_ns(ns_id: bytes, field: str = "namespace_id") -> bytes:
+    if len(ns_id) != NS_ID_BYTES:
+        what = "missing" if not ns_id else f"{len(ns_id)} bytes"
+        raise InvalidArgument(f"{field} is {what}; it must be the {NS_ID_BYTES}-byte id "
+                              "RegisterNamespace returned")
+    return bytes(ns_id)
+
+
+def check_key(key: bytes, field: str) -> bytes:
+    if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
+        raise InvalidArgument(f"{field} is {len(key)} bytes; block keys are {MIN_KEY_BYTES}.."
+                              f"{MAX_KEY_BYTES} bytes (see docs/hashing.md)")
+    return bytes(key)
+
+
+def check_keys(keys: Iterable[bytes], field: str = "keys", allow_empty: bool = False,
+               distinct: bool = False) -> list[bytes]:
+    keys = list(keys)
+    if not keys and not allow_empty:
+        raise InvalidArgument(f"{field} is empty; pass at least one block key")
+    if len(keys) > MAX_KEYS:
+        raise InvalidArgument(f"{len(keys)} {field} in one request; the limit is {MAX_KEYS}, "
+                              "split the request")
+    out = [check_key(k, f"{field}[{i}]") for i, k in enumerate(keys)]
+    if distinct and len(set(out)) != len(out):
+        seen: dict[bytes, int] = {}
+        for i, k in enumerate(out):
+            if k in seen:
+                raise InvalidArgument(f"{field}[{i}] repeats {field}[{seen[k]}]; a prefix chain "
+                                      "cannot hold the same block twice")
+            seen[k] = i
+    return out
+
+
+def check_parent(parent: bytes, field: str = "parent") -> bytes | None:
+    return check_key(parent, field) if parent else None
+
+
+def check_lease_id(lease_id: str) -> str:
+    if not lease_id:
+        raise InvalidArgument("lease_id is empty; pass the id Reserve or Acquire returned")
+    if len(lease_id) > MAX_LEASE_ID or not lease_id.isprintable():
+        raise NotFound(f"unknown lease {lease_id[:40]!r}...: not an id this daemon hands out")
+    return lease_id
+
+
+def check_ttl(ttl_s: float, max_ttl_s: float) -> float | None:
+    if math.isnan(ttl_s) or math.isinf(ttl_s) or ttl_s < 0:
+        raise InvalidArgument(f"ttl_s must be 0 (daemon default) or a positive number of "
+                              f"seconds, got {ttl_s}")
+    if ttl_s > max_ttl_s:
+        raise InvalidArgument(f"ttl_s={ttl_s:g} is above the daemon's maximum lease of "
+                              f"{max_ttl_s:g} s (leases.max_ttl_s); renew the lease instead")
+    return ttl_s or None
+
+
+def check_slot_tier(tier: str, gpu_enabled: bool) -> str:
+    tier = tier or "host"
+    if tier not in SLOT_TIERS:
+        raise InvalidArgument(f"tier {tier[:40]!r} cannot hand out slots; use 'host' (or 'gpu' "
+                              "where the gpu tier is enabled)")
+    if tier == "gpu" and not gpu_enabled:
+        raise InvalidArgument("the gpu tier is not enabled on this daemon (gpu.enabled=false); "
+                              "use tier 'host'")
+    return tier
+
+
+def check_count(count: int) -> int:
+    if count <= 0:
+        raise InvalidArgument("count must be at least 1 block")
+    if count > MAX_KEYS:
+        raise InvalidArgument(f"count {count} is above the per-request limit {MAX_KEYS}; "
+                              "reserve in smaller batches")
+    return count
+
+
+def _text(value: str, field: str) -> str:
+    if len(value) > MAX_TEXT:
+        raise InvalidArgument(f"{field} is {len(value)} characters; the limit is {MAX_TEXT}")
+    return value
+
+
+def spec_from_proto(msg: pb.NamespaceSpec, has_layout: bool) -> NamespaceSpec:
+    """Proto NamespaceSpec -> layout.NamespaceSpec, applying the proto's documented defaults."""
+    if not has_layout:
+        raise InvalidArgument("spec.layout is missing: give num_layers, num_kv_heads, head_dim, "
+                              "block_tokens and dtype")
+    if len(msg.extra) > MAX_EXTRA:
+        raise InvalidArgument(f"spec.extra has {len(msg.extra)} entries; the limit is {MAX_EXTRA}")
+    extra = {_text(k, "spec.extra key"): _text(v, f"spec.extra[{k[:40]!r}]")
+             for k, v in msg.extra.items()}
+    lay = msg.layout
+    layout = KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                      head_dim=lay.head_dim, block_tokens=lay.block_tokens,
+                      dtype=lay.dtype or "bfloat16")
+    return NamespaceSpec(model=_text(msg.model, "spec.model"), layout=layout,
+                         revision=_text(msg.revision, "spec.revision"),
+                         shard_rank=msg.shard_rank, shard_size=msg.shard_size or 1,
+                         hash_scheme=_text(msg.hash_scheme, "spec.hash_scheme")
+                         or "kvstore-blake3-v1",
+                         tenant_salt=_text(msg.tenant_salt, "spec.tenant_salt"),
+                         codec=msg.codec or "lossless", extra=extra)
+
+
+def lease_to_proto(lease: Any) -> pb.Lease:
+    return pb.Lease(lease_id=lease.id, deadline=lease.deadline, tier=lease.tier,
+                    slots=[pb.Slot(offset=s.offset, length=s.length) for s in lease.slots],
+                    keys=list(lease.keys), checksums=[int(c) for c in lease.checksums])
+
+
+def stats_to_proto(stats: dict, daemon_id: str) -> pb.StatsResponse:
+    """store.stats() -> StatsResponse; counters keep only numeric values (proto map of double)."""
+    def u64(v: Any) -> int:
+        return max(0, int(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
+
+    resp = pb.StatsResponse(namespaces=u64(stats.get("namespaces", 0)),
+                            active_leases=u64(stats.get("active_leases", 0)),
+                            daemon_id=str(stats.get("daemon_id") or daemon_id))
+    for name, t in stats.get("tiers", {}).items():
+        resp.tiers.add(name=name, capacity_bytes=u64(t.get("capacity_bytes")),
+                       used_bytes=u64(t.get("used_bytes")), blocks=u64(t.get("blocks")),
+                       hits=u64(t.get("hits")), misses=u64(t.get("misses")),
+                       evictions=u64(t.get("evictions")))
+    for name, v in stats.get("counters", {}).items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            resp.counters[str(name)] = float(v)
+    return resp
+
+
+def _parse(cls: type[Message], raw: bytes) -> Any:
+    try:
+        return cls.FromString(raw)
+    except Exception as e:  # DecodeError, or invalid UTF-8 in a string field
+        raise InvalidArgument(f"request is not a valid {cls.DESCRIPTOR.full_name} message: "
+                              f"{e}") from None
+
+
+def _status(code: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
+
+
+# -------------------------------------------------------------------------- the servicer
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _encode_get_response(blocks: list[tuple[bytes, memoryview]]) -> tuple[int, bytes]:
+    """GetResponse wire bytes built by hand: block data is copied once, from the slab views.
+
+    GetResponse { repeated Block blocks = 1; }  Block { bytes key = 1; bytes data = 2; }
+    """
+    parts: list[bytes | memoryview] = []
+    for key, data in blocks:
+        n = data.nbytes
+        inner = 1 + len(_varint(len(key))) + len(key) + 1 + len(_varint(n)) + n
+        parts += [b"\x0a", _varint(inner), b"\x0a", _varint(len(key)), key,
+                  b"\x12", _varint(n), data]
+    return len(blocks), b"".join(parts)
+
+class KVStoreServicer:
+    """One method per RPC of kvstore.v1.KVStore; each takes the raw request bytes."""
+
+    def __init__(self, store: Any, max_ttl_s: float = 600.0, gpu_enabled: bool = False,
+                 observe: Observer | None = None, in_flight: Any = None) -> None:
+        self.store = store
+        self.max_ttl_s = max_ttl_s
+        self.gpu_enabled = gpu_enabled
+        self._observe = observe
+        self._in_flight = in_flight   # optional prometheus Gauge
+        self._closing = threading.Event()
+        self._block_bytes: dict[bytes, int] = {}
+
+    def start_shutdown(self) -> None:
+        """New calls get UNAVAILABLE from now on; calls already running finish."""
+        self._closing.set()
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _enter(self) -> None:
+        if self._closing.is_set():
+            raise Unavailable("the daemon is shutting down; retry against its replacement")
+        if self._in_flight is not None:
+            self._in_flight.inc()
+
+    def _done(self, method: str, code: str, t0: float, entered: bool) -> None:
+        if entered and self._in_flight is not None:
+            self._in_flight.dec()
+        if self._observe is not None:
+            self._observe(method, code, time.perf_counter() - t0)
+
+    @staticmethod
+    def _failure(method: str, exc: BaseException) -> tuple[str, str]:
+        if isinstance(exc, KVStoreError) and exc.code != "INTERNAL":
+            return exc.code, str(exc) or type(exc).__name__
+        log.error("%s failed with an unexpected error", method, exc_info=exc)
+        return "INTERNAL", f"internal error in {method}: {type(exc).__name__}: {exc}"
+
+    def unary(self, method: str, fn: Callable[[Any], Message]) -> Callable:
+        """Wrap `fn(request)`: timing, in-flight count, exception -> status."""
+        def handler(raw: Any, context: grpc.ServicerContext) -> Message:
+            t0, entered = time.perf_counter(), False
+            try:
+                self._enter()
+                entered = True
+                resp = fn(raw)
+            except Exception as exc:
+                code, msg = self._failure(method, exc)
+                self._done(method, code, t0, entered)
+                context.abort(_status(code), msg)
+            self._done(method, "OK", t0, entered)
+            return resp
+        return handler
+
+    def server_stream(self, method: str, fn: Callable[[bytes], Iterator[Message]]) -> Callable:
+        """Like `unary` for a generator; an error after some messages ends the stream with it."""
+        def handler(raw: bytes, context: grpc.ServicerContext) -> Iterator[Message]:
+            t0, entered = time.perf_counter(), False
+            code, msg = "OK", ""
+            try:
+                self._enter()
+                entered = True
+                yield from fn(raw)
+            except GeneratorExit:   # the client went away mid-stream
+                code = "CANCELLED"
+                raise
+            except Exception as exc:
+                code, msg = self._failure(method, exc)
+            finally:
+                self._done(method, code, t0, entered)
+            if code != "OK":
+                context.abort(_status(code), msg)
+        return handler
+
+    def _ns_block_bytes(self, ns_id: bytes) -> int | None:
+        bb = self._block_bytes.get(ns_id)
+        if bb is None:
+            lookup = getattr(self.store, "namespace", None)
+            if lookup is None:
+                return None
+            bb = int(lookup(ns_id).block_bytes)   # NotFound for an unknown namespace
+            self._block_bytes[ns_id] = bb
+        return bb
+
+    # -- RPCs ---------------------------------------------------------------------------------
+    def RegisterNamespace(self, raw: bytes) -> pb.RegisterNamespaceResponse:
+        req = _parse(pb.RegisterNamespaceRequest, raw)
+        if not req.HasField("spec"):
+            raise InvalidArgument("spec is missing: RegisterNamespace needs the namespace spec")
+        spec = spec_from_proto(req.spec, req.spec.HasField("layout"))
+        info = self.store.register_namespace(spec)
+        block_bytes = int(getattr(info, "block_bytes", spec.layout.block_bytes))
+        self._block_bytes[bytes(info.ns_id)] = block_bytes
+        host = self.store.host_info()
+        resp = pb.RegisterNamespaceResponse(
+            namespace_id=info.ns_id, block_bytes=block_bytes, daemon_id=self.store.daemon_id,
+            host_pool=pb.HostPool(kind=str(host.get("kind", "")), name=str(host.get("name", "")),
+                                  size=int(host.get("size", 0))))
+        for g in self.store.gpu_info():
+            resp.gpu_pools.add(device=int(g.get("device", 0)),
+                               ipc_handle=bytes(g.get("ipc_handle", b"")),
+                               size=int(g.get("size", 0)), owner_pid=int(g.get("owner_pid", 0)))
+        return resp
+
+    def Lookup(self, raw: bytes) -> pb.LookupResponse:
+        req = _parse(pb.LookupRequest, raw)
+        ns = check_ns(req.namespace_id)
+        keys = check_keys(req.keys, allow_empty=True)
+        res = self.store.lookup(ns, keys)
+        return pb.LookupResponse(prefix_blocks=res.prefix_blocks,
+                                 per_tier={str(k): int(v) for k, v in res.per_tier.items()})
+
+    def Reserve(self, raw: bytes) -> pb.ReserveResponse:
+        req = _parse(pb.ReserveRequest, raw)
+        ns = check_ns(req.namespace_id)
+        n = check_count(req.count)
+        tier = check_slot_tier(req.tier, self.gpu_enabled)
+        ttl = check_ttl(req.ttl_s, self.max_ttl_s)
+        lease = self.store.reserve(ns, n, tier=tier, ttl_s=ttl)
+        return pb.ReserveResponse(lease=lease_to_proto(lease))
+
+    def Commit(self, raw: bytes) -> pb.CommitResponse:
+        req = _parse(pb.CommitRequest, raw)
+        lease_id = check_lease_id(req.lease_id)
+        keys = check_keys(req.keys, allow_empty=True, distinct=True)
+        parent = check_parent(req.parent)
+        if req.checksums and len(req.checksums) != len(keys):
+            raise InvalidArgument(f"{len(req.checksums)} checksums for {len(keys)} keys; send "
+                                  "one per key or none")
+        res = self.store.commit(lease_id, keys, parent=parent,
+                                checksums=list(req.checksums) or None)
+        return pb.CommitResponse(stored=res.stored, duplicates=res.duplicates)
+
+    def Acquire(self, raw: bytes) -> pb.AcquireResponse:
+        req = _parse(pb.AcquireRequest, raw)
+        ns = check_ns(req.namespace_id)
+        keys = check_keys(req.keys)
+        tier = check_slot_tier(req.tier, self.gpu_enabled)
+        ttl = check_ttl(req.ttl_s, self.max_ttl_s)
+        lease = self.store.acquire(ns, keys, tier=tier, ttl_s=ttl)
+        return pb.AcquireResponse(lease=lease_to_proto(lease))
+
+    def Release(self, raw: bytes) -> pb.ReleaseResponse:
+        req = _parse(pb.ReleaseRequest, raw)
+        self.store.release(check_lease_id(req.lease_id))
+        return pb.ReleaseResponse()
+
+    def RenewLease(self, raw: bytes) -> pb.RenewLeaseResponse:
+        req = _parse(pb.RenewLeaseRequest, raw)
+        lease_id = check_lease_id(req.lease_id)
+        ttl = check_ttl(req.ttl_s, self.max_ttl_s)
+        return pb.RenewLeaseResponse(deadline=self.store.renew(lease_id, ttl))
+
+    def Put(self, raws: Iterator[bytes]) -> pb.PutResponse:
+        """Client stream: each message's blocks continue the chain of the previous message."""
+        ns: bytes | None = None
+        prev: bytes | None = None      # parent of the next block
+        stored = dups = 0
+        for m, raw in enumerate(raws):
+            req = _parse(pb.PutRequest, raw)
+            if m == 0:
+                ns = check_ns(req.namespace_id, "namespace_id (first Put message)")
+                prev = check_parent(req.parent, "parent (first Put message)")
+                block_bytes = self._ns_block_bytes(ns)
+            else:
+                if req.namespace_id and req.namespace_id != ns:
+                    raise InvalidArgument(f"Put message {m} names another namespace; one Put "
+                                          "stream writes one namespace")
+                if req.parent and req.parent != prev:
+                    raise InvalidArgument(f"Put message {m}: parent must be empty (the chain "
+                                          "continues from the previous message's last key)")
+            if not req.blocks:
+                continue
+            keys = check_keys((b.key for b in req.blocks), f"message {m} blocks[].key",
+                              distinct=True)
+            for i, b in enumerate(req.blocks):
+                if block_bytes is not None and len(b.data) != block_bytes:
+                    raise InvalidArgument(f"message {m} blocks[{i}].data is {len(b.data)} bytes; "
+                                          f"this namespace's blocks are {block_bytes} bytes")
+            res = self.store.put(ns, keys, [b.data for b in req.blocks], parent=prev)
+            stored += res.stored
+            dups += res.duplicates
+            prev = keys[-1]
+        return pb.PutResponse(stored=stored, duplicates=dups)
+
+    def Get(self, raw: bytes) -> Iterator[bytes | pb.GetResponse]:
+        """The longest cached prefix, fetched and sent in ~8 MiB batches to bound memory."""
+        req = _parse(pb.GetRequest, raw)
+        ns = check_ns(req.namespace_id)
+        keys = check_keys(req.keys)
+        bb = self._ns_block_bytes(ns)
+        per = max(1, GET_BATCH_BYTES // bb) if bb else 1
+        i = 0
+        sent = False
+        while i < len(keys):
+            chunk = keys[i:i + per]
+            n, msg = self.store.with_prefix(ns, chunk, _encode_get_response)
+            if n:
+                sent = True
+                yield msg
+            if n < len(chunk):
+                break
+            i += n
+        if not sent:
+            yield pb.GetResponse()
+
+    def Delete(self, raw: bytes) -> pb.DeleteResponse:
+        req = _parse(pb.DeleteRequest, raw)
+        ns = check_ns(req.namespace_id)
+        if req.all and req.keys:
+            raise InvalidArgument("pass either keys or all=true, not both")
+        if not req.all and not req.keys:
+            raise InvalidArgument("nothing to delete: pass keys, or all=true for the whole "
+                                  "namespace")
+        keys = None if req.all else check_keys(req.keys)
+        return pb.DeleteResponse(deleted=int(self.store.delete(ns, keys)))
+
+    def Evict(self, raw: bytes) -> pb.EvictResponse:
+        req = _parse(pb.EvictRequest, raw)
+        if req.tier not in TIERS:
+            raise InvalidArgument(f"tier {req.tier[:40]!r} is not one of {list(TIERS)}")
+        res = self.store.evict(req.tier, int(req.bytes))
+        freed, blocks = res if isinstance(res, tuple) else (res, 0)
+        return pb.EvictResponse(freed_bytes=int(freed), blocks=int(blocks))
+
+    def Flush(self, raw: bytes) -> pb.FlushResponse:
+        _parse(pb.FlushRequest, raw)
+        return pb.FlushResponse(demoted=int(self.store.flush() or 0))
+
+    def Stats(self, raw: bytes) -> pb.StatsResponse:
+        _parse(pb.StatsRequest, raw)
+        return stats_to_proto(self.store.stats(), self.store.daemon_id)
+
+    # -- registration -------------------------------------------------------------------------
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The generic handler with raw-bytes request deserializers (see module docstring)."""
+        def ser(msg: Message | bytes) -> bytes:
+            # Get replies arrive already encoded (one copy from the slab, no protobuf copies).
+            return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+        unary = ("RegisterNamespace", "Lookup", "Reserve", "Commit", "Acquire", "Release",
+                 "RenewLease", "Delete", "Evict", "Flush", "Stats")
+        handlers = {name: grpc.unary_unary_rpc_method_handler(
+            self.unary(name, getattr(self, name)), response_serializer=ser) for name in unary}
+        handlers["Put"] = grpc.stream_unary_rpc_method_handler(
+            self.unary("Put", self.Put), response_serializer=ser)
+        handlers["Get"] = grpc.unary_stream_rpc_method_handler(
+            self.server_stream("Get", self.Get), response_serializer=ser)
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+# -------------------------------------------------------------------------- the server
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # Two daemons must never share a TCP port silently: bind fails instead.
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+
+
+def build_server(servicer: KVStoreServicer, workers: int, max_message_bytes: int
+                 ) -> tuple[grpc.Server, Any]:
+    """A thread-pool gRPC server with the KVStore service, health checking and reflection.
+
+    Returns (server, health servicer); the caller binds ports, starts it and flips health
+    to SERVING once it is really ready.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
+                         options=grpc_options(max_message_bytes),
+                         maximum_concurrent_rpcs=None)
+    server.add_generic_rpc_handlers((servicer.handler(),))
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return server, health_servicer
