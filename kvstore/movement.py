@@ -54,8 +54,9 @@ def _sample_error(raw: np.ndarray, payload, layout: KVLayout, codec: str,
 
 
 def decode_block(value: bytes | memoryview | tuple, layout: KVLayout, out: np.ndarray,
-                 checksum: int | None) -> None:
-    """Decode a framed value into `out`; DataLoss when it does not decode or verify.
+                 checksum: int | None) -> str:
+    """Decode a framed value into `out` and return the codec it was stored with; DataLoss when
+    it does not decode or verify.
 
     A lossless block must reproduce the checksum taken when it was first stored; lossy blocks
     cannot, so the frame's own checksum (over the encoded payload) is what guards them.
@@ -65,5 +66,6 @@ def decode_block(value: bytes | memoryview | tuple, layout: KVLayout, out: np.nd
     if raw_len != len(out):
         raise DataLoss(f"stored block is {raw_len} bytes, the namespace expects {len(out)}")
     codecs.decode(codec, payload, layout, out)
-    if checksum and codec in ("raw", "lossless") and xxhash.xxh3_64_intdigest(out) != checksum:
+    if checksum and codec not in LOSSY and xxhash.xxh3_64_intdigest(out) != checksum:
         raise DataLoss("block decoded but its checksum does not match the one stored")
+    return codec

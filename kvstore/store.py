@@ -31,16 +31,18 @@ from kvstore_client.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvstore_client.gpu import pin_host
 from kvstore_client.hashing import MAX_KEY_BYTES, MIN_KEY_BYTES
 from kvstore_client.layout import NamespaceSpec
 
+from tiers.gpu import open_gpu_tiers
 from tiers.host import HostTier
 from tiers.ssd import SSDTier
 
 from .config import StoreConfig
 from .index import NS_ID_BYTES, BlockIndex, Entry
 from .leases import Lease, LeaseTable, Slot
-from .movement import decode_block, encode_block
+from .movement import LOSSY, decode_block, encode_block
 from .policy import EvictionPolicy, make_policy
 
 log = logging.getLogger("kvstore.store")
@@ -97,6 +99,11 @@ class Store:
         shm_name = config.host.shm_name or "kvstore-" + blake3.blake3(
             str(data.resolve()).encode()).hexdigest()[:16]
         self.host = HostTier(config.host.capacity, shm_name=shm_name)
+        # Page-locked so host<->GPU copies (ours and clients') run at PCIe speed; a no-op
+        # without CUDA. It must be unregistered before the slab is unmapped (close order).
+        self._host_pin = pin_host(self.host.array)
+        self.gpu = (open_gpu_tiers(config.gpu.capacity, config.gpu.devices, log,
+                                   slab_prefix=shm_name + "-") if config.gpu.enabled else {})
         self.ssd: SSDTier | None = None
         self.remote = None
         self.policies: dict[str, EvictionPolicy] = {
@@ -112,6 +119,7 @@ class Store:
                 self.remote = RemoteTier(config.remote)
             self._rebuild()
         except BaseException:
+            self._close_device_side()
             self.host.close()
             if self.ssd is not None:
                 self.ssd.close()
@@ -166,7 +174,13 @@ class Store:
                     self.remote.close()
                 if self._decoders is not None:
                     self._decoders.shutdown(wait=True)
+                self._close_device_side()
                 self.host.close()
+
+    def _close_device_side(self) -> None:
+        for t in self.gpu.values():
+            t.close()
+        self._host_pin.close()
 
     def __enter__(self) -> Store:
         return self
@@ -662,8 +676,8 @@ class Store:
                     else:
                         self.host.free(off)
                 raise
-            failed = self._decode_all(info, [(i, c) for i, c in enumerate(chain)
-                                             if c[1] is not None])
+            failed, lossy = self._decode_all(info, [(i, c) for i, c in enumerate(chain)
+                                                    if c[1] is not None])
             pinned: list[Entry] = []
             cut = False
             for i, (e, off, value, source) in enumerate(chain):
@@ -677,7 +691,7 @@ class Store:
                     cut = True
                     self._drop_corrupt(e, off, source, failed[i])
                     continue
-                self._install_promoted(e, off, value, source)
+                self._install_promoted(e, off, value, source, i in lossy)
                 if not cut:
                     e.pins += 1
                     pinned.append(e)
@@ -733,23 +747,28 @@ class Store:
             self.index.discard(e.gkey)
         return None, None
 
-    def _decode_all(self, info: NamespaceInfo, jobs: list) -> dict[int, DataLoss]:
-        """Decode promoted blocks into their slots, in parallel; returns failures by index."""
+    def _decode_all(self, info: NamespaceInfo, jobs: list) -> tuple[dict[int, DataLoss],
+                                                                    set[int]]:
+        """Decode promoted blocks into their slots, in parallel.
+
+        Returns the failures by chain index, and the indices that came from a lossy copy.
+        """
         layout = info.spec.layout
 
         def one(job):
             i, (e, off, value, _) = job
             try:
-                decode_block(value, layout, self.host.view(off, e.size), e.checksum)
+                codec = decode_block(value, layout, self.host.view(off, e.size), e.checksum)
             except DataLoss as exc:
-                return i, exc
-            return i, None
+                return i, exc, False
+            return i, None, codec in LOSSY
 
         if len(jobs) > 1:
             results = list(self._pool().map(one, jobs))
         else:
             results = [one(j) for j in jobs]
-        return {i: exc for i, exc in results if exc is not None}
+        return ({i: exc for i, exc, _ in results if exc is not None},
+                {i for i, _, lossy in results if lossy})
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._decoders is None:
@@ -772,14 +791,32 @@ class Store:
         if not e.resident:
             self.index.discard(e.gkey)
 
-    def _install_promoted(self, e: Entry, off: int, value: object, source: str) -> None:
-        if not e.checksum:
+    def _install_promoted(self, e: Entry, off: int, value: object, source: str,
+                          lossy: bool) -> None:
+        # After a lossy promotion the slot holds dequantized bytes: the checksum read leases
+        # hand out must be theirs (decoding is deterministic, so it stays valid).
+        if not e.checksum or lossy:
             e.checksum = xxhash.xxh3_64_intdigest(self.host.view(off, e.size))
         e.host = off
         self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
         self.tier_counters["host"]["promotions"] += 1
         self.counters[f"bytes_{source}_to_host"] += (len(value[2]) if isinstance(value, tuple)
                                                      else len(value))
+
+    def with_prefix(self, ns_id: bytes, keys: Sequence[bytes], fn):
+        """Call fn([(key, view), ...]) on the pinned host copies of the longest cached prefix.
+
+        The views are valid only inside fn (the read lease is released after it), which lets a
+        caller copy the bytes exactly once, straight into whatever it sends.
+        """
+        lease = self.acquire(ns_id, keys, ttl_s=self.config.leases.default_ttl_s)
+        try:
+            views = [(k, memoryview(self.host.view(s.offset, s.length)))
+                     for k, s in zip(lease.keys, lease.slots, strict=True)]
+            self.counters["bytes_host_to_client"] += sum(s.length for s in lease.slots)
+            return fn(views)
+        finally:
+            self.release(lease.id, missing_ok=True)
 
     def get(self, ns_id: bytes, keys: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
         """Bytes path: copies of the longest cached prefix."""
@@ -882,7 +919,10 @@ class Store:
         return self.host.describe()
 
     def gpu_info(self) -> list[dict]:
-        return []
+        """GPU pools for RegisterNamespace replies (empty without CUDA or with gpu disabled)."""
+        return [{"device": d["device"], "ipc_handle": d["handle"], "size": d["size"],
+                 "owner_pid": d["pid"], "uuid": d.get("uuid", ""), "name": d.get("name", "")}
+                for d in (t.describe() for t in self.gpu.values())]
 
     def stats(self) -> dict:
         with self._lock:
