@@ -1,12 +1,22 @@
 """kvstore SDK: talk to a kvstore daemon from an inference engine."""
 
-from .errors import (DataLoss, DeadlineExceeded, InvalidArgument, KVStoreError, LeaseExpired,
-                     NotFound, ResourceExhausted, Unavailable)
+from .client import Client, LookupResult, Namespace, connect
+from .errors import (
+    DataLoss,
+    DeadlineExceeded,
+    InvalidArgument,
+    KVStoreError,
+    LeaseExpired,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from .hashing import block_keys, chain_key
 from .layout import CODECS, KVLayout, NamespaceSpec
+from .paged import PagedKV
 
 __all__ = [
-    "CODECS", "DataLoss", "DeadlineExceeded", "InvalidArgument", "KVLayout", "KVStoreError",
-    "LeaseExpired", "NamespaceSpec", "NotFound", "ResourceExhausted", "Unavailable",
-    "block_keys", "chain_key",
+    "CODECS", "Client", "DataLoss", "DeadlineExceeded", "InvalidArgument", "KVLayout",
+    "KVStoreError", "LeaseExpired", "LookupResult", "Namespace", "NamespaceSpec", "NotFound",
+    "PagedKV", "ResourceExhausted", "Unavailable", "block_keys", "chain_key", "connect",
 ]
