@@ -20,7 +20,8 @@ is not the prefix a block key names, so such models are refused rather than serv
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,8 +50,11 @@ def _text_config(config: Any) -> Any:
 def _check_full_attention(config: Any) -> None:
     tc = _text_config(config)
     layer_types = getattr(tc, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or \
-            (getattr(tc, "use_sliding_window", False) and getattr(tc, "sliding_window", None)):
+    # Qwen2-style configs carry a window but switch it off with use_sliding_window=False;
+    # Mistral-style configs use it whenever sliding_window is set.
+    windowed = bool(getattr(tc, "sliding_window", None)) and \
+        getattr(tc, "use_sliding_window", True) is not False
+    if any(t != "full_attention" for t in layer_types) or (not layer_types and windowed):
         raise InvalidArgument(
             "this model uses sliding-window attention on some layers; its cache does not hold "
             "the whole prefix, so kvstore prefix reuse is not supported for it")
@@ -74,6 +78,25 @@ def layout_for_model(model_or_config: Any, block_tokens: int = 16,
         dtype = _TORCH_TO_NS[dtype]
     return KVLayout(num_layers=tc.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
                     block_tokens=block_tokens, dtype=dtype)
+
+
+@contextmanager
+def _single_threaded() -> Iterator[None]:
+    """Run torch ops on one intra-op thread for the duration (the process setting is restored).
+
+    The layout conversions are a few dozen ~1 MiB copies. On a busy machine, each parallel
+    region waits for its slowest (descheduled) thread: measured 2 ms single-threaded against
+    up to 130 ms with 2 threads on a loaded 2-core box. One thread copies at memory speed anyway.
+    """
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def _as_ids(input_ids: Any) -> torch.Tensor:
@@ -124,10 +147,11 @@ def cache_to_canonical(cache: Any, start: int = 0, end: int | None = None,
         out = torch.empty((num_layers, 2, n, heads, head_dim), dtype=dtype)
     else:
         out = out[:, :, :n]
-    for layer in range(num_layers):
-        k, v = _layer_kv(cache, layer)
-        out[layer, 0].copy_(k[0, :, start:end].transpose(0, 1))
-        out[layer, 1].copy_(v[0, :, start:end].transpose(0, 1))
+    with _single_threaded():
+        for layer in range(num_layers):
+            k, v = _layer_kv(cache, layer)
+            out[layer, 0].copy_(k[0, :, start:end].transpose(0, 1))
+            out[layer, 1].copy_(v[0, :, start:end].transpose(0, 1))
     return out
 
 
@@ -147,13 +171,15 @@ def canonical_to_cache(kv: torch.Tensor | np.ndarray, config: Any = None,
         cache = DynamicCache()
     if kv.shape[2] == 0:
         return cache
-    for layer in range(kv.shape[0]):
-        # [T, H, D] -> [1, H, T, D]. Always a contiguous copy: `kv` may be a reused load buffer,
-        # and some transformers versions keep the tensor given to `update` as the cache itself.
-        k, v = (kv[layer, i].transpose(0, 1).unsqueeze(0).to(
-            device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-            for i in (0, 1))
-        cache.update(k, v, layer)
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    with _single_threaded() if on_cpu else nullcontext():
+        for layer in range(kv.shape[0]):
+            # [T, H, D] -> [1, H, T, D]. Always a contiguous copy: `kv` may be a reused load
+            # buffer, and some transformers versions keep the tensor given to `update` as is.
+            k, v = (kv[layer, i].transpose(0, 1).unsqueeze(0).to(
+                device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+                for i in (0, 1))
+            cache.update(k, v, layer)
     return cache
 
 
@@ -240,14 +266,13 @@ class PrefixCacheRunner:
         t1 = time.perf_counter()
         timings["lookup"] = t1 - t0
         n = 0
-        kv = None
+        kv = self._load_buffer(hit)     # with hit == 0, an empty [L, 2, 0, H, D] view
         if hit:
-            kv = self._load_buffer(hit)
             # The daemon may have evicted blocks since lookup: trust only what load returns.
             n = int(self.ns.load(ids[:hit].numpy(), out=kv))
             n = min(n, hit) // self.layout.block_tokens * self.layout.block_tokens
-        cache = canonical_to_cache(kv[:, :, :n] if n else torch.empty(0, 2, 0, 1, 1),
-                                   self.model.config, device=device, dtype=model_dtype)
+        cache = canonical_to_cache(kv[:, :, :n], self.model.config, device=device,
+                                   dtype=model_dtype)
         timings["load"] = time.perf_counter() - t1
         return cache, n, timings
 
