@@ -21,7 +21,7 @@ from typing import Any
 
 from .config import ConfigError, StoreConfig, load_config
 
-# glibc malloc tunables for large gRPC messages (see module docstring and docs/metrics.md).
+# glibc malloc tunables for large gRPC messages (see module docstring and README.md (Metrics)).
 MALLOC_ENV = {
     "MALLOC_ARENA_MAX": "4",                      # 16 RPC threads must not mean 16 arenas
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),      # serve messages up to 32 MiB from the heap

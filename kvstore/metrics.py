@@ -6,7 +6,7 @@ one source of truth and costs nothing on the hot path; counting the same events 
 would double the bookkeeping and drift. Only what the store cannot see — RPC latency, status
 codes, calls in flight — is measured in this module.
 
-Naming (docs/metrics.md lists every metric):
+Naming (README.md (Metrics) lists every metric):
 - known tier fields become `kvstore_tier_<field>{tier}` (levels are gauges, events `_total`
   counters); fields this module does not know go to `kvstore_tier_other{tier,stat}`.
 - `bytes_<src>_to_<dst>` counters become `kvstore_bytes_moved_total{path="<src>-><dst>"}`
@@ -62,6 +62,13 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                                              "lossless instead"}
 _MOVE = re.compile(r"^bytes_(?:(?P<src>[a-z]+)_)?to_(?P<dst>[a-z]+)$")
 _CODEC = re.compile(r"^codec_(?P<dir>in|out)_bytes_(?P<codec>[a-z0-9_]+)$")
+# Sampled quantization error (kvstore/movement.py): sum and sample count per lossy codec.
+_CODEC_STAT = re.compile(r"^codec_(?P<stat>blocks|error_sum|error_samples)_(?P<codec>[a-z0-9_]+)$")
+_CODEC_STAT_HELP = {
+    "blocks": "Blocks encoded by each tier codec",
+    "error_sum": "Sum of sampled relative errors |x_hat - x| / |x| of lossy-encoded blocks",
+    "error_samples": "Lossy-encoded blocks whose error was sampled (mean = error_sum / this)",
+}
 _SAFE = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -147,6 +154,8 @@ class StoreCollector(Collector):
                                         f"Bytes {'into' if d == 'in' else 'out of'} the "
                                         "tier codecs (raw vs encoded)", labels=["codec"])
                  for d in ("in", "out")}
+        codec_stats = {st: CounterMetricFamily(f"kvstore_codec_{st}", h, labels=["codec"])
+                       for st, h in _CODEC_STAT_HELP.items()}
         events = CounterMetricFamily("kvstore_store_events", "Store counters without their "
                                      "own metric", labels=["name"])
         known = {name: CounterMetricFamily(f"kvstore_{name}", help_)
@@ -162,11 +171,14 @@ class StoreCollector(Collector):
                 moved.add_metric([f"{m.group('src') or 'host'}->{m.group('dst')}"], v)
             elif m := _CODEC.match(key):
                 codec[m.group("dir")].add_metric([m.group("codec")], v)
+            elif m := _CODEC_STAT.match(key):
+                codec_stats[m.group("stat")].add_metric([m.group("codec")], v)
             else:
                 events.add_metric([metric_name(key)], v)
         yield from known.values()
         yield moved
         yield from codec.values()
+        yield from codec_stats.values()
         yield events
 
 
