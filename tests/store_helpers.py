@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+from kvstore_client import KVLayout, NamespaceSpec, block_keys
+
 from kvstore.config import StoreConfig
 from kvstore.store import Store
-from kvstore_client import KVLayout, NamespaceSpec, block_keys
 
 # 2 layers x 2 (K,V) x 8 tokens x 2 heads x 16 dims x fp16 = 2 KiB a block: fast tests.
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=8, dtype="float16")

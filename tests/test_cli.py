@@ -8,10 +8,10 @@ import os
 import socket
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from kvstore.cli import build_config, default_config_path, main, make_parser
 from kvstore.config import StoreConfig, load_config

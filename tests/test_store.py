@@ -9,13 +9,18 @@ import time
 import numpy as np
 import pytest
 import xxhash
-from kvstore_client.errors import (DataLoss, InvalidArgument, LeaseExpired, NotFound,
-                                   ResourceExhausted)
+from kvstore_client.errors import (
+    DataLoss,
+    InvalidArgument,
+    LeaseExpired,
+    NotFound,
+    ResourceExhausted,
+)
 from kvstore_client.hashing import block_keys
 
 from tiers.ssd import SSDTier
 
-from .store_helpers import SMALL, kv_block, make_store, namespace, random_prompt
+from .store_helpers import kv_block, make_store, namespace, random_prompt
 
 
 def write_via_lease(store, ns, keys, parent=None, checksums=True):

@@ -37,7 +37,7 @@ def _positive_int(name: str, value: object, upper: int) -> int:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one block in the canonical layout [layers, 2 (K,V), block_tokens, heads, head_dim]."""
+    """Shape of one block in the canonical layout [layers, 2 (K,V), tokens, heads, head_dim]."""
 
     num_layers: int
     num_kv_heads: int
