@@ -19,6 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvstore_client.errors import InvalidArgument
+
 from .config import ConfigError, StoreConfig, load_config
 
 # glibc malloc tunables for large gRPC messages (see module docstring and README.md (Metrics)).
@@ -172,11 +174,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
     from kvstore_client._proto import kvstore_pb2, kvstore_pb2_grpc
+    from kvstore_client.client import grpc_target
 
     try:
-        address = args.address or f"unix:{build_config(args).socket_path}"
-    except ConfigError as e:
-        return _fail(f"config error: {e}")
+        # The SDK's reading of addresses: a bare or relative path is a Unix socket.
+        address = grpc_target(args.address or build_config(args).socket_path)[0]
+    except (ConfigError, InvalidArgument) as e:
+        return _fail(f"config error: {e}" if isinstance(e, ConfigError) else str(e))
     if address.startswith("unix:") and not os.path.exists(address[len("unix:"):]):
         return _fail(f"no kvstore daemon at {address}: the socket does not exist (start one "
                      "with `kvstore serve`, or pass --address / --data-dir)", 1)
