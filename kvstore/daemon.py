@@ -30,6 +30,17 @@ from .config import StoreConfig
 
 log = logging.getLogger("kvstore.daemon")
 
+
+def _one_torch_thread() -> None:
+    """One intra-op thread per torch call: the store runs codecs on its own worker threads.
+
+    torch's own pool on top of ours oversubscribed the cores; with any neighbour busy, single
+    codec ops ran 10-100x slower.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+
 LOCK_NAME = "LOCK"
 
 
@@ -154,6 +165,8 @@ class Daemon:
             factory = self._store_factory
             if factory is None:
                 from .store import Store as factory
+
+                _one_torch_thread()
             try:
                 self.store = factory(cfg)
             except KVStoreError as e:

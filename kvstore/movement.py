@@ -19,8 +19,10 @@ LOSSY = ("fp8_e4m3", "int8")
 ERROR_SAMPLE_EVERY = 32     # one lossy block in this many is decoded again to measure its error
 
 
-def encode_block(raw: np.ndarray, layout: KVLayout, codec: str, counters: Counter) -> bytes:
-    """Framed value for a keyed tier (ssd, remote)."""
+def encode_block(raw: np.ndarray, layout: KVLayout, codec: str, counters: Counter,
+                 sample_error: bool = False) -> bytes:
+    """Framed value for a keyed tier (ssd, remote); with `sample_error`, a lossy codec's error on
+    this block is measured into the counters (callers sample one block in ERROR_SAMPLE_EVERY)."""
     try:
         payload = codecs.encode(codec, raw, layout)
     except codecs.NonFiniteBlock:
@@ -30,7 +32,7 @@ def encode_block(raw: np.ndarray, layout: KVLayout, codec: str, counters: Counte
     value = frame.frame(codec, len(raw), payload)
     counters[f"codec_in_bytes_{codec}"] += len(raw)
     counters[f"codec_out_bytes_{codec}"] += len(value)
-    if codec in LOSSY and counters[f"codec_blocks_{codec}"] % ERROR_SAMPLE_EVERY == 0:
+    if codec in LOSSY and sample_error:
         _sample_error(raw, payload, layout, codec, counters)
     counters[f"codec_blocks_{codec}"] += 1
     return value
