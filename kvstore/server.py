@@ -70,7 +70,10 @@ def check_keys(keys: Iterable[bytes], field: str = "keys", allow_empty: bool = F
     if len(keys) > MAX_KEYS:
         raise InvalidArgument(f"{len(keys)} {field} in one request; the limit is {MAX_KEYS}, "
                               "split the request")
-    out = [check_key(k, f"{field}[{i}]") for i, k in enumerate(keys)]
+    if all(MIN_KEY_BYTES <= len(k) <= MAX_KEY_BYTES for k in keys):
+        out = [bytes(k) for k in keys]      # the common case: no per-key calls or messages
+    else:
+        out = [check_key(k, f"{field}[{i}]") for i, k in enumerate(keys)]
     if distinct and len(set(out)) != len(out):
         seen: dict[bytes, int] = {}
         for i, k in enumerate(out):
@@ -182,6 +185,76 @@ def _parse(cls: type[Message], raw: bytes) -> Any:
     except Exception as e:  # DecodeError, or invalid UTF-8 in a string field
         raise InvalidArgument(f"request is not a valid {cls.DESCRIPTOR.full_name} message: "
                               f"{e}") from None
+
+
+def _wire_fields(buf: memoryview, what: str) -> Iterator[tuple[int, int, Any]]:
+    """(field number, wire type, value) of a protobuf message; bytes fields as memoryviews.
+
+    Only what PutRequest needs: upb copies a bytes field on every access, and a Put carries
+    megabytes of block data that should be copied once, into the slab.
+    """
+    i, n = 0, len(buf)
+
+    def varint() -> int:
+        nonlocal i
+        shift = result = 0
+        while True:
+            if i >= n or shift > 63:
+                raise InvalidArgument(f"request is not a valid {what} message: bad varint")
+            b = buf[i]
+            i += 1
+            result |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return result
+            shift += 7
+
+    while i < n:
+        tag = varint()
+        field, wt = tag >> 3, tag & 7
+        if field == 0:
+            raise InvalidArgument(f"request is not a valid {what} message: field number 0")
+        if wt == 0:
+            yield field, wt, varint()
+        elif wt == 2:
+            size = varint()
+            if i + size > n:
+                raise InvalidArgument(f"request is not a valid {what} message: truncated")
+            yield field, wt, buf[i:i + size]
+            i += size
+        elif wt in (1, 5):
+            size = 8 if wt == 1 else 4
+            if i + size > n:
+                raise InvalidArgument(f"request is not a valid {what} message: truncated")
+            i += size
+        else:
+            raise InvalidArgument(f"request is not a valid {what} message: wire type {wt}")
+
+
+def _parse_put(raw: bytes) -> tuple[bytes, bytes, list[tuple[bytes, memoryview]]]:
+    """PutRequest -> (namespace_id, parent, [(key, data view)]), data not copied."""
+    ns = parent = b""
+    blocks: list[tuple[bytes, memoryview]] = []
+    what = "kvstore.v1.PutRequest"
+    for field, wt, v in _wire_fields(memoryview(raw), what):
+        if field in (1, 2, 3) and wt != 2:
+            raise InvalidArgument(f"request is not a valid {what} message: field {field} has "
+                                  f"wire type {wt}")
+        if field == 1:
+            ns = bytes(v)
+        elif field == 2:
+            parent = bytes(v)
+        elif field == 3:
+            key, data = b"", memoryview(b"")
+            for f2, wt2, v2 in _wire_fields(v, "kvstore.v1.Block"):
+                if f2 in (1, 2) and wt2 != 2:
+                    raise InvalidArgument(f"request is not a valid kvstore.v1.Block message: "
+                                          f"field {f2} has wire type {wt2}")
+                if f2 == 1:
+                    key = bytes(v2)
+                elif f2 == 2:
+                    data = v2
+            blocks.append((key, data))
+    return ns, parent, blocks
 
 
 def _status(code: str) -> grpc.StatusCode:
@@ -371,27 +444,27 @@ class KVStoreServicer:
         prev: bytes | None = None      # parent of the next block
         stored = dups = 0
         for m, raw in enumerate(raws):
-            req = _parse(pb.PutRequest, raw)
+            req_ns, req_parent, blocks = _parse_put(raw)
             if m == 0:
-                ns = check_ns(req.namespace_id, "namespace_id (first Put message)")
-                prev = check_parent(req.parent, "parent (first Put message)")
+                ns = check_ns(req_ns, "namespace_id (first Put message)")
+                prev = check_parent(req_parent, "parent (first Put message)")
                 block_bytes = self._ns_block_bytes(ns)
             else:
-                if req.namespace_id and req.namespace_id != ns:
+                if req_ns and req_ns != ns:
                     raise InvalidArgument(f"Put message {m} names another namespace; one Put "
                                           "stream writes one namespace")
-                if req.parent and req.parent != prev:
+                if req_parent and req_parent != prev:
                     raise InvalidArgument(f"Put message {m}: parent must be empty (the chain "
                                           "continues from the previous message's last key)")
-            if not req.blocks:
+            if not blocks:
                 continue
-            keys = check_keys((b.key for b in req.blocks), f"message {m} blocks[].key",
+            keys = check_keys((k for k, _ in blocks), f"message {m} blocks[].key",
                               distinct=True)
-            for i, b in enumerate(req.blocks):
-                if block_bytes is not None and len(b.data) != block_bytes:
-                    raise InvalidArgument(f"message {m} blocks[{i}].data is {len(b.data)} bytes; "
+            for i, (_, data) in enumerate(blocks):
+                if block_bytes is not None and len(data) != block_bytes:
+                    raise InvalidArgument(f"message {m} blocks[{i}].data is {len(data)} bytes; "
                                           f"this namespace's blocks are {block_bytes} bytes")
-            res = self.store.put(ns, keys, [b.data for b in req.blocks], parent=prev)
+            res = self.store.put(ns, keys, [d for _, d in blocks], parent=prev)
             stored += res.stored
             dups += res.duplicates
             prev = keys[-1]

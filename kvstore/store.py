@@ -225,6 +225,8 @@ class Store:
         if len(keys) > MAX_KEYS_PER_CALL:
             raise InvalidArgument(f"{len(keys)} keys in one call; the limit is "
                                   f"{MAX_KEYS_PER_CALL}")
+        if all(type(k) is bytes and MIN_KEY_BYTES <= len(k) <= MAX_KEY_BYTES for k in keys):
+            return list(keys)               # the common case, checked in one pass
         out = []
         for i, k in enumerate(keys):
             ok = isinstance(k, (bytes, bytearray))
@@ -283,25 +285,29 @@ class Store:
         with self._lock:
             self._check_open()
             self._ns(ns_id)
-            per = {"host": 0}
-            if self.ssd is not None:
-                per["ssd"] = 0
-            if self.remote is not None:
-                per["remote"] = 0
-            running = dict.fromkeys(per, True)
-            n = 0
+            # Hot path (one call per engine request): plain locals, no per-key tuples.
+            get = self.index.get
+            n = h = d = r = 0
+            run_h = run_d = run_r = True
             for k in keys:
-                e = self.index.get(ns_id + k)
-                if e is None or not e.resident:
+                e = get(ns_id + k)
+                if e is None:
+                    break
+                on_h, on_d, on_r = e.host is not None, e.ssd, e.remote
+                if not (on_h or on_d or on_r):
                     break
                 n += 1
-                for t, where in (("host", e.host is not None), ("ssd", e.ssd),
-                                 ("remote", e.remote)):
-                    if t in per and running[t]:
-                        if where:
-                            per[t] += 1
-                        else:
-                            running[t] = False
+                if run_h:
+                    h, run_h = (h + 1, True) if on_h else (h, False)
+                if run_d:
+                    d, run_d = (d + 1, True) if on_d else (d, False)
+                if run_r:
+                    r, run_r = (r + 1, True) if on_r else (r, False)
+            per = {"host": h}
+            if self.ssd is not None:
+                per["ssd"] = d
+            if self.remote is not None:
+                per["remote"] = r
             self.counters["lookups"] += 1
             self.counters["lookup_blocks"] += len(keys)
             self.counters["lookup_hit_blocks"] += n
@@ -315,7 +321,7 @@ class Store:
                         rec(ns_id + k)
         if self.remote is not None and n < len(keys):
             extra = self._remote_extend(ns_id, keys, n)
-            if running["remote"]:
+            if run_r:
                 per["remote"] += extra
             n += extra
         return LookupResult(n, per)

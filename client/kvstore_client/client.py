@@ -730,19 +730,23 @@ class Namespace:
         i = start
         while i < len(keys):
             n = min(len(keys) - i, per_rpc)
+            base, offsets = None, []
             if parts is None:
                 base = self._staging_buffer(n * stride)
                 offsets = [j * stride for j in range(n)]
                 fill(base, offsets, i)
-            msgs = []
-            for m0 in range(0, n, per_msg):
-                blocks = [(keys[i + j], parts(i + j) if parts is not None
-                           else base[offsets[j]:offsets[j] + bb])
-                          for j in range(m0, min(n, m0 + per_msg))]
-                msgs.append(encode_put(self.ns_id if m0 == 0 else b"",
-                                       parent if m0 == 0 else b"", blocks))
+            def msgs(i: int = i, n: int = n, parent: bytes = parent, base=base,
+                     offsets: list[int] = offsets):
+                # A generator: gRPC's sender thread encodes the next message while the
+                # previous one is on the wire.
+                for m0 in range(0, n, per_msg):
+                    blocks = [(keys[i + j], parts(i + j) if parts is not None
+                               else base[offsets[j]:offsets[j] + bb])
+                              for j in range(m0, min(n, m0 + per_msg))]
+                    yield encode_put(self.ns_id if m0 == 0 else b"",
+                                     parent if m0 == 0 else b"", blocks)
             try:
-                r = client._put(iter(msgs), timeout=client.timeout, wait_for_ready=True)
+                r = client._put(msgs(), timeout=client.timeout, wait_for_ready=True)
             except grpc.RpcError as e:
                 raise _error(e, "Put", client.target) from None
             stored += int(r.stored)
