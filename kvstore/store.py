@@ -419,7 +419,8 @@ class Store:
         if not todo:
             return
         if self.ssd is None:
-            if self.remote is not None:
+            todo = [e for e in todo if not e.remote]    # already in Redis: nothing to write
+            if self.remote is not None and todo:
                 self._demote_to_remote(todo, from_host=True)
             return
         items = list(zip(todo, self._encode_many(todo), strict=True))
