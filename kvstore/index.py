@@ -43,15 +43,14 @@ class BlockIndex:
     def __init__(self) -> None:
         self._entries: dict[bytes, Entry] = {}
         self._by_ns: dict[bytes, set[bytes]] = {}
+        # The dict's own method: lookups call it once per key on the hot path.
+        self.get = self._entries.get
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __contains__(self, gkey: bytes) -> bool:
         return gkey in self._entries
-
-    def get(self, gkey: bytes) -> Entry | None:
-        return self._entries.get(gkey)
 
     def add(self, entry: Entry) -> None:
         g = entry.gkey

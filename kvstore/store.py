@@ -225,8 +225,11 @@ class Store:
         if len(keys) > MAX_KEYS_PER_CALL:
             raise InvalidArgument(f"{len(keys)} keys in one call; the limit is "
                                   f"{MAX_KEYS_PER_CALL}")
-        if all(type(k) is bytes and MIN_KEY_BYTES <= len(k) <= MAX_KEY_BYTES for k in keys):
-            return list(keys)               # the common case, checked in one pass
+        if not keys:
+            return []
+        lens = list(map(len, keys)) if set(map(type, keys)) == {bytes} else None
+        if lens and MIN_KEY_BYTES <= min(lens) and max(lens) <= MAX_KEY_BYTES:
+            return list(keys)               # the common case, checked at C speed
         out = []
         for i, k in enumerate(keys):
             ok = isinstance(k, (bytes, bytearray))

@@ -51,7 +51,7 @@ PAGE = 4096
 _CHUNK_BYTES = 4 << 20
 # Put streams carry about this many block bytes per message (and per RPC at most _PUT_RPC_BYTES),
 # bounding the client's temporary memory.
-_PUT_MESSAGE_BYTES = 4 << 20
+_PUT_MESSAGE_BYTES = 2 << 20
 _PUT_RPC_BYTES = 64 << 20
 # A Reserve asks for at most this share of the host pool (the daemon refuses batches that do not
 # fit below its high watermark) and at most this many slots.
