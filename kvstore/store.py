@@ -48,6 +48,7 @@ from .policy import EvictionPolicy, make_policy
 log = logging.getLogger("kvstore.store")
 
 MAX_KEYS_PER_CALL = 1 << 16
+REMOTE_CHUNK = 8        # remote blocks fetched per trip when an acquire pipelines its fetches
 TIERS = ("gpu", "host", "ssd", "remote")
 SLAB_ALIGN = 4096
 
@@ -89,6 +90,7 @@ class Store:
         self._lock = threading.RLock()
         self._closed = False
         self._decoders: ThreadPoolExecutor | None = None
+        self._remote_fetcher: ThreadPoolExecutor | None = None
         self._encoded = 0               # blocks encoded, to sample one in ERROR_SAMPLE_EVERY
         self.counters: Counter = Counter()
         self.tier_counters: dict[str, Counter] = {t: Counter() for t in TIERS}
@@ -173,8 +175,9 @@ class Store:
                     self.ssd.close()
                 if self.remote is not None:
                     self.remote.close()
-                if self._decoders is not None:
-                    self._decoders.shutdown(wait=True)
+                for pool in (self._decoders, self._remote_fetcher):
+                    if pool is not None:
+                        pool.shutdown(wait=True)
                 self._close_device_side()
                 self.host.close()
 
@@ -673,7 +676,48 @@ class Store:
         tier = self._tier(tier)
         keys = self._keys(keys)
         ttl = self.leases.ttl(ttl_s)
-        remote_values = self._prefetch_remote(ns_id, keys)
+        want = self._remote_wanted(ns_id, keys)
+        if len(want) > REMOTE_CHUNK:
+            return self._acquire_pipelined(ns_id, keys, tier, ttl, want)
+        return self._acquire_from(ns_id, keys, tier, ttl, self._fetch_remote(want))
+
+    def _acquire_pipelined(self, ns_id: bytes, keys: list[bytes], tier: str, ttl: float,
+                           want: list[bytes]) -> Lease:
+        """Acquire in key ranges of REMOTE_CHUNK remote blocks, fetching range i+1 from Redis
+        while range i is decoded; the ranges' leases are merged into one."""
+        chunks = [want[i:i + REMOTE_CHUNK] for i in range(0, len(want), REMOTE_CHUNK)]
+        where = {ns_id + k: i for i, k in enumerate(keys)}
+        ends = [where[c[0]] for c in chunks[1:]] + [len(keys)]
+        if any(b <= a for a, b in zip([0, *ends], ends, strict=False)):  # repeated keys
+            return self._acquire_from(ns_id, keys, tier, ttl, self._fetch_remote(want))
+        wait_s = 5 + 4 * self.config.remote.deadline_ms / 1000
+        parts: list[Lease] = []
+        start = 0
+        pending = self._fetcher().submit(self._fetch_remote, chunks[0])
+        try:
+            for j, end in enumerate(ends):
+                values = pending.result(timeout=wait_s)
+                if j + 1 < len(chunks):
+                    pending = self._fetcher().submit(self._fetch_remote, chunks[j + 1])
+                part = self._acquire_from(ns_id, keys[start:end], tier, ttl, values)
+                parts.append(part)
+                if len(part.keys) < end - start:
+                    break                   # the prefix ends inside this range
+                start = end
+            with self._lock:
+                for part in parts:
+                    self.leases.pop(part.id)
+                return self.leases.new("read", bytes(ns_id), tier,
+                                       [s for p in parts for s in p.slots], ttl,
+                                       keys=[k for p in parts for k in p.keys],
+                                       checksums=[c for p in parts for c in p.checksums])
+        except BaseException:
+            for part in parts:
+                self.release(part.id, missing_ok=True)
+            raise
+
+    def _acquire_from(self, ns_id: bytes, keys: list[bytes], tier: str, ttl: float,
+                      remote_values: dict) -> Lease:
         with self._lock:
             self._check_open()
             self._reap_locked()
@@ -730,14 +774,14 @@ class Store:
                                    keys=[e.key for e in pinned],
                                    checksums=[e.checksum for e in pinned])
 
-    def _prefetch_remote(self, ns_id: bytes, keys: list[bytes]) -> dict[bytes, tuple]:
-        """Fetch, outside the lock, the blocks only the remote tier has (one batched trip).
+    def _remote_wanted(self, ns_id: bytes, keys: list[bytes]) -> list[bytes]:
+        """Global keys of the prefix blocks only the remote tier holds, in order.
 
         Keys the index has never seen may still be remote (another node wrote them): the first
         unknown key starts a remote existence check, as Lookup does.
         """
         if self.remote is None:
-            return {}
+            return []
         with self._lock:
             want, first_unknown = [], None
             for i, k in enumerate(keys):
@@ -750,11 +794,19 @@ class Store:
         if first_unknown is not None:
             n = self._remote_extend(ns_id, keys, first_unknown)
             want += [ns_id + k for k in keys[first_unknown:first_unknown + n]]
+        return want
+
+    def _fetch_remote(self, want: list[bytes]) -> dict[bytes, tuple]:
+        """One batched trip per node, outside the store lock; verified frames, not re-hashed."""
         if not want:
             return {}
-        # unframed: the tier already verified each frame's checksum; don't hash twice.
         values = self.remote.get_many(want, unframed=True)
         return {g: v for g, v in zip(want, values, strict=True) if v is not None}
+
+    def _fetcher(self) -> ThreadPoolExecutor:
+        if self._remote_fetcher is None:
+            self._remote_fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-fetch")
+        return self._remote_fetcher
 
     def _lower_copy(self, e: Entry, remote_values: dict) -> tuple[object, str | None]:
         """The encoded value of a block not in host: from SSD, else from the remote prefetch."""

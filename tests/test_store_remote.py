@@ -1,0 +1,60 @@
+"""Two stores sharing blocks through a real redis-server, including pipelined promotion."""
+
+from __future__ import annotations
+
+import numpy as np
+import redis
+
+from kvstore.config import StoreConfig
+from kvstore.store import REMOTE_CHUNK, Store
+from tests.redis_fixtures import redis_server_fixture  # noqa: F401  (fixture)
+
+from .store_helpers import kv_block, namespace, random_prompt
+
+
+def remote_store(path, url: str, **remote) -> Store:
+    cfg = StoreConfig(data_dir=str(path))
+    cfg.host.capacity = 4 << 20
+    cfg.ssd.enabled = False
+    cfg.remote.enabled = True
+    cfg.remote.urls = [url]
+    cfg.remote.deadline_ms = 2000
+    for k, v in remote.items():
+        setattr(cfg.remote, k, v)
+    return Store(cfg)
+
+
+def test_pipelined_promotion_from_redis_is_byte_equal(tmp_path, redis_server):
+    n = 3 * REMOTE_CHUNK + 5                    # several pipelined ranges, the last one short
+    _, keys = random_prompt(np.random.default_rng(0), n)
+    with remote_store(tmp_path / "a", redis_server.url, write_through=True) as a:
+        ns = namespace(a)
+        a.put(ns, keys, [kv_block(k) for k in keys])
+    with remote_store(tmp_path / "b", redis_server.url) as b:
+        assert namespace(b) == ns
+        lease = b.acquire(ns, keys)                # B has never seen these keys
+        assert lease.keys == keys
+        for k, s in zip(lease.keys, lease.slots, strict=True):
+            assert b.host.view(s.offset, s.length).tobytes() == kv_block(k)
+        assert b.stats()["active_leases"] == 1     # the ranges' leases merged into one
+        b.release(lease.id)
+        assert b.stats()["active_leases"] == 0
+
+
+def test_pipelined_promotion_stops_where_redis_lost_a_block(tmp_path, redis_server):
+    n = 2 * REMOTE_CHUNK + 4
+    _, keys = random_prompt(np.random.default_rng(1), n)
+    with remote_store(tmp_path / "a", redis_server.url, write_through=True) as a:
+        ns = namespace(a)
+        a.put(ns, keys, [kv_block(k) for k in keys])
+    lost = REMOTE_CHUNK + 3                        # inside the second range
+    r = redis.Redis.from_url(redis_server.url)
+    assert r.delete(f"kvs:{ns.hex()}:{keys[lost].hex()}") == 1
+    with remote_store(tmp_path / "b", redis_server.url) as b:
+        assert namespace(b) == ns
+        assert b.lookup(ns, keys).prefix_blocks == lost   # one batched EXISTS sees the gap
+        got = b.get(ns, keys)
+        assert [k for k, _ in got] == keys[:lost]
+        assert all(d == kv_block(k) for k, d in got)
+        assert b.stats()["active_leases"] == 0
+        assert b.lookup(ns, keys).prefix_blocks == lost
