@@ -1,19 +1,35 @@
-"""Encoding a block for a lower tier and decoding it back (demotion and promotion).
+"""How blocks move between tiers: eviction with demotion, and promotion with decoding.
 
-Kept apart from the store so the codec fallback rule lives in one place: a lossy codec that
-refuses a block (inf/NaN) stores it lossless instead, and the refusal is counted.
+The store (kvstore/store.py) owns the API, the index and the leases; this module owns the
+mechanics it calls under its lock: making room in host and SSD, encoding victims for the tier
+below (in parallel), fetching and decoding lower copies (in parallel, pipelined for Redis), and
+dropping copies that fail verification. The codec fallback rule lives here too: a lossy codec
+that refuses a block (inf/NaN) stores it lossless instead, and the refusal is counted.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
+import msgpack
 import numpy as np
 import xxhash
-from kvstore_client.errors import DataLoss
+from kvstore_client.errors import DataLoss, ResourceExhausted
 from kvstore_client.layout import KVLayout
 
 from tiers import codecs, frame
+
+from .index import Entry
+
+if TYPE_CHECKING:
+    from .store import NamespaceInfo
+
+log = logging.getLogger("kvstore.store")
 
 LOSSY = ("fp8_e4m3", "int8")
 ERROR_SAMPLE_EVERY = 32     # one lossy block in this many is decoded again to measure its error
@@ -71,3 +87,292 @@ def decode_block(value: bytes | memoryview | tuple, layout: KVLayout, out: np.nd
     if checksum and codec not in LOSSY and xxhash.xxh3_64_intdigest(out) != checksum:
         raise DataLoss("block decoded but its checksum does not match the one stored")
     return codec
+
+
+SLAB_ALIGN = 4096
+REMOTE_CHUNK = 8        # remote blocks fetched per trip when an acquire pipelines its fetches
+
+
+def _aligned(n: int) -> int:
+    return -(-n // SLAB_ALIGN) * SLAB_ALIGN
+
+
+def _meta(e: Entry) -> bytes:
+    return msgpack.packb({"p": e.parent, "s": e.size, "c": e.checksum, "t": time.time()})
+
+
+class TierMovement:
+    """Mixin of Store: the movement half. Uses the store's attributes: config, host, ssd,
+    remote, index, namespaces, policies, counters, tier_counters, _encoded, _decoders,
+    _remote_fetcher. Every method expects the store lock held unless its docstring says not.
+    """
+
+    def _host_room(self, need: int) -> None:
+        """Evict from host so `need` more bytes fit: past the high watermark, down to the low."""
+        cap = self.host.capacity
+        high, low = self.config.host.high_watermark * cap, self.config.host.low_watermark * cap
+        if self.host.used_bytes + need <= high:
+            return
+        target = max(0.0, min(low, high - need))
+        self._evict_host(int(self.host.used_bytes + need - target))
+
+    def _alloc_host(self, nbytes: int) -> int:
+        try:
+            return self.host.alloc(nbytes)
+        except ResourceExhausted:
+            # Watermarks are a target, not a guarantee: try evicting exactly what is missing.
+            self._evict_host(_aligned(nbytes))
+            try:
+                return self.host.alloc(nbytes)
+            except ResourceExhausted:
+                raise ResourceExhausted(
+                    f"host tier full: {self.host.used_bytes} of {self.host.capacity} bytes are "
+                    "leased or pinned and nothing is evictable; release leases or raise "
+                    "host.capacity") from None
+
+    def _evict_host(self, nbytes: int | None) -> tuple[int, int]:
+        """Evict host blocks until `nbytes` are freed (None: all evictable), demoting in batches.
+
+        Victims are demoted before their slots are freed: the bytes are read from the slot.
+        """
+        policy = self.policies["host"]
+        lower = self.ssd is not None or self.remote is not None
+
+        def can(g: bytes) -> bool:
+            # A block whose children are indexed may only go if a lower tier keeps a copy,
+            # or its children would become unreachable.
+            e = self.index.get(g)
+            return (e is not None and e.pins == 0 and e.host is not None
+                    and (lower or e.ssd or e.remote or e.children == 0))
+        freed = blocks = 0
+        while nbytes is None or freed < nbytes:
+            batch: list[Entry] = []
+            planned = freed
+            while len(batch) < 16 and (nbytes is None or planned < nbytes):
+                g = policy.pick(can)
+                if g is None:
+                    break
+                policy.remove(g)
+                e = self.index.get(g)
+                if e is None or e.host is None:
+                    continue
+                batch.append(e)
+                planned += _aligned(e.size)
+            if not batch:
+                break
+            self._demote_from_host(batch)
+            for e in batch:
+                self.host.free(e.host)
+                e.host = None
+                if not e.resident:
+                    self.index.discard(e.gkey)
+            self.tier_counters["host"]["evictions"] += len(batch)
+            freed, blocks = planned, blocks + len(batch)
+        return freed, blocks
+
+    def _demote_from_host(self, entries: list[Entry]) -> None:
+        todo = [e for e in entries if not e.ssd]
+        if not todo:
+            return
+        if self.ssd is None:
+            todo = [e for e in todo if not e.remote]    # already in Redis: nothing to write
+            if self.remote is not None and todo:
+                self._demote_to_remote(todo, from_host=True)
+            return
+        items = list(zip(todo, self._encode_many(todo), strict=True))
+        self._ssd_room(sum(len(v) for _, v in items))
+        self.ssd.put_many([(e.gkey, v, _meta(e)) for e, v in items])
+        for e, v in items:
+            e.ssd = True
+            self.policies["ssd"].insert(e.gkey, e.parent_gkey, e.size)
+            self.tier_counters["ssd"]["demotions_in"] += 1
+            self.counters["bytes_host_to_ssd"] += len(v)
+        self.tier_counters["host"]["demotions"] += len(items)
+
+    def _encode_many(self, entries: list[Entry]) -> list[bytes]:
+        """Encode host copies for a lower tier, in parallel (zstd and torch release the GIL).
+
+        Encoding, not the disk, is the slow part of demotion (about 0.4 GB/s a core for
+        lossless), so a batch of victims is spread over the worker pool.
+        """
+        def one(job: tuple[Entry, bool]) -> tuple[bytes, Counter]:
+            e, sample = job
+            local: Counter = Counter()
+            info = self.namespaces[e.ns_id]
+            return encode_block(self.host.view(e.host, e.size), info.spec.layout,
+                                info.spec.codec, local, sample), local
+
+        jobs = []
+        for e in entries:
+            self._encoded += 1
+            jobs.append((e, self._encoded % ERROR_SAMPLE_EVERY == 1))
+        done = list(self._pool().map(one, jobs)) if len(jobs) > 1 else [one(j) for j in jobs]
+        for _, local in done:
+            self.counters.update(local)
+        return [v for v, _ in done]
+
+    def _ssd_room(self, need: int) -> None:
+        cap = self.ssd.capacity
+        high = self.config.ssd.high_watermark * cap
+        if self.ssd.used_bytes + need <= high:
+            return
+        target = max(0.0, min(self.config.ssd.low_watermark * cap, high - need))
+        self._evict_ssd(int(self.ssd.used_bytes + need - target))
+        if self.ssd.used_bytes + need > cap:
+            raise ResourceExhausted(f"ssd tier full ({self.ssd.used_bytes} of {cap} bytes) and "
+                                    "nothing is evictable")
+
+    def _evict_ssd(self, nbytes: int | None) -> tuple[int, int]:
+        policy = self.policies["ssd"]
+        freed = blocks = 0
+
+        def can(g: bytes) -> bool:
+            e = self.index.get(g)
+            return (e is not None and e.ssd and (self.remote is not None or e.remote
+                                                 or e.host is not None or e.children == 0))
+        while nbytes is None or freed < nbytes:
+            g = policy.pick(can)
+            if g is None:
+                break
+            policy.remove(g)
+            e = self.index.get(g)
+            if e is None or not e.ssd:
+                continue
+            if self.remote is not None and not e.remote:
+                self._demote_to_remote([e], from_host=False)
+            before = self.ssd.used_bytes
+            self.ssd.delete(g)
+            freed += max(before - self.ssd.used_bytes, 1)
+            blocks += 1
+            e.ssd = False
+            self.tier_counters["ssd"]["evictions"] += 1
+            if not e.resident:
+                self.index.discard(g)
+        return freed, blocks
+
+    def _demote_to_remote(self, entries: list[Entry], from_host: bool) -> None:
+        # Host copies are encoded (in parallel); SSD-only blocks already hold an encoded value.
+        in_host = [e for e in entries if from_host or e.host is not None]
+        items = list(zip(in_host, self._encode_many(in_host), strict=True)) if in_host else []
+        for e in entries:
+            if not (from_host or e.host is not None):
+                value = self.ssd.get(e.gkey)
+                if value is not None:
+                    items.append((e, value))
+        items = [(e, v) for e, v in items if self.remote.has_room(len(v))]
+        if not items:
+            return
+        written = self.remote.put_many([(e.gkey, v) for e, v in items])
+        if written < sum(len(v) for _, v in items):
+            self.counters["remote_demotion_failures"] += 1
+            return  # Redis down or full: the blocks stay local; a later demotion retries
+        for e, v in items:
+            e.remote = True
+            self.counters["bytes_to_remote"] += len(v)
+        self.tier_counters["remote"]["demotions_in"] += len(items)
+
+    def _remote_wanted(self, ns_id: bytes, keys: list[bytes]) -> list[bytes]:
+        """Global keys of the prefix blocks only the remote tier holds, in order.
+
+        Keys the index has never seen may still be remote (another node wrote them): the first
+        unknown key starts a remote existence check, as Lookup does.
+        """
+        if self.remote is None:
+            return []
+        with self._lock:
+            want, first_unknown = [], None
+            for i, k in enumerate(keys):
+                e = self.index.get(ns_id + k)
+                if e is None:
+                    first_unknown = i
+                    break
+                if e.host is None and not e.ssd:
+                    want.append(e.gkey)
+        if first_unknown is not None:
+            n = self._remote_extend(ns_id, keys, first_unknown)
+            want += [ns_id + k for k in keys[first_unknown:first_unknown + n]]
+        return want
+
+    def _fetch_remote(self, want: list[bytes]) -> dict[bytes, tuple]:
+        """One batched trip per node, outside the store lock; verified frames, not re-hashed."""
+        if not want:
+            return {}
+        values = self.remote.get_many(want, unframed=True)
+        return {g: v for g, v in zip(want, values, strict=True) if v is not None}
+
+    def _fetcher(self) -> ThreadPoolExecutor:
+        if self._remote_fetcher is None:
+            self._remote_fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-fetch")
+        return self._remote_fetcher
+
+    def _lower_copy(self, e: Entry, remote_values: dict) -> tuple[object, str | None]:
+        """The encoded value of a block not in host: from SSD, else from the remote prefetch."""
+        if e.ssd:
+            value = self.ssd.get(e.gkey)
+            if value is not None:
+                return value, "ssd"
+            e.ssd = False
+        if e.remote:
+            value = remote_values.get(e.gkey)
+            if value is not None:
+                return value, "remote"
+            e.remote = False            # vanished (Redis evicted it) or unreachable: a miss
+        if not e.resident:
+            self.index.discard(e.gkey)
+        return None, None
+
+    def _decode_all(self, info: NamespaceInfo, jobs: list) -> tuple[dict[int, DataLoss],
+                                                                    set[int]]:
+        """Decode promoted blocks into their slots, in parallel.
+
+        Returns the failures by chain index, and the indices that came from a lossy copy.
+        """
+        layout = info.spec.layout
+
+        def one(job):
+            i, (e, off, value, _) = job
+            try:
+                codec = decode_block(value, layout, self.host.view(off, e.size), e.checksum)
+            except DataLoss as exc:
+                return i, exc, False
+            return i, None, codec in LOSSY
+
+        if len(jobs) > 1:
+            results = list(self._pool().map(one, jobs))
+        else:
+            results = [one(j) for j in jobs]
+        return ({i: exc for i, exc, _ in results if exc is not None},
+                {i for i, _, lossy in results if lossy})
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._decoders is None:
+            self._decoders = ThreadPoolExecutor(max(2, os.cpu_count() or 2),
+                                                thread_name_prefix="kvstore-decode")
+        return self._decoders
+
+    def _drop_corrupt(self, e: Entry, off: int, source: str, exc: DataLoss) -> None:
+        """A copy that does not decode or verify is deleted from its tier: never served."""
+        self.host.free(off)
+        self.counters["corrupt_blocks"] += 1
+        log.warning("dropping corrupt %s copy of block %s: %s", source, e.key.hex(), exc)
+        if source == "ssd":
+            self.ssd.delete(e.gkey)
+            self.policies["ssd"].remove(e.gkey)
+            e.ssd = False
+        else:
+            self.remote.delete_many([e.gkey])
+            e.remote = False
+        if not e.resident:
+            self.index.discard(e.gkey)
+
+    def _install_promoted(self, e: Entry, off: int, value: object, source: str,
+                          lossy: bool) -> None:
+        # After a lossy promotion the slot holds dequantized bytes: the checksum read leases
+        # hand out must be theirs (decoding is deterministic, so it stays valid).
+        if not e.checksum or lossy:
+            e.checksum = xxhash.xxh3_64_intdigest(self.host.view(off, e.size))
+        e.host = off
+        self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
+        self.tier_counters["host"]["promotions"] += 1
+        self.counters[f"bytes_{source}_to_host"] += (len(value[2]) if isinstance(value, tuple)
+                                                     else len(value))
