@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.refs import drop_page_cache  # noqa: E402
 from tiers.ssd import SSDTier  # noqa: E402
 
 MIB = 1 << 20
@@ -40,16 +41,6 @@ MADV_WILLNEED = 3
 
 def aligned(n: int) -> mmap.mmap:
     return mmap.mmap(-1, n)     # page-aligned, reused (PERF-NOTES traps)
-
-
-def drop_cache(paths: list[str]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def resident_fraction(path: str) -> float:
@@ -88,7 +79,7 @@ def disk_direct(folder: str, total: int, chunk: int = 8 * MIB) -> tuple[float, f
     os.fsync(fd)
     w = total / (time.perf_counter() - t0) / 1e9
     os.close(fd)
-    drop_cache([path])
+    drop_page_cache([path])
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     t0 = time.perf_counter()
     for off in range(0, total, chunk):
@@ -176,7 +167,7 @@ def main() -> None:
         for pname, fn in paths.items():
             for oname, order in orders.items():
                 # unmapped first: DONTNEED cannot drop pages a live LMDB map still maps
-                drop_cache(data)
+                drop_page_cache(data)
                 resident = max(resident, resident_fraction(data[0]))
                 cur["tier"] = SSDTier(spath, capacity=n * VALUE * 2)
                 cur["base"] = map_base(data[0])

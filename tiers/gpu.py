@@ -37,7 +37,7 @@ from kvstore_client.gpu import (
 from kvstore_client.layout import KVLayout
 
 from .cuda_util import CudaError, DeviceSlab, device_identity
-from .slab import ExtentAllocator
+from .slab import ExtentAllocator, SlabAllocation
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -49,7 +49,7 @@ Item = tuple[int, int, int]            # (gpu_offset, host_offset, nbytes)
 EncodeFn = Callable[[str, Any, KVLayout], Any]   # (codec, device tensor, layout) -> payload
 
 
-class GPUTier:
+class GPUTier(SlabAllocation):
     """A `capacity`-byte device slab on `device`, cut into 4 KiB-aligned extents."""
 
     name = "gpu"
@@ -73,25 +73,6 @@ class GPUTier:
         self._pinned: list[PinnedHost] = []
         self._worker: cf.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-
-    # -- allocation (same contract as HostTier; the store holds its lock) ----------------------
-    @property
-    def used_bytes(self) -> int:
-        return self._alloc.used_bytes
-
-    @property
-    def allocator(self) -> ExtentAllocator:
-        return self._alloc
-
-    def alloc(self, nbytes: int) -> int:
-        """Offset of a page-aligned extent of ≥ nbytes; ResourceExhausted when full."""
-        return self._alloc.alloc(nbytes)
-
-    def free(self, offset: int) -> None:
-        self._alloc.free(offset)
-
-    def size_of(self, offset: int) -> int:
-        return self._alloc.size_of(offset)
 
     # -- access --------------------------------------------------------------------------------
     def view(self, offset: int, nbytes: int) -> torch.Tensor:

@@ -16,13 +16,13 @@ from multiprocessing import shared_memory
 import numpy as np
 from kvstore_client.errors import InvalidArgument
 
-from .slab import ExtentAllocator
+from .slab import ExtentAllocator, SlabAllocation
 
 PAGE = 4096
 _PREFAULT_CHUNK = 64 << 20
 
 
-class HostTier:
+class HostTier(SlabAllocation):
     """A `capacity`-byte POSIX shared-memory segment cut into aligned extents."""
 
     name = "host"
@@ -44,25 +44,6 @@ class HostTier:
                                                         count=capacity)
         _prefault(self._array)
         self._alloc = ExtentAllocator(capacity, PAGE)
-
-    # -- allocation ---------------------------------------------------------------------------
-    @property
-    def used_bytes(self) -> int:
-        return self._alloc.used_bytes
-
-    @property
-    def allocator(self) -> ExtentAllocator:
-        return self._alloc
-
-    def alloc(self, nbytes: int) -> int:
-        """Offset of a page-aligned extent of ≥ nbytes; ResourceExhausted when full."""
-        return self._alloc.alloc(nbytes)
-
-    def free(self, offset: int) -> None:
-        self._alloc.free(offset)
-
-    def size_of(self, offset: int) -> int:
-        return self._alloc.size_of(offset)
 
     # -- access -------------------------------------------------------------------------------
     def view(self, offset: int, nbytes: int) -> np.ndarray:

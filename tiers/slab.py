@@ -140,3 +140,30 @@ class ExtentAllocator:
         self._remove_free(off)
         self._add_free(off + size, best - size)
         return off
+
+
+class SlabAllocation:
+    """Allocation half of a slab tier (host shm, GPU): everything delegates to `self._alloc`.
+
+    Not thread-safe on its own: the store's lock covers it.
+    """
+
+    _alloc: ExtentAllocator
+
+    @property
+    def used_bytes(self) -> int:
+        return self._alloc.used_bytes
+
+    @property
+    def allocator(self) -> ExtentAllocator:
+        return self._alloc
+
+    def alloc(self, nbytes: int) -> int:
+        """Offset of a page-aligned extent of >= nbytes; ResourceExhausted when full."""
+        return self._alloc.alloc(nbytes)
+
+    def free(self, offset: int) -> None:
+        self._alloc.free(offset)
+
+    def size_of(self, offset: int) -> int:
+        return self._alloc.size_of(offset)
