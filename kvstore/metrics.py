@@ -107,6 +107,7 @@ class StoreCollector(Collector):
         if stats is None:
             return
         yield from self._tiers(stats.get("tiers", {}))
+        yield from self._remote(stats.get("remote") or {})
         yield from self._counters(stats.get("counters", {}))
         for key, help_ in (("namespaces", "Registered namespaces"),
                            ("active_leases", "Leases currently held by clients"),
@@ -145,6 +146,35 @@ class StoreCollector(Collector):
                 fam.add_metric([tier], v)
         yield from fams.values()
         yield other
+
+    @staticmethod
+    def _remote(remote: dict[str, Any]) -> Iterator[Metric]:
+        """The Redis/Valkey client's own figures (tiers/remote.py), when the tier is enabled."""
+        if not remote:
+            return
+        up = GaugeMetricFamily("kvstore_remote_up", "1 while every remote node answers")
+        up.add_metric([], 1.0 if remote.get("up") else 0.0)
+        yield up
+        events = CounterMetricFamily("kvstore_remote_events", "Remote client events by name",
+                                     labels=["event"])
+        for key, value in sorted(remote.items()):
+            v = _number(value)
+            if v is not None and key not in ("up", "capacity", "used_bytes",
+                                             "round_trips_per_call"):
+                events.add_metric([metric_name(key)], v)
+        yield events
+        lat = remote.get("latency") or {}
+        fams = {part: CounterMetricFamily(f"kvstore_remote_latency_seconds_{part}",
+                                          f"Remote call latency {part}, by operation",
+                                          labels=["op"]) for part in ("sum", "count")}
+        worst = GaugeMetricFamily("kvstore_remote_latency_max_seconds",
+                                  "Slowest remote call since start, by operation", labels=["op"])
+        for op, o in sorted(lat.items()):
+            fams["sum"].add_metric([op], float(o.get("sum_s", 0.0)))
+            fams["count"].add_metric([op], float(o.get("count", 0)))
+            worst.add_metric([op], float(o.get("max_s", 0.0)))
+        yield from fams.values()
+        yield worst
 
     @staticmethod
     def _counters(counters: dict[str, Any]) -> Iterator[Metric]:

@@ -742,6 +742,7 @@ class Store(TierMovement):
             for t in tiers.values():
                 for k in ("hits", "misses", "evictions"):
                     t.setdefault(k, 0)
-            return {"tiers": tiers, "counters": dict(self.counters),
+            out_remote = {} if self.remote is None else self.remote.stats
+            return {"tiers": tiers, "counters": dict(self.counters), "remote": out_remote,
                     "namespaces": len(self.namespaces), "active_leases": len(self.leases),
                     "blocks": len(self.index), "daemon_id": self.daemon_id}

@@ -58,3 +58,34 @@ def test_pipelined_promotion_stops_where_redis_lost_a_block(tmp_path, redis_serv
         assert all(d == kv_block(k) for k, d in got)
         assert b.stats()["active_leases"] == 0
         assert b.lookup(ns, keys).prefix_blocks == lost
+
+
+def test_daemon_exports_documented_remote_metrics(tmp_path, redis_server):
+    import re
+    import urllib.request
+
+    import kvstore_client
+
+    from tests.daemon import cleanup, start_daemon
+    from tests.test_server import documented_metrics
+
+    d = start_daemon(tmp_path / "d", {"remote.enabled": True, "remote.urls": redis_server.url,
+                                      "remote.write_through": True})
+    try:
+        with kvstore_client.connect(d.address) as c:
+            from .store_helpers import SMALL
+            ns = c.namespace(SMALL, model="metrics")
+            kv = np.zeros((2, 2, 32, 2, 16), np.float16)
+            assert ns.store(np.arange(32), kv) == 4
+            ns.lookup(np.arange(64))
+        text = urllib.request.urlopen(d.metrics_url, timeout=10).read().decode()
+    finally:
+        cleanup(d)
+    families = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    remote = {f for f in families if f.startswith("kvstore_remote_")}
+    assert {"kvstore_remote_up", "kvstore_remote_events_total",
+            "kvstore_remote_latency_seconds_sum_total"} <= remote
+    documented = documented_metrics()
+    assert all(f in documented or f + "_total" in documented for f in remote), remote
+    assert re.search(r'kvstore_remote_events_total\{event="keys_written"\} [1-9]', text)
+    assert re.search(r"^kvstore_remote_up 1\.0", text, re.M)
