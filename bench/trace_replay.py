@@ -5,15 +5,16 @@ micro-benchmarks. This replays a trace in process, with prefix semantics (a requ
 longest cached leading run of blocks; afterwards all its blocks are stored), against
 `kvstore.policy` exactly as the store drives it, and compares with the offline optimum.
 
-    python bench/trace_replay.py [--quick] [--plot PNG] [--through-store] TRACE.jsonl
+    python bench/trace_replay.py [--quick] [--plot PNG] [--through-store] [--policies arc]
+                                 TRACE.jsonl
     python bench/trace_replay.py --synthetic hot-prompts|scan|shifting|conversation
 
 Prints a table, then as its last stdout line one JSON object:
 ``hit_lru`` / ``hit_policy`` / ``hit_opt`` (dicts keyed "1k", "2k", "5k", ...: block hit ratio
-at that capacity in blocks), ``hit_lru_plain`` and ``hit_opt_readme`` (the trace README's
-reference rules, to validate the harness), ``gap_closed_5k`` / ``gap_closed_10k`` =
-(policy - lru) / (opt - lru), and ``policy_refs_per_s`` (block references per second through
-the default policy).
+at that capacity in blocks; ``hit_NAME`` for each ``--policies NAME``), ``hit_lru_plain`` and
+``hit_opt_readme`` (the trace README's reference rules, to validate the harness),
+``gap_closed_5k`` / ``gap_closed_10k`` = (policy - lru) / (opt - lru), and
+``policy_refs_per_s`` (block references per second through the default policy).
 """
 
 from __future__ import annotations
@@ -143,10 +144,13 @@ def replay_policy(name: str, requests: Sequence[Sequence[bytes]], capacity: int)
 
     Per request: the hit is the longest resident leading run; the first missing key is
     reported to record_miss (as Store.lookup does); hits are touched (acquire); missing blocks
-    are inserted with their parent (put), evicting via pick() until within capacity. The
-    request's own blocks are pinned while it is processed (its read lease / write in flight).
+    are inserted with their parent (put), evicting via pick() until within capacity; then the
+    optional ``note_put(keys)`` hook gets the keys that put wrote, in order (as Store.put and
+    Store.commit do after publishing). The request's own blocks are pinned while it is
+    processed (its read lease / write in flight).
     """
     policy = make_policy(name, capacity)
+    note_put = getattr(policy, "note_put", None)
     resident: set[bytes] = set()
     hits = refs = 0
     t0 = time.perf_counter()
@@ -175,6 +179,8 @@ def replay_policy(name: str, requests: Sequence[Sequence[bytes]], capacity: int)
                     resident.discard(victim)
                     policy.remove(victim)
             parent = key
+        if note_put is not None and k < n:
+            note_put(req[k:])          # the store: once per put/commit, after its inserts
     return Result(name, capacity, hits, refs, time.perf_counter() - t0)
 
 
@@ -261,7 +267,8 @@ def replay_store(name: str, trace: Trace, capacity: int) -> Result:
     from kvstore_client.layout import KVLayout, NamespaceSpec
 
     from kvstore.config import load_config
-    from kvstore.store import SLAB_ALIGN, Store
+    from kvstore.movement import SLAB_ALIGN
+    from kvstore.store import Store
 
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=4,
                       dtype="float16")
@@ -340,13 +347,17 @@ def _task(kind: str, cap: int) -> Result:
         return replay_lru_plain(_TRACE, cap)
     if kind.startswith("store:"):
         return replay_store(kind.split(":", 1)[1], _TRACE, cap)
+    if kind.startswith("pol:"):
+        r = replay_policy(kind.split(":", 1)[1], _KEYS, cap)
+        r.kind = kind
+        return r
     raise ValueError(kind)
 
 
 def run_all(trace: Trace, capacities: Sequence[int], kinds: Sequence[str], workers: int,
             progress: Callable[[], None] = lambda: None) -> dict[str, dict[int, Result]]:
     """Every (kind, capacity) replay, the slow ones first, in `workers` processes."""
-    weight = {"policy": 4, "lru": 2, "store:default": 20, "store:lru": 20}
+    weight = {"policy": 4, "lru": 2, "store:default": 20, "store:lru": 20, "pol:arc": 4}
     jobs = sorted(((k, c) for k in kinds for c in capacities),
                   key=lambda kc: -weight.get(kc[0], 1) * (1 + kc[1] / 50000))
     out: dict[str, dict[int, Result]] = {k: {} for k in kinds}
@@ -385,6 +396,8 @@ def summarize(res: dict[str, dict[int, Result]], capacities: Sequence[int]) -> d
     speeds = sorted(r.refs / r.seconds for r in res["policy"].values() if r.seconds > 0)
     out["policy_refs_per_s"] = round(speeds[len(speeds) // 2]) if speeds else None
     for kind in res:
+        if kind.startswith("pol:"):
+            out[f"hit_{kind.split(':', 1)[1]}"] = col(kind)
         if kind.startswith("store:"):
             out[f"hit_{kind.replace(':', '_')}"] = col(kind)
             sp = sorted(r.refs / r.seconds for r in res[kind].values() if r.seconds > 0)
@@ -394,7 +407,7 @@ def summarize(res: dict[str, dict[int, Result]], capacities: Sequence[int]) -> d
 
 def table(res: dict[str, dict[int, Result]], capacities: Sequence[int]) -> str:
     kinds = [k for k in ("lru_plain", "lru", "policy", "opt_readme", "opt") if k in res]
-    kinds += [k for k in res if k.startswith("store:")]
+    kinds += [k for k in res if k.startswith(("store:", "pol:"))]
     lines = ["capacity | " + " | ".join(f"{k:>13}" for k in kinds) + " | gap closed"]
     for c in capacities:
         row = [f"{100 * res[k][c].ratio:12.2f}%" if c in res[k] else f"{'-':>13}" for k in kinds]
@@ -440,6 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--plot", default=str(ROOT / "bench" / "out" / "trace_replay.png"))
     ap.add_argument("--through-store", action="store_true",
                     help="also replay through kvstore.store.Store (slow: small capacities)")
+    ap.add_argument("--policies", default="",
+                    help="comma-separated extra policy names to replay too (e.g. arc)")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     args = ap.parse_args(argv)
     if bool(args.trace) == bool(args.synthetic):
@@ -450,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         caps = sorted(CAPACITIES + ([] if args.quick else EXTRA_CAPACITIES))
     kinds = ["lru", "policy", "opt", "opt_readme", "lru_plain"]
+    kinds += [f"pol:{p}" for p in args.policies.split(",") if p]
     if args.through_store:
         kinds += ["store:lru", "store:default"]
     from tqdm import tqdm

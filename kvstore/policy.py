@@ -2,16 +2,18 @@
 
 One policy instance per tier. It sees only global keys and owns its ordering state, so the store
 can swap policies per tier and the bench can replay traces against exactly the code the daemon
-runs. Two policies:
+runs. Three policies:
 
 * ``"lru"`` — prefix leaves first, least recently used first among leaves. A block whose
   children are resident is never a victim: a child is unreachable without its parent, so evicting
   the parent first would waste the child's slot.
-* ``"default"`` (alias ``"arc"``) — adaptive replacement (ARC, Megiddo & Modha) over the same
-  prefix leaves. Blocks seen once wait in a recency segment; blocks hit again (or coming back
-  from the ghost history) move to a frequency segment; ghost hits shift the split between the two
-  segments on their own, so nothing is fitted to one trace. On traces full of one-shot prompt
-  tails it keeps the re-used prefixes that plain LRU flushes.
+* ``"default"`` — segmented LRU over the same prefix leaves (probation for blocks seen once,
+  protected for blocks seen again), whose protected share is chosen online by miniature
+  shadow caches (plain LRU is one of the candidates), plus a learned rule that sends a put's
+  last block (usually a partial block in a prefix cache) to the eviction end when such tails
+  are observed to be reused far less than other new blocks. Optional hook: ``note_put``.
+* ``"arc"`` — the previous default: adaptive replacement (ARC, Megiddo & Modha) over prefix
+  leaves with a sampled LRU guard. Kept for comparison (``--policies arc`` in the bench).
 
 Every operation is O(1) or O(log n) amortized: leaves sit in lazily invalidated heaps that are
 rebuilt when more than half their entries are stale.
@@ -219,7 +221,7 @@ class LRUPolicy:
 
 
 class AdaptivePolicy:
-    """ARC over prefix leaves: the project's default.
+    """ARC over prefix leaves (``"arc"``; the default before the segmented policy).
 
     Segment 0 (T1) holds blocks seen once since they entered the history, segment 1 (T2) blocks
     seen at least twice. Evicted keys go to ghost lists B1/B2 (keys only). A miss on a B1 ghost
@@ -230,7 +232,7 @@ class AdaptivePolicy:
     Within a segment victims are LRU prefix leaves.
     """
 
-    kind = "default"
+    kind = "arc"
     GHOST_FACTOR = 2       # history length in units of the capacity (structural, not fitted)
 
     def __init__(self, capacity_blocks_hint: int | None = None, shadow: bool = True) -> None:
@@ -404,15 +406,206 @@ class _Duel:
         return self.score > 0
 
 
+class SegmentedPolicy:
+    """The project's default: segmented LRU over prefix leaves, self-tuned by miniature caches.
+
+    * Segment 0 (probation) holds blocks seen once; segment 1 (protected) blocks hit while
+      resident or written again while still in the ghost history (evicted keys, 2x capacity).
+      Victims are LRU prefix leaves of probation while protected is within its share of the
+      capacity, else of protected.
+    * The protected share is not a constant: five miniature caches (capacity/RATE blocks, fed
+      the 1/RATE spatial sample of keys, as in SHARDS; Waldspurger et al., ATC'17) run plain LRU
+      and the segmented rule with shares 1/2, 3/4, 7/8 and 15/16 (probation halved each step);
+      pick() follows the one with the most recent hits (scores halve every WINDOW shadow
+      capacities of sampled accesses, so the choice tracks phase changes). Plain LRU is one of
+      the candidates, so recency-friendly workloads get recency.
+    * Put tails: with the optional ``note_put(gkeys)`` hook (one call per put, with the keys it
+      wrote in order) the policy learns online how often the last block of a put is reused
+      compared with the other newly written blocks. In a prefix cache the last block of a
+      request usually stands for a partial block, whose key changes when the prompt grows; when
+      tails are observed to be reused at under half the rate of other new blocks, each new
+      tail is put at the eviction end. Nothing about that rate is assumed: on traffic whose
+      tails are reused (full final blocks) they are treated like any block.
+    O(log n) amortized per operation (lazy heaps) plus O(1) shadow work per sampled access.
+    """
+
+    kind = "default"
+    GHOST_FACTOR = 2                      # history length in capacities (as in ARC)
+    SHARES: tuple[float | None, ...] = (None, 0.5, 0.75, 0.875, 0.9375)   # None: plain LRU
+    RATE = 16                             # shadow sampling rate (SHARDS-style)
+    WINDOW = 4                            # shadow scores halve every WINDOW shadow capacities
+    TAIL_MIN = 16                         # tails observed before the tail rule can engage
+
+    def __init__(self, capacity_blocks_hint: int | None = None, shadow: bool = True) -> None:
+        self._hint = capacity_blocks_hint if capacity_blocks_hint and capacity_blocks_hint > 0 \
+            else None
+        self._leaves = PrefixLeaves(2)
+        self._clock = 0
+        self._peak = 0
+        self._ghost: OrderedDict[bytes, None] = OrderedDict()
+        self._share: float | None = 0.5
+        # tail learning: recently written keys -> is the last key of its put; decayed counts
+        self._fresh: OrderedDict[bytes, bool] = OrderedDict()
+        self._written = [0.0, 0.0]        # [other new blocks, put tails]
+        self._reused = [0.0, 0.0]
+        self._shadows: list[list[Any]] | None = None
+        self._sampled_n = 0
+        if shadow:
+            self._shadows = []
+            for share in self.SHARES:
+                pol: Any = LRUPolicy() if share is None else SegmentedPolicy(1, shadow=False)
+                if share is not None:
+                    pol._share = share
+                self._shadows.append([pol, set(), 0.0])
+
+    def __len__(self) -> int:
+        return len(self._leaves)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks the tier holds: the hint, else the most ever resident (learned at first pick)."""
+        return self._hint or max(self._peak, 1)
+
+    # ---------------------------------------------------------------- shadows
+    def _shadow(self, gkey: bytes, parent: bytes | None) -> None:
+        if self._shadows is None or zlib.crc32(gkey) % self.RATE:
+            return
+        cap = max(1, self.capacity // self.RATE)
+        for sh in self._shadows:
+            pol, resident = sh[0], sh[1]
+            if isinstance(pol, SegmentedPolicy):
+                pol._hint = cap
+            sh[2] += _Duel._one(pol, resident, gkey, parent, cap)
+        self._sampled_n += 1
+        if self._sampled_n >= self.WINDOW * cap:
+            self._sampled_n = 0
+            for sh in self._shadows:
+                sh[2] /= 2
+        best = max(range(len(self._shadows)), key=lambda i: self._shadows[i][2])
+        if self._shadows[best][2] > 0:
+            self._share = self.SHARES[best]
+
+    # ---------------------------------------------------------------- tail learning
+    def _reuse(self, gkey: bytes) -> None:
+        cls = self._fresh.pop(gkey, None)
+        if cls is not None:
+            self._reused[cls] += 1
+
+    def _note_new(self, gkey: bytes) -> None:
+        self._fresh[gkey] = False
+        self._written[0] += 1
+        limit = (1 + self.GHOST_FACTOR) * self.capacity
+        while len(self._fresh) > limit:
+            self._fresh.popitem(last=False)
+        if self._written[0] + self._written[1] > limit:
+            self._written = [w / 2 for w in self._written]
+            self._reused = [r / 2 for r in self._reused]
+
+    def _tails_cheap(self) -> bool:
+        wn, wt = self._written
+        rn, rt = self._reused
+        return wt >= self.TAIL_MIN and wn > 0 and 2 * rt * wn < rn * wt
+
+    def note_put(self, gkeys: list[bytes]) -> None:
+        """Optional hook: one put (or commit) wrote `gkeys`, in chain order.
+
+        The store calls it once per put/commit, after the blocks are inserted."""
+        if not gkeys:
+            return
+        tail = gkeys[-1]
+        if self._fresh.get(tail) is False:
+            self._fresh[tail] = True
+            self._written[0] -= 1
+            self._written[1] += 1
+            node = self._leaves.nodes.get(tail)
+            if node is not None and node[_SEG] == 0 and self._tails_cheap():
+                self._leaves.update(tail, -self._clock, 0)
+
+    # ---------------------------------------------------------------- interface
+    def record_miss(self, gkey: bytes) -> None:
+        """Nothing to do: a key written again while in the ghost history is protected."""
+
+    def insert(self, gkey: bytes, parent: bytes | None, size: int) -> None:
+        self._clock += 1
+        self._shadow(gkey, parent)
+        if gkey in self._leaves:
+            self._reuse(gkey)
+            self._leaves.update(gkey, self._clock, 1)
+            return
+        if gkey in self._ghost:
+            del self._ghost[gkey]
+            self._reuse(gkey)
+            seg = 1
+        else:
+            self._fresh.pop(gkey, None)
+            self._note_new(gkey)
+            seg = 0
+        self._leaves.add(gkey, parent, self._clock, seg)
+        if len(self._leaves) > self._peak:
+            self._peak = len(self._leaves)
+
+    def touch(self, gkey: bytes) -> None:
+        if gkey in self._leaves:
+            self._clock += 1
+            self._shadow(gkey, None)
+            self._reuse(gkey)
+            self._leaves.update(gkey, self._clock, 1)
+
+    def remove(self, gkey: bytes) -> None:
+        if self._leaves.remove(gkey) is None:
+            return
+        self._ghost[gkey] = None
+        while len(self._ghost) > self.GHOST_FACTOR * self.capacity:
+            self._ghost.popitem(last=False)
+
+    def pick(self, can_evict: Callable[[bytes], bool]) -> bytes | None:
+        leaves = self._leaves
+        if self._share is None:
+            a = leaves.peek(0, can_evict)
+            b = leaves.peek(1, can_evict)
+            if a is None or b is None:
+                return a or b
+            return a if leaves.nodes[a][_PRIO] < leaves.nodes[b][_PRIO] else b
+        first = 1 if leaves.sizes[1] > self._share * self.capacity or leaves.sizes[0] == 0 \
+            else 0
+        victim = leaves.peek(first, can_evict)
+        if victim is None:
+            victim = leaves.peek(1 - first, can_evict)
+        return victim
+
+    def snapshot(self) -> bytes:
+        nodes = [[k, n[_PARENT], n[_SEG]] for k, n in self._leaves.ordered()]
+        return _pack({"kind": self.kind, "nodes": nodes, "peak": self._peak,
+                      "ghost": list(self._ghost), "share": self._share,
+                      "fresh": [[k, v] for k, v in self._fresh.items()],
+                      "written": list(self._written), "reused": list(self._reused),
+                      "scores": [sh[2] for sh in self._shadows or []]})
+
+    def restore(self, blob: bytes) -> None:
+        state = _unpack(blob, self.kind)
+        self.__init__(self._hint, shadow=self._shadows is not None)
+        for gkey, parent, seg in state["nodes"]:
+            self._clock += 1
+            self._leaves.add(gkey, parent, self._clock, 1 if seg else 0)
+        self._peak = max(int(state["peak"]), len(self._leaves))
+        self._ghost.update((k, None) for k in state["ghost"])
+        self._share = state["share"]
+        self._fresh.update((k, bool(v)) for k, v in state["fresh"])
+        self._written = [float(x) for x in state["written"]]
+        self._reused = [float(x) for x in state["reused"]]
+        for sh, score in zip(self._shadows or [], state["scores"], strict=False):
+            sh[2] = float(score)
+
+
 _POLICIES: dict[str, Callable[[int | None], Any]] = {
     "lru": LRUPolicy,
-    "default": AdaptivePolicy,
+    "default": SegmentedPolicy,
     "arc": AdaptivePolicy,
 }
 
 
 def make_policy(name: str, capacity_blocks_hint: int | None = None) -> EvictionPolicy:
-    """A fresh policy by name: "lru", or "default" (= "arc", the adaptive policy)."""
+    """A fresh policy by name: "lru", "default" (the tuned segmented policy) or "arc"."""
     factory = _POLICIES.get(name)
     if factory is None:
         raise InvalidArgument(f"unknown eviction policy {name!r}; choose one of "

@@ -236,3 +236,49 @@ def test_default_beats_lru_on_a_slice_of_the_real_trace():
     pol = tr.replay_policy("default", keys, 2000).ratio
     opt = tr.replay_opt(trace, 2000).ratio
     assert lru < pol <= opt
+
+
+def _conversations(policy, tails_reused: bool, turns: int = 60) -> None:
+    """Chains of 4 fresh blocks; each next turn hits the previous one, with its tail
+    (tails_reused) or without it (a partial last block whose key changed)."""
+    prev: list[int] = []
+    for t in range(turns):
+        hit = prev if tails_reused else prev[:-1]
+        for key in hit:
+            policy.touch(k(key))
+        new = [10_000 + 10 * t + j for j in range(4)]
+        parent = k(hit[-1]) if hit else None
+        for key in new:
+            policy.insert(k(key), parent, 1)
+            parent = k(key)
+        policy.note_put([k(x) for x in new])
+        prev = hit + new
+        if t % 5 == 4:
+            prev = []                        # a new conversation
+
+
+@pytest.mark.parametrize("tails_reused", [False, True])
+def test_default_learns_whether_put_tails_are_worth_keeping(tails_reused):
+    p = make_policy("default", 10_000)
+    _conversations(p, tails_reused)
+    chain(p, [1, 2, 3])
+    p.note_put([k(1), k(2), k(3)])
+    victim = p.pick(lambda g: True)
+    if tails_reused:                         # a tail is a block like any other: LRU order
+        assert victim != k(3)
+    else:                                    # the fresh tail goes first
+        assert victim == k(3)
+
+
+def test_default_tail_rule_needs_evidence():
+    p = make_policy("default", 64)
+    chain(p, [1, 2, 3])
+    p.note_put([k(1), k(2), k(3)])
+    chain(p, [4, 5])
+    assert p.pick(lambda g: True) == k(3)    # LRU leaf order: no tail statistics yet
+    p.note_put([])                           # harmless
+
+
+def test_default_hooks_are_optional_for_other_policies():
+    for name in ("lru", "arc"):
+        assert not hasattr(make_policy(name), "note_put")
