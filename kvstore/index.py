@@ -43,6 +43,9 @@ class BlockIndex:
     def __init__(self) -> None:
         self._entries: dict[bytes, Entry] = {}
         self._by_ns: dict[bytes, set[bytes]] = {}
+        # Parents named by indexed blocks but not indexed themselves: only a key in here can
+        # close a cycle of parent links when it arrives, so only then is its ancestry walked.
+        self._awaited: dict[bytes, int] = {}
         # The dict's own method: lookups call it once per key on the hot path.
         self.get = self._entries.get
 
@@ -54,35 +57,63 @@ class BlockIndex:
 
     def add(self, entry: Entry) -> None:
         g = entry.gkey
+        if entry.parent and g in self._awaited and self._reaches(entry.parent_gkey, g):
+            entry.parent = None     # a client-given parent that would close a cycle is dropped
         self._entries[g] = entry
         self._by_ns.setdefault(entry.ns_id, set()).add(g)
+        self._awaited.pop(g, None)
+        self._link(entry)
+
+    def _link(self, entry: Entry) -> None:
         p = entry.parent_gkey
-        if p is not None and (parent := self._entries.get(p)) is not None:
+        if p is None:
+            return
+        if (parent := self._entries.get(p)) is not None:
             parent.children += 1
+        else:
+            self._awaited[p] = self._awaited.get(p, 0) + 1
+
+    def _unlink(self, entry: Entry) -> None:
+        p = entry.parent_gkey
+        if p is None:
+            return
+        if (parent := self._entries.get(p)) is not None:
+            parent.children -= 1
+        elif (n := self._awaited.get(p, 0)) > 1:
+            self._awaited[p] = n - 1
+        else:
+            self._awaited.pop(p, None)
+
+    def _reaches(self, start: bytes | None, target: bytes) -> bool:
+        """Whether walking parent links up from `start` arrives at `target` (a cycle)."""
+        seen = 0
+        while start is not None and seen <= len(self._entries):
+            if start == target:
+                return True
+            e = self._entries.get(start)
+            start = e.parent_gkey if e is not None else None
+            seen += 1
+        return False
 
     def recount_children(self) -> None:
         """Child counts after a bulk load in arbitrary order (warm restart)."""
+        self._awaited.clear()
         for e in self._entries.values():
             e.children = 0
         for e in self._entries.values():
-            p = e.parent_gkey
-            if p is not None and (parent := self._entries.get(p)) is not None:
-                parent.children += 1
+            self._link(e)
 
     def set_parent(self, entry: Entry, parent: bytes | None) -> None:
         """Fill in a parent learned late (a block first seen without one)."""
-        if entry.parent or not parent:
+        if entry.parent or not parent or self._reaches(entry.ns_id + parent, entry.gkey):
             return
         entry.parent = parent
-        if (p := self._entries.get(entry.parent_gkey)) is not None:
-            p.children += 1
+        self._link(entry)
 
     def discard(self, gkey: bytes) -> None:
         e = self._entries.pop(gkey, None)
         if e is not None:
-            p = e.parent_gkey
-            if p is not None and (parent := self._entries.get(p)) is not None:
-                parent.children -= 1
+            self._unlink(e)
             keys = self._by_ns.get(e.ns_id)
             if keys is not None:
                 keys.discard(gkey)

@@ -416,6 +416,7 @@ class Store(TierMovement):
                 self.host.free(slot.offset)
             self.counters["bytes_client_to_host"] += stored * (lease.slots[0].length
                                                                if lease.slots else 0)
+            self._note_put(lease.ns_id, keys)
             self._write_through(published)
             return CommitResult(stored, dups)
 
@@ -440,6 +441,13 @@ class Store(TierMovement):
         policy.insert(g, e.parent_gkey, size)
         self.tier_counters["host"]["stored"] += 1
         return True, e
+
+    def _note_put(self, ns_id: bytes, keys: list[bytes]) -> None:
+        """Tell the host policy which keys one write carried (it learns whether a write's last
+        block, usually a prompt's partial tail, is worth keeping)."""
+        hook = getattr(self.policies["host"], "note_put", None)
+        if hook is not None and keys:
+            hook([ns_id + k for k in keys])
 
     def _write_through(self, entries: list[Entry]) -> None:
         if not entries:
@@ -483,6 +491,7 @@ class Store(TierMovement):
                 published.append(e)
                 stored += 1
             self.counters["bytes_client_to_host"] += stored * size
+            self._note_put(bytes(ns_id), keys)
             self._write_through(published)
             return CommitResult(stored, dups)
 

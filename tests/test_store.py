@@ -232,3 +232,16 @@ def test_keys_continue_a_chain_across_calls(tmp_path):
         e = store.index.get(ns + keys[2])
         assert e.parent == keys[1]
         assert store.index.get(ns + keys[1]).children == 1
+
+
+def test_client_given_parents_cannot_form_an_unevictable_cycle(tmp_path):
+    """A -> parent B, then B -> parent A: without a guard neither is ever a prefix leaf."""
+    with make_store(tmp_path, ssd=False) as store:
+        ns = namespace(store)
+        _, (a, b) = random_prompt(np.random.default_rng(10), 2)
+        store.put(ns, [a], [kv_block(a)], parent=b)
+        store.put(ns, [b], [kv_block(b)], parent=a)
+        ea, eb = store.index.get(ns + a), store.index.get(ns + b)
+        assert (ea.parent, eb.parent) == (b, None)       # the closing link was dropped
+        freed, blocks = store.evict("host")
+        assert blocks == 2 and store.host.used_bytes == 0 and len(store.index) == 0
