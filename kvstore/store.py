@@ -389,9 +389,16 @@ class Store(TierMovement):
                 raise InvalidArgument(f"{len(keys)} keys for a lease of {len(lease.slots)} slots")
             if checksums and len(checksums) != len(keys):
                 raise InvalidArgument(f"{len(checksums)} checksums for {len(keys)} keys")
+            views = [self.host.view(s.offset, s.length) for s in lease.slots[:len(keys)]]
+        # Hashing (the slow part) runs outside the lock, so one client's commit does not stall
+        # every other call: the slots belong to this write lease alone, and a lease that
+        # expires meanwhile fails the pop below.
+        hashed = [xxhash.xxh3_64_intdigest(v) for v in views]
+        with self._lock:
+            self._check_open()
+            lease = self.leases.get(lease_id)
             sums = []
-            for i, slot in enumerate(lease.slots[:len(keys)]):
-                got = xxhash.xxh3_64_intdigest(self.host.view(slot.offset, slot.length))
+            for i, got in enumerate(hashed):
                 if checksums and got != checksums[i]:
                     self.leases.pop(lease_id)
                     self._end_lease(lease)
