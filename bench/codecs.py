@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import mmap
 import os
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,33 +45,12 @@ kc = _load_kv_capture()
 import torch  # noqa: E402
 from kvstore_client.layout import KVLayout  # noqa: E402
 
+from bench.refs import odirect_write_read  # noqa: E402
 from tiers import codecs, frame  # noqa: E402
 
 MIB = 1 << 20
 SPEED_LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_tokens=32,
                         dtype="bfloat16")
-
-
-def odirect_write_gbps(folder: str, nbytes: int, chunk: int = 8 * MIB) -> float:
-    """Sequential O_DIRECT write of `nbytes` (page-aligned mmap buffer), fsync, delete."""
-    buf = mmap.mmap(-1, chunk)
-    buf.write(np.random.default_rng(1).integers(0, 256, chunk, dtype=np.uint8).tobytes())
-    fd_, path = tempfile.mkstemp(prefix="codec-bench-", dir=folder)
-    os.close(fd_)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_DIRECT", 0))
-        try:
-            t0 = time.perf_counter()
-            for _ in range(nbytes // chunk):
-                os.write(fd, buf)
-            os.fsync(fd)
-            dt = time.perf_counter() - t0
-        finally:
-            os.close(fd)
-    finally:
-        os.unlink(path)
-        buf.close()
-    return nbytes / dt / 1e9
 
 
 def speed(codec: str, blocks: list[np.ndarray], layout: KVLayout, seconds: float) -> dict:
@@ -183,7 +160,7 @@ def main() -> None:
     par = {c: parallel_encode_gbps(c, blocks, lay, secs, workers)
            for c in ("lossless", "int8", "fp8_e4m3")}
     fr = frame_speed(blocks, lay, secs / 2)
-    disk = odirect_write_gbps(args.dir, 256 * MIB)
+    disk = 256 * MIB / odirect_write_read(args.dir, 256 * MIB)[0] / 1e9
     print(f"\nspeed, {lay.block_bytes / MIB:.0f} MiB {lay.dtype} blocks, 1 thread of calls, "
           f"torch threads={torch.get_num_threads()}")
     print(f"{'codec':10} {'encode GB/s':>12} {'decode GB/s':>12} {'size':>6}")

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.refs import drop_page_cache  # noqa: E402
+from bench.refs import drop_page_cache, odirect_write_read  # noqa: E402
 from tiers.ssd import SSDTier  # noqa: E402
 
 MIB = 1 << 20
@@ -67,27 +67,10 @@ def _addr(mm: mmap.mmap) -> int:
     return np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
 
 
-def disk_direct(folder: str, total: int, chunk: int = 8 * MIB) -> tuple[float, float]:
-    """Sequential O_DIRECT write then read of `total` bytes; GB/s each."""
-    path = os.path.join(folder, "direct.bin")
-    buf = aligned(chunk)
-    buf.write(os.urandom(chunk))
-    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT, 0o600)
-    t0 = time.perf_counter()
-    for off in range(0, total, chunk):
-        os.pwrite(fd, buf, off)
-    os.fsync(fd)
-    w = total / (time.perf_counter() - t0) / 1e9
-    os.close(fd)
-    drop_page_cache([path])
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    t0 = time.perf_counter()
-    for off in range(0, total, chunk):
-        os.preadv(fd, [buf], off)
-    r = total / (time.perf_counter() - t0) / 1e9
-    os.close(fd)
-    os.unlink(path)
-    return w, r
+def disk_direct(folder: str, total: int) -> tuple[float, float]:
+    """Sequential O_DIRECT write then read of `total` bytes; GB/s each (bench/refs.py)."""
+    w, r = odirect_write_read(folder, total)
+    return total / w / 1e9, total / r / 1e9
 
 
 def map_base(data_file: str) -> int:

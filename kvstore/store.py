@@ -630,15 +630,7 @@ class Store(TierMovement):
 
     def get(self, ns_id: bytes, keys: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
         """Bytes path: copies of the longest cached prefix."""
-        lease = self.acquire(ns_id, keys, ttl_s=self.config.leases.default_ttl_s)
-        try:
-            with self._lock:
-                out = [(k, self.host.view(s.offset, s.length).tobytes())
-                       for k, s in zip(lease.keys, lease.slots, strict=True)]
-                self.counters["bytes_host_to_client"] += sum(s.length for s in lease.slots)
-                return out
-        finally:
-            self.release(lease.id, missing_ok=True)
+        return self.with_prefix(ns_id, keys, lambda views: [(k, bytes(v)) for k, v in views])
 
     def release(self, lease_id: str, missing_ok: bool = False) -> None:
         with self._lock:
@@ -737,11 +729,14 @@ class Store(TierMovement):
     def stats(self) -> dict:
         with self._lock:
             tiers = {}
-            host_blocks = ssd_blocks = remote_blocks = 0
-            for e in self.index.entries():
-                host_blocks += e.host is not None
-                ssd_blocks += e.ssd
-                remote_blocks += e.remote
+            # Per-tier block counts come from state that already counts them (a tier's policy
+            # holds exactly its resident blocks; LMDB counts its entries), not from a walk of
+            # the whole index under the lock at every scrape. Remote residency has no such
+            # count, so only a daemon with the remote tier walks the index.
+            host_blocks = len(self.policies["host"])
+            ssd_blocks = len(self.ssd) if self.ssd is not None else 0
+            remote_blocks = (sum(e.remote for e in self.index.entries())
+                             if self.remote is not None else 0)
             tiers["host"] = {"capacity_bytes": self.host.capacity,
                              "used_bytes": self.host.used_bytes, "blocks": host_blocks,
                              **self.tier_counters["host"]}

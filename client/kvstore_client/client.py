@@ -672,15 +672,20 @@ class Namespace:
         cap = int(pool.size * _RESERVE_POOL_SHARE) // per if pool is not None else 1
         return max(1, min(_RESERVE_MAX_SLOTS, cap))
 
+    def _current_pool(self) -> _Pool:
+        """The mapped host pool, or _Stale when the daemon replaced its segment (a restart)."""
+        pool = self.client.pool
+        if pool is None or not pool.current():
+            raise _Stale("host pool segment replaced")
+        return pool
+
     def _store_shm(self, keys: list[bytes], start: int, parent: bytes, fill: Fill) -> int:
         client, bb = self.client, self.block_bytes
         stored = 0
         i = start
         while i < len(keys):
             n = min(len(keys) - i, self._reserve_batch())
-            pool = client.pool
-            if pool is None or not pool.current():
-                raise _Stale("host pool segment replaced")
+            pool = self._current_pool()
             lease = client.call("Reserve", pb.ReserveRequest(
                 namespace_id=self.ns_id, count=n, tier="host", ttl_s=client.lease_ttl_s)).lease
             lid = lease.lease_id
@@ -805,9 +810,7 @@ class Namespace:
 
     def _load_shm(self, keys: list[bytes], drain: Drain) -> int:
         client, bb = self.client, self.block_bytes
-        pool = client.pool
-        if pool is None or not pool.current():
-            raise _Stale("host pool segment replaced")
+        pool = self._current_pool()
         lease = client.call("Acquire", pb.AcquireRequest(
             namespace_id=self.ns_id, keys=keys, tier="host", ttl_s=client.lease_ttl_s)).lease
         lid = lease.lease_id
