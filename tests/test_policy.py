@@ -282,3 +282,27 @@ def test_default_tail_rule_needs_evidence():
 def test_default_hooks_are_optional_for_other_policies():
     for name in ("lru", "arc"):
         assert not hasattr(make_policy(name), "note_put")
+
+
+def _predictability():
+    _bench()                                 # trace_predictability imports trace_replay
+    path = ROOT / "bench" / "trace_predictability.py"
+    spec = importlib.util.spec_from_file_location("trace_predictability", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("kind", ["hot-prompts", "conversation"])
+def test_predictability_replay_is_lru_without_hints_and_gains_from_an_oracle(kind):
+    """The hinted replay behind the issue-7 evidence: no hint must be exactly prefix-leaf LRU,
+    and a perfect reuse oracle must not lose hits (it only reorders never-reused bodies)."""
+    tr, tp = _bench(), _predictability()
+    trace = tr.synthetic(kind, n_requests=1200, seed=3)
+    rows = [{"hash_ids": ids, "timestamp": 0, "output_length": 0} for ids in trace]
+    cap = max(100, len({x for r in trace for x in r}) // 10)
+    lru = 100 * tr.replay_policy("lru", tr.as_keys(trace), cap).ratio
+    assert tp.replay_hinted(rows, cap, set()) == round(lru, 2)
+    _, labels, _, reqs = tp.body_features(rows)
+    oracle = tp.replay_hinted(rows, cap, set(reqs[~labels].tolist()))
+    assert oracle >= round(lru, 2)
