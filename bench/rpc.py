@@ -119,7 +119,7 @@ def _aligned_kv(lay, tokens: int, seed: int):
     """A page-aligned bf16 tensor [L, 2, tokens, H, D] (PERF-NOTES: copy alignment trap)."""
     import numpy as np
     import torch
-    from kvstore_client.client import aligned_buffer
+    from kvstore_client.buffers import aligned_buffer
 
     L, _, _, H, D = lay.block_shape
     n = L * 2 * tokens * H * D
@@ -167,7 +167,7 @@ def bench_data(address: str, transport: str, nblocks: int, reps: int, verify: bo
 
 def bench_memcpy(nbytes: int, reps: int) -> dict:
     import numpy as np
-    from kvstore_client.client import aligned_buffer
+    from kvstore_client.buffers import aligned_buffer
     a, b, c = aligned_buffer(nbytes), aligned_buffer(nbytes), aligned_buffer(nbytes)
     a[:] = 7
     np.copyto(b, a)

@@ -27,7 +27,8 @@ from kvstore_client import (
     connect,
 )
 from kvstore_client._proto import kvstore_pb2 as pb
-from kvstore_client.client import decode_get, encode_put, grpc_target
+from kvstore_client.client import grpc_target
+from kvstore_client.wire import decode_get, encode_put
 
 from tests.daemon import cleanup, start_daemon
 
@@ -105,7 +106,7 @@ def test_addresses() -> None:
 @pytest.mark.parametrize("kv_axis,page_axis", [(0, 1), (1, 0)])
 @pytest.mark.parametrize("torch_gather", [False, True])
 def test_paged_gather_scatter_roundtrip(kv_axis: int, page_axis: int, torch_gather: bool) -> None:
-    from kvstore_client.client import aligned_buffer
+    from kvstore_client.buffers import aligned_buffer
     lay = KVLayout(3, 2, 8, 4, "bfloat16")
     shape = [0, 0, 4, 2, 8]
     shape[kv_axis], shape[page_axis] = 2, 10

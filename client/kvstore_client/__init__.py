@@ -1,6 +1,6 @@
 """kvstore SDK: talk to a kvstore daemon from an inference engine."""
 
-from .client import Client, LookupResult, Namespace, connect
+from .client import Client, connect
 from .errors import (
     DataLoss,
     DeadlineExceeded,
@@ -13,6 +13,7 @@ from .errors import (
 )
 from .hashing import block_keys, chain_key
 from .layout import CODECS, KVLayout, NamespaceSpec
+from .namespace import LookupResult, Namespace
 from .paged import PagedKV
 
 __all__ = [

@@ -1,12 +1,4 @@
-"""The SDK client: connect to a daemon, register a namespace, store and load prefix blocks.
-
-Data flow (DESIGN.md §3). Same host: the client maps the daemon's shared-memory host pool once
-and copies blocks straight into and out of it (Reserve → copy → Commit; Acquire → copy →
-Release), so a block crosses memory once per direction and gRPC carries only small control
-messages. A client that cannot map the pool (another host, or `transport="grpc"`) streams the
-same bytes with Put/Get instead. Both paths go through one pair of primitives — `fill` (write
-blocks into a byte buffer at given offsets) and `drain` (read them back out) — so the dense
-sequence layout here and the paged engine layout in `paged.py` share every other line.
+"""The SDK's connection to a daemon: channel, deadlines, the mapped host pool, leases, restarts.
 
 Restarts: a daemon restart gives a new `daemon_id` and a fresh pool segment. The client notices
 (the channel dropped, the pool segment changed under the same name, the namespace or a lease is
@@ -14,54 +6,41 @@ unknown, or a checksum fails) and re-registers its namespaces and re-maps the po
 retrying the call once, so callers see at most a slower call.
 
 Every RPC carries a deadline and waits for the channel to become ready within it, so a daemon
-that is restarting is waited for, and one that is gone fails within `timeout` seconds.
+that is restarting is waited for, and one that is gone fails within `timeout` seconds. What a
+namespace does with the connection (hashing, lookup, store, load) is in `namespace.py`.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
-import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
-import numpy as np
-import xxhash
 
-from . import errors
 from ._proto import kvstore_pb2 as pb
 from ._proto import kvstore_pb2_grpc as pbg
-from .errors import DataLoss, InvalidArgument, KVStoreError, LeaseExpired, NotFound, Unavailable
-from .hashing import DEFAULT_KEY_BYTES, ExtraKey, block_keys
+from .errors import (
+    InvalidArgument,
+    KVStoreError,
+    LeaseExpired,
+    NotFound,
+    Unavailable,
+    from_rpc_error,
+)
+from .hashing import DEFAULT_KEY_BYTES, ExtraKey
 from .layout import KVLayout, NamespaceSpec
 from .leases import LeaseKeeper
+from .namespace import Namespace
+from .wire import spec_to_proto
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 10.0
-PAGE = 4096
-# Blocks are copied and checksummed in groups of about this many bytes, so the checksum pass
-# reads bytes the copy just left in cache.
-_CHUNK_BYTES = 4 << 20
-# Put streams carry about this many block bytes per message (and per RPC at most _PUT_RPC_BYTES),
-# bounding the client's temporary memory.
-_PUT_MESSAGE_BYTES = 2 << 20
-_PUT_RPC_BYTES = 64 << 20
-# A Reserve asks for at most this share of the host pool (the daemon refuses batches that do not
-# fit below its high watermark) and at most this many slots.
-_RESERVE_POOL_SHARE = 0.25
-_RESERVE_MAX_SLOTS = 1024
-
-Fill = Callable[[np.ndarray, Sequence[int], int], None]
-"""fill(base, offsets, first): write blocks first, first+1, ... into base[offsets[j]:+bb]."""
-Drain = Callable[[np.ndarray, Sequence[int], int], None]
-"""drain(base, offsets, first): copy base[offsets[j]:+bb] out as blocks first, first+1, ..."""
 
 TRANSPORTS = ("auto", "shm", "grpc")
 
@@ -89,204 +68,7 @@ def grpc_target(address: str) -> tuple[str, bool]:
     return a, local
 
 
-# ------------------------------------------------------------------------------------ errors
-
-def _error(e: grpc.RpcError, what: str, target: str) -> KVStoreError:
-    """The errors.* exception a status stands for, with the daemon's own message."""
-    code = e.code() if hasattr(e, "code") else None
-    name = code.name if code is not None else "UNKNOWN"
-    details = (e.details() if hasattr(e, "details") else None) or str(e)
-    if name == "UNAVAILABLE":
-        details = f"daemon at {target} is not reachable: {details}"
-    elif name == "DEADLINE_EXCEEDED":
-        details = f"{what} to {target} did not finish within its deadline: {details}"
-    return errors.from_code(name, f"{what}: {details}")
-
-
-# -------------------------------------------------------------------------- arrays / tensors
-
-_NP_DTYPES = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}
-_RAW = {2: np.int16, 4: np.int32, 8: np.int64}
-
-
-def _torch() -> Any:
-    return sys.modules.get("torch")
-
-
-def _is_tensor(x: Any) -> bool:
-    t = _torch()
-    return t is not None and isinstance(x, t.Tensor)
-
-
-def raw_view(x: Any, layout: KVLayout, what: str) -> Any:
-    """`x` reinterpreted as same-size integers (a view, never a copy), after checking its dtype.
-
-    Returns a numpy array for numpy inputs and CPU tensors (so copies use numpy's memcpy loops),
-    and an integer-typed tensor for device tensors (copied with torch). The integer view makes
-    the copy a pure byte move: no float conversion, no NaN canonicalisation, and bfloat16 needs
-    no numpy support.
-    """
-    isz = layout.itemsize
-    if _is_tensor(x):
-        t = _torch()
-        name = str(x.dtype).removeprefix("torch.")
-        if name != layout.dtype:
-            raise InvalidArgument(f"{what} has dtype {name}; this namespace holds {layout.dtype} "
-                                  "(convert with .to(...) first: the store never converts)")
-        x = x.detach().view({2: t.int16, 4: t.int32}[isz])
-        return x.numpy() if x.device.type == "cpu" else x
-    if not isinstance(x, np.ndarray):
-        raise InvalidArgument(f"{what} must be a numpy array or a torch tensor, got "
-                              f"{type(x).__name__}")
-    ok = x.dtype.name == layout.dtype or (x.dtype.kind in "ui" and x.dtype.itemsize == isz) \
-        or (layout.dtype != "bfloat16" and x.dtype == _NP_DTYPES[layout.dtype])
-    if not ok:
-        hint = " (numpy has no bfloat16: pass a torch tensor or a uint16 view of the bits)" \
-            if layout.dtype == "bfloat16" else ""
-        raise InvalidArgument(f"{what} has dtype {x.dtype}; this namespace holds "
-                              f"{layout.dtype}{hint}")
-    return x.view(_RAW[isz])
-
-
-def check_seq(x: Any, layout: KVLayout, tokens: int, what: str) -> None:
-    """`x` must be [num_layers, 2, >= tokens, num_kv_heads, head_dim]."""
-    shape = tuple(x.shape)
-    L, _, T, H, D = layout.block_shape
-    if len(shape) != 5 or shape[0] != L or shape[1] != 2 or shape[3] != H or shape[4] != D:
-        raise InvalidArgument(f"{what} has shape {shape}; expected [num_layers={L}, 2, tokens, "
-                              f"num_kv_heads={H}, head_dim={D}] (the canonical sequence layout)")
-    if shape[2] < tokens:
-        raise InvalidArgument(f"{what} holds {shape[2]} tokens, fewer than the {tokens} the "
-                              "full blocks of token_ids need")
-
-
-def slot_view(base: np.ndarray, offset: int, layout: KVLayout, like: Any) -> Any:
-    """The block at `base[offset:]` as [L, 2, T, H, D] integers matching `like`'s kind."""
-    nbytes = layout.block_bytes
-    v = base[offset:offset + nbytes].view(_RAW[layout.itemsize]).reshape(layout.block_shape)
-    if isinstance(like, np.ndarray):
-        return v
-    return _torch().from_numpy(v)
-
-
-def copy_block(dst: Any, src: Any) -> None:
-    """dst[...] = src for two same-shape integer views (numpy, or torch where one is a tensor)."""
-    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
-        np.copyto(dst, src, casting="no")
-        return
-    t = _torch()
-    d = t.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
-    s = t.from_numpy(src) if isinstance(src, np.ndarray) else src
-    d.copy_(s)
-
-
-def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A page-aligned, pre-faulted uint8 buffer (PERF-NOTES: alignment and page-fault traps)."""
-    mm = mmap.mmap(-1, max(PAGE, nbytes))
-    arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
-    arr[::PAGE] = 0
-    return arr
-
-
-# ------------------------------------------------------------------------ Put/Get wire format
-# Put and Get move the block bytes; encoding them by hand avoids protobuf's extra copies of
-# multi-MiB `bytes` fields (one join here, and zero-copy views on the way back).
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
-    shift = n = 0
-    while True:
-        b = buf[i]
-        i += 1
-        n |= (b & 0x7F) << shift
-        if b < 0x80:
-            return n, i
-        shift += 7
-        if shift > 63:
-            raise DataLoss("malformed Get response from the daemon (varint too long)")
-
-
-def encode_put(ns_id: bytes, parent: bytes, blocks: Sequence[tuple[bytes, Any]]) -> bytes:
-    """A serialized PutRequest holding `blocks` [(key, bytes-like or list of bytes-likes)]."""
-    parts: list[Any] = []
-    if ns_id:
-        parts += [b"\x0a", _varint(len(ns_id)), ns_id]
-    if parent:
-        parts += [b"\x12", _varint(len(parent)), parent]
-    for key, data in blocks:
-        pieces = data if isinstance(data, list) else [data]
-        n = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in pieces)
-        inner = 1 + len(_varint(len(key))) + len(key) + 1 + len(_varint(n)) + n
-        parts += [b"\x1a", _varint(inner), b"\x0a", _varint(len(key)), key, b"\x12",
-                  _varint(n), *pieces]
-    return b"".join(parts)
-
-
-def _skip(buf: memoryview, i: int, wire: int) -> int:
-    if wire == 0:
-        return _read_varint(buf, i)[1]
-    if wire == 1:
-        return i + 8
-    if wire == 2:
-        n, i = _read_varint(buf, i)
-        return i + n
-    if wire == 5:
-        return i + 4
-    raise DataLoss(f"malformed Get response from the daemon (wire type {wire})")
-
-
-def decode_get(raw: bytes) -> list[tuple[bytes, int, int]]:
-    """[(key, data offset, data length)] of a serialized GetResponse, offsets into `raw`."""
-    buf = memoryview(raw)
-    out: list[tuple[bytes, int, int]] = []
-    i, end = 0, len(buf)
-    while i < end:
-        tag, i = _read_varint(buf, i)
-        if tag != 0x0A:
-            i = _skip(buf, i, tag & 7)
-            continue
-        n, i = _read_varint(buf, i)
-        j, bend = i, i + n
-        key, doff, dlen = b"", -1, 0
-        while j < bend:
-            t, j = _read_varint(buf, j)
-            if t == 0x0A:
-                m, j = _read_varint(buf, j)
-                key = bytes(buf[j:j + m])
-                j += m
-            elif t == 0x12:
-                m, j = _read_varint(buf, j)
-                doff, dlen = j, m
-                j += m
-            else:
-                j = _skip(buf, j, t & 7)
-        if doff < 0 or bend > end:
-            raise DataLoss("malformed Get response from the daemon (block without data)")
-        out.append((key, doff, dlen))
-        i = bend
-    return out
-
-
 # ------------------------------------------------------------------------------ the client
-
-@dataclass
-class LookupResult:
-    """Longest cached prefix in blocks, overall and per tier."""
-
-    prefix_blocks: int
-    per_tier: dict[str, int]
-
 
 class _Pool:
     """The mapped host pool, with the segment identity to notice a restarted daemon."""
@@ -363,7 +145,7 @@ class Client:
             return getattr(self._stub, method)(request, timeout=timeout or self.timeout,
                                                wait_for_ready=True)
         except grpc.RpcError as e:
-            raise _error(e, method, self.target) from None
+            raise from_rpc_error(e, method, self.target) from None
 
     def _renew(self, lease_id: str) -> float:
         return self.call("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id,
@@ -510,372 +292,3 @@ def connect(address: str, *, transport: str = "auto", timeout: float = DEFAULT_T
                   lease_ttl_s=lease_ttl_s)
 
 
-def spec_to_proto(spec: NamespaceSpec) -> pb.NamespaceSpec:
-    lay = spec.layout
-    return pb.NamespaceSpec(
-        model=spec.model, revision=spec.revision,
-        layout=pb.KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
-                           head_dim=lay.head_dim, block_tokens=lay.block_tokens,
-                           dtype=lay.dtype),
-        shard_rank=spec.shard_rank, shard_size=spec.shard_size, hash_scheme=spec.hash_scheme,
-        tenant_salt=spec.tenant_salt, codec=spec.codec, extra=dict(spec.extra))
-
-
-class _Stale(Exception):
-    """The pool mapping or a lease went stale mid-call: resync and try again."""
-
-
-# ---------------------------------------------------------------------------- the namespace
-
-class Namespace:
-    """One registered namespace: hash prompts, look up, store and load prefix blocks.
-
-    Token-based calls (`lookup`, `load`) count tokens; key-based calls (`lookup_keys`,
-    `load_keys`) count blocks. `store*` return blocks written (0 when all were cached).
-    """
-
-    def __init__(self, client: Client, spec: NamespaceSpec, *, extra_keys: tuple = (),
-                 key_bytes: int = DEFAULT_KEY_BYTES) -> None:
-        self.client = client
-        self.spec = spec
-        self.layout = spec.layout
-        self.extra_keys = extra_keys
-        self.key_bytes = key_bytes
-        self.ns_id = b""
-        self.block_bytes = spec.layout.block_bytes
-        self._staging: np.ndarray | None = None
-        self._register()
-
-    def _register(self) -> None:
-        resp = self.client.register(self.spec)
-        if resp.block_bytes and resp.block_bytes != self.layout.block_bytes:
-            raise InvalidArgument(f"the daemon sizes this namespace's blocks at "
-                                  f"{resp.block_bytes} bytes, the layout at "
-                                  f"{self.layout.block_bytes}: client and daemon disagree")
-        self.ns_id = bytes(resp.namespace_id)
-
-    def __repr__(self) -> str:
-        return (f"Namespace(model={self.spec.model!r}, ns_id={self.ns_id.hex()}, "
-                f"transport={self.client.transport})")
-
-    # -- keys -------------------------------------------------------------------------------
-    def keys(self, token_ids: Sequence[int] | np.ndarray, *, parent: bytes | None = None,
-             block_extra_keys: Sequence[Sequence[ExtraKey]] | None = None) -> list[bytes]:
-        """Reference keys (kvstore_client.hashing.block_keys) of every full block."""
-        if self.spec.hash_scheme != "kvstore-blake3-v1":
-            raise InvalidArgument(f"namespace uses hash scheme {self.spec.hash_scheme!r}: pass "
-                                  "your own keys to lookup_keys/store_keys/load_keys")
-        if _is_tensor(token_ids):
-            token_ids = token_ids.detach().cpu().numpy()
-        return block_keys(token_ids, self.layout.block_tokens, parent=parent,
-                          extra_keys=self.extra_keys, block_extra_keys=block_extra_keys,
-                          key_bytes=self.key_bytes)
-
-    # -- retry wrapper ----------------------------------------------------------------------
-    def _retrying(self, fn: Callable[[], Any]) -> Any:
-        """Run fn; after a sign of a daemon restart, resync and run it once more.
-
-        The store and load paths check the pool segment themselves before touching it, so
-        lookups pay no extra system call here.
-        """
-        try:
-            return fn()
-        except (_Stale, NotFound, LeaseExpired) as e:
-            log.info("kvstore: %s; re-registering and retrying", e)
-            self.client.resync()
-        try:
-            return fn()
-        except _Stale as e:
-            raise DataLoss(f"the daemon's pool changed twice during one call: {e}") from None
-
-    # -- lookup -----------------------------------------------------------------------------
-    def lookup_result(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest cached prefix of `keys` in blocks, overall and per tier."""
-        if not keys:
-            return LookupResult(0, {})
-
-        def run() -> LookupResult:
-            r = self.client.call("Lookup", pb.LookupRequest(namespace_id=self.ns_id,
-                                                            keys=list(keys)))
-            return LookupResult(int(r.prefix_blocks), {k: int(v) for k, v in r.per_tier.items()})
-        return self._retrying(run)
-
-    def lookup_keys(self, keys: Sequence[bytes]) -> int:
-        """Blocks of the longest cached prefix of `keys`."""
-        return self.lookup_result(keys).prefix_blocks
-
-    def lookup(self, token_ids: Sequence[int] | np.ndarray) -> int:
-        """Tokens of `token_ids` whose KV is cached (a multiple of block_tokens)."""
-        return self.lookup_keys(self.keys(token_ids)) * self.layout.block_tokens
-
-    # -- store ------------------------------------------------------------------------------
-    def store(self, token_ids: Sequence[int] | np.ndarray, kv: Any) -> int:
-        """Store the full blocks of `token_ids` not cached yet; returns blocks written.
-
-        kv: [num_layers, 2, n_tokens, num_kv_heads, head_dim] (numpy or torch, namespace dtype,
-        any strides) with n_tokens >= the full blocks of token_ids.
-        """
-        return self.store_keys(self.keys(token_ids), kv)
-
-    def store_keys(self, keys: Sequence[bytes], kv: Any, *, parent: bytes | None = None) -> int:
-        """store() with precomputed keys; kv[:, :, i*T:(i+1)*T] is block i's KV."""
-        keys = list(keys)
-        if not keys:
-            return 0
-        T = self.layout.block_tokens
-        check_seq(kv, self.layout, len(keys) * T, "kv")
-        src = raw_view(kv, self.layout, "kv")
-
-        def fill(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
-            for j, off in enumerate(offsets):
-                i = first + j
-                dst = slot_view(base, off, self.layout, src)
-                copy_block(dst, src[:, :, i * T:(i + 1) * T])
-
-        rows = None
-        if isinstance(src, np.ndarray):
-            # Put can join each block's contiguous (layer, K/V) rows straight into the message.
-            L, _, N, H, D = src.shape
-            rows = src.view()
-            try:
-                rows.shape = (L * 2, N * H * D)
-            except AttributeError:
-                rows = None
-        E = T * self.layout.num_kv_heads * self.layout.head_dim
-
-        def parts(i: int) -> list[Any]:
-            return list(rows[:, i * E:(i + 1) * E])  # type: ignore[index]
-        return self._retrying(lambda: self._store_once(keys, fill, parent,
-                                                       parts if rows is not None else None))
-
-    def store_blocks(self, keys: Sequence[bytes], fill: Fill, *,
-                     parent: bytes | None = None) -> int:
-        """Store blocks produced by `fill` for the keys not cached yet (for custom layouts)."""
-        keys = list(keys)
-        if not keys:
-            return 0
-        return self._retrying(lambda: self._store_once(keys, fill, parent))
-
-    def _store_once(self, keys: list[bytes], fill: Fill, parent: bytes | None,
-                    parts: Callable[[int], list[Any]] | None = None) -> int:
-        have = self.lookup_keys(keys)
-        if have >= len(keys):
-            return 0
-        first_parent = keys[have - 1] if have else (parent or b"")
-        if self.client.pool is not None:
-            return self._store_shm(keys, have, first_parent, fill)
-        return self._store_grpc(keys, have, first_parent, fill, parts)
-
-    def _reserve_batch(self) -> int:
-        pool = self.client.pool
-        per = (self.block_bytes + PAGE - 1) // PAGE * PAGE
-        cap = int(pool.size * _RESERVE_POOL_SHARE) // per if pool is not None else 1
-        return max(1, min(_RESERVE_MAX_SLOTS, cap))
-
-    def _current_pool(self) -> _Pool:
-        """The mapped host pool, or _Stale when the daemon replaced its segment (a restart)."""
-        pool = self.client.pool
-        if pool is None or not pool.current():
-            raise _Stale("host pool segment replaced")
-        return pool
-
-    def _store_shm(self, keys: list[bytes], start: int, parent: bytes, fill: Fill) -> int:
-        client, bb = self.client, self.block_bytes
-        stored = 0
-        i = start
-        while i < len(keys):
-            n = min(len(keys) - i, self._reserve_batch())
-            pool = self._current_pool()
-            lease = client.call("Reserve", pb.ReserveRequest(
-                namespace_id=self.ns_id, count=n, tier="host", ttl_s=client.lease_ttl_s)).lease
-            lid = lease.lease_id
-            client.leases.add(lid, lease.deadline)
-            committed = False
-            try:
-                offsets = self._check_slots(lease.slots, pool)[:n]
-                n = len(offsets)
-                base = pool.slab.array
-                sums: list[int] = []
-                for c0, c1 in _chunks(n, bb):
-                    fill(base, offsets[c0:c1], i + c0)
-                    if client.verify:
-                        sums += [xxhash.xxh3_64_intdigest(base[o:o + bb]) for o in offsets[c0:c1]]
-                if not client.leases.remove(lid):
-                    client.counters["leases_lost"] += 1
-                    raise LeaseExpired(f"write lease {lid} expired during the copy")
-                try:
-                    r = client.call("Commit", pb.CommitRequest(
-                        lease_id=lid, keys=keys[i:i + n], parent=parent, checksums=sums))
-                except DataLoss as e:
-                    # Our bytes did not arrive where the daemon looks: a replaced segment.
-                    committed = True   # the daemon freed the lease already
-                    raise _Stale(str(e)) from None
-                committed = True
-                stored += int(r.stored)
-            finally:
-                if not committed:
-                    client.release(lid)
-            parent = keys[i + n - 1]
-            i += n
-        return stored
-
-    def _staging_buffer(self, nbytes: int) -> np.ndarray:
-        if self._staging is None or self._staging.nbytes < nbytes:
-            self._staging = aligned_buffer(nbytes)
-        return self._staging
-
-    def _store_grpc(self, keys: list[bytes], start: int, parent: bytes, fill: Fill,
-                    parts: Callable[[int], list[Any]] | None = None) -> int:
-        """Put streams; `parts(i)` (contiguous pieces of block i) skips the staging copy."""
-        client, bb = self.client, self.block_bytes
-        stride = (bb + PAGE - 1) // PAGE * PAGE
-        per_rpc = max(1, _PUT_RPC_BYTES // stride)
-        per_msg = max(1, _PUT_MESSAGE_BYTES // bb)
-        stored = 0
-        i = start
-        while i < len(keys):
-            n = min(len(keys) - i, per_rpc)
-            base, offsets = None, []
-            if parts is None:
-                base = self._staging_buffer(n * stride)
-                offsets = [j * stride for j in range(n)]
-                fill(base, offsets, i)
-            def msgs(i: int = i, n: int = n, parent: bytes = parent, base=base,
-                     offsets: list[int] = offsets):
-                # A generator: gRPC's sender thread encodes the next message while the
-                # previous one is on the wire.
-                for m0 in range(0, n, per_msg):
-                    blocks = [(keys[i + j], parts(i + j) if parts is not None
-                               else base[offsets[j]:offsets[j] + bb])
-                              for j in range(m0, min(n, m0 + per_msg))]
-                    yield encode_put(self.ns_id if m0 == 0 else b"",
-                                     parent if m0 == 0 else b"", blocks)
-            try:
-                r = client._put(msgs(), timeout=client.timeout, wait_for_ready=True)
-            except grpc.RpcError as e:
-                raise _error(e, "Put", client.target) from None
-            stored += int(r.stored)
-            parent = keys[i + n - 1]
-            i += n
-        return stored
-
-    # -- load -------------------------------------------------------------------------------
-    def load(self, token_ids: Sequence[int] | np.ndarray, out: Any) -> int:
-        """Fill out[:, :, :n] with the cached prefix of `token_ids`; returns n (tokens).
-
-        out: [num_layers, 2, >= tokens, num_kv_heads, head_dim] (numpy or torch, namespace
-        dtype). Positions past n are left as they were.
-        """
-        return self.load_keys(self.keys(token_ids), out) * self.layout.block_tokens
-
-    def load_keys(self, keys: Sequence[bytes], out: Any) -> int:
-        """load() with precomputed keys; returns blocks loaded into out[:, :, :blocks*T]."""
-        keys = list(keys)
-        if not keys:
-            return 0
-        T = self.layout.block_tokens
-        check_seq(out, self.layout, 0, "out")
-        keys = keys[:out.shape[2] // T]
-        if not keys:
-            raise InvalidArgument(f"out holds {out.shape[2]} tokens, less than one block "
-                                  f"({T} tokens)")
-        dst = raw_view(out, self.layout, "out")
-
-        def drain(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
-            for j, off in enumerate(offsets):
-                i = first + j
-                copy_block(dst[:, :, i * T:(i + 1) * T], slot_view(base, off, self.layout, dst))
-        return self.load_blocks(keys, drain)
-
-    def load_blocks(self, keys: Sequence[bytes], drain: Drain) -> int:
-        """Load the cached prefix of `keys` through `drain`; returns blocks loaded."""
-        keys = list(keys)
-        if not keys:
-            return 0
-        return self._retrying(lambda: self._load_once(keys, drain))
-
-    def _load_once(self, keys: list[bytes], drain: Drain) -> int:
-        if self.client.pool is not None:
-            return self._load_shm(keys, drain)
-        return self._load_grpc(keys, drain)
-
-    def _check_slots(self, slots: Sequence[pb.Slot], pool: _Pool) -> list[int]:
-        offsets = []
-        for s in slots:
-            if s.length != self.block_bytes or s.offset + s.length > pool.size:
-                raise DataLoss(f"daemon handed out slot ({s.offset}, {s.length}) that does not "
-                               f"fit a {self.block_bytes}-byte block in a {pool.size}-byte pool")
-            offsets.append(int(s.offset))
-        return offsets
-
-    def _load_shm(self, keys: list[bytes], drain: Drain) -> int:
-        client, bb = self.client, self.block_bytes
-        pool = self._current_pool()
-        lease = client.call("Acquire", pb.AcquireRequest(
-            namespace_id=self.ns_id, keys=keys, tier="host", ttl_s=client.lease_ttl_s)).lease
-        lid = lease.lease_id
-        if not lease.slots:
-            if lid:
-                client.release(lid)
-            return 0
-        client.leases.add(lid, lease.deadline)
-        try:
-            offsets = self._check_slots(lease.slots, pool)
-            n = len(offsets)
-            if list(lease.keys[:n]) != keys[:n]:
-                raise DataLoss("the daemon's read lease names other keys than were asked for")
-            sums = list(lease.checksums)
-            base = pool.slab.array
-            good = n
-            for c0, c1 in _chunks(n, bb):
-                drain(base, offsets[c0:c1], c0)
-                if client.verify and len(sums) == n:
-                    bad = next((j for j in range(c0, c1)
-                                if xxhash.xxh3_64_intdigest(base[offsets[j]:offsets[j] + bb])
-                                != sums[j]), None)
-                    if bad is not None:
-                        good = bad
-                        break
-            if not client.leases.ok(lid):
-                client.counters["leases_lost"] += 1
-                raise _Stale(f"read lease {lid} expired during the copy")
-            if good < n:
-                client.counters["checksum_failures"] += 1
-                if not pool.current():
-                    raise _Stale("host pool segment replaced during the copy")
-                log.warning("kvstore: block %d of a load failed its checksum; serving the %d "
-                            "blocks before it", good, good)
-            return good
-        finally:
-            client.release(lid)
-
-    def _load_grpc(self, keys: list[bytes], drain: Drain) -> int:
-        client = self.client
-        n = 0
-        try:
-            for raw in client._get(pb.GetRequest(namespace_id=self.ns_id, keys=keys),
-                                   timeout=client.timeout, wait_for_ready=True):
-                base = np.frombuffer(raw, dtype=np.uint8)
-                blocks = decode_get(raw)
-                for k, (key, _off, length) in enumerate(blocks):
-                    if n + k >= len(keys) or key != keys[n + k] or length != self.block_bytes:
-                        raise DataLoss("the daemon's Get stream returned an unexpected block "
-                                       f"(#{n + k}, {length} bytes)")
-                if blocks:
-                    drain(base, [off for _, off, _ in blocks], n)
-                    n += len(blocks)
-        except grpc.RpcError as e:
-            raise _error(e, "Get", client.target) from None
-        return n
-
-    # -- admin ------------------------------------------------------------------------------
-    def delete(self, keys: Sequence[bytes] | None = None) -> int:
-        """Delete `keys` (None: the whole namespace) from every tier; returns blocks deleted."""
-        req = pb.DeleteRequest(namespace_id=self.ns_id, keys=list(keys or ()), all=keys is None)
-        return int(self.client.call("Delete", req).deleted)
-
-
-def _chunks(n: int, block_bytes: int) -> Iterator[tuple[int, int]]:
-    per = max(1, _CHUNK_BYTES // max(1, block_bytes))
-    for c0 in range(0, n, per):
-        yield c0, min(n, c0 + per)

@@ -55,3 +55,16 @@ BY_CODE: dict[str, type[KVStoreError]] = {
 def from_code(code: str, message: str) -> KVStoreError:
     """Rebuild the exception a status code stands for (unknown codes give the base class)."""
     return BY_CODE.get(code, KVStoreError)(message)
+
+
+def from_rpc_error(e: Exception, what: str, target: str) -> KVStoreError:
+    """The exception a gRPC error stands for, with the daemon's own message and, for the two
+    codes that mean "the daemon is not there (yet)", the address we tried."""
+    code = e.code() if hasattr(e, "code") else None
+    name = code.name if code is not None else "UNKNOWN"
+    details = (e.details() if hasattr(e, "details") else None) or str(e)
+    if name == "UNAVAILABLE":
+        details = f"daemon at {target} is not reachable: {details}"
+    elif name == "DEADLINE_EXCEEDED":
+        details = f"{what} to {target} did not finish within its deadline: {details}"
+    return from_code(name, f"{what}: {details}")

@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from .client import Namespace, _is_tensor, _torch, aligned_buffer
+from .buffers import _is_tensor, _torch, aligned_buffer, raw_view
 from .errors import InvalidArgument
 from .layout import KVLayout
+from .namespace import Namespace
 
 _INT = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}
 
@@ -97,7 +98,6 @@ class PagedKV:
         self.layout = lay
         self.kv_axis, self.page_axis = kv_axis, page_axis
         T, H, D = lay.block_tokens, lay.num_kv_heads, lay.head_dim
-        from .client import raw_view
         self._raw = [raw_view(x, lay, f"layers[{i}]") for i, x in enumerate(layers)]
         shapes = {tuple(x.shape) for x in self._raw}
         if len(shapes) != 1:

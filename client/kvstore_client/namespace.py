@@ -1,0 +1,414 @@
+"""A registered namespace: hash prompts, look up, store and load prefix blocks.
+
+Same host, the blocks are copied straight into and out of the daemon's mapped host pool
+(Reserve -> copy -> Commit; Acquire -> copy -> Release); otherwise they stream over Put/Get.
+Both paths go through one pair of primitives, `fill` and `drain`, so the dense sequence layout
+here and the paged engine layout in `paged.py` share every other line. The connection,
+leases and restart handling live in `client.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+import xxhash
+
+from ._proto import kvstore_pb2 as pb
+from .buffers import PAGE, _is_tensor, aligned_buffer, check_seq, copy_block, raw_view, slot_view
+from .errors import DataLoss, InvalidArgument, LeaseExpired, NotFound, from_rpc_error
+from .hashing import DEFAULT_KEY_BYTES, ExtraKey, block_keys
+from .layout import NamespaceSpec
+from .wire import decode_get, encode_put
+
+if TYPE_CHECKING:
+    from .client import Client, _Pool
+
+log = logging.getLogger(__name__)
+
+# Blocks are copied and checksummed in groups of about this many bytes, so the checksum pass
+# reads bytes the copy just left in cache.
+_CHUNK_BYTES = 4 << 20
+# Put streams carry about this many block bytes per message (and per RPC at most _PUT_RPC_BYTES),
+# bounding the client's temporary memory.
+_PUT_MESSAGE_BYTES = 2 << 20
+_PUT_RPC_BYTES = 64 << 20
+# A Reserve asks for at most this share of the host pool (the daemon refuses batches that do not
+# fit below its high watermark) and at most this many slots.
+_RESERVE_POOL_SHARE = 0.25
+_RESERVE_MAX_SLOTS = 1024
+
+Fill = Callable[[np.ndarray, Sequence[int], int], None]
+"""fill(base, offsets, first): write blocks first, first+1, ... into base[offsets[j]:+bb]."""
+Drain = Callable[[np.ndarray, Sequence[int], int], None]
+"""drain(base, offsets, first): copy base[offsets[j]:+bb] out as blocks first, first+1, ..."""
+
+
+@dataclass
+class LookupResult:
+    """Longest cached prefix in blocks, overall and per tier."""
+
+    prefix_blocks: int
+    per_tier: dict[str, int]
+
+
+class _Stale(Exception):
+    """The pool mapping or a lease went stale mid-call: resync and try again."""
+
+
+class Namespace:
+    """One registered namespace: hash prompts, look up, store and load prefix blocks.
+
+    Token-based calls (`lookup`, `load`) count tokens; key-based calls (`lookup_keys`,
+    `load_keys`) count blocks. `store*` return blocks written (0 when all were cached).
+    """
+
+    def __init__(self, client: Client, spec: NamespaceSpec, *, extra_keys: tuple = (),
+                 key_bytes: int = DEFAULT_KEY_BYTES) -> None:
+        self.client = client
+        self.spec = spec
+        self.layout = spec.layout
+        self.extra_keys = extra_keys
+        self.key_bytes = key_bytes
+        self.ns_id = b""
+        self.block_bytes = spec.layout.block_bytes
+        self._staging: np.ndarray | None = None
+        self._register()
+
+    def _register(self) -> None:
+        resp = self.client.register(self.spec)
+        if resp.block_bytes and resp.block_bytes != self.layout.block_bytes:
+            raise InvalidArgument(f"the daemon sizes this namespace's blocks at "
+                                  f"{resp.block_bytes} bytes, the layout at "
+                                  f"{self.layout.block_bytes}: client and daemon disagree")
+        self.ns_id = bytes(resp.namespace_id)
+
+    def __repr__(self) -> str:
+        return (f"Namespace(model={self.spec.model!r}, ns_id={self.ns_id.hex()}, "
+                f"transport={self.client.transport})")
+
+    # -- keys -------------------------------------------------------------------------------
+    def keys(self, token_ids: Sequence[int] | np.ndarray, *, parent: bytes | None = None,
+             block_extra_keys: Sequence[Sequence[ExtraKey]] | None = None) -> list[bytes]:
+        """Reference keys (kvstore_client.hashing.block_keys) of every full block."""
+        if self.spec.hash_scheme != "kvstore-blake3-v1":
+            raise InvalidArgument(f"namespace uses hash scheme {self.spec.hash_scheme!r}: pass "
+                                  "your own keys to lookup_keys/store_keys/load_keys")
+        if _is_tensor(token_ids):
+            token_ids = token_ids.detach().cpu().numpy()
+        return block_keys(token_ids, self.layout.block_tokens, parent=parent,
+                          extra_keys=self.extra_keys, block_extra_keys=block_extra_keys,
+                          key_bytes=self.key_bytes)
+
+    # -- retry wrapper ----------------------------------------------------------------------
+    def _retrying(self, fn: Callable[[], Any]) -> Any:
+        """Run fn; after a sign of a daemon restart, resync and run it once more.
+
+        The store and load paths check the pool segment themselves before touching it, so
+        lookups pay no extra system call here.
+        """
+        try:
+            return fn()
+        except (_Stale, NotFound, LeaseExpired) as e:
+            log.info("kvstore: %s; re-registering and retrying", e)
+            self.client.resync()
+        try:
+            return fn()
+        except _Stale as e:
+            raise DataLoss(f"the daemon's pool changed twice during one call: {e}") from None
+
+    # -- lookup -----------------------------------------------------------------------------
+    def lookup_result(self, keys: Sequence[bytes]) -> LookupResult:
+        """Longest cached prefix of `keys` in blocks, overall and per tier."""
+        if not keys:
+            return LookupResult(0, {})
+
+        def run() -> LookupResult:
+            r = self.client.call("Lookup", pb.LookupRequest(namespace_id=self.ns_id,
+                                                            keys=list(keys)))
+            return LookupResult(int(r.prefix_blocks), {k: int(v) for k, v in r.per_tier.items()})
+        return self._retrying(run)
+
+    def lookup_keys(self, keys: Sequence[bytes]) -> int:
+        """Blocks of the longest cached prefix of `keys`."""
+        return self.lookup_result(keys).prefix_blocks
+
+    def lookup(self, token_ids: Sequence[int] | np.ndarray) -> int:
+        """Tokens of `token_ids` whose KV is cached (a multiple of block_tokens)."""
+        return self.lookup_keys(self.keys(token_ids)) * self.layout.block_tokens
+
+    # -- store ------------------------------------------------------------------------------
+    def store(self, token_ids: Sequence[int] | np.ndarray, kv: Any) -> int:
+        """Store the full blocks of `token_ids` not cached yet; returns blocks written.
+
+        kv: [num_layers, 2, n_tokens, num_kv_heads, head_dim] (numpy or torch, namespace dtype,
+        any strides) with n_tokens >= the full blocks of token_ids.
+        """
+        return self.store_keys(self.keys(token_ids), kv)
+
+    def store_keys(self, keys: Sequence[bytes], kv: Any, *, parent: bytes | None = None) -> int:
+        """store() with precomputed keys; kv[:, :, i*T:(i+1)*T] is block i's KV."""
+        keys = list(keys)
+        if not keys:
+            return 0
+        T = self.layout.block_tokens
+        check_seq(kv, self.layout, len(keys) * T, "kv")
+        src = raw_view(kv, self.layout, "kv")
+
+        def fill(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
+            for j, off in enumerate(offsets):
+                i = first + j
+                dst = slot_view(base, off, self.layout, src)
+                copy_block(dst, src[:, :, i * T:(i + 1) * T])
+
+        rows = None
+        if isinstance(src, np.ndarray):
+            # Put can join each block's contiguous (layer, K/V) rows straight into the message.
+            L, _, N, H, D = src.shape
+            rows = src.view()
+            try:
+                rows.shape = (L * 2, N * H * D)
+            except AttributeError:
+                rows = None
+        E = T * self.layout.num_kv_heads * self.layout.head_dim
+
+        def parts(i: int) -> list[Any]:
+            return list(rows[:, i * E:(i + 1) * E])  # type: ignore[index]
+        return self._retrying(lambda: self._store_once(keys, fill, parent,
+                                                       parts if rows is not None else None))
+
+    def store_blocks(self, keys: Sequence[bytes], fill: Fill, *,
+                     parent: bytes | None = None) -> int:
+        """Store blocks produced by `fill` for the keys not cached yet (for custom layouts)."""
+        keys = list(keys)
+        if not keys:
+            return 0
+        return self._retrying(lambda: self._store_once(keys, fill, parent))
+
+    def _store_once(self, keys: list[bytes], fill: Fill, parent: bytes | None,
+                    parts: Callable[[int], list[Any]] | None = None) -> int:
+        have = self.lookup_keys(keys)
+        if have >= len(keys):
+            return 0
+        first_parent = keys[have - 1] if have else (parent or b"")
+        if self.client.pool is not None:
+            return self._store_shm(keys, have, first_parent, fill)
+        return self._store_grpc(keys, have, first_parent, fill, parts)
+
+    def _reserve_batch(self) -> int:
+        pool = self.client.pool
+        per = (self.block_bytes + PAGE - 1) // PAGE * PAGE
+        cap = int(pool.size * _RESERVE_POOL_SHARE) // per if pool is not None else 1
+        return max(1, min(_RESERVE_MAX_SLOTS, cap))
+
+    def _current_pool(self) -> _Pool:
+        """The mapped host pool, or _Stale when the daemon replaced its segment (a restart)."""
+        pool = self.client.pool
+        if pool is None or not pool.current():
+            raise _Stale("host pool segment replaced")
+        return pool
+
+    def _store_shm(self, keys: list[bytes], start: int, parent: bytes, fill: Fill) -> int:
+        client, bb = self.client, self.block_bytes
+        stored = 0
+        i = start
+        while i < len(keys):
+            n = min(len(keys) - i, self._reserve_batch())
+            pool = self._current_pool()
+            lease = client.call("Reserve", pb.ReserveRequest(
+                namespace_id=self.ns_id, count=n, tier="host", ttl_s=client.lease_ttl_s)).lease
+            lid = lease.lease_id
+            client.leases.add(lid, lease.deadline)
+            committed = False
+            try:
+                offsets = self._check_slots(lease.slots, pool)[:n]
+                n = len(offsets)
+                base = pool.slab.array
+                sums: list[int] = []
+                for c0, c1 in _chunks(n, bb):
+                    fill(base, offsets[c0:c1], i + c0)
+                    if client.verify:
+                        sums += [xxhash.xxh3_64_intdigest(base[o:o + bb]) for o in offsets[c0:c1]]
+                if not client.leases.remove(lid):
+                    client.counters["leases_lost"] += 1
+                    raise LeaseExpired(f"write lease {lid} expired during the copy")
+                try:
+                    r = client.call("Commit", pb.CommitRequest(
+                        lease_id=lid, keys=keys[i:i + n], parent=parent, checksums=sums))
+                except DataLoss as e:
+                    # Our bytes did not arrive where the daemon looks: a replaced segment.
+                    committed = True   # the daemon freed the lease already
+                    raise _Stale(str(e)) from None
+                committed = True
+                stored += int(r.stored)
+            finally:
+                if not committed:
+                    client.release(lid)
+            parent = keys[i + n - 1]
+            i += n
+        return stored
+
+    def _staging_buffer(self, nbytes: int) -> np.ndarray:
+        if self._staging is None or self._staging.nbytes < nbytes:
+            self._staging = aligned_buffer(nbytes)
+        return self._staging
+
+    def _store_grpc(self, keys: list[bytes], start: int, parent: bytes, fill: Fill,
+                    parts: Callable[[int], list[Any]] | None = None) -> int:
+        """Put streams; `parts(i)` (contiguous pieces of block i) skips the staging copy."""
+        client, bb = self.client, self.block_bytes
+        stride = (bb + PAGE - 1) // PAGE * PAGE
+        per_rpc = max(1, _PUT_RPC_BYTES // stride)
+        per_msg = max(1, _PUT_MESSAGE_BYTES // bb)
+        stored = 0
+        i = start
+        while i < len(keys):
+            n = min(len(keys) - i, per_rpc)
+            base, offsets = None, []
+            if parts is None:
+                base = self._staging_buffer(n * stride)
+                offsets = [j * stride for j in range(n)]
+                fill(base, offsets, i)
+            def msgs(i: int = i, n: int = n, parent: bytes = parent, base=base,
+                     offsets: list[int] = offsets):
+                # A generator: gRPC's sender thread encodes the next message while the
+                # previous one is on the wire.
+                for m0 in range(0, n, per_msg):
+                    blocks = [(keys[i + j], parts(i + j) if parts is not None
+                               else base[offsets[j]:offsets[j] + bb])
+                              for j in range(m0, min(n, m0 + per_msg))]
+                    yield encode_put(self.ns_id if m0 == 0 else b"",
+                                     parent if m0 == 0 else b"", blocks)
+            try:
+                r = client._put(msgs(), timeout=client.timeout, wait_for_ready=True)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e, "Put", client.target) from None
+            stored += int(r.stored)
+            parent = keys[i + n - 1]
+            i += n
+        return stored
+
+    # -- load -------------------------------------------------------------------------------
+    def load(self, token_ids: Sequence[int] | np.ndarray, out: Any) -> int:
+        """Fill out[:, :, :n] with the cached prefix of `token_ids`; returns n (tokens).
+
+        out: [num_layers, 2, >= tokens, num_kv_heads, head_dim] (numpy or torch, namespace
+        dtype). Positions past n are left as they were.
+        """
+        return self.load_keys(self.keys(token_ids), out) * self.layout.block_tokens
+
+    def load_keys(self, keys: Sequence[bytes], out: Any) -> int:
+        """load() with precomputed keys; returns blocks loaded into out[:, :, :blocks*T]."""
+        keys = list(keys)
+        if not keys:
+            return 0
+        T = self.layout.block_tokens
+        check_seq(out, self.layout, 0, "out")
+        keys = keys[:out.shape[2] // T]
+        if not keys:
+            raise InvalidArgument(f"out holds {out.shape[2]} tokens, less than one block "
+                                  f"({T} tokens)")
+        dst = raw_view(out, self.layout, "out")
+
+        def drain(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
+            for j, off in enumerate(offsets):
+                i = first + j
+                copy_block(dst[:, :, i * T:(i + 1) * T], slot_view(base, off, self.layout, dst))
+        return self.load_blocks(keys, drain)
+
+    def load_blocks(self, keys: Sequence[bytes], drain: Drain) -> int:
+        """Load the cached prefix of `keys` through `drain`; returns blocks loaded."""
+        keys = list(keys)
+        if not keys:
+            return 0
+        return self._retrying(lambda: self._load_once(keys, drain))
+
+    def _load_once(self, keys: list[bytes], drain: Drain) -> int:
+        if self.client.pool is not None:
+            return self._load_shm(keys, drain)
+        return self._load_grpc(keys, drain)
+
+    def _check_slots(self, slots: Sequence[pb.Slot], pool: _Pool) -> list[int]:
+        offsets = []
+        for s in slots:
+            if s.length != self.block_bytes or s.offset + s.length > pool.size:
+                raise DataLoss(f"daemon handed out slot ({s.offset}, {s.length}) that does not "
+                               f"fit a {self.block_bytes}-byte block in a {pool.size}-byte pool")
+            offsets.append(int(s.offset))
+        return offsets
+
+    def _load_shm(self, keys: list[bytes], drain: Drain) -> int:
+        client, bb = self.client, self.block_bytes
+        pool = self._current_pool()
+        lease = client.call("Acquire", pb.AcquireRequest(
+            namespace_id=self.ns_id, keys=keys, tier="host", ttl_s=client.lease_ttl_s)).lease
+        lid = lease.lease_id
+        if not lease.slots:
+            if lid:
+                client.release(lid)
+            return 0
+        client.leases.add(lid, lease.deadline)
+        try:
+            offsets = self._check_slots(lease.slots, pool)
+            n = len(offsets)
+            if list(lease.keys[:n]) != keys[:n]:
+                raise DataLoss("the daemon's read lease names other keys than were asked for")
+            sums = list(lease.checksums)
+            base = pool.slab.array
+            good = n
+            for c0, c1 in _chunks(n, bb):
+                drain(base, offsets[c0:c1], c0)
+                if client.verify and len(sums) == n:
+                    bad = next((j for j in range(c0, c1)
+                                if xxhash.xxh3_64_intdigest(base[offsets[j]:offsets[j] + bb])
+                                != sums[j]), None)
+                    if bad is not None:
+                        good = bad
+                        break
+            if not client.leases.ok(lid):
+                client.counters["leases_lost"] += 1
+                raise _Stale(f"read lease {lid} expired during the copy")
+            if good < n:
+                client.counters["checksum_failures"] += 1
+                if not pool.current():
+                    raise _Stale("host pool segment replaced during the copy")
+                log.warning("kvstore: block %d of a load failed its checksum; serving the %d "
+                            "blocks before it", good, good)
+            return good
+        finally:
+            client.release(lid)
+
+    def _load_grpc(self, keys: list[bytes], drain: Drain) -> int:
+        client = self.client
+        n = 0
+        try:
+            for raw in client._get(pb.GetRequest(namespace_id=self.ns_id, keys=keys),
+                                   timeout=client.timeout, wait_for_ready=True):
+                base = np.frombuffer(raw, dtype=np.uint8)
+                blocks = decode_get(raw)
+                for k, (key, _off, length) in enumerate(blocks):
+                    if n + k >= len(keys) or key != keys[n + k] or length != self.block_bytes:
+                        raise DataLoss("the daemon's Get stream returned an unexpected block "
+                                       f"(#{n + k}, {length} bytes)")
+                if blocks:
+                    drain(base, [off for _, off, _ in blocks], n)
+                    n += len(blocks)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "Get", client.target) from None
+        return n
+
+    # -- admin ------------------------------------------------------------------------------
+    def delete(self, keys: Sequence[bytes] | None = None) -> int:
+        """Delete `keys` (None: the whole namespace) from every tier; returns blocks deleted."""
+        req = pb.DeleteRequest(namespace_id=self.ns_id, keys=list(keys or ()), all=keys is None)
+        return int(self.client.call("Delete", req).deleted)
+
+
+def _chunks(n: int, block_bytes: int) -> Iterator[tuple[int, int]]:
+    per = max(1, _CHUNK_BYTES // max(1, block_bytes))
+    for c0 in range(0, n, per):
+        yield c0, min(n, c0 + per)

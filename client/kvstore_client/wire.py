@@ -1,0 +1,114 @@
+"""Put/Get messages encoded by hand, and the namespace spec as protobuf.
+
+Put and Get move the block bytes; encoding them by hand avoids protobuf's extra copies of
+multi-MiB `bytes` fields (one join here, and zero-copy views on the way back). The daemon's
+server does the mirror image (kvstore/server.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._proto import kvstore_pb2 as pb
+from .errors import DataLoss
+from .layout import NamespaceSpec
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
+    shift = n = 0
+    while True:
+        b = buf[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            return n, i
+        shift += 7
+        if shift > 63:
+            raise DataLoss("malformed Get response from the daemon (varint too long)")
+
+
+def encode_put(ns_id: bytes, parent: bytes, blocks: Sequence[tuple[bytes, Any]]) -> bytes:
+    """A serialized PutRequest holding `blocks` [(key, bytes-like or list of bytes-likes)]."""
+    parts: list[Any] = []
+    if ns_id:
+        parts += [b"\x0a", _varint(len(ns_id)), ns_id]
+    if parent:
+        parts += [b"\x12", _varint(len(parent)), parent]
+    for key, data in blocks:
+        pieces = data if isinstance(data, list) else [data]
+        n = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in pieces)
+        inner = 1 + len(_varint(len(key))) + len(key) + 1 + len(_varint(n)) + n
+        parts += [b"\x1a", _varint(inner), b"\x0a", _varint(len(key)), key, b"\x12",
+                  _varint(n), *pieces]
+    return b"".join(parts)
+
+
+def _skip(buf: memoryview, i: int, wire: int) -> int:
+    if wire == 0:
+        return _read_varint(buf, i)[1]
+    if wire == 1:
+        return i + 8
+    if wire == 2:
+        n, i = _read_varint(buf, i)
+        return i + n
+    if wire == 5:
+        return i + 4
+    raise DataLoss(f"malformed Get response from the daemon (wire type {wire})")
+
+
+def decode_get(raw: bytes) -> list[tuple[bytes, int, int]]:
+    """[(key, data offset, data length)] of a serialized GetResponse, offsets into `raw`."""
+    buf = memoryview(raw)
+    out: list[tuple[bytes, int, int]] = []
+    i, end = 0, len(buf)
+    while i < end:
+        tag, i = _read_varint(buf, i)
+        if tag != 0x0A:
+            i = _skip(buf, i, tag & 7)
+            continue
+        n, i = _read_varint(buf, i)
+        j, bend = i, i + n
+        key, doff, dlen = b"", -1, 0
+        while j < bend:
+            t, j = _read_varint(buf, j)
+            if t == 0x0A:
+                m, j = _read_varint(buf, j)
+                key = bytes(buf[j:j + m])
+                j += m
+            elif t == 0x12:
+                m, j = _read_varint(buf, j)
+                doff, dlen = j, m
+                j += m
+            else:
+                j = _skip(buf, j, t & 7)
+        if doff < 0 or bend > end:
+            raise DataLoss("malformed Get response from the daemon (block without data)")
+        out.append((key, doff, dlen))
+        i = bend
+    return out
+
+
+def spec_to_proto(spec: NamespaceSpec) -> pb.NamespaceSpec:
+    lay = spec.layout
+    return pb.NamespaceSpec(
+        model=spec.model, revision=spec.revision,
+        layout=pb.KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                           head_dim=lay.head_dim, block_tokens=lay.block_tokens,
+                           dtype=lay.dtype),
+        shard_rank=spec.shard_rank, shard_size=spec.shard_size, hash_scheme=spec.hash_scheme,
+        tenant_salt=spec.tenant_salt, codec=spec.codec, extra=dict(spec.extra))
