@@ -12,6 +12,12 @@ Use from a test module:
     def test_x(redis_server): ...
 
 or call `start_redis(tmp_path)` / `start_cluster(tmp_path)` directly (bench/remote.py does).
+
+TLS and passwords: `make_tls_files(dir)` writes a throw-away CA, a server certificate and a client
+certificate (made in Python with `trustme`, no `openssl` binary); pass them as `tls=` and a
+`password=` to `start_redis` / `start_cluster` for a TLS-only server (`--port 0`) that requires
+client certificates and AUTH. Readiness is then checked over TLS, and `client()` connects with
+the same files and password.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -74,6 +81,53 @@ def free_port(cluster_bus: bool = False) -> int:
     raise RuntimeError("no free loopback port pair found")
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS server that requires client certificates, and for its clients.
+
+    One CA signs both certificates; the server certificate also serves as the client certificate
+    cluster nodes present to each other (`--tls-cluster yes`), so it carries clientAuth too.
+    """
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    def client_kwargs(self) -> dict[str, str | bool]:
+        """redis-py connection options for a client that trusts the CA and shows its cert."""
+        return {"ssl": True, "ssl_ca_certs": str(self.ca), "ssl_certfile": str(self.client_cert),
+                "ssl_keyfile": str(self.client_key)}
+
+    def client_context(self) -> ssl.SSLContext:
+        """The same as an `ssl` context, for a bare socket (readiness checks)."""
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        ctx.load_cert_chain(str(self.client_cert), str(self.client_key))
+        return ctx
+
+
+def make_tls_files(directory: Path) -> TlsFiles:
+    """A fresh CA with a server certificate for 127.0.0.1/localhost and a client certificate.
+
+    Needs the `trustme` package (the `test` extra); a test skips with a reason without it.
+    """
+    trustme = pytest.importorskip("trustme", reason="TLS tests need `pip install trustme`")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    ca = trustme.CA()
+    server = ca.issue_cert(HOST, "localhost")
+    client = ca.issue_cert("kvstore-test-client")
+    files = TlsFiles(ca=d / "ca.pem", server_cert=d / "server.pem", server_key=d / "server.key",
+                     client_cert=d / "client.pem", client_key=d / "client.key")
+    ca.cert_pem.write_to_path(str(files.ca))
+    server.cert_chain_pems[0].write_to_path(str(files.server_cert))
+    server.private_key_pem.write_to_path(str(files.server_key))
+    client.cert_chain_pems[0].write_to_path(str(files.client_cert))
+    client.private_key_pem.write_to_path(str(files.client_key))
+    return files
+
+
 @dataclass
 class RedisProc:
     """One redis-server process bound to 127.0.0.1 with its files under `dir`."""
@@ -83,21 +137,35 @@ class RedisProc:
     cluster: bool = False
     extra: dict[str, str] = field(default_factory=dict)   # more config directives
     proc: subprocess.Popen | None = None
+    tls: TlsFiles | None = None      # TLS only (plaintext port off), client certs required
+    password: str = ""               # requirepass (and masterauth, for cluster nodes)
 
     host: str = HOST
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}"
+        """No credentials in it: tests pass the password (or not) explicitly."""
+        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}"
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def _args(self, binary: str) -> list[str]:
-        args = [binary, "--port", str(self.port), "--bind", self.host, "--dir", str(self.dir),
+        args = [binary, "--bind", self.host, "--dir", str(self.dir),
                 "--save", "", "--appendonly", "no", "--daemonize", "no",
                 "--logfile", str(self.dir / "redis.log"), "--protected-mode", "no"]
+        if self.tls is None:
+            args += ["--port", str(self.port)]
+        else:
+            t = self.tls
+            args += ["--port", "0", "--tls-port", str(self.port),
+                     "--tls-cert-file", str(t.server_cert), "--tls-key-file", str(t.server_key),
+                     "--tls-ca-cert-file", str(t.ca), "--tls-auth-clients", "yes"]
+            if self.cluster:
+                args += ["--tls-cluster", "yes", "--tls-replication", "yes"]
+        if self.password:
+            args += ["--requirepass", self.password, "--masterauth", self.password]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                      "--cluster-node-timeout", "3000",
@@ -125,19 +193,28 @@ class RedisProc:
                            f"{self.dir / 'redis.log'}")
 
     def _wait_ready(self, timeout: float) -> bool:
+        """A bare PING (over TLS when the server is TLS-only). With a password the server
+        answers -NOAUTH before AUTH: that also proves it is up and serving commands."""
+        ctx = self.tls.client_context() if self.tls is not None else None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
                 return False
             try:
-                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
-                        return True
-            except OSError:
-                pass
+                reply = self._ping(ctx)
+            except OSError:      # ssl.SSLError is an OSError: handshake before the server is up
+                reply = b""
+            if reply.startswith(b"+PONG") or (self.password and reply.startswith(b"-NOAUTH")):
+                return True
             time.sleep(0.02)
         return False
+
+    def _ping(self, ctx: ssl.SSLContext | None) -> bytes:
+        """Send PING on a fresh connection (TLS when `ctx`) and return the first reply bytes."""
+        raw = socket.create_connection((self.host, self.port), timeout=0.5)
+        with raw if ctx is None else ctx.wrap_socket(raw, server_hostname=self.host) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64)
 
     def stop(self) -> None:
         """SIGTERM and wait (a graceful shutdown; the port frees at once)."""
@@ -171,11 +248,19 @@ class RedisProc:
         if self.alive:
             os.kill(self.proc.pid, signal.SIGCONT)   # type: ignore[union-attr]
 
+    def client_kwargs(self) -> dict:
+        """TLS files and password for a redis-py client of this server (empty when plain)."""
+        kw: dict = dict(self.tls.client_kwargs()) if self.tls is not None else {}
+        if self.password:
+            kw["password"] = self.password
+        return kw
+
     def client(self, **kw):
         """A plain redis-py client to inspect or tamper with the server directly."""
         import redis
 
-        return redis.Redis(host=self.host, port=self.port, socket_timeout=5, **kw)
+        return redis.Redis(host=self.host, port=self.port, socket_timeout=5,
+                           **{**self.client_kwargs(), **kw})
 
 
 @dataclass
@@ -231,30 +316,88 @@ class ClusterProc:
                     return n
         raise LookupError(f"no node owns slot {slot}")
 
+    # Slot migration, step by step as `redis-cli --cluster reshard` does it, so tests can stop
+    # half-way (ASK) or after the move (MOVED to clients with an old slot table).
+
+    @staticmethod
+    def node_id(node: RedisProc) -> str:
+        node_id = node.client().execute_command("CLUSTER MYID")
+        return node_id.decode() if isinstance(node_id, bytes) else node_id
+
+    def begin_migration(self, slot: int, src: RedisProc, dst: RedisProc) -> None:
+        """`slot` IMPORTING on `dst`, MIGRATING on `src`: from now on `src` serves the keys it
+        still holds and answers -ASK for the others."""
+        dst.client().execute_command("CLUSTER SETSLOT", slot, "IMPORTING", self.node_id(src))
+        src.client().execute_command("CLUSTER SETSLOT", slot, "MIGRATING", self.node_id(dst))
+
+    @staticmethod
+    def migrate_keys(src: RedisProc, dst: RedisProc, keys: list[bytes]) -> None:
+        """MIGRATE `keys` (all in the migrating slot) from `src` to `dst` in one command."""
+        auth = ["AUTH", src.password] if src.password else []
+        src.client().execute_command("MIGRATE", dst.host, dst.port, "", 0, 5000, *auth,
+                                     "KEYS", *keys)
+
+    def finish_migration(self, slot: int, dst: RedisProc) -> None:
+        """Assign `slot` to `dst` on every node, `dst` first (as redis-cli does); the old owner
+        answers -MOVED for the slot from then on."""
+        dst_id = self.node_id(dst)
+        for n in [dst, *[x for x in self.nodes if x is not dst]]:
+            n.client().execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+
+    def move_slot(self, slot: int, src: RedisProc, dst: RedisProc) -> list[bytes]:
+        """Migrate the whole `slot` (and every key in it) from `src` to `dst`; returns the keys."""
+        self.begin_migration(slot, src, dst)
+        found = src.client().execute_command("CLUSTER GETKEYSINSLOT", slot, 100_000)
+        keys = [k.encode() if isinstance(k, str) else k for k in found]   # redis-py decodes
+        if keys:
+            self.migrate_keys(src, dst, keys)
+        self.finish_migration(slot, dst)
+        return keys
+
     def client(self, **kw):
         from redis.cluster import ClusterNode, RedisCluster
 
         return RedisCluster(startup_nodes=[ClusterNode(n.host, n.port) for n in self.nodes],
-                            socket_timeout=5, **kw)
+                            socket_timeout=5, **{**self.nodes[0].client_kwargs(), **kw})
 
 
-def start_redis(tmp_path: Path, **extra: str) -> RedisProc:
+def start_redis(tmp_path: Path, tls: TlsFiles | None = None, password: str = "",
+                **extra: str) -> RedisProc:
     """A standalone redis-server; `extra` adds directives, e.g. maxmemory="2mb"."""
-    return RedisProc(dir=Path(tmp_path) / "redis", extra=dict(extra)).start()
+    return RedisProc(dir=Path(tmp_path) / "redis", extra=dict(extra), tls=tls,
+                     password=password).start()
 
 
-def start_cluster(tmp_path: Path, n: int = 3, **extra: str) -> ClusterProc:
-    """`n` cluster-enabled servers joined with `redis-cli --cluster create`, state ok."""
+def _cli_auth_args(tls: TlsFiles | None, password: str) -> list[str]:
+    """redis-cli options to reach a server started with these `tls` files and `password`."""
+    args: list[str] = []
+    if tls is not None:
+        args += ["--tls", "--cacert", str(tls.ca), "--cert", str(tls.client_cert),
+                 "--key", str(tls.client_key)]
+    if password:
+        args += ["-a", password, "--no-auth-warning"]
+    return args
+
+
+def start_cluster(tmp_path: Path, n: int = 3, tls: TlsFiles | None = None, password: str = "",
+                  **extra: str) -> ClusterProc:
+    """`n` cluster-enabled servers joined with `redis-cli --cluster create`, state ok.
+
+    With `tls` the nodes talk TLS to clients and to each other (cluster bus); with `password`
+    every node requires it.
+    """
     cli = redis_cli_path()
     if cli is None:
         pytest.skip("redis-cli not on PATH; run `make redis` (apt-get install redis-server)")
-    nodes = [RedisProc(dir=Path(tmp_path) / f"cluster-{i}", cluster=True, extra=dict(extra))
+    nodes = [RedisProc(dir=Path(tmp_path) / f"cluster-{i}", cluster=True, extra=dict(extra),
+                       tls=tls, password=password)
              for i in range(n)]
     try:
         for node in nodes:
             node.start()
-        cmd = [cli, "--cluster", "create", *[f"{x.host}:{x.port}" for x in nodes],
-               "--cluster-replicas", "0", "--cluster-yes"]
+        cmd = [cli, *_cli_auth_args(tls, password), "--cluster", "create",
+               *[f"{x.host}:{x.port}" for x in nodes], "--cluster-replicas", "0",
+               "--cluster-yes"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         if r.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {r.stdout}\n{r.stderr}")

@@ -3,7 +3,10 @@
 What is pinned here: framed values round-trip; a batch costs one round trip per node (checked
 with our counter and with the servers' own command counts); keys spread over the cluster; a hung
 or dead server costs at most the deadline and the tier recovers by itself; corrupt values are
-counted misses; keys Redis evicted or flushed are ordinary misses.
+counted misses; keys Redis evicted or flushed are ordinary misses; a slot that migrates to
+another node (ASK while half-way, MOVED after) is at worst a counted miss, and once the tier has
+refreshed its slot table the keys are found again on the new owner. TLS and passwords:
+tests/test_remote_tls.py.
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ import numpy as np
 import pytest
 from kvstore_client.errors import InvalidArgument, Unavailable
 from kvstore_client.layout import KVLayout
+from redis.crc import key_slot
 
 from tests.redis_fixtures import (  # noqa: F401 - pytest fixtures used by name
+    ClusterProc,
+    RedisProc,
     redis_cluster_fixture,
     redis_server_fixture,
+    start_cluster,
     start_redis,
 )
 from tiers.frame import frame, unframe
@@ -120,6 +127,22 @@ def test_standalone_round_trip_and_counters(redis_server):
         assert t.delete_many(keys[:4], sizes=[len(v) for v in vals[:4]]) == 4
         assert t.used_bytes == sum(map(len, vals[4:]))
         assert t.exists_many(keys[:5]) == [False] * 4 + [True]
+
+
+def test_unix_socket_url_round_trip(tmp_path):
+    """A unix:// URL (the docs allow it for standalone) builds a working client; redis-py's
+    URL parser speaks ConnectionPool options, which once made this a TypeError."""
+    sock = tmp_path / "r.sock"
+    proc = start_redis(tmp_path, unixsocket=str(sock), unixsocketperm="700")
+    try:
+        with RemoteTier(Cfg(urls=[f"unix://{sock}"])) as t:
+            keys = gkeys(4)
+            vals = [framed(5000, seed=i) for i in range(4)]
+            assert t.put_many(pairs(keys, vals)) == sum(map(len, vals))
+            assert t.get_many(keys) == vals and t.stats["up"]
+        assert proc.client().get(make_key(b"kvs:", keys[0])) == vals[0]
+    finally:
+        proc.kill()
 
 
 def test_standalone_batch_is_one_pipeline(redis_server):
@@ -375,6 +398,149 @@ def test_cluster_hung_node_is_bounded_by_the_deadline(redis_cluster):
         finally:
             victim.resume()
         assert wait_until(lambda: t.exists_many(keys) == [True] * 24)
+
+
+# ---------------------------------------------------------------------------------- slot migration
+# Each test migrates a slot on its own cluster: the shared module cluster keeps its layout.
+# These are about routing, not deadlines: a generous one keeps a loaded machine from turning a
+# slow batch into a "down" node and a miss the assertions do not expect.
+ROUTING_DEADLINE_MS = 2000
+
+
+@pytest.fixture(name="own_cluster")
+def own_cluster_fixture(tmp_path):
+    cluster = start_cluster(tmp_path)
+    yield cluster
+    for node in cluster.nodes:
+        node.kill()
+
+
+def keys_in_slot(prefix: bytes, ns: bytes, slot: int, n: int) -> list[bytes]:
+    """`n` block keys of namespace `ns` whose Redis keys hash to `slot` (found by trying; keys
+    carry no hash tag, so that is the only way to put several of them in one slot)."""
+    out: list[bytes] = []
+    while len(out) < n:
+        g = ns + os.urandom(16)
+        if key_slot(make_key(prefix, g)) == slot:
+            out.append(g)
+    return out
+
+
+@dataclass
+class SlotSetup:
+    """Blocks written through the tier: `moving` all hash to `slot` (owned by `src`), `rest`
+    spread over the cluster; `dst` is the node the slot will move to."""
+
+    keys: list[bytes]
+    vals: list[bytes]
+    n_moving: int
+    slot: int
+    src: RedisProc
+    dst: RedisProc
+
+    @property
+    def moving(self) -> list[bytes]:
+        return self.keys[:self.n_moving]
+
+
+def write_slot_setup(t: RemoteTier, cluster: ClusterProc, prefix: bytes) -> SlotSetup:
+    ns = os.urandom(16)
+    rest = gkeys(24, ns)
+    slot = key_slot(make_key(prefix, rest[0]))
+    keys = [rest[0], *keys_in_slot(prefix, ns, slot, 3), *rest[1:]]
+    vals = [framed(3000, seed=i) for i in range(len(keys))]
+    assert t.put_many(pairs(keys, vals)) == sum(map(len, vals))
+    assert t.get_many(keys) == vals                       # the tier's slot table is warm
+    src = cluster.node_for_key(make_key(prefix, keys[0]))
+    dst = next(n for n in cluster.nodes if n is not src)
+    return SlotSetup(keys, vals, 4, slot, src, dst)
+
+
+def never_wrong(got: list, vals: list[bytes]) -> bool:
+    """Every answer is the value written or a miss: a redirect never yields a wrong value."""
+    return all(g is None or g == v for g, v in zip(got, vals, strict=True))
+
+
+def test_cluster_moved_slot_is_a_miss_then_routes_to_the_new_owner(own_cluster):
+    """docs/remote.md: a MOVED reply is a miss for that key and triggers a background refresh
+    of the slot table; the next calls route to the new owner, one batch per node."""
+    cluster = own_cluster
+    prefix = b"mv:"
+    cfg = Cfg(urls=cluster.urls, cluster=True, key_prefix="mv:",
+              deadline_ms=ROUTING_DEADLINE_MS)
+    with RemoteTier(cfg) as t:
+        assert t.wait_ready()
+        su = write_slot_setup(t, cluster, prefix)
+        moved_keys = cluster.move_slot(su.slot, su.src, su.dst)
+        assert sorted(moved_keys) == sorted(make_key(prefix, k) for k in su.moving)
+        assert cluster.node_for_key(make_key(prefix, su.moving[0])) is su.dst
+        before = t.stats
+        got = t.get_many(su.keys)                          # old table: the slot's keys -> src
+        assert never_wrong(got, su.vals)
+        assert got[:su.n_moving] == [None] * su.n_moving  # MOVED: a miss, not an error
+        assert got[su.n_moving:] == su.vals[su.n_moving:]  # other keys unaffected
+        s = t.stats
+        assert s["moved"] - before["moved"] == su.n_moving
+        assert s["errors"] == before["errors"] and s["timeouts"] == 0 and s["up"]
+        # bounded wait for the background refresh; every answer meanwhile is right or a miss
+        answers: list[list] = []
+        assert wait_until(lambda: answers.append(t.get_many(su.keys)) or answers[-1] == su.vals,
+                          timeout=5)
+        assert all(never_wrong(a, su.vals) for a in answers)
+        # routed to the new owner: each node runs exactly the GETs for the keys it owns now,
+        # in one batch per node
+        owners = [cluster.node_for_key(make_key(prefix, k)) for k in su.keys]
+        clients = [n.client() for n in cluster.nodes]
+        rt0, gets0 = t.stats["round_trips"], [cmd_calls(c, "get") for c in clients]
+        assert t.get_many(su.keys) == su.vals
+        gets = [cmd_calls(c, "get") - g0 for c, g0 in zip(clients, gets0, strict=True)]
+        assert gets == [sum(1 for o in owners if o is n) for n in cluster.nodes]
+        assert gets[cluster.nodes.index(su.dst)] >= su.n_moving
+        assert t.stats["round_trips"] - rt0 == sum(1 for g in gets if g)
+        assert t.exists_many(su.keys) == [True] * len(su.keys)
+        assert t.stats["errors"] == before["errors"]
+
+
+def test_cluster_ask_during_migration_is_a_counted_miss_then_found(own_cluster):
+    """A slot half-way through a migration: keys still on the old owner are served, keys that
+    already moved get -ASK, which the tier does not follow: a counted miss, never an error or a
+    wrong value. Writes to the slot are dropped or land, never raise. Once the migration
+    finishes (MOVED, refresh) every key is found on the new owner."""
+    cluster = own_cluster
+    prefix = b"ask:"
+    cfg = Cfg(urls=cluster.urls, cluster=True, key_prefix="ask:",
+              deadline_ms=ROUTING_DEADLINE_MS)
+    with RemoteTier(cfg) as t, RemoteTier(cfg, raise_errors=True) as strict:
+        assert t.wait_ready() and strict.wait_ready()
+        su = write_slot_setup(t, cluster, prefix)
+        cluster.begin_migration(su.slot, su.src, su.dst)
+        half = [make_key(prefix, k) for k in su.moving[:2]]
+        cluster.migrate_keys(su.src, su.dst, half)
+        before = t.stats
+        for _ in range(3):                                 # repeated calls: each a clean miss
+            got = t.get_many(su.keys)
+            assert never_wrong(got, su.vals)
+            assert got[:2] == [None, None]                 # -ASK: on the importing node now
+            assert got[2:] == su.vals[2:]                  # still on src, or another slot
+            assert t.exists_many(su.keys) == [False, False] + [True] * (len(su.keys) - 2)
+        s = t.stats
+        assert s["moved"] - before["moved"] == 3 * 2 * 2   # 3 rounds x (get + exists) x 2 keys
+        assert s["errors"] == before["errors"] and s["up"]
+        # even a tier that raises on failures treats a redirect as a miss, not as an outage
+        assert never_wrong(strict.get_many(su.keys), su.vals)
+        # a write into the migrating slot: the moved keys are refused with ASK (not written),
+        # the rest lands; nothing raises
+        new = [framed(3000, seed=100 + i) for i in range(su.n_moving)]
+        written = t.put_many(pairs(su.moving, new))
+        assert written == sum(map(len, new[2:]))
+        su.vals[2:su.n_moving] = new[2:]
+        cluster.migrate_keys(su.src, su.dst, [make_key(prefix, k) for k in su.moving[2:]])
+        cluster.finish_migration(su.slot, su.dst)
+        answers: list[list] = []
+        assert wait_until(lambda: answers.append(t.get_many(su.keys)) or answers[-1] == su.vals,
+                          timeout=5)
+        assert all(never_wrong(a, su.vals) for a in answers)
+        assert t.stats["errors"] == before["errors"]
 
 
 # ---------------------------------------------------------------------------------- daemons

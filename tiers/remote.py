@@ -11,6 +11,8 @@ Why it looks the way it does:
   "down" state: calls skip it for a short, growing interval, then one background PING probes
   it. A dead Redis therefore costs a dict lookup per call, never a timeout per call, and the
   tier reconnects by itself. Nothing here raises into the caller unless asked (`raise_errors`).
+  A misconfigured client (wrong password, TLS certificates) is such a down node too, and
+  `stats["last_error"]` says which of those it is: redis-py's own messages often do not.
 * **Verified values.** Values are `tiers.frame` frames (header + xxh3 checksum, the same bytes the
   SSD tier stores); a value that fails its check is a counted `corrupt` miss, never returned.
 * **Capacity belongs to Redis.** Redis' maxmemory policy may drop any key at any time (see
@@ -24,6 +26,7 @@ the config is duck-typed (any object with RemoteConfig's attribute names).
 from __future__ import annotations
 
 import collections
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +40,7 @@ from kvstore_client.errors import DataLoss, InvalidArgument, Unavailable
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
 from redis.crc import key_slot
-from redis.exceptions import AskError, ClusterDownError, TryAgainError
+from redis.exceptions import AskError, AuthenticationError, ClusterDownError, TryAgainError
 from redis.retry import Retry
 
 try:  # framing is owned by tiers/frame.py; verification switches on once it exists
@@ -47,6 +50,7 @@ except ImportError:  # pragma: no cover - only while frame.py is being written
 
 NS_ID_BYTES = 16
 LATENCY_SAMPLES = 2048          # recent samples kept per operation, for histograms/percentiles
+ERROR_CHARS = 300               # last_error strings are cut to this length
 OPS = ("exists", "get", "put", "delete")
 
 
@@ -109,6 +113,59 @@ def _cfg(cfg: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def _chain(err: BaseException) -> list[BaseException]:
+    """`err` and the exceptions it was raised from (redis-py wraps ssl/socket errors)."""
+    out: list[BaseException] = []
+    e: BaseException | None = err
+    while e is not None and len(out) < 8:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def describe_error(err: BaseException | str, *, tls: bool = False,
+                   client_cert: bool = False) -> str:
+    """A last-error string that names the cause an operator can act on.
+
+    redis-py's own messages hide it in two common cases: a wrong or missing password reads
+    "invalid username-password pair" or "HELLO must be called ...", and a server that requires a
+    client certificate just closes the TLS connection ("EOF occurred in violation of protocol").
+    An untrusted server certificate already says "certificate verify failed"; it gets a prefix.
+    """
+    if isinstance(err, str):
+        return err[:ERROR_CHARS]
+    text = f"{type(err).__name__}: {err}"
+    chain = _chain(err)
+    if any(isinstance(e, AuthenticationError) for e in chain):
+        text = f"authentication failed (check remote.username/password): {text}"
+    elif any(isinstance(e, ssl.SSLCertVerificationError) for e in chain):
+        text = f"TLS: server certificate not trusted (check remote.tls_ca_file): {text}"
+    elif tls and any(isinstance(e, ssl.SSLEOFError) or "alert certificate" in str(e)
+                     for e in chain):
+        why = ("the server may have rejected the client certificate" if client_cert else
+               "the server may require a client certificate (remote.tls_cert_file/key_file)")
+        text = f"TLS: connection closed by the server during setup; {why}: {text}"
+    elif any(isinstance(e, ssl.SSLError) for e in chain):
+        text = f"TLS: {text}"
+    return text[:ERROR_CHARS]
+
+
+def _url_kwargs(url: str) -> dict[str, Any]:
+    """`redis.Redis` options for a redis://, rediss:// or unix:// URL.
+
+    `parse_url` returns ConnectionPool options (`connection_class`, `path`), which
+    `redis.Redis(**kw)` rejects with a TypeError; the client takes `ssl=True` and
+    `unix_socket_path=` instead.
+    """
+    kw = dict(parse_url(url))
+    cls = kw.pop("connection_class", None)
+    if cls is redis.SSLConnection:
+        kw["ssl"] = True
+    elif cls is redis.UnixDomainSocketConnection:
+        kw["unix_socket_path"] = kw.pop("path")
+    return kw
+
+
 class RemoteTier:
     """Keyed tier over Redis/Valkey; see the module docstring for the rules it keeps."""
 
@@ -154,7 +211,11 @@ class RemoteTier:
             raise InvalidArgument("verify=True needs tiers.frame, which is not installed")
         self.verify = verify
 
-        self._conn_kwargs = self._connection_kwargs(cfg)
+        tls = bool(_cfg(cfg, "tls", False)) or any(u.startswith("rediss://") for u in urls)
+        self._conn_kwargs = self._connection_kwargs(cfg, tls)
+        self._tls, self._client_cert = tls, "ssl_certfile" in self._conn_kwargs
+        self._last_error = ""
+        self._next_refresh = 0.0             # monotonic; slot-table refreshes are rate-limited
         self._urls = urls
         self._lock = threading.Lock()
         self._stat_lock = threading.Lock()
@@ -175,7 +236,7 @@ class RemoteTier:
         if self.cluster:
             self._discover_async()           # never blocks the constructor on a dead cluster
         else:
-            kw = dict(parse_url(urls[0]))
+            kw = _url_kwargs(urls[0])
             kw.update(self._conn_kwargs)
             kw["retry"] = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
             self._standalone = redis.Redis(**kw)
@@ -184,8 +245,12 @@ class RemoteTier:
     # ----------------------------------------------------------------------------- config
 
     @staticmethod
-    def _connection_kwargs(cfg: Any) -> dict[str, Any]:
-        """Options passed through to redis-py for every node connection."""
+    def _connection_kwargs(cfg: Any, tls: bool) -> dict[str, Any]:
+        """Options passed through to redis-py for every node connection.
+
+        `tls`: `tls = true` or a rediss:// URL; either way the CA and client certificate apply
+        (a rediss:// URL alone must not silently drop them and fail verification).
+        """
         deadline = float(_cfg(cfg, "deadline_ms", 200)) / 1000.0
         kw: dict[str, Any] = {
             # A read that stalls longer than the deadline is a dead server for our purposes;
@@ -201,7 +266,7 @@ class RemoteTier:
             kw["username"] = cfg.username
         if _cfg(cfg, "password", ""):
             kw["password"] = cfg.password
-        if _cfg(cfg, "tls", False):
+        if tls:
             kw["ssl"] = True
             if _cfg(cfg, "tls_ca_file", ""):
                 kw["ssl_ca_certs"] = cfg.tls_ca_file
@@ -272,11 +337,14 @@ class RemoteTier:
             self._pool.submit(self._probe, name)
         return False
 
+    def _describe(self, err: BaseException | str) -> str:
+        return describe_error(err, tls=self._tls, client_cert=self._client_cert)
+
     def _mark_down(self, name: str, err: BaseException | str) -> None:
         with self._lock:
             st = self._node(name)
             st.failures += 1
-            st.last_error = str(err)[:200]
+            st.last_error = self._last_error = self._describe(err)
             st.backoff_s = (min(st.backoff_s * 2, self.backoff_max_s) if not st.up
                             else self.backoff_min_s)
             st.up = False
@@ -340,18 +408,16 @@ class RemoteTier:
                 u = parse_url(url)
                 nodes.append(ClusterNode(u.get("host", "127.0.0.1"), u.get("port", 6379)))
             kw = dict(self._conn_kwargs)
-            first = parse_url(self._urls[0])
+            first = _url_kwargs(self._urls[0])
             for k in ("username", "password"):
                 if k in first and k not in kw:
                     kw[k] = first[k]
-            if first.get("connection_class") is redis.SSLConnection:
-                kw["ssl"] = True
             self._rc = RedisCluster(startup_nodes=nodes, require_full_coverage=False,
                                     dynamic_startup_nodes=True, **kw)
         except Exception as e:  # noqa: BLE001
             with self._lock:
                 st.failures += 1
-                st.last_error = str(e)[:200]
+                st.last_error = self._last_error = self._describe(e)
                 st.backoff_s = min(max(st.backoff_s * 2, self.backoff_min_s), self.backoff_max_s)
                 st.down_until = time.monotonic() + st.backoff_s
                 st.up = False
@@ -420,7 +486,7 @@ class RemoteTier:
                 exc = f.exception()
                 if exc is not None:
                     self._add("errors", 1)
-                    failure = f"{op} on {b.node}: {type(exc).__name__}: {exc}"
+                    failure = f"{op} on {b.node}: {self._describe(exc)}"
                     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError,
                                         ClusterDownError)):
                         self._mark_down(b.node, exc)
@@ -436,14 +502,29 @@ class RemoteTier:
         return out
 
     def _item_error(self, r: BaseException) -> None:
-        """One key's reply was an error: a miss. MOVED/ASK: the slot map is stale, refresh it."""
-        if isinstance(r, (AskError, TryAgainError, ClusterDownError)):
+        """One key's reply was an error: a miss. MOVED/ASK: the slot map is stale, refresh it.
+
+        ASK (the slot is half-migrated and the key already lives on the importing node) is not
+        followed: it stays a counted miss until the migration ends and MOVED takes over.
+        """
+        if isinstance(r, (AskError, TryAgainError, ClusterDownError)):   # MovedError is an Ask
             self._add("moved", 1)
-            if self._rc is not None and not self._topology.probing:
-                self._topology.probing = True
-                self._pool.submit(self._refresh_then_clear)
+            self._request_refresh()
         else:
             self._add("errors", 1)
+
+    def _request_refresh(self) -> None:
+        """Re-read the slot table in the background: one at a time, at most once per
+        `backoff_min_ms`. During a long migration every call sees ASK; without the limit each
+        would re-run CLUSTER SLOTS (and redis-py drops the queried node's idle sockets then)."""
+        now = time.monotonic()
+        with self._lock:
+            st = self._topology
+            if self._rc is None or st.probing or self._closed or now < self._next_refresh:
+                return
+            st.probing = True
+            self._next_refresh = now + self.backoff_min_s
+        self._pool.submit(self._refresh_then_clear)
 
     def _refresh_then_clear(self) -> None:
         try:
@@ -613,13 +694,19 @@ class RemoteTier:
         s["used_bytes"] = self.used_bytes
         s["capacity"] = self.capacity
         now = time.monotonic()
-        s["nodes"] = {n: {"up": st.up, "failures": st.failures, "last_error": st.last_error,
-                          "retry_in_s": max(0.0, st.down_until - now) if not st.up else 0.0}
-                      for n, st in list(self._nodes.items())}
+        s["last_error"] = self._last_error
+        s["nodes"] = {n: self._node_stats(st, now) for n, st in list(self._nodes.items())}
+        if self.cluster:                     # discovery failures (auth, TLS) show up here
+            s["topology"] = self._node_stats(self._topology, now)
         s["latency"] = {op: {"count": o.count, "sum_s": o.sum_s, "max_s": o.max_s}
                         for op, o in self._lat.items()}
         s["round_trips_per_call"] = (s["round_trips"] / s["calls"]) if s["calls"] else 0.0
         return s
+
+    @staticmethod
+    def _node_stats(st: _NodeState, now: float) -> dict[str, Any]:
+        return {"up": st.up, "failures": st.failures, "last_error": st.last_error,
+                "retry_in_s": max(0.0, st.down_until - now) if not st.up else 0.0}
 
     def latency_samples(self, op: str) -> list[float]:
         """Recent per-call latencies of `op` in seconds (for histograms and percentiles)."""
