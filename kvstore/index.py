@@ -7,6 +7,7 @@ residency per tier rather than holding copies.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ class Entry:
     remote: bool = False
     pins: int = 0               # read leases holding the host copy
     children: int = 0           # indexed blocks whose parent this is
+    # Set while an acquire promotes this block outside the store lock (kvstore/movement.py):
+    # meanwhile no delete or eviction touches it, and other acquires wait on the event.
+    moving: threading.Event | None = None
 
     @property
     def gkey(self) -> bytes:

@@ -56,6 +56,8 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                   "duplicate_blocks": "Written blocks dropped because the key was stored",
                   "deleted_blocks": "Blocks removed by Delete",
                   "corrupt_blocks": "Blocks that failed their checksum and were dropped",
+                  "promotion_duplicates": "Promoted copies dropped because a write stored the "
+                                          "block meanwhile",
                   "commit_checksum_mismatch": "Commits refused: slot bytes != sent checksum",
                   "leases_expired": "Leases reaped after their deadline",
                   "lossy_refused_nonfinite": "Blocks a lossy codec refused (inf/NaN), stored "

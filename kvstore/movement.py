@@ -1,19 +1,23 @@
 """How blocks move between tiers: eviction with demotion, and promotion with decoding.
 
 The store (kvstore/store.py) owns the API, the index and the leases; this module owns the
-mechanics it calls under its lock: making room in host and SSD, encoding victims for the tier
-below (in parallel), fetching and decoding lower copies (in parallel, pipelined for Redis), and
-dropping copies that fail verification. The codec fallback rule lives here too: a lossy codec
-that refuses a block (inf/NaN) stores it lossless instead, and the refusal is counted.
+mechanics: making room in host and SSD, encoding victims for the tier below (in parallel),
+fetching and decoding lower copies (in parallel, pipelined for Redis), and dropping copies that
+fail verification. Eviction and demotion run under the store lock. Promotion runs in three
+phases so its slow part (SSD read, decode, verify, the copy into the slab) does not hold the lock
+(see "Locking" in docs/internals.md). The codec fallback rule lives here too: a lossy codec that
+refuses a block (inf/NaN) stores it lossless instead, and the refusal is counted.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -101,10 +105,29 @@ def _meta(e: Entry) -> bytes:
     return msgpack.packb({"p": e.parent, "s": e.size, "c": e.checksum, "t": time.time()})
 
 
+@dataclass(slots=True, eq=False)
+class Promotion:
+    """One block an acquire promotes: reserved under the lock (_reserve_promotion), filled
+    without it (_fill), settled under it again (_settle)."""
+    entry: Entry
+    offset: int                     # the reserved host slot; nothing else writes or frees it
+    checksum: int                   # the entry's checksum when reserved: what the copy must match
+    ssd: bool                       # read the SSD copy (else the remote one)
+    remote_value: object = None     # the remote prefetch: the source, or SSD's fallback
+    # Verdicts, written by _fill outside the lock and applied by _settle:
+    source: str | None = None       # where the bytes came from; None: no copy was found
+    error: DataLoss | None = None   # the copy did not decode or verify
+    lossy: bool = False
+    new_checksum: int = 0           # the slot's checksum, where the entry needs a new one
+    nbytes: int = 0                 # encoded bytes read
+    ssd_missed: bool = False        # the index said SSD but LMDB had no value
+
+
 class TierMovement:
     """Mixin of Store: the movement half. Uses the store's attributes: config, host, ssd,
     remote, index, namespaces, policies, counters, tier_counters, _encoded, _decoders,
-    _remote_fetcher. Every method expects the store lock held unless its docstring says not.
+    _remote_fetcher, _lock. Every method expects the store lock held unless its docstring says
+    not.
     """
 
     def _host_room(self, need: int) -> None:
@@ -142,7 +165,7 @@ class TierMovement:
             # A block whose children are indexed may only go if a lower tier keeps a copy,
             # or its children would become unreachable.
             e = self.index.get(g)
-            return (e is not None and e.pins == 0 and e.host is not None
+            return (e is not None and e.pins == 0 and e.host is not None and e.moving is None
                     and (lower or e.ssd or e.remote or e.children == 0))
         freed = blocks = 0
         while nbytes is None or freed < nbytes:
@@ -228,8 +251,10 @@ class TierMovement:
 
         def can(g: bytes) -> bool:
             e = self.index.get(g)
-            return (e is not None and e.ssd and (self.remote is not None or e.remote
-                                                 or e.host is not None or e.children == 0))
+            # A block being promoted keeps its lower copies until its promotion settles.
+            return (e is not None and e.ssd and e.moving is None
+                    and (self.remote is not None or e.remote or e.host is not None
+                         or e.children == 0))
         while nbytes is None or freed < nbytes:
             g = policy.pick(can)
             if g is None:
@@ -305,50 +330,107 @@ class TierMovement:
             self._remote_fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-fetch")
         return self._remote_fetcher
 
-    def _lower_copy(self, e: Entry, remote_values: dict) -> tuple[object, str | None]:
-        """The encoded value of a block not in host: from SSD, else from the remote prefetch."""
-        if e.ssd:
-            value = self.ssd.get(e.gkey)
-            if value is not None:
-                return value, "ssd"
-            e.ssd = False
-        if e.remote:
-            value = remote_values.get(e.gkey)
-            if value is not None:
-                return value, "remote"
+    def _reserve_promotion(self, e: Entry, remote_values: dict,
+                           flight: threading.Event) -> Promotion | None:
+        """Phase 1 (locked): mark a block a lower tier holds in flight and reserve its host slot.
+
+        None when no lower copy is known (the block is a miss). The mark goes on before room is
+        made: eviction run by _host_room may reach the SSD tier, and must not take this copy.
+        """
+        remote_value = remote_values.get(e.gkey) if e.remote else None
+        if not e.ssd and remote_value is None:
             e.remote = False            # vanished (Redis evicted it) or unreachable: a miss
-        if not e.resident:
-            self.index.discard(e.gkey)
-        return None, None
+            if not e.resident:
+                self.index.discard(e.gkey)
+            return None
+        e.moving = flight
+        try:
+            self._host_room(_aligned(e.size))
+            off = self._alloc_host(e.size)
+        except BaseException:
+            e.moving = None
+            raise
+        return Promotion(e, off, e.checksum, e.ssd, remote_value)
 
-    def _decode_all(self, info: NamespaceInfo, jobs: list) -> tuple[dict[int, DataLoss],
-                                                                    set[int]]:
-        """Decode promoted blocks into their slots, in parallel.
+    def _fill(self, info: NamespaceInfo, jobs: list[Promotion]) -> None:
+        """Phase 2 (no lock held): read each block's lower copy and decode and verify it into its
+        reserved slot, in parallel (LMDB reads, zstd, torch and numpy copies release the GIL).
 
-        Returns the failures by chain index, and the indices that came from a lossy copy.
+        Touches only the jobs, their slots (reserved for them alone) and the thread-safe tiers;
+        every verdict is left on the job for _settle to apply under the lock.
         """
         layout = info.spec.layout
 
-        def one(job):
-            i, (e, off, value, _) = job
+        def one(p: Promotion) -> None:
+            value = self.ssd.get(p.entry.gkey) if p.ssd else None
+            p.ssd_missed = p.ssd and value is None
+            p.source = "ssd" if value is not None else None
+            if value is None and p.remote_value is not None:
+                value, p.source = p.remote_value, "remote"
+            if value is None:
+                return
+            p.nbytes = len(value[2]) if isinstance(value, tuple) else len(value)
+            out = self.host.view(p.offset, p.entry.size)
             try:
-                codec = decode_block(value, layout, self.host.view(off, e.size), e.checksum)
+                p.lossy = decode_block(value, layout, out, p.checksum) in LOSSY
             except DataLoss as exc:
-                return i, exc, False
-            return i, None, codec in LOSSY
+                p.error = exc
+                return
+            if not p.checksum or p.lossy:
+                # After a lossy promotion the slot holds dequantized bytes: the checksum read
+                # leases hand out must be theirs (decoding is deterministic, so it stays valid).
+                p.new_checksum = xxhash.xxh3_64_intdigest(out)
 
         if len(jobs) > 1:
-            results = list(self._pool().map(one, jobs))
+            list(self._pool().map(one, jobs))
         else:
-            results = [one(j) for j in jobs]
-        return ({i: exc for i, exc, _ in results if exc is not None},
-                {i for i, _, lossy in results if lossy})
+            one(jobs[0])
+
+    def _settle(self, p: Promotion) -> bool:
+        """Phase 3 (locked): publish a filled slot as the block's host copy, or give it back.
+
+        True when the block may be served from host; a copy that failed to decode or verify is
+        dropped from its tier and is a counted miss, never served.
+        """
+        e = p.entry
+        e.moving = None
+        if p.ssd_missed and not self.ssd.contains(e.gkey):
+            e.ssd = False
+        if p.source is None:
+            self.host.free(p.offset)
+            if not e.resident:
+                self.index.discard(e.gkey)
+            return e.host is not None
+        if p.error is not None:
+            self._drop_corrupt(e, p.offset, p.source, p.error)
+            return False
+        if e.host is not None:
+            # A put or commit stored this key while we decoded: keep that copy (same key, same
+            # bytes) and free ours, so no block ever owns two slots.
+            self.host.free(p.offset)
+            self.counters["promotion_duplicates"] += 1
+            return True
+        if p.new_checksum:
+            e.checksum = p.new_checksum
+        e.host = p.offset
+        self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
+        self.tier_counters["host"]["promotions"] += 1
+        self.counters[f"bytes_{p.source}_to_host"] += p.nbytes
+        return True
+
+    def _abandon(self, p: Promotion) -> None:
+        """Undo a reservation whose fill did not finish (locked); the lower copy stays."""
+        p.entry.moving = None
+        self.host.free(p.offset)
 
     def _pool(self) -> ThreadPoolExecutor:
-        if self._decoders is None:
-            self._decoders = ThreadPoolExecutor(max(2, os.cpu_count() or 2),
-                                                thread_name_prefix="kvstore-decode")
-        return self._decoders
+        """The encode/decode workers; safe with or without the store lock held (promotions
+        call it outside the lock, and two must not each create a pool)."""
+        with self._lock:
+            if self._decoders is None:
+                self._decoders = ThreadPoolExecutor(max(2, os.cpu_count() or 2),
+                                                    thread_name_prefix="kvstore-decode")
+            return self._decoders
 
     def _drop_corrupt(self, e: Entry, off: int, source: str, exc: DataLoss) -> None:
         """A copy that does not decode or verify is deleted from its tier: never served."""
@@ -364,15 +446,3 @@ class TierMovement:
             e.remote = False
         if not e.resident:
             self.index.discard(e.gkey)
-
-    def _install_promoted(self, e: Entry, off: int, value: object, source: str,
-                          lossy: bool) -> None:
-        # After a lossy promotion the slot holds dequantized bytes: the checksum read leases
-        # hand out must be theirs (decoding is deterministic, so it stays valid).
-        if not e.checksum or lossy:
-            e.checksum = xxhash.xxh3_64_intdigest(self.host.view(off, e.size))
-        e.host = off
-        self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
-        self.tier_counters["host"]["promotions"] += 1
-        self.counters[f"bytes_{source}_to_host"] += (len(value[2]) if isinstance(value, tuple)
-                                                     else len(value))

@@ -2,9 +2,12 @@
 
 How blocks move between tiers (eviction, demotion, promotion) lives in kvstore/movement.py.
 Everything that changes the index happens under one lock, so the invariants the tests check
-(no leased block evicted, byte accounting equal to the resident sizes, no tier over its cap)
-hold between any two calls. Copies of block bytes in and out of the host slab happen inside the
-lock too; they run at memcpy speed, far below an RPC's cost.
+(no leased block evicted, byte accounting equal to the resident sizes plus reserved and
+in-flight slots, no tier over its cap) hold between any two calls. The slow work that can run
+without it does: commit hashes its slots outside the lock, and acquire reads, decodes and
+verifies promoted blocks outside it, into slots reserved beforehand (the protocol is in
+docs/internals.md, "Locking"). Eviction with demotion, and put's copy into the slab, still run
+under the lock.
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ from tiers.ssd import SSDTier
 from .config import StoreConfig
 from .index import NS_ID_BYTES, BlockIndex, Entry
 from .leases import Lease, LeaseTable, Slot
-from .movement import REMOTE_CHUNK, TierMovement, _aligned
+from .movement import REMOTE_CHUNK, Promotion, TierMovement, _aligned
 from .policy import EvictionPolicy, make_policy
 
 log = logging.getLogger("kvstore.store")
 
 MAX_KEYS_PER_CALL = 1 << 16
+PROMOTION_WAIT_S = 60.0     # an acquire waits this long for another's promotion of its block
 TIERS = ("gpu", "host", "ssd", "remote")
 
 
@@ -77,7 +81,10 @@ class Store(TierMovement):
         self.config = config.check()
         self.daemon_id = uuid.uuid4().hex
         self._lock = threading.RLock()
-        self._closed = False
+        self._closed = False            # set when close() starts: no new call begins
+        self._shut = False              # set when close() has released every resource
+        self._busy = 0                  # acquire rounds with promotions in flight (off the lock)
+        self._idle = threading.Condition(self._lock)    # notified when a round settles
         self._decoders: ThreadPoolExecutor | None = None
         self._remote_fetcher: ThreadPoolExecutor | None = None
         self._encoded = 0               # blocks encoded, to sample one in ERROR_SAMPLE_EVERY
@@ -151,24 +158,37 @@ class Store(TierMovement):
                      len(self.namespaces))
 
     def close(self, flush: bool = True) -> None:
+        """Refuse new calls, let promotions in flight settle (they write into the slab and read
+        LMDB), then flush and release everything. A second caller waits for the first."""
         with self._lock:
             if self._closed:
+                while not self._shut:
+                    self._idle.wait()
                 return
+            self._closed = True
             self._stop.set()
+            while self._busy:
+                self._idle.wait()
             try:
                 if flush and self.ssd is not None:
                     self._flush_locked()
             finally:
-                self._closed = True
-                if self.ssd is not None:
-                    self.ssd.close()
-                if self.remote is not None:
-                    self.remote.close()
-                for pool in (self._decoders, self._remote_fetcher):
-                    if pool is not None:
-                        pool.shutdown(wait=True)
-                self._close_device_side()
-                self.host.close()
+                try:
+                    self._release_resources()
+                finally:
+                    self._shut = True
+                    self._idle.notify_all()
+
+    def _release_resources(self) -> None:
+        if self.ssd is not None:
+            self.ssd.close()
+        if self.remote is not None:
+            self.remote.close()
+        for pool in (self._decoders, self._remote_fetcher):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._close_device_side()
+        self.host.close()
 
     def _close_device_side(self) -> None:
         for t in self.gpu.values():
@@ -508,9 +528,9 @@ class Store(TierMovement):
                 ttl_s: float | None = None) -> Lease:
         """Pin the longest cached prefix in host memory, promoting from lower tiers.
 
-        Blocks to promote get their host slots first, then are decoded in parallel (zstd and
-        torch release the GIL), then installed in order; the prefix ends at the first block
-        that is missing or fails to decode.
+        Blocks to promote get their host slots first, then are read and decoded in parallel
+        without the store lock (zstd and torch release the GIL), then installed in order; the
+        prefix ends at the first block that is missing or fails to decode.
         """
         tier = self._tier(tier)
         keys = self._keys(keys)
@@ -557,61 +577,121 @@ class Store(TierMovement):
 
     def _acquire_from(self, ns_id: bytes, keys: list[bytes], tier: str, ttl: float,
                       remote_values: dict) -> Lease:
+        """Pin the longest prefix in rounds, then lease it.
+
+        A round stops early at a block another acquire is promoting; this one then waits for that
+        promotion to settle (holding no reservation, so two acquires never wait on each other)
+        and goes on from that block, most likely a host hit by then.
+        """
+        pinned: list[Entry] = []
+        try:
+            while True:
+                got, wait = self._acquire_round(ns_id, keys[len(pinned):], remote_values)
+                pinned += got
+                if wait is None or not wait.wait(PROMOTION_WAIT_S):
+                    break
+            with self._lock:
+                self._check_open()
+                for e in pinned:
+                    self.policies["host"].touch(e.gkey)
+                    if e.ssd:
+                        self.policies["ssd"].touch(e.gkey)
+                self.counters["acquired_blocks"] += len(pinned)
+                return self.leases.new("read", bytes(ns_id), tier,
+                                       [Slot(e.host, e.size) for e in pinned], ttl,
+                                       keys=[e.key for e in pinned],
+                                       checksums=[e.checksum for e in pinned])
+        except BaseException:
+            with self._lock:
+                self._unpin(pinned)
+            raise
+
+    def _acquire_round(self, ns_id: bytes, keys: list[bytes], remote_values: dict
+                       ) -> tuple[list[Entry], threading.Event | None]:
+        """Pin the longest prefix of `keys` that host holds or this round can promote.
+
+        The locking protocol (docs/internals.md): under the lock, pin host hits and reserve a
+        slot for each block to promote, marking it in flight; without the lock, read, decode and
+        verify into those slots; under the lock again, publish them or give them back. Returns
+        the pinned entries in key order and, when the prefix stopped at a block another acquire
+        is promoting, the event that promotion sets when it settles.
+        """
+        flight = threading.Event()
         with self._lock:
             self._check_open()
             self._reap_locked()
             info = self._ns(ns_id)
-            chain: list[tuple[Entry, int | None, object, str | None]] = []
-            try:
-                for k in keys:
-                    e = self.index.get(ns_id + k)
-                    if e is None:
-                        break
-                    if e.host is not None:
-                        e.pins += 1                  # pinned now: later room-making can't evict it
-                        chain.append((e, None, None, None))
-                        self.tier_counters["host"]["read_hits"] += 1
-                        continue
-                    value, source = self._lower_copy(e, remote_values)
-                    if value is None:
-                        break
-                    self._host_room(_aligned(e.size))
-                    chain.append((e, self._alloc_host(e.size), value, source))
-            except BaseException:
-                for e, off, _, _ in chain:
-                    if off is None:
-                        e.pins -= 1
-                    else:
-                        self.host.free(off)
-                raise
-            failed, lossy = self._decode_all(info, [(i, c) for i, c in enumerate(chain)
-                                                    if c[1] is not None])
+            chain, wait = self._plan_round(ns_id, keys, remote_values, flight)
+            jobs = [p for p in chain if isinstance(p, Promotion)]
+            if not jobs:
+                return chain, wait
+            self._busy += 1                  # close() waits for this round to settle
+        try:
+            self._fill(info, jobs)
+        except BaseException:
+            with self._lock:
+                for p in jobs:
+                    self._abandon(p)
+                self._unpin([x for x in chain if isinstance(x, Entry)])
+                self._round_done(flight)
+            raise
+        with self._lock:
             pinned: list[Entry] = []
             cut = False
-            for i, (e, off, value, source) in enumerate(chain):
-                if off is None:
-                    if cut:
-                        e.pins -= 1
-                    else:
-                        pinned.append(e)
+            for x in chain:
+                # Every promotion settles, even past the cut: a good copy is worth keeping.
+                ok = self._settle(x) if isinstance(x, Promotion) else True
+                e = x.entry if isinstance(x, Promotion) else x
+                cut = cut or not ok
+                if cut:
+                    if isinstance(x, Entry):
+                        e.pins -= 1          # a host hit past the end of the prefix
                     continue
-                if i in failed:
-                    cut = True
-                    self._drop_corrupt(e, off, source, failed[i])
-                    continue
-                self._install_promoted(e, off, value, source, i in lossy)
-                if not cut:
+                if isinstance(x, Promotion):
                     e.pins += 1
-                    pinned.append(e)
-            for e in pinned:
-                self.policies["host"].touch(e.gkey)
-                if e.ssd:
-                    self.policies["ssd"].touch(e.gkey)
-            self.counters["acquired_blocks"] += len(pinned)
-            return self.leases.new("read", bytes(ns_id), tier,
-                                   [Slot(e.host, e.size) for e in pinned], ttl,
-                                   keys=[e.key for e in pinned],
-                                   checksums=[e.checksum for e in pinned])
+                pinned.append(e)
+            self._round_done(flight)
+            return pinned, None if cut else wait
+
+    def _plan_round(self, ns_id: bytes, keys: list[bytes], remote_values: dict,
+                    flight: threading.Event) -> tuple[list, threading.Event | None]:
+        """Phase 1 of a round (locked): host hits pinned, promotions reserved, in key order."""
+        chain: list[Entry | Promotion] = []
+        try:
+            for k in keys:
+                e = self.index.get(ns_id + k)
+                if e is None:
+                    break
+                if e.host is not None:
+                    e.pins += 1              # pinned now: later room-making can't evict it
+                    chain.append(e)
+                    self.tier_counters["host"]["read_hits"] += 1
+                    continue
+                if e.moving is not None:
+                    return chain, e.moving   # another acquire is promoting it
+                p = self._reserve_promotion(e, remote_values, flight)
+                if p is None:
+                    break
+                chain.append(p)
+        except BaseException:
+            for x in chain:
+                if isinstance(x, Promotion):
+                    self._abandon(x)
+            self._unpin([x for x in chain if isinstance(x, Entry)])
+            flight.set()
+            raise
+        return chain, None
+
+    def _unpin(self, entries: list[Entry]) -> None:
+        for e in entries:
+            if e.pins > 0:
+                e.pins -= 1
+
+    def _round_done(self, flight: threading.Event) -> None:
+        """A round's promotions have settled or been undone: wake its waiters and close()."""
+        flight.set()
+        self._busy -= 1
+        self._idle.notify_all()
 
     def with_prefix(self, ns_id: bytes, keys: Sequence[bytes], fn):
         """Call fn([(key, view), ...]) on the pinned host copies of the longest cached prefix.
@@ -670,8 +750,8 @@ class Store(TierMovement):
                 e = self.index.get(g)
                 if e is None:
                     continue
-                if e.pins:
-                    continue  # leased: a reader is copying it; it goes when evicted later
+                if e.pins or e.moving is not None:
+                    continue  # leased or being promoted: it goes when evicted later
                 if e.host is not None:
                     self.host.free(e.host)
                     self.policies["host"].remove(g)
