@@ -82,6 +82,8 @@ class PrefixLeaves:
         self._heaps[seg] = heap
 
     def add(self, gkey: bytes, parent: bytes | None, prio: Any, seg: int) -> None:
+        if parent is not None and gkey in self._orphans and self._reaches(parent, gkey):
+            parent = None       # adopting its waiting children would close a cycle: be a root
         node = [parent, False, None, prio, seg]
         if parent is not None and parent != gkey:
             pnode = self.nodes.get(parent)
@@ -101,6 +103,20 @@ class PrefixLeaves:
         self.sizes[seg] += 1
         if not node[_CHILDREN]:
             self._push(gkey, node)
+
+    def _reaches(self, start: bytes, target: bytes) -> bool:
+        """Whether parent links up from `start` arrive at `target`. Only walked when a block
+        that resident children wait for arrives with a parent, so the hot path never pays;
+        prefix-hash keys cannot form cycles, but parent links sent by a client can."""
+        node: list[Any] | None = None
+        for _ in range(len(self.nodes) + 1):
+            if start == target:
+                return True
+            node = self.nodes.get(start)
+            if node is None or node[_PARENT] is None:
+                return False
+            start = node[_PARENT]
+        return False
 
     def update(self, gkey: bytes, prio: Any, seg: int) -> None:
         node = self.nodes[gkey]

@@ -180,6 +180,16 @@ def test_random_operations_keep_invariants(name, seq):
     assert sorted(drain(p)) == sorted(resident) == sorted(drain(q))
 
 
+@pytest.mark.parametrize("name", POLICIES + ["arc"])
+def test_parent_links_that_would_close_a_cycle_are_dropped(name):
+    """Client-given parents can name each other; such blocks must still be evictable."""
+    p = make_policy(name, 8)
+    p.insert(k(0), k(2), 1)          # 2 not resident yet: 0 waits for it
+    p.insert(k(2), k(1), 1)          # 1 not resident either: 2 waits for it
+    p.insert(k(1), k(0), 1)          # 1 -> 0 -> 2 -> 1 would be a cycle
+    assert sorted(drain(p)) == [k(0), k(1), k(2)]
+
+
 @pytest.mark.parametrize("name", POLICIES)
 def test_replay_respects_capacity(name):
     tr = _bench()
