@@ -264,6 +264,11 @@ def test_raise_errors_mode_raises_unavailable(redis_server):
         redis_server.kill()
         with pytest.raises(Unavailable):
             t.exists_many(gkeys(2))
+        # the node is marked down now: later calls skip it without waiting, and still say so
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="down"):
+            t.get_many(gkeys(2))
+        assert time.monotonic() - t0 < DEADLINE_MS / 1000
 
 
 def test_constructed_while_server_is_down(tmp_path):

@@ -465,15 +465,15 @@ class RemoteTier:
             self._finish(op, t0, failed="cluster topology unknown")
             return out
         live: list[tuple[_Batch, Future]] = []
-        skipped = False
+        failure = ""
         for b in batches.values():
             if not self._usable(b.node):
-                skipped = True
+                # a miss without waiting; with raise_errors the caller hears why
+                failure = f"{op} on {b.node}: down ({self._node(b.node).last_error})"
                 continue
             live.append((b, self._pool.submit(per_node, b)))
-        if skipped:
+        if failure:
             self._add("skipped_down", 1)
-        failure = ""
         if live:
             done, _ = wait_futures([f for _, f in live], timeout=deadline_s)
             for b, f in live:
