@@ -9,7 +9,8 @@ unrealistically good predictor would buy:
 1. Features of each new request body at write time: its length, the prompt length, the
    length of the already-known prefix, how many earlier requests ended inside that prefix
    (turns), time since the parent block was written, the parent's child and use counts, the
-   request rate over the last 10 s; generous extras a store does not see: the request's output
+   share of the parent's earlier bodies already seen reused, the request rate over the last
+   10 s; generous extras a store does not see: the request's output
    length and its absolute time. Label: any of the body's blocks (but the last, usually a
    partial block) is referenced again.
 2. A gradient-boosted model over them, scored by block-weighted ROC AUC in-sample (fitted on
@@ -40,7 +41,7 @@ from trace_replay import replay_opt  # this folder is on sys.path when run as a 
 
 CAPACITIES = (5000, 10000)
 FEATURES = ["body_blocks", "prompt_blocks", "known_prefix", "turns", "s_since_parent",
-            "parent_children", "parent_uses", "requests_last_10s"]
+            "parent_children", "parent_uses", "parent_reuse_rate", "requests_last_10s"]
 EXTRAS = ["output_length", "time_s"]          # not visible to a store; generous
 
 
@@ -61,6 +62,9 @@ def body_features(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     children: Counter[int] = Counter()
     uses: Counter[int] = Counter()
     ends: set[int] = set()
+    body_of: dict[int, int] = {}                   # block -> the request whose body wrote it
+    body_parent: dict[int, int | None] = {}        # that request -> its body's parent block
+    reused_under: Counter[int | None] = Counter()  # parent -> its bodies seen reused so far
     recent: deque[float] = deque()
     feats, labels, weights, reqs = [], [], [], []
     for i, r in enumerate(rows):
@@ -75,14 +79,21 @@ def body_features(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
         row = [len(body), len(ids), k, sum(h in ends for h in ids[:k]),
                t - written_at[parent] if parent is not None else -1.0,
                children[parent] if parent is not None else -1,
-               uses[parent] if parent is not None else -1, len(recent),
+               uses[parent] if parent is not None else -1,
+               (reused_under[parent] + 1) / (children[parent] + 2), len(recent),
                r["output_length"], t]
         for h in ids[:k]:
             uses[h] += 1
+            b = body_of.get(h)
+            if b is not None and b in body_parent:   # first reuse of a body: credit its parent
+                reused_under[body_parent.pop(b)] += 1
         if parent is not None and body:
             children[parent] += 1
         for h in body:
             written_at[h] = t
+        for h in body[:-1]:
+            body_of[h] = i
+        body_parent[i] = parent
         if ids:
             ends.add(ids[-1])
         if len(body) >= 2:
