@@ -15,6 +15,9 @@ at that capacity in blocks; ``hit_NAME`` for each ``--policies NAME``), ``hit_lr
 ``hit_opt_readme`` (the trace README's reference rules, to validate the harness),
 ``gap_closed_5k`` / ``gap_closed_10k`` = (policy - lru) / (opt - lru), and
 ``policy_refs_per_s`` (block references per second through the default policy).
+``hit_hinted`` and ``gap_closed_5k_hinted`` / ``gap_closed_10k_hinted``: the default policy
+given the Retain("low") hints an engine that knows which conversations go on would send
+(``session_hints``; read off the trace's future, since the trace has no session ids).
 """
 
 from __future__ import annotations
@@ -139,7 +142,24 @@ def as_keys(trace: Trace) -> list[list[bytes]]:
             for r in trace]
 
 
-def replay_policy(name: str, requests: Sequence[Sequence[bytes]], capacity: int) -> Result:
+def session_hints(trace: Trace) -> list[bool]:
+    """Per request, whether its conversation goes on: a later request starts with this one's
+    prompt up to its last block (the last is partial: its key changes when the prompt grows).
+
+    An engine that knows its sessions can tell the store this; the trace has no session ids,
+    so it is read off the trace's future. The replay turns it into the Retain(level="low")
+    calls such an engine would make after storing a request: every block it wrote when the
+    conversation ends there, else only the last (partial) one."""
+    last: dict[int, int] = {}
+    for i, req in enumerate(trace):
+        for h in req:
+            last[h] = i
+    return [bool(req) and last[req[-2] if len(req) >= 2 else req[0]] > i
+            for i, req in enumerate(trace)]
+
+
+def replay_policy(name: str, requests: Sequence[Sequence[bytes]], capacity: int,
+                  goes_on: Sequence[bool] | None = None) -> Result:
     """Drive a policy the way the store does, with a set standing in for the block index.
 
     Per request: the hit is the longest resident leading run; the first missing key is
@@ -147,14 +167,17 @@ def replay_policy(name: str, requests: Sequence[Sequence[bytes]], capacity: int)
     are inserted with their parent (put), evicting via pick() until within capacity; then the
     optional ``note_put(keys)`` hook gets the keys that put wrote, in order (as Store.put and
     Store.commit do after publishing). The request's own blocks are pinned while it is
-    processed (its read lease / write in flight).
+    processed (its read lease / write in flight). With `goes_on` (per request, from
+    session_hints), the blocks an engine would hint "low" then get the policy's
+    ``note_retention(keys, "low")`` (as Store.retain does).
     """
     policy = make_policy(name, capacity)
+    note_retention = getattr(policy, "note_retention", None) if goes_on is not None else None
     note_put = getattr(policy, "note_put", None)
     resident: set[bytes] = set()
     hits = refs = 0
     t0 = time.perf_counter()
-    for req in requests:
+    for i, req in enumerate(requests):
         n = len(req)
         k = 0
         while k < n and req[k] in resident:
@@ -181,6 +204,8 @@ def replay_policy(name: str, requests: Sequence[Sequence[bytes]], capacity: int)
             parent = key
         if note_put is not None and k < n:
             note_put(req[k:])          # the store: once per put/commit, after its inserts
+        if note_retention is not None and k < n:
+            note_retention(req[-1:] if goes_on[i] else req[k:], "low")
     return Result(name, capacity, hits, refs, time.perf_counter() - t0)
 
 
@@ -323,13 +348,15 @@ def replay_store(name: str, trace: Trace, capacity: int) -> Result:
 _TRACE: Trace = []
 _KEYS: list[list[bytes]] = []
 _NEXT: list[list[int]] = []
+_GOES_ON: list[bool] = []
 
 
 def _init(trace: Trace) -> None:
-    global _TRACE, _KEYS, _NEXT
+    global _TRACE, _KEYS, _NEXT, _GOES_ON
     _TRACE = trace
     _KEYS = as_keys(trace)
     _NEXT = next_uses(trace)
+    _GOES_ON = session_hints(trace)
 
 
 def _task(kind: str, cap: int) -> Result:
@@ -338,6 +365,10 @@ def _task(kind: str, cap: int) -> Result:
     if kind == "policy":
         r = replay_policy("default", _KEYS, cap)
         r.kind = "policy"
+        return r
+    if kind == "hinted":
+        r = replay_policy("default", _KEYS, cap, goes_on=_GOES_ON)
+        r.kind = "hinted"
         return r
     if kind == "opt":
         return replay_opt(_TRACE, cap, True, _NEXT)
@@ -357,7 +388,8 @@ def _task(kind: str, cap: int) -> Result:
 def run_all(trace: Trace, capacities: Sequence[int], kinds: Sequence[str], workers: int,
             progress: Callable[[], None] = lambda: None) -> dict[str, dict[int, Result]]:
     """Every (kind, capacity) replay, the slow ones first, in `workers` processes."""
-    weight = {"policy": 4, "lru": 2, "store:default": 20, "store:lru": 20, "pol:arc": 4}
+    weight = {"policy": 4, "hinted": 4, "lru": 2, "store:default": 20, "store:lru": 20,
+              "pol:arc": 4}
     jobs = sorted(((k, c) for k in kinds for c in capacities),
                   key=lambda kc: -weight.get(kc[0], 1) * (1 + kc[1] / 50000))
     out: dict[str, dict[int, Result]] = {k: {} for k in kinds}
@@ -384,13 +416,16 @@ def summarize(res: dict[str, dict[int, Result]], capacities: Sequence[int]) -> d
     def col(kind: str) -> dict[str, float]:
         return {cap_label(c): round(res[kind][c].ratio, 4) for c in capacities if c in res[kind]}
     out: dict = {"hit_lru": col("lru"), "hit_policy": col("policy"), "hit_opt": col("opt")}
-    for extra in ("opt_readme", "lru_plain"):
+    for extra in ("opt_readme", "lru_plain", "hinted"):
         if extra in res:
             out[f"hit_{extra}"] = col(extra)
     for c in (5000, 10000):
         if c in res["policy"]:
             out[f"gap_closed_{cap_label(c)}"] = gap_closed(
                 res["policy"][c].ratio, res["lru"][c].ratio, res["opt"][c].ratio)
+        if c in res.get("hinted", {}):
+            out[f"gap_closed_{cap_label(c)}_hinted"] = gap_closed(
+                res["hinted"][c].ratio, res["lru"][c].ratio, res["opt"][c].ratio)
     out["policy_ge_lru_everywhere"] = all(
         res["policy"][c].ratio >= res["lru"][c].ratio for c in res["policy"])
     speeds = sorted(r.refs / r.seconds for r in res["policy"].values() if r.seconds > 0)
@@ -406,7 +441,8 @@ def summarize(res: dict[str, dict[int, Result]], capacities: Sequence[int]) -> d
 
 
 def table(res: dict[str, dict[int, Result]], capacities: Sequence[int]) -> str:
-    kinds = [k for k in ("lru_plain", "lru", "policy", "opt_readme", "opt") if k in res]
+    kinds = [k for k in ("lru_plain", "lru", "policy", "hinted", "opt_readme", "opt")
+             if k in res]
     kinds += [k for k in res if k.startswith(("store:", "pol:"))]
     lines = ["capacity | " + " | ".join(f"{k:>13}" for k in kinds) + " | gap closed"]
     for c in capacities:
@@ -424,13 +460,14 @@ def plot(res: dict[str, dict[int, Result]], capacities: Sequence[int], path: str
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    names = {"lru": "LRU (prefix leaves)", "policy": "default policy (ARC, prefix leaves)",
+    names = {"lru": "LRU (prefix leaves)", "policy": "default policy",
+             "hinted": "default policy + session hints (Retain low)",
              "opt": "offline optimum (Belady)", "lru_plain": "plain LRU (README rule)"}
     for kind, label in names.items():
         if kind in res:
             cs = [c for c in capacities if c in res[kind]]
             ax.plot(cs, [100 * res[kind][c].ratio for c in cs], marker="o", label=label,
-                    linestyle="--" if kind == "lru_plain" else "-")
+                    linestyle="--" if kind in ("lru_plain", "hinted") else "-")
     ax.set_xscale("log")
     ax.set_xlabel("capacity (blocks)")
     ax.set_ylabel("block hit ratio (%)")
@@ -464,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         caps = sorted(int(c) for c in args.capacities.split(","))
     else:
         caps = sorted(CAPACITIES + ([] if args.quick else EXTRA_CAPACITIES))
-    kinds = ["lru", "policy", "opt", "opt_readme", "lru_plain"]
+    kinds = ["lru", "policy", "hinted", "opt", "opt_readme", "lru_plain"]
     kinds += [f"pol:{p}" for p in args.policies.split(",") if p]
     if args.through_store:
         kinds += ["store:lru", "store:default"]

@@ -55,6 +55,7 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                   "acquired_blocks": "Blocks pinned by Acquire and Get",
                   "duplicate_blocks": "Written blocks dropped because the key was stored",
                   "deleted_blocks": "Blocks removed by Delete",
+                  "retention_hint_blocks": "Stored blocks reached by Retain hints",
                   "corrupt_blocks": "Blocks that failed their checksum and were dropped",
                   "promotion_duplicates": "Promoted copies dropped because a write stored the "
                                           "block meanwhile",

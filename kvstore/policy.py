@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgpack
 from kvstore_client.errors import InvalidArgument
+from kvstore_client.layout import check_retention
 
 SNAPSHOT_VERSION = 1
 
@@ -221,6 +222,15 @@ class LRUPolicy:
 
     def record_miss(self, gkey: bytes) -> None:
         """LRU keeps no history."""
+
+    def note_retention(self, gkeys: list[bytes], level: str) -> None:
+        """Optional hook (Store.retain): "low" moves the blocks to the eviction end, "high" to
+        the most recently used end."""
+        check_retention(level)
+        for g in gkeys:
+            if g in self._leaves and level != "normal":
+                self._clock += 1
+                self._leaves.update(g, self._clock if level == "high" else -self._clock, 0)
 
     def pick(self, can_evict: Callable[[bytes], bool]) -> bytes | None:
         return self._leaves.peek(0, can_evict)
@@ -536,6 +546,25 @@ class SegmentedPolicy:
             node = self._leaves.nodes.get(tail)
             if node is not None and node[_SEG] == 0 and self._tails_cheap():
                 self._leaves.update(tail, -self._clock, 0)
+
+    def note_retention(self, gkeys: list[bytes], level: str) -> None:
+        """Optional hook (Store.retain): the engine's reuse hint. "low" sends the blocks to
+        probation's eviction end, "high" into the protected segment (as if hit)."""
+        check_retention(level)
+        if level == "normal":
+            return
+        for g in gkeys:
+            if self._shadows is not None and not zlib.crc32(g) % self.RATE:
+                # The shadows see the hints too, so the tuner picks what works *with* them.
+                for pol, resident, _ in self._shadows:
+                    if g in resident:
+                        pol.note_retention([g], level)
+            if g in self._leaves:
+                self._clock += 1
+                if level == "high":
+                    self._leaves.update(g, self._clock, 1)
+                else:
+                    self._leaves.update(g, -self._clock, 0)
 
     # ---------------------------------------------------------------- interface
     def record_miss(self, gkey: bytes) -> None:

@@ -504,6 +504,12 @@ class KVStoreServicer:
         keys = None if req.all else check_keys(req.keys)
         return pb.DeleteResponse(deleted=int(self.store.delete(ns, keys)))
 
+    def Retain(self, raw: bytes) -> pb.RetainResponse:
+        req = _parse(pb.RetainRequest, raw)
+        ns = check_ns(req.namespace_id)
+        keys = check_keys(req.keys)
+        return pb.RetainResponse(blocks=int(self.store.retain(ns, keys, req.level)))
+
     def Evict(self, raw: bytes) -> pb.EvictResponse:
         req = _parse(pb.EvictRequest, raw)
         if req.tier not in TIERS:
@@ -528,7 +534,7 @@ class KVStoreServicer:
             return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
         unary = ("RegisterNamespace", "Lookup", "Reserve", "Commit", "Acquire", "Release",
-                 "RenewLease", "Delete", "Evict", "Flush", "Stats")
+                 "RenewLease", "Retain", "Delete", "Evict", "Flush", "Stats")
         handlers = {name: grpc.unary_unary_rpc_method_handler(
             self.unary(name, getattr(self, name)), response_serializer=ser) for name in unary}
         handlers["Put"] = grpc.stream_unary_rpc_method_handler(

@@ -35,7 +35,7 @@ from kvstore_client.errors import (
 )
 from kvstore_client.gpu import pin_host
 from kvstore_client.hashing import MAX_KEY_BYTES, MIN_KEY_BYTES
-from kvstore_client.layout import NamespaceSpec
+from kvstore_client.layout import NamespaceSpec, check_retention
 
 from tiers.gpu import open_gpu_tiers
 from tiers.host import HostTier
@@ -764,6 +764,24 @@ class Store(TierMovement):
                 n += 1
             self.counters["deleted_blocks"] += n
             return n
+
+    def retain(self, ns_id: bytes, keys: Sequence[bytes], level: str) -> int:
+        """Pass the engine's expectation of reuse to every tier's policy; returns the stored
+        blocks it reached. Why: whether a request body will be reused (the conversation goes on,
+        or the session was closed) is what decides a prefix cache's hit ratio, the engine may
+        know it, and the store cannot guess it (docs/eviction.md)."""
+        keys = self._keys(keys)
+        level = check_retention(level)
+        with self._lock:
+            self._check_open()
+            self._ns(ns_id)
+            found = [g for g in (ns_id + k for k in keys) if self.index.get(g) is not None]
+            for policy in self.policies.values():
+                hook = getattr(policy, "note_retention", None)
+                if hook is not None:
+                    hook(found, level)      # a policy skips the keys it does not hold
+            self.counters["retention_hint_blocks"] += len(found)
+            return len(found)
 
     def evict(self, tier: str, nbytes: int = 0) -> tuple[int, int]:
         """Evict from `tier` until `nbytes` are freed (0: everything evictable)."""

@@ -35,7 +35,8 @@ METHODS = {
     "RegisterNamespace": "unary_unary", "Lookup": "unary_unary", "Reserve": "unary_unary",
     "Commit": "unary_unary", "Acquire": "unary_unary", "Release": "unary_unary",
     "RenewLease": "unary_unary", "Put": "stream_unary", "Get": "unary_stream",
-    "Delete": "unary_unary", "Evict": "unary_unary", "Flush": "unary_unary",
+    "Retain": "unary_unary", "Delete": "unary_unary", "Evict": "unary_unary",
+    "Flush": "unary_unary",
     "Stats": "unary_unary",
 }
 N_STORED = 8

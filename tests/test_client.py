@@ -356,3 +356,18 @@ def test_public_names() -> None:
     for name in ("connect", "Client", "Namespace", "PagedKV", "LookupResult", "DataLoss"):
         assert hasattr(kvstore_client, name)
     assert issubclass(DataLoss, kvstore_client.KVStoreError)
+
+
+def test_retain_hints_reach_the_daemon(ns) -> None:
+    ids = prompt(8, 3 * T)
+    assert ns.store(ids, make_kv(8, 3 * T)) == 3
+    keys = ns.keys(ids)
+    assert ns.retain(keys, "low") == 3
+    assert ns.retain(keys + [b"\x02" * len(keys[0])], "high") == 3   # unknown keys skipped
+    with pytest.raises(InvalidArgument, match="retention level must be one of low, normal, high"):
+        ns.retain(keys, "forever")
+    # the daemon checks too, for clients that skip the SDK
+    with pytest.raises(InvalidArgument, match="retention level"):
+        ns.client.call("Retain", pb.RetainRequest(namespace_id=ns.ns_id, keys=keys,
+                                                  level="forever"))
+    assert ns.lookup(ids) == 3 * T                   # a hint never drops anything

@@ -316,3 +316,49 @@ def test_predictability_replay_is_lru_without_hints_and_gains_from_an_oracle(kin
     _, labels, _, reqs = tp.body_features(rows)
     oracle = tp.replay_hinted(rows, cap, set(reqs[~labels].tolist()))
     assert oracle >= round(lru, 2)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_retention_low_is_evicted_first_high_last(name):
+    p = make_policy(name, 64)
+    for c in range(4):
+        chain(p, [100 * c, 100 * c + 1])
+    p.note_retention([k(201), k(200)], "low")       # a leaf and its parent
+    p.note_retention([k(1)], "high")                # the oldest leaf
+    p.note_retention([k(999)], "low")               # not resident: skipped
+    order = drain(p)
+    assert order[:2] == [k(201), k(200)]            # the parent follows once it is a leaf
+    assert order[-2:] == [k(1), k(0)]               # the high leaf outlives newer blocks
+    assert len(order) == 8
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_retention_hint_is_kept_by_snapshots_and_checked(name):
+    p = make_policy(name, 64)
+    for c in range(5):
+        chain(p, [c])
+    p.note_retention([k(3)], "low")
+    p.note_retention([k(4)], "normal")              # no change
+    q = make_policy(name, 64)
+    q.restore(p.snapshot())
+    assert drain(q) == drain(p)
+    with pytest.raises(InvalidArgument, match="retention level must be one of low, normal, "
+                                              "high; got 'keep'"):
+        p.note_retention([k(1)], "keep")
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="conversation trace not present")
+def test_session_hints_lift_the_default_on_a_slice_of_the_real_trace():
+    tr = _bench()
+    trace = tr.load_trace(TRACE)[:3000]
+    keys, goes_on = tr.as_keys(trace), tr.session_hints(trace)
+    pol = tr.replay_policy("default", keys, 2000).ratio
+    hinted = tr.replay_policy("default", keys, 2000, goes_on=goes_on).ratio
+    assert hinted > pol + 0.01
+
+
+def test_session_hints_read_the_future_of_the_trace():
+    tr = _bench()
+    trace = [[1, 2, 3], [1, 2, 3, 4], [1, 5, 6], [1, 2, 3, 4, 7], [8]]
+    # request 0 goes on (request 1 starts with [1, 2]); 2 and 3 are never continued
+    assert tr.session_hints(trace) == [True, True, False, False, False]

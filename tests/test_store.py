@@ -18,9 +18,10 @@ from kvstore_client.errors import (
 )
 from kvstore_client.hashing import block_keys
 
+from kvstore.movement import _aligned
 from tiers.ssd import SSDTier
 
-from .store_helpers import kv_block, make_store, namespace, random_prompt
+from .store_helpers import SMALL, kv_block, make_store, namespace, random_prompt
 
 
 def write_via_lease(store, ns, keys, parent=None, checksums=True):
@@ -245,3 +246,26 @@ def test_client_given_parents_cannot_form_an_unevictable_cycle(tmp_path):
         assert (ea.parent, eb.parent) == (b, None)       # the closing link was dropped
         freed, blocks = store.evict("host")
         assert blocks == 2 and store.host.used_bytes == 0 and len(store.index) == 0
+
+
+def test_retain_low_orders_eviction_and_reaches_every_tier(tmp_path):
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        rng = np.random.default_rng(11)
+        _, older = random_prompt(rng, 4)
+        _, newer = random_prompt(rng, 4)
+        store.put(ns, older, [kv_block(k) for k in older])
+        store.put(ns, newer, [kv_block(k) for k in newer])
+        assert store.retain(ns, newer + [b"\x01" * 16], "low") == 4    # unknown keys skipped
+        store.evict("host", 4 * _aligned(SMALL.block_bytes))
+        # without the hint LRU order would have taken `older`
+        assert store.lookup(ns, older).per_tier.get("host") == 4
+        assert store.lookup(ns, newer).per_tier.get("host", 0) == 0
+        assert store.lookup(ns, newer).prefix_blocks == 4                 # demoted, not lost
+        assert store.retain(ns, newer, "high") == 4                       # SSD-only now
+        assert store.counters["retention_hint_blocks"] == 8
+        with pytest.raises(InvalidArgument, match="retention level must be one of"):
+            store.retain(ns, newer, "never")
+        with pytest.raises(NotFound):
+            store.retain(b"\x00" * 16, newer, "low")
+        assert all(d == kv_block(k) for k, d in store.get(ns, newer))

@@ -139,3 +139,15 @@ class NamespaceSpec:
             return cls(layout=layout, **d)
         except TypeError as e:
             raise InvalidArgument(f"bad namespace spec: {e}") from None
+
+
+RETENTION_LEVELS = ("low", "normal", "high")
+
+
+def check_retention(level: object) -> str:
+    """Validate a Retain level: "low" (not expected to be reused: evict first), "normal", or
+    "high" (expected back: keep like a block already reused)."""
+    if level not in RETENTION_LEVELS:
+        raise InvalidArgument(f"retention level must be one of {', '.join(RETENTION_LEVELS)}; "
+                              f"got {str(level)[:40]!r}")
+    return str(level)

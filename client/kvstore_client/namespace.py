@@ -22,7 +22,7 @@ from ._proto import kvstore_pb2 as pb
 from .buffers import PAGE, _is_tensor, aligned_buffer, check_seq, copy_block, raw_view, slot_view
 from .errors import DataLoss, InvalidArgument, LeaseExpired, NotFound, from_rpc_error
 from .hashing import DEFAULT_KEY_BYTES, ExtraKey, block_keys
-from .layout import NamespaceSpec
+from .layout import NamespaceSpec, check_retention
 from .wire import decode_get, encode_put
 
 if TYPE_CHECKING:
@@ -400,6 +400,15 @@ class Namespace:
         except grpc.RpcError as e:
             raise from_rpc_error(e, "Get", client.target) from None
         return n
+
+    def retain(self, keys: Sequence[bytes], level: str) -> int:
+        """Tell the daemon how likely `keys` (from `keys()`) are to be needed again: "low" (the
+        session is over, a one-shot request: evict these first), "normal", or "high" (a
+        follow-up is expected). Returns the stored blocks the hint reached; keys not stored are
+        skipped. Hints only order eviction: nothing is dropped or pinned by them."""
+        req = pb.RetainRequest(namespace_id=self.ns_id, keys=list(keys),
+                               level=check_retention(level))
+        return int(self.client.call("Retain", req).blocks)
 
     # -- admin ------------------------------------------------------------------------------
     def delete(self, keys: Sequence[bytes] | None = None) -> int:

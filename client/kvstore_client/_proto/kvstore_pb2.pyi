@@ -258,6 +258,22 @@ class GetResponse(_message.Message):
     blocks: _containers.RepeatedCompositeFieldContainer[Block]
     def __init__(self, blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ...) -> None: ...
 
+class RetainRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "level")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    level: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., level: _Optional[str] = ...) -> None: ...
+
+class RetainResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    def __init__(self, blocks: _Optional[int] = ...) -> None: ...
+
 class DeleteRequest(_message.Message):
     __slots__ = ("namespace_id", "keys", "all")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]

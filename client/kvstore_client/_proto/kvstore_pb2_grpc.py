@@ -79,6 +79,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.GetResponse.FromString,
                 _registered_method=True)
+        self.Retain = channel.unary_unary(
+                '/kvstore.v1.KVStore/Retain',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
+                _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/kvstore.v1.KVStore/Delete',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DeleteRequest.SerializeToString,
@@ -164,9 +169,17 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Delete(self, request, context):
+    def Retain(self, request, context):
         """Admin.
+        The engine's expectation of reuse for stored blocks ("low", "normal", "high"); see
+        docs/eviction.md. Keys not stored are skipped.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Delete(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -236,6 +249,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.GetRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetResponse.SerializeToString,
+            ),
+            'Retain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retain,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
@@ -501,6 +519,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Get',
             kvstore_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.GetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Retain',
+            kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
             options,
             channel_credentials,
             insecure,
