@@ -142,24 +142,30 @@ def as_keys(trace: Trace) -> list[list[bytes]]:
             for r in trace]
 
 
-def session_hints(trace: Trace) -> list[bool]:
-    """Per request, whether its conversation goes on: a later request starts with this one's
-    prompt up to its last block (the last is partial: its key changes when the prompt grows).
+def session_hints(trace: Trace) -> list[int]:
+    """Per request, how many of its leading blocks its conversation goes on with: all of them
+    when a later request starts with this whole prompt, all but the last when a later one
+    starts with the prompt up to its last block (a partial block, whose key changes when the
+    prompt grows), else 0 (the conversation ends here).
 
-    An engine that knows its sessions can tell the store this; the trace has no session ids,
-    so it is read off the trace's future. The replay turns it into the Retain(level="low")
-    calls such an engine would make after storing a request: every block it wrote when the
-    conversation ends there, else only the last (partial) one."""
+    An engine that knows its sessions (and whether its last block is partial) knows this; the
+    trace has no session ids, so it is read off the trace's future. The replay turns it into
+    the Retain(level="low") call such an engine would make after storing a request, on the
+    blocks it wrote past that point."""
     last: dict[int, int] = {}
     for i, req in enumerate(trace):
         for h in req:
             last[h] = i
-    return [bool(req) and last[req[-2] if len(req) >= 2 else req[0]] > i
-            for i, req in enumerate(trace)]
+    out = []
+    for i, req in enumerate(trace):
+        n = len(req)
+        out.append(n if n and last[req[-1]] > i else
+                   n - 1 if n >= 2 and last[req[-2]] > i else 0)
+    return out
 
 
 def replay_policy(name: str, requests: Sequence[Sequence[bytes]], capacity: int,
-                  goes_on: Sequence[bool] | None = None) -> Result:
+                  goes_on: Sequence[int] | None = None) -> Result:
     """Drive a policy the way the store does, with a set standing in for the block index.
 
     Per request: the hit is the longest resident leading run; the first missing key is
@@ -205,7 +211,9 @@ def replay_policy(name: str, requests: Sequence[Sequence[bytes]], capacity: int,
         if note_put is not None and k < n:
             note_put(req[k:])          # the store: once per put/commit, after its inserts
         if note_retention is not None and k < n:
-            note_retention(req[-1:] if goes_on[i] else req[k:], "low")
+            low = req[max(k, goes_on[i]):]
+            if low:
+                note_retention(low, "low")
     return Result(name, capacity, hits, refs, time.perf_counter() - t0)
 
 
@@ -348,7 +356,7 @@ def replay_store(name: str, trace: Trace, capacity: int) -> Result:
 _TRACE: Trace = []
 _KEYS: list[list[bytes]] = []
 _NEXT: list[list[int]] = []
-_GOES_ON: list[bool] = []
+_GOES_ON: list[int] = []
 
 
 def _init(trace: Trace) -> None:

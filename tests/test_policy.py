@@ -359,6 +359,8 @@ def test_session_hints_lift_the_default_on_a_slice_of_the_real_trace():
 
 def test_session_hints_read_the_future_of_the_trace():
     tr = _bench()
-    trace = [[1, 2, 3], [1, 2, 3, 4], [1, 5, 6], [1, 2, 3, 4, 7], [8]]
-    # request 0 goes on (request 1 starts with [1, 2]); 2 and 3 are never continued
-    assert tr.session_hints(trace) == [True, True, False, False, False]
+    trace = [[1, 2, 3], [1, 2, 3, 4], [1, 5, 6], [1, 2, 9], [1, 2, 3, 4, 7],
+             [1, 2, 3, 4, 10], [8]]
+    # 0 and 1 go on whole (later requests start with them); 2 ends; 3 and 4 go on without
+    # their last block (a partial block whose key changes); 5 and 6 end
+    assert tr.session_hints(trace) == [3, 4, 0, 2, 4, 0, 0]
