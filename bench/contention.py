@@ -9,8 +9,10 @@ and records each call's latency. Thread A is the busy engine, in one of two work
 - demote: put a batch of fresh blocks into a full host, so every put evicts and demotes host-only
   blocks (encode, LMDB write).
 Figures: B's lookup and acquire p50/p99 with A idle and A busy, as busy/idle ratios
-(`lookup_p99_busy_vs_idle` is the promote workload's), and A's throughput with B running against
-A alone (`a_promote_with_b_vs_alone`), so a change cannot win by starving A.
+(`lookup_p99_busy_vs_idle` is the promote workload's; the demote workload's carry a `_demote`
+suffix, and its headline `lookup_p99_demote_busy_vs_idle` repeats `lookup_p99_busy_vs_idle_demote`),
+and A's throughput with B running against A alone (`a_promote_with_b_vs_alone`), so a change
+cannot win by starving A.
 Usage: python bench/contention.py [--quick] [--dir DIR]. The last line is one JSON object.
 """
 
@@ -210,6 +212,7 @@ def summarize(res: dict) -> dict:
                 out[f"{call}_{p}_busy_vs_idle" + ("" if work == "promote" else "_demote")] = \
                     round(r[call][f"{p}_us"] / idle[call][f"{p}_us"], 2)
         out[f"a_{work}_with_b_vs_alone"] = round(r["a_gbps"] / r["a_alone_gbps"], 3)
+    out["lookup_p99_demote_busy_vs_idle"] = out["lookup_p99_busy_vs_idle_demote"]
     out["scenarios"] = res
     out["block_bytes"] = LAYOUT.block_bytes
     out["batch"] = BATCH

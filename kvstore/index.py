@@ -26,8 +26,10 @@ class Entry:
     remote: bool = False
     pins: int = 0               # read leases holding the host copy
     children: int = 0           # indexed blocks whose parent this is
-    # Set while an acquire promotes this block outside the store lock (kvstore/movement.py):
-    # meanwhile no delete or eviction touches it, and other acquires wait on the event.
+    # Set while the block moves between tiers outside the store lock (kvstore/movement.py):
+    # an acquire promoting it (host copy None; other acquires wait on the event), or an
+    # eviction demoting it to SSD (host copy still there, readable and acquirable). Meanwhile
+    # no delete, eviction or other demotion or promotion touches it.
     moving: threading.Event | None = None
 
     @property

@@ -3,10 +3,11 @@
 The store (kvstore/store.py) owns the API, the index and the leases; this module owns the
 mechanics: making room in host and SSD, encoding victims for the tier below (in parallel),
 fetching and decoding lower copies (in parallel, pipelined for Redis), and dropping copies that
-fail verification. Eviction and demotion run under the store lock. Promotion runs in three
-phases so its slow part (SSD read, decode, verify, the copy into the slab) does not hold the lock
-(see "Locking" in docs/internals.md). The codec fallback rule lives here too: a lossy codec that
-refuses a block (inf/NaN) stores it lossless instead, and the refusal is counted.
+fail verification. Promotion and host eviction each run in three phases so their slow part does
+not hold the store lock: promotion's SSD read, decode, verify and copy into the slab, eviction's
+encode and LMDB write (see "Locking" in docs/internals.md). SSD eviction, flush and
+write-through still run under the lock. The codec fallback rule lives here too: a lossy codec
+that refuses a block (inf/NaN) stores it lossless instead, and the refusal is counted.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -126,28 +129,46 @@ class Promotion:
 class TierMovement:
     """Mixin of Store: the movement half. Uses the store's attributes: config, host, ssd,
     remote, index, namespaces, policies, counters, tier_counters, _encoded, _decoders,
-    _remote_fetcher, _lock. Every method expects the store lock held unless its docstring says
-    not.
+    _remote_fetcher, _lock, _idle, _busy, _demotions, _host_evicting, _ssd_pending. Every method
+    expects the store lock held (once) unless its docstring says not; those whose docstring says
+    so may release it mid-way.
     """
 
     def _host_room(self, need: int) -> None:
-        """Evict from host so `need` more bytes fit: past the high watermark, down to the low."""
+        """Evict from host so `need` more bytes fit: past the high watermark, down to the low.
+
+        Victims already being demoted by other threads count as freed (their slots are freed
+        when they settle), so concurrent callers do not each evict for the same shortfall. May
+        release the store lock while victims are demoted (see _evict_batch); _alloc_host then
+        gets the slot even if other threads took the room meanwhile.
+        """
         cap = self.host.capacity
         high, low = self.config.host.high_watermark * cap, self.config.host.low_watermark * cap
-        if self.host.used_bytes + need <= high:
+        used = self.host.used_bytes - self._host_evicting
+        if used + need <= high:
             return
         target = max(0.0, min(low, high - need))
-        self._evict_host(int(self.host.used_bytes + need - target))
+        self._evict_host(int(used + need - target))
 
     def _alloc_host(self, nbytes: int) -> int:
-        try:
-            return self.host.alloc(nbytes)
-        except ResourceExhausted:
-            # Watermarks are a target, not a guarantee: try evicting exactly what is missing.
-            self._evict_host(_aligned(nbytes))
+        """A host slot of `nbytes`, evicting (and demoting, without the lock) until one fits.
+
+        Other threads may take the room an eviction made while the lock was released, so this
+        loops: evict what is missing, or wait for other threads' demotions in flight to settle,
+        and try again; ResourceExhausted only when nothing is evictable and nothing is in flight.
+        """
+        while True:
             try:
                 return self.host.alloc(nbytes)
             except ResourceExhausted:
+                pass
+            _, _, picked = self._evict_host_batches(_aligned(nbytes))
+            if picked or self._wait_demotions():
+                continue
+            try:
+                return self.host.alloc(nbytes)
+            except ResourceExhausted:
+                # Watermarks are a target, not a guarantee; this is the real limit.
                 raise ResourceExhausted(
                     f"host tier full: {self.host.used_bytes} of {self.host.capacity} bytes are "
                     "leased or pinned and nothing is evictable; release leases or raise "
@@ -156,45 +177,177 @@ class TierMovement:
     def _evict_host(self, nbytes: int | None) -> tuple[int, int]:
         """Evict host blocks until `nbytes` are freed (None: all evictable), demoting in batches.
 
-        Victims are demoted before their slots are freed: the bytes are read from the slot.
+        Returns (bytes freed, blocks freed). May release the store lock while a batch is encoded
+        and written to SSD (see _evict_batch).
         """
+        freed, blocks, _ = self._evict_host_batches(nbytes)
+        return freed, blocks
+
+    def _evict_host_batches(self, nbytes: int | None) -> tuple[int, int, int]:
+        """_evict_host, also returning how many victims were picked (a victim a reader pinned
+        while it was demoted keeps its host copy: picked, but not freed)."""
+        freed = blocks = picked = 0
+        planned = 0
+        while nbytes is None or planned < nbytes:
+            batch = self._pick_host_victims(nbytes, planned)
+            if not batch:
+                break
+            picked += len(batch)
+            planned += sum(_aligned(e.size) for e in batch)
+            f, b = self._evict_batch(batch)
+            freed, blocks = freed + f, blocks + b
+        return freed, blocks, picked
+
+    def _pick_host_victims(self, nbytes: int | None, planned: int) -> list[Entry]:
+        """Phase 1 of an eviction (locked): up to 16 victims, taken out of the host policy."""
         policy = self.policies["host"]
         lower = self.ssd is not None or self.remote is not None
 
         def can(g: bytes) -> bool:
             # A block whose children are indexed may only go if a lower tier keeps a copy,
-            # or its children would become unreachable.
+            # or its children would become unreachable. A block in flight (being demoted by
+            # another eviction, or promoted) is not a victim.
             e = self.index.get(g)
             return (e is not None and e.pins == 0 and e.host is not None and e.moving is None
                     and (lower or e.ssd or e.remote or e.children == 0))
-        freed = blocks = 0
-        while nbytes is None or freed < nbytes:
-            batch: list[Entry] = []
-            planned = freed
-            while len(batch) < 16 and (nbytes is None or planned < nbytes):
-                g = policy.pick(can)
-                if g is None:
-                    break
-                policy.remove(g)
-                e = self.index.get(g)
-                if e is None or e.host is None:
-                    continue
-                batch.append(e)
-                planned += _aligned(e.size)
-            if not batch:
+        batch: list[Entry] = []
+        while len(batch) < 16 and (nbytes is None or planned < nbytes):
+            g = policy.pick(can)
+            if g is None:
                 break
+            policy.remove(g)
+            e = self.index.get(g)
+            if e is None or e.host is None:
+                continue
+            batch.append(e)
+            planned += _aligned(e.size)
+        return batch
+
+    def _evict_batch(self, batch: list[Entry]) -> tuple[int, int]:
+        """Demote a batch of victims and free their host slots; (bytes, blocks) freed.
+
+        Victims with no SSD copy yet are encoded and written to SSD without the store lock
+        (docs/internals.md, "Locking"): they are marked `moving` first, so no delete, eviction
+        or promotion touches them, and their host copies (immutable once published, the slots
+        not freed until settle) stay readable and acquirable meanwhile. On any error every
+        victim goes back as it was (host copy, host policy) and the error propagates.
+        """
+        if self.ssd is None or all(e.ssd for e in batch):
+            # Nothing to write to SSD: dropped, or demoted to Redis under the lock.
             self._demote_from_host(batch)
-            for e in batch:
-                self.host.free(e.host)
-                e.host = None
-                if not e.resident:
-                    self.index.discard(e.gkey)
-            self.tier_counters["host"]["evictions"] += len(batch)
-            freed, blocks = planned, blocks + len(batch)
+            return self._free_victims(batch)
+        flight = threading.Event()
+        size = sum(_aligned(e.size) for e in batch)
+        for e in batch:
+            e.moving = flight
+        self._host_evicting += size
+        self._demotions.add(flight)
+        self._busy += 1                      # close() waits for this batch to settle
+        try:
+            written = self._demote_unlocked([e for e in batch if not e.ssd])
+        except BaseException:
+            for e in batch:                  # as it was: the host copy stays, evictable again
+                e.moving = None
+                self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
+            self._demotion_done(flight, size)
+            raise
+        for e in batch:
+            e.moving = None
+        for e, nbytes in written:
+            e.ssd = True
+            self.policies["ssd"].insert(e.gkey, e.parent_gkey, e.size)
+            self.tier_counters["ssd"]["demotions_in"] += 1
+            self.counters["bytes_host_to_ssd"] += nbytes
+        self.tier_counters["host"]["demotions"] += len(written)
+        try:
+            return self._free_victims(batch)
+        finally:
+            self._demotion_done(flight, size)
+
+    def _free_victims(self, batch: list[Entry]) -> tuple[int, int]:
+        """Phase 3 of an eviction (locked): free the victims' host slots. A victim a reader
+        acquired while it was demoted keeps its host copy (it now has an SSD copy too)."""
+        freed = blocks = 0
+        for e in batch:
+            if e.pins:
+                self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
+                self.counters["demotions_kept_pinned"] += 1
+                continue
+            self.host.free(e.host)
+            e.host = None
+            if not e.resident:
+                self.index.discard(e.gkey)
+            freed += _aligned(e.size)
+            blocks += 1
+        self.tier_counters["host"]["evictions"] += blocks
         return freed, blocks
 
+    def _demote_unlocked(self, todo: list[Entry]) -> list[tuple[Entry, int]]:
+        """Phase 2 of an eviction: encode `todo` and write it to SSD without the store lock.
+
+        Called and returns with the lock held; releases it for the encode and again for the
+        LMDB write. SSD room is made in between, under the lock, and the bytes being written
+        count in `_ssd_pending` until they land, so concurrent demotions never overfill SSD.
+        Returns (entry, encoded bytes) for each block written.
+        """
+        jobs = self._encode_jobs(todo)
+        with self._unlocked():
+            values, local = self._encode(jobs)
+        self.counters.update(local)
+        need = sum(len(v) for v in values)
+        self._ssd_room(need)
+        items = [(e.gkey, v, _meta(e)) for e, v in zip(todo, values, strict=True)]
+        self._ssd_pending += need
+        try:
+            with self._unlocked():
+                self.ssd.put_many(items)
+        finally:
+            self._ssd_pending -= need
+        return [(e, len(v)) for e, v in zip(todo, values, strict=True)]
+
+    @contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        """Release the store lock for the block's duration and take it back.
+
+        Releases one level only: a caller that holds the lock more than once keeps it, and the
+        slow part then runs locked, as before (safe, just not concurrent). Every caller counts
+        itself in `_busy` first, so close() cannot release the tiers meanwhile.
+        """
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+
+    def _demotion_done(self, flight: threading.Event, size: int) -> None:
+        """A batch settled or was undone (locked): wake close() and waiting allocations."""
+        self._host_evicting -= size
+        self._demotions.discard(flight)
+        self._busy -= 1
+        flight.set()
+        self._idle.notify_all()
+
+    def _wait_demotions(self) -> bool:
+        """Wait (releasing the lock) until the demotions now in flight have settled; False when
+        none was. They never wait on anything but the lock, so this cannot deadlock; the caller
+        counts in `_busy` meanwhile, so close() waits for it to finish its call."""
+        pending = list(self._demotions)
+        if not pending:
+            return False
+        self._busy += 1
+        try:
+            while not all(ev.is_set() for ev in pending):
+                self._idle.wait()
+        finally:
+            self._busy -= 1
+            self._idle.notify_all()
+        return True
+
     def _demote_from_host(self, entries: list[Entry]) -> None:
-        todo = [e for e in entries if not e.ssd]
+        """Write host copies to the tier below under the lock (flush, write-through, and
+        eviction without an SSD tier). Skips blocks another thread is demoting: their SSD copy
+        is on its way, and their host copy may already be gone."""
+        todo = [e for e in entries if not e.ssd and e.host is not None and e.moving is None]
         if not todo:
             return
         if self.ssd is None:
@@ -213,37 +366,56 @@ class TierMovement:
         self.tier_counters["host"]["demotions"] += len(items)
 
     def _encode_many(self, entries: list[Entry]) -> list[bytes]:
-        """Encode host copies for a lower tier, in parallel (zstd and torch release the GIL).
+        """Encode host copies for a lower tier (locked), in parallel; see _encode."""
+        values, local = self._encode(self._encode_jobs(entries))
+        self.counters.update(local)
+        return values
+
+    def _encode_jobs(self, entries: list[Entry]) -> list[tuple]:
+        """What _encode needs per block, taken under the lock: the slot's view, layout, codec
+        and whether to sample the codec's error (one block in ERROR_SAMPLE_EVERY)."""
+        jobs = []
+        for e in entries:
+            self._encoded += 1
+            spec = self.namespaces[e.ns_id].spec
+            jobs.append((self.host.view(e.host, e.size), spec.layout, spec.codec,
+                         self._encoded % ERROR_SAMPLE_EVERY == 1))
+        return jobs
+
+    def _encode(self, jobs: list[tuple]) -> tuple[list[bytes], Counter]:
+        """Encode jobs from _encode_jobs, in parallel (zstd and torch release the GIL); needs
+        no lock. Returns the values and the codec counters, for the caller to add under the
+        lock.
 
         Encoding, not the disk, is the slow part of demotion (about 0.4 GB/s a core for
         lossless), so a batch of victims is spread over the worker pool.
         """
-        def one(job: tuple[Entry, bool]) -> tuple[bytes, Counter]:
-            e, sample = job
+        def one(job: tuple) -> tuple[bytes, Counter]:
+            view, layout, codec, sample = job
             local: Counter = Counter()
-            info = self.namespaces[e.ns_id]
-            return encode_block(self.host.view(e.host, e.size), info.spec.layout,
-                                info.spec.codec, local, sample), local
+            return encode_block(view, layout, codec, local, sample), local
 
-        jobs = []
-        for e in entries:
-            self._encoded += 1
-            jobs.append((e, self._encoded % ERROR_SAMPLE_EVERY == 1))
         done = list(self._pool().map(one, jobs)) if len(jobs) > 1 else [one(j) for j in jobs]
+        total: Counter = Counter()
         for _, local in done:
-            self.counters.update(local)
-        return [v for v, _ in done]
+            total.update(local)
+        return [v for v, _ in done], total
 
     def _ssd_room(self, need: int) -> None:
+        """Evict from SSD so `need` more bytes fit (locked). Bytes other threads are writing
+        without the lock (`_ssd_pending`) count as used: a batch that has just committed may
+        count twice until it settles, which only errs towards evicting early."""
         cap = self.ssd.capacity
         high = self.config.ssd.high_watermark * cap
-        if self.ssd.used_bytes + need <= high:
+        used = self.ssd.used_bytes + self._ssd_pending
+        if used + need <= high:
             return
         target = max(0.0, min(self.config.ssd.low_watermark * cap, high - need))
-        self._evict_ssd(int(self.ssd.used_bytes + need - target))
-        if self.ssd.used_bytes + need > cap:
-            raise ResourceExhausted(f"ssd tier full ({self.ssd.used_bytes} of {cap} bytes) and "
-                                    "nothing is evictable")
+        self._evict_ssd(int(used + need - target))
+        used = self.ssd.used_bytes + self._ssd_pending
+        if used + need > cap:
+            raise ResourceExhausted(f"ssd tier full ({used} of {cap} bytes) and nothing is "
+                                    "evictable")
 
     def _evict_ssd(self, nbytes: int | None) -> tuple[int, int]:
         policy = self.policies["ssd"]
@@ -265,9 +437,7 @@ class TierMovement:
                 continue
             if self.remote is not None and not e.remote:
                 self._demote_to_remote([e], from_host=False)
-            before = self.ssd.used_bytes
-            self.ssd.delete(g)
-            freed += max(before - self.ssd.used_bytes, 1)
+            freed += max(self.ssd.delete_sized([g]), 1)
             blocks += 1
             e.ssd = False
             self.tier_counters["ssd"]["evictions"] += 1

@@ -4,10 +4,11 @@ How blocks move between tiers (eviction, demotion, promotion) lives in kvstore/m
 Everything that changes the index happens under one lock, so the invariants the tests check
 (no leased block evicted, byte accounting equal to the resident sizes plus reserved and
 in-flight slots, no tier over its cap) hold between any two calls. The slow work that can run
-without it does: commit hashes its slots outside the lock, and acquire reads, decodes and
-verifies promoted blocks outside it, into slots reserved beforehand (the protocol is in
-docs/internals.md, "Locking"). Eviction with demotion, and put's copy into the slab, still run
-under the lock.
+without it does: commit hashes its slots outside the lock, acquire reads, decodes and verifies
+promoted blocks outside it, into slots reserved beforehand, and host eviction encodes its
+victims and writes them to SSD outside it, freeing their slots afterwards (the protocols are in
+docs/internals.md, "Locking"). SSD eviction, flush, write-through and put's copy into the slab
+still run under the lock.
 """
 
 from __future__ import annotations
@@ -83,8 +84,13 @@ class Store(TierMovement):
         self._lock = threading.RLock()
         self._closed = False            # set when close() starts: no new call begins
         self._shut = False              # set when close() has released every resource
-        self._busy = 0                  # acquire rounds with promotions in flight (off the lock)
-        self._idle = threading.Condition(self._lock)    # notified when a round settles
+        # Calls that released the lock mid-way: acquire rounds with promotions in flight,
+        # eviction batches being demoted, allocations waiting for those (off the lock).
+        self._busy = 0
+        self._idle = threading.Condition(self._lock)    # notified when one of those settles
+        self._demotions: set[threading.Event] = set()   # eviction batches in flight
+        self._host_evicting = 0         # host bytes those batches will free when they settle
+        self._ssd_pending = 0           # SSD bytes they are writing (room made, not yet landed)
         self._decoders: ThreadPoolExecutor | None = None
         self._remote_fetcher: ThreadPoolExecutor | None = None
         self._encoded = 0               # blocks encoded, to sample one in ERROR_SAMPLE_EVERY
@@ -158,8 +164,9 @@ class Store(TierMovement):
                      len(self.namespaces))
 
     def close(self, flush: bool = True) -> None:
-        """Refuse new calls, let promotions in flight settle (they write into the slab and read
-        LMDB), then flush and release everything. A second caller waits for the first."""
+        """Refuse new calls, let promotions and demotions in flight settle (they use the slab
+        and LMDB without the lock), then flush and release everything. A second caller waits
+        for the first."""
         with self._lock:
             if self._closed:
                 while not self._shut:
@@ -482,7 +489,10 @@ class Store(TierMovement):
         if self.ssd is not None and self.config.ssd.write_through:
             self._demote_from_host(entries)
         if self.remote is not None and self.config.remote.write_through:
-            self._demote_to_remote([e for e in entries if not e.remote], from_host=True)
+            # from_host=False: each block's source is its host copy if it still has one, else
+            # its SSD copy (put's room-making may have evicted an entry it published earlier).
+            self._demote_to_remote([e for e in entries if not e.remote and e.resident],
+                                   from_host=False)
 
     def put(self, ns_id: bytes, keys: Sequence[bytes], blocks: Sequence,
             parent: bytes | None = None) -> CommitResult:
@@ -508,13 +518,19 @@ class Store(TierMovement):
                     self.counters["duplicate_blocks"] += 1
                     dups += 1
                     continue
+                # Making room may release the lock while victims are demoted (another call may
+                # store this key meanwhile: _publish then dedups and the slot goes back).
                 self._host_room(_aligned(size))
                 off = self._alloc_host(size)
                 view = self.host.view(off, size)
                 view[:] = np.frombuffer(b, dtype=np.uint8)
                 prev = parent if i == 0 else keys[i - 1]
-                _, e = self._publish(bytes(ns_id), k, prev, off, size,
-                                     xxhash.xxh3_64_intdigest(view))
+                placed, e = self._publish(bytes(ns_id), k, prev, off, size,
+                                          xxhash.xxh3_64_intdigest(view))
+                if not placed:
+                    self.host.free(off)
+                    dups += 1
+                    continue
                 published.append(e)
                 stored += 1
             self.counters["bytes_client_to_host"] += stored * size
@@ -751,7 +767,7 @@ class Store(TierMovement):
                 if e is None:
                     continue
                 if e.pins or e.moving is not None:
-                    continue  # leased or being promoted: it goes when evicted later
+                    continue  # leased, or being promoted or demoted: it goes when evicted later
                 if e.host is not None:
                     self.host.free(e.host)
                     self.policies["host"].remove(g)
@@ -798,9 +814,13 @@ class Store(TierMovement):
             raise InvalidArgument(f"cannot evict from tier {tier!r}; use 'host' or 'ssd'")
 
     def flush(self) -> int:
-        """Write every host-only block down to SSD and sync; returns blocks written."""
+        """Write every host-only block down to SSD and sync; returns blocks written.
+
+        Evictions demoting without the lock settle first, so their blocks are synced too (or,
+        if their write failed, written here)."""
         with self._lock:
             self._check_open()
+            self._wait_demotions()
             return self._flush_locked()
 
     def _flush_locked(self) -> int:

@@ -57,6 +57,30 @@ def test_batches_and_accounting(ssd):
     assert len(ssd) == 8
     scanned = {key: (m, size) for key, m, size in ssd.scan_meta()}
     assert scanned == {k(i): (b"m%d" % i, 1000 * (i + 1)) for i in range(2, 10)}
+    assert ssd.delete_sized([k(2), k(3), k(42)]) == 3000 + 4000   # bytes, missing keys: 0
+    assert ssd.delete_sized([k(2)]) == 0
+    assert ssd.used_bytes == sum(1000 * (i + 1) for i in range(4, 10))
+
+
+def test_delete_sized_counts_its_own_bytes_while_another_thread_writes(ssd):
+    """The store evicts SSD blocks under its lock while a demotion writes without it:
+    delete_sized reports what the delete freed, whatever the writer committed meanwhile."""
+    ssd.put_many([(k(i), val(i, 10_000), b"") for i in range(100)])
+    stop = threading.Event()
+
+    def write() -> None:
+        i = 1000
+        while not stop.is_set():
+            ssd.put_many([(k(i), val(i, 50_000), b"")])
+            i += 1
+    t = threading.Thread(target=write)
+    t.start()
+    try:
+        assert [ssd.delete_sized([k(i)]) for i in range(100)] == [10_000] * 100
+    finally:
+        stop.set()
+        t.join()
+    assert ssd.used_bytes == sum(size for _, _, size in ssd.scan_meta())
 
 
 def test_namespaces_and_state(ssd):

@@ -1,5 +1,6 @@
-"""Real threads against one Store: promotions run outside the store lock, so hammer every
-interleaving the locking protocol (docs/internals.md, "Locking") has to survive.
+"""Real threads against one Store: promotions and host evictions' demotions run outside the
+store lock, so hammer every interleaving the locking protocol (docs/internals.md, "Locking") has
+to survive: lookups, acquires, puts and deletes of blocks in flight, failed SSD writes, close().
 
 Each block's bytes derive from its key (kv_block), so a reader that got a slot freed and reused
 by another block, or a copy that failed its checksum, sees the wrong bytes. At the end every host
@@ -34,6 +35,19 @@ def slow_fill(monkeypatch):
             time.sleep(0.002)
             fill(info, jobs)
         monkeypatch.setattr(store, "_fill", slow)
+    return install
+
+
+@pytest.fixture
+def slow_demote(monkeypatch):
+    """Widen the window in which evictions demote off the lock (a slow SSD write)."""
+    def install(store):
+        put_many = store.ssd.put_many
+
+        def slow(items):
+            time.sleep(0.002)
+            put_many(items)
+        monkeypatch.setattr(store.ssd, "put_many", slow)
     return install
 
 
@@ -127,6 +141,7 @@ def check_quiet(store) -> None:
                                                     if lease.kind == "write"
                                                     for s in lease.slots)
         assert len(store.policies["host"]) == sum(e.host is not None for e in entries)
+        assert not store._demotions and store._host_evicting == 0 and store._ssd_pending == 0
         pins: dict[bytes, int] = {}
         for lease in store.leases.all():
             if lease.kind == "read":
@@ -337,3 +352,341 @@ def test_close_waits_for_promotions_in_flight(tmp_path, slow_fill):
     assert store._busy == 0 and store._shut
     with pytest.raises(Unavailable):
         store.acquire(ns, prompts[0])
+
+
+# ------------------------------------------------------------------ demotion off the lock
+
+
+def test_lock_is_released_while_demoting(tmp_path):
+    """While an eviction encodes and writes its victims to SSD, other calls get the lock: a
+    lookup, an acquire of another block and an acquire of a victim all run inside put_many."""
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        rng = np.random.default_rng(20)
+        victims = random_prompt(rng, 6)[1]
+        other = random_prompt(rng, 3)[1]
+        store.put(ns, other, [expected(k) for k in other])
+        keep = store.acquire(ns, other)                 # pinned: never a victim
+        store.put(ns, victims, [expected(k) for k in victims])
+        entered, done = threading.Event(), threading.Event()
+        seen: dict[str, object] = {}
+        put_many = store.ssd.put_many
+
+        def slow_put_many(items):
+            entered.set()
+            seen["others_ran"] = done.wait(10)          # deadline: fail, never hang
+            put_many(items)
+        store.ssd.put_many = slow_put_many
+
+        def other_caller() -> None:
+            entered.wait(10)
+            seen["lookup"] = store.lookup(ns, other).prefix_blocks
+            lease = store.acquire(ns, other)
+            check_lease(store, ns, other, lease)
+            store.release(lease.id)
+            lease = store.acquire(ns, victims)          # host copies stay readable meanwhile
+            check_lease(store, ns, victims, lease)
+            seen["victims"] = lease
+            done.set()
+        t = threading.Thread(target=other_caller)
+        t.start()
+        store.evict("host")
+        t.join(30)
+        assert not t.is_alive()
+        assert seen.get("others_ran") is True, "lookup/acquire waited for the demotion"
+        assert seen["lookup"] == len(other)
+        lease = seen["victims"]
+        assert len(lease.keys) == len(victims)
+        # Pinned during their demotion: they keep the host copy and gain an SSD copy.
+        for k in victims:
+            e = store.index.get(ns + k)
+            assert e.host is not None and e.ssd and e.moving is None
+        check_lease(store, ns, victims, lease)
+        store.release(lease.id)
+        store.release(keep.id)
+        check_quiet(store)
+        store.ssd.put_many = put_many
+        assert store.evict("host")[1] == len(victims) + len(other)
+        check_quiet(store)
+
+
+def writer(store, ns, rng, n_blocks=6) -> Callable[[], None]:
+    """Fresh prompts into a full host: every put evicts and demotes."""
+    def one() -> None:
+        keys = random_prompt(rng, n_blocks)[1]
+        store.put(ns, keys, [expected(k) for k in keys])
+    return one
+
+
+def lookups(store, ns, prompts, rng) -> Callable[[], None]:
+    """Prompts that never leave the store are found whole, wherever they are mid-demotion."""
+    def one() -> None:
+        keys = prompts[int(rng.integers(len(prompts)))]
+        assert store.lookup(ns, keys).prefix_blocks == len(keys), "a block went missing"
+    return one
+
+
+def test_demotion_races_lookups_acquires_and_puts(tmp_path, slow_demote):
+    # 48 host slots: writers of fresh prompts keep evicting, while readers acquire (and so pin
+    # blocks being demoted), lookups run and the same prompts are put again (dedup mid-flight).
+    with make_store(tmp_path, host_capacity=48 * 4096) as store:
+        slow_demote(store)
+        ns = namespace(store)
+        prompts = prompts_on_ssd(store, ns)
+        rng = np.random.default_rng(21)
+
+        def rewrite() -> None:
+            keys = prompts[int(rng.integers(len(prompts)))]
+            store.put(ns, keys, [expected(k) for k in keys])
+        readers = [reader(store, ns, prompts, np.random.default_rng(i)) for i in range(2)]
+        hammer(SECONDS, [*readers, lookups(store, ns, prompts, np.random.default_rng(5)),
+                         rewrite, writer(store, ns, np.random.default_rng(6)),
+                         writer(store, ns, np.random.default_rng(7)),
+                         evictor(store), checker(store)])
+        check_quiet(store)
+        stats = store.stats()
+        assert stats["tiers"]["host"]["demotions"] > 20
+        assert stats["tiers"]["host"]["promotions"] > 0
+        assert stats["counters"]["duplicate_blocks"] > 0
+        for keys in prompts:                        # every copy still byte-exact
+            lease = store.acquire(ns, keys)
+            assert len(lease.keys) == len(keys)
+            check_lease(store, ns, keys, lease)
+            store.release(lease.id)
+
+
+def test_delete_while_demoting(tmp_path, slow_demote):
+    with make_store(tmp_path, host_capacity=48 * 4096) as store:
+        slow_demote(store)
+        ns = namespace(store)
+        prompts = prompts_on_ssd(store, ns)
+        rng = np.random.default_rng(22)
+
+        def churn() -> None:
+            keys = prompts[int(rng.integers(len(prompts)))]
+            store.delete(ns, keys)                  # blocks in flight are skipped
+            store.put(ns, keys, [expected(k) for k in keys])
+            time.sleep(0.001)
+        readers = [reader(store, ns, prompts, np.random.default_rng(i)) for i in range(2)]
+        hammer(SECONDS, [*readers, churn, churn, writer(store, ns, np.random.default_rng(8)),
+                         evictor(store), checker(store)])
+        check_quiet(store)
+        assert store.stats()["counters"]["deleted_blocks"] > 0
+        assert store.stats()["tiers"]["host"]["demotions"] > 0
+        store.delete(ns)                            # nothing in flight: everything goes
+        assert len(store.index) == 0
+        assert store.host.used_bytes == 0 and store.ssd.used_bytes == 0
+        check_quiet(store)
+
+
+def test_demotion_failure_leaves_every_victim_as_it_was(tmp_path):
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        keys = random_prompt(np.random.default_rng(23), 12)[1]
+        store.put(ns, keys, [expected(k) for k in keys])
+        put_many, encode = store.ssd.put_many, store._encode
+
+        def broken(*args):
+            raise OSError("injected: disk went away")
+        for where in ("put_many", "encode"):
+            if where == "put_many":
+                store.ssd.put_many = broken
+            else:
+                store._encode = broken
+            with pytest.raises(OSError, match="injected"):
+                store.evict("host")
+            store.ssd.put_many, store._encode = put_many, encode
+            for k in keys:
+                e = store.index.get(ns + k)
+                assert e.host is not None and not e.ssd and e.moving is None
+            check_quiet(store)
+            lease = store.acquire(ns, keys)
+            check_lease(store, ns, keys, lease)
+            store.release(lease.id)
+        assert store.evict("host")[1] == len(keys)  # evictable again, and demoted for real
+        lease = store.acquire(ns, keys)
+        check_lease(store, ns, keys, lease)
+        store.release(lease.id)
+        check_quiet(store)
+
+
+def test_ssd_full_during_demotion_keeps_the_host_copies(tmp_path):
+    # Room for one block on SSD: a batch of 6 cannot fit, and the error says so.
+    store = make_store(tmp_path, ssd_capacity=3000)
+    try:
+        ns = namespace(store)
+        keys = random_prompt(np.random.default_rng(24), 6)[1]
+        store.put(ns, keys, [expected(k) for k in keys])
+        with pytest.raises(ResourceExhausted, match="ssd tier full"):
+            store.evict("host")
+        check_quiet(store)
+        lease = store.acquire(ns, keys)
+        check_lease(store, ns, keys, lease)
+        store.release(lease.id)
+    finally:
+        store.close(flush=False)        # a flush would hit the same full SSD
+
+
+def test_demotion_failures_while_hammered(tmp_path, monkeypatch):
+    """Every third SSD write fails: callers see the error, no block is lost or leaked."""
+    class Injected(Exception):
+        pass
+
+    with make_store(tmp_path, host_capacity=48 * 4096) as store:
+        ns = namespace(store)
+        prompts = prompts_on_ssd(store, ns)
+        put_many = store.ssd.put_many
+        calls = [0]
+        count = threading.Lock()
+
+        def flaky(items):
+            with count:
+                calls[0] += 1
+                fail = calls[0] % 3 == 0
+            time.sleep(0.001)
+            if fail:
+                raise Injected("injected write failure")
+            put_many(items)
+        monkeypatch.setattr(store.ssd, "put_many", flaky)
+        written: list[list[bytes]] = []
+        rng = np.random.default_rng(25)
+
+        def write() -> None:
+            keys = random_prompt(rng, 6)[1]
+            store.put(ns, keys, [expected(k) for k in keys])
+            written.append(keys)
+        readers = [reader(store, ns, prompts, np.random.default_rng(i)) for i in range(2)]
+        seen = hammer(SECONDS, [*readers, lookups(store, ns, prompts, np.random.default_rng(3)),
+                                write, write, evictor(store), checker(store)],
+                      allowed=(Injected,))
+        assert seen.get("Injected", 0) > 0
+        check_quiet(store)
+        monkeypatch.setattr(store.ssd, "put_many", put_many)
+        for keys in prompts + written:              # everything stored is still whole
+            lease = store.acquire(ns, keys)
+            assert len(lease.keys) == len(keys), "a block was lost by a failed demotion"
+            check_lease(store, ns, keys, lease)
+            store.release(lease.id)
+        check_quiet(store)
+
+
+def test_close_waits_for_demotions_in_flight(tmp_path, slow_demote):
+    store = make_store(tmp_path, host_capacity=48 * 4096)
+    slow_demote(store)
+    ns = namespace(store)
+    stored: list[list[bytes]] = []
+    rngs = [np.random.default_rng(30 + i) for i in range(3)]
+
+    def write(rng: np.random.Generator) -> Callable[[], None]:
+        def one() -> None:
+            keys = random_prompt(rng, 6)[1]
+            store.put(ns, keys, [expected(k) for k in keys])
+            stored.append(keys)
+        return one
+
+    def close_soon() -> None:
+        time.sleep(0.3)
+        store.close()
+    closer = threading.Thread(target=close_soon)
+    closer.start()
+    seen = hammer(1.0, [*(write(r) for r in rngs), evictor(store)], allowed=(Unavailable,))
+    closer.join()
+    assert seen.get("Unavailable", 0) > 0
+    assert store._busy == 0 and store._shut and not store._demotions
+    assert store.tier_counters["host"]["demotions"] > 0
+    # close() flushed after the last demotion settled: every stored block is on SSD, intact.
+    with make_store(tmp_path, host_capacity=48 * 4096) as again:
+        ns = namespace(again)
+        assert len(again.index) == len({k for keys in stored for k in keys})
+        for keys in stored:
+            lease = again.acquire(ns, keys[:4])
+            assert len(lease.keys) == 4
+            check_lease(again, ns, keys[:4], lease)
+            again.release(lease.id)
+
+
+def test_delete_and_put_of_blocks_being_demoted(tmp_path):
+    """Mid-demotion, a delete skips the blocks (as for promotions) and a put of the same keys
+    is a duplicate; once settled the blocks are on SSD only and the accounting is exact."""
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        keys = random_prompt(np.random.default_rng(26), 4)[1]
+        store.put(ns, keys, [expected(k) for k in keys])
+        entered, done = threading.Event(), threading.Event()
+        put_many = store.ssd.put_many
+        got: dict[str, object] = {}
+
+        def slow_put_many(items):
+            entered.set()
+            got["ran"] = done.wait(10)
+            put_many(items)
+        store.ssd.put_many = slow_put_many
+
+        def meddle() -> None:
+            entered.wait(10)
+            got["deleted"] = store.delete(ns, keys)
+            got["put"] = store.put(ns, keys, [expected(k) for k in keys])
+            with store._lock:
+                check_live(store)
+                assert all(store.index.get(ns + k).moving is not None for k in keys)
+            done.set()
+        t = threading.Thread(target=meddle)
+        t.start()
+        assert store.evict("host")[1] == len(keys)
+        t.join(30)
+        assert got["ran"] is True
+        assert got["deleted"] == 0
+        assert got["put"].stored == 0 and got["put"].duplicates == len(keys)
+        for k in keys:
+            e = store.index.get(ns + k)
+            assert e.host is None and e.ssd and e.moving is None
+        check_quiet(store)
+        lease = store.acquire(ns, keys)
+        check_lease(store, ns, keys, lease)
+        store.release(lease.id)
+        assert store.delete(ns, keys) == len(keys)
+        check_quiet(store)
+
+
+def test_allocation_waits_for_demotions_in_flight(tmp_path):
+    """A full host whose every victim is being demoted by another thread: a put waits for
+    those demotions to free their slots (off the lock) rather than fail as if nothing were
+    evictable."""
+    with make_store(tmp_path, host_capacity=8 * 4096, high_watermark=1.0,
+                    low_watermark=1.0) as store:
+        ns = namespace(store)
+        rng = np.random.default_rng(27)
+        full = random_prompt(rng, 8)[1]
+        store.put(ns, full, [expected(k) for k in full])
+        assert store.host.used_bytes == store.host.capacity
+        entered, go = threading.Event(), threading.Event()
+        put_many = store.ssd.put_many
+
+        def held_put_many(items):
+            entered.set()
+            assert go.wait(10)
+            put_many(items)
+        store.ssd.put_many = held_put_many
+        evicted: list[tuple[int, int]] = []
+        evicting = threading.Thread(target=lambda: evicted.append(store.evict("host")))
+        evicting.start()
+        assert entered.wait(10)
+        new = random_prompt(rng, 1)[1]
+        result: list = []
+        putting = threading.Thread(
+            target=lambda: result.append(store.put(ns, new, [expected(new[0])])))
+        putting.start()
+        time.sleep(0.2)
+        assert not result, "the put found room in a full host"
+        assert store.lookup(ns, full).prefix_blocks == len(full)   # the lock is free meanwhile
+        go.set()
+        evicting.join(30)
+        putting.join(30)
+        assert not evicting.is_alive() and not putting.is_alive()
+        assert evicted == [(8 * 4096, 8)]
+        assert result and result[0].stored == 1
+        store.ssd.put_many = put_many
+        check_quiet(store)
+        lease = store.acquire(ns, new)
+        check_lease(store, ns, new, lease)
+        store.release(lease.id)

@@ -46,7 +46,13 @@ def initial_map_size(capacity: int) -> int:
 
 
 class SSDTier:
-    """Keyed tier on LMDB. Thread-safe: writes serialize on a lock, reads run concurrently."""
+    """Keyed tier on LMDB. Thread-safe: writes serialize on a lock, reads run concurrently.
+
+    `used_bytes` changes only inside a write transaction, under the write lock, and is published
+    after the commit; a reader on another thread sees the value before or after a write, never
+    a mix. The store writes demotion batches without its own lock while other threads read,
+    delete and evict here, so nothing in this class may call back into the store.
+    """
 
     name = "ssd"
 
@@ -160,11 +166,23 @@ class SSDTier:
 
     def delete_many(self, gkeys: Iterable[bytes]) -> int:
         """Delete keys in one transaction; returns how many were stored."""
+        return self._delete(gkeys)[0]
+
+    def delete_sized(self, gkeys: Iterable[bytes]) -> int:
+        """Delete keys in one transaction; returns the bytes their values held.
+
+        Why not `used_bytes` before and after: another thread's put may commit in between (the
+        store writes demotion batches without its own lock), so only the transaction's own
+        delta says what this delete freed.
+        """
+        return self._delete(gkeys)[1]
+
+    def _delete(self, gkeys: Iterable[bytes]) -> tuple[int, int]:
         keys = [_key(k) for k in gkeys]
-        found = 0
+        found = freed = 0
 
         def write(txn: lmdb.Transaction) -> int:
-            nonlocal found
+            nonlocal found, freed
             found, delta = 0, 0
             for k in keys:
                 old = txn.get(k, db=self._meta)
@@ -173,11 +191,12 @@ class SSDTier:
                     txn.delete(k, db=self._meta)
                 if txn.delete(k, db=self._blocks) or old is not None:
                     found += 1
+            freed = -delta
             return delta
 
         if keys:
             self._write(write)
-        return found
+        return found, freed
 
     def contains(self, gkey: bytes) -> bool:
         return self.size_of(gkey) is not None
