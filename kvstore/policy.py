@@ -12,6 +12,9 @@ runs. Three policies:
   shadow caches (plain LRU is one of the candidates), plus a learned rule that sends a put's
   last block (usually a partial block in a prefix cache) to the eviction end when such tails
   are observed to be reused far less than other new blocks. Optional hook: ``note_put``.
+* ``"lru"`` and ``"default"`` also take the engine's reuse hints (``Store.retain``) through
+  the optional hook ``note_retention(gkeys, level)``: "low" to the eviction end, "high" kept
+  like a block already reused.
 * ``"arc"`` — the previous default: adaptive replacement (ARC, Megiddo & Modha) over prefix
   leaves with a sampled LRU guard. Kept for comparison (``--policies arc`` in the bench).
 
