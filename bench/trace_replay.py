@@ -142,7 +142,7 @@ def as_keys(trace: Trace) -> list[list[bytes]]:
             for r in trace]
 
 
-def session_hints(trace: Trace) -> list[int]:
+def session_hints(trace: Trace, nxt: list[list[int]] | None = None) -> list[int]:
     """Per request, how many of its leading blocks its conversation goes on with: all of them
     when a later request starts with this whole prompt, all but the last when a later one
     starts with the prompt up to its last block (a partial block, whose key changes when the
@@ -151,16 +151,11 @@ def session_hints(trace: Trace) -> list[int]:
     An engine that knows its sessions (and whether its last block is partial) knows this; the
     trace has no session ids, so it is read off the trace's future. The replay turns it into
     the Retain(level="low") call such an engine would make after storing a request, on the
-    blocks it wrote past that point."""
-    last: dict[int, int] = {}
-    for i, req in enumerate(trace):
-        for h in req:
-            last[h] = i
+    blocks it wrote past that point. `nxt`: next_uses(trace), when the caller has it."""
     out = []
-    for i, req in enumerate(trace):
-        n = len(req)
-        out.append(n if n and last[req[-1]] > i else
-                   n - 1 if n >= 2 and last[req[-2]] > i else 0)
+    for uses in nxt if nxt is not None else next_uses(trace):
+        n = len(uses)
+        out.append(n if n and uses[-1] < INF else n - 1 if n >= 2 and uses[-2] < INF else 0)
     return out
 
 
@@ -364,7 +359,7 @@ def _init(trace: Trace) -> None:
     _TRACE = trace
     _KEYS = as_keys(trace)
     _NEXT = next_uses(trace)
-    _GOES_ON = session_hints(trace)
+    _GOES_ON = session_hints(trace, _NEXT)
 
 
 def _task(kind: str, cap: int) -> Result:

@@ -253,12 +253,7 @@ class TierMovement:
             raise
         for e in batch:
             e.moving = None
-        for e, nbytes in written:
-            e.ssd = True
-            self.policies["ssd"].insert(e.gkey, e.parent_gkey, e.size)
-            self.tier_counters["ssd"]["demotions_in"] += 1
-            self.counters["bytes_host_to_ssd"] += nbytes
-        self.tier_counters["host"]["demotions"] += len(written)
+        self._record_ssd_copies(written)
         try:
             return self._free_victims(batch)
         finally:
@@ -358,12 +353,16 @@ class TierMovement:
         items = list(zip(todo, self._encode_many(todo), strict=True))
         self._ssd_room(sum(len(v) for _, v in items))
         self.ssd.put_many([(e.gkey, v, _meta(e)) for e, v in items])
-        for e, v in items:
+        self._record_ssd_copies([(e, len(v)) for e, v in items])
+
+    def _record_ssd_copies(self, written: list[tuple[Entry, int]]) -> None:
+        """Blocks just written to SSD from host (entry, encoded bytes): index, policy, counters."""
+        for e, nbytes in written:
             e.ssd = True
             self.policies["ssd"].insert(e.gkey, e.parent_gkey, e.size)
             self.tier_counters["ssd"]["demotions_in"] += 1
-            self.counters["bytes_host_to_ssd"] += len(v)
-        self.tier_counters["host"]["demotions"] += len(items)
+            self.counters["bytes_host_to_ssd"] += nbytes
+        self.tier_counters["host"]["demotions"] += len(written)
 
     def _encode_many(self, entries: list[Entry]) -> list[bytes]:
         """Encode host copies for a lower tier (locked), in parallel; see _encode."""

@@ -229,9 +229,10 @@ class LRUPolicy:
     def note_retention(self, gkeys: list[bytes], level: str) -> None:
         """Optional hook (Store.retain): "low" moves the blocks to the eviction end, "high" to
         the most recently used end."""
-        check_retention(level)
+        if check_retention(level) == "normal":
+            return
         for g in gkeys:
-            if g in self._leaves and level != "normal":
+            if g in self._leaves:
                 self._clock += 1
                 self._leaves.update(g, self._clock if level == "high" else -self._clock, 0)
 
@@ -553,8 +554,7 @@ class SegmentedPolicy:
     def note_retention(self, gkeys: list[bytes], level: str) -> None:
         """Optional hook (Store.retain): the engine's reuse hint. "low" sends the blocks to
         probation's eviction end, "high" into the protected segment (as if hit)."""
-        check_retention(level)
-        if level == "normal":
+        if check_retention(level) == "normal":
             return
         for g in gkeys:
             if self._shadows is not None and not zlib.crc32(g) % self.RATE:
