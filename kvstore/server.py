@@ -29,6 +29,8 @@ from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client.errors import InvalidArgument, KVStoreError, NotFound, Unavailable
 from kvstore_client.layout import KVLayout, NamespaceSpec
 
+from .prefetch import Prefetcher
+
 log = logging.getLogger("kvstore.server")
 
 SERVICE = "kvstore.v1.KVStore"
@@ -146,7 +148,10 @@ def spec_from_proto(msg: pb.NamespaceSpec, has_layout: bool) -> NamespaceSpec:
     lay = msg.layout
     layout = KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                       head_dim=lay.head_dim, block_tokens=lay.block_tokens,
-                      dtype=lay.dtype or "bfloat16")
+                      dtype=lay.dtype or "bfloat16",
+                      engine_layout=_text(lay.engine_layout, "spec.layout.engine_layout"),
+                      block_bytes_opaque=lay.block_bytes,
+                      kv_axes=_text(lay.kv_axes, "spec.layout.kv_axes"))
     return NamespaceSpec(model=_text(msg.model, "spec.model"), layout=layout,
                          revision=_text(msg.revision, "spec.revision"),
                          shard_rank=msg.shard_rank, shard_size=msg.shard_size or 1,
@@ -300,10 +305,20 @@ class KVStoreServicer:
         self._in_flight = in_flight   # optional prometheus Gauge
         self._closing = threading.Event()
         self._block_bytes: dict[bytes, int] = {}
+        self._prefetcher: Prefetcher | None = None
+        self._prefetcher_lock = threading.Lock()
 
     def start_shutdown(self) -> None:
         """New calls get UNAVAILABLE from now on; calls already running finish."""
         self._closing.set()
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+
+    def _prefetch(self) -> Prefetcher:
+        with self._prefetcher_lock:
+            if self._prefetcher is None:
+                self._prefetcher = Prefetcher(self.store)
+            return self._prefetcher
 
     # -- plumbing -----------------------------------------------------------------------------
     def _enter(self) -> None:
@@ -398,6 +413,18 @@ class KVStoreServicer:
         res = self.store.lookup(ns, keys)
         return pb.LookupResponse(prefix_blocks=res.prefix_blocks,
                                  per_tier={str(k): int(v) for k, v in res.per_tier.items()})
+
+    def Locate(self, raw: bytes) -> pb.LocateResponse:
+        req = _parse(pb.LocateRequest, raw)
+        ns = check_ns(req.namespace_id)
+        keys = check_keys(req.keys, allow_empty=True)
+        where = self.store.where(ns, keys)
+        names = [t for t in TIERS if t in set(where)]
+        code = {t: i + 1 for i, t in enumerate(names)}
+        resp = pb.LocateResponse(tier_names=names, where=bytes(code.get(t, 0) for t in where))
+        if req.prefetch and any(t is not None and t != "host" for t in where):
+            resp.prefetching = self._prefetch().submit(ns, keys, where)
+        return resp
 
     def Reserve(self, raw: bytes) -> pb.ReserveResponse:
         req = _parse(pb.ReserveRequest, raw)
@@ -534,7 +561,7 @@ class KVStoreServicer:
             return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
         unary = ("RegisterNamespace", "Lookup", "Reserve", "Commit", "Acquire", "Release",
-                 "RenewLease", "Retain", "Delete", "Evict", "Flush", "Stats")
+                 "RenewLease", "Retain", "Delete", "Evict", "Flush", "Stats", "Locate")
         handlers = {name: grpc.unary_unary_rpc_method_handler(
             self.unary(name, getattr(self, name)), response_serializer=ser) for name in unary}
         handlers["Put"] = grpc.stream_unary_rpc_method_handler(

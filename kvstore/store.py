@@ -348,6 +348,38 @@ class Store(TierMovement):
             n += extra
         return LookupResult(n, per)
 
+    def where(self, ns_id: bytes, keys: Sequence[bytes]) -> list[str | None]:
+        """The fastest tier holding each key, or None; every key on its own, not a prefix.
+
+        For engines that look blocks up one by one (vLLM's tiered offloading). Keys no local
+        tier holds are asked of the remote tier in one round trip.
+        """
+        keys = self._keys(keys, allow_empty=True)
+        out: list[str | None] = []
+        with self._lock:
+            self._check_open()
+            info = self._ns(ns_id)
+            get = self.index.get
+            for k in keys:
+                e = get(ns_id + k)
+                out.append(None if e is None else "host" if e.host is not None
+                           else "ssd" if e.ssd else "remote" if e.remote else None)
+            self.counters["locate_blocks"] += len(keys)
+        missing = [i for i, t in enumerate(out) if t is None]
+        if self.remote is not None and missing:
+            found = self.remote.exists_many([ns_id + keys[i] for i in missing])
+            with self._lock:
+                for i, hit in zip(missing, found, strict=True):
+                    if not hit:
+                        continue
+                    e = self.index.get(ns_id + keys[i])
+                    if e is None:
+                        e = Entry(ns_id, keys[i], None, info.block_bytes, 0)
+                        self.index.add(e)
+                    e.remote = True
+                    out[i] = "remote"
+        return out
+
     def _remote_extend(self, ns_id: bytes, keys: list[bytes], start: int) -> int:
         """How many blocks after `start` the remote tier holds (one batched round trip)."""
         found = self.remote.exists_many([ns_id + k for k in keys[start:]])

@@ -17,7 +17,7 @@ import torch
 from kvstore_client.errors import DataLoss, InvalidArgument
 from kvstore_client.layout import KVLayout
 
-from . import codec_lossless, codec_quant
+from . import codec_engine, codec_lossless, codec_quant
 from .codec_common import CODEC_IDS, CODEC_NAMES, check_block
 from .codec_quant import SCHEMES, TORCH_DTYPES, NonFiniteBlock, QuantScheme
 
@@ -39,6 +39,8 @@ def encode(codec: str, block: np.ndarray, layout: KVLayout,
     if codec == "lossless":
         return codec_lossless.encode(block, layout)
     if codec in LOSSY:
+        if layout.engine_native:
+            block, layout = codec_engine.to_canonical(check_block(block, layout), layout)
         return codec_quant.encode(block, layout, scheme or SCHEMES[codec])
     raise InvalidArgument(f"unknown codec {codec!r}; expected one of {list(CODEC_IDS)}")
 
@@ -50,7 +52,7 @@ def encode_tensor(codec: str, t: torch.Tensor, layout: KVLayout,
     Lossy codecs quantize on the tensor's device, so only the ~half-size codes and scales cross
     to the host; raw and lossless copy the block to the host and encode there (zstd is CPU-only).
     """
-    if codec in LOSSY:
+    if codec in LOSSY and not layout.engine_native:
         return codec_quant.encode_tensor(t, layout, scheme or SCHEMES[codec])
     if codec not in CODEC_IDS:
         raise InvalidArgument(f"unknown codec {codec!r}; expected one of {list(CODEC_IDS)}")
@@ -78,6 +80,12 @@ def decode(codec: str, payload, layout: KVLayout, out: np.ndarray) -> None:
         codec_lossless.decode(mv, layout, out)
         return
     if codec in LOSSY:
+        if layout.engine_native:
+            check_block(out, layout, "out")
+            canon = np.empty(layout.block_bytes, np.uint8)
+            codec_quant.decode(mv, codec, layout.canonical_layout(), canon)
+            codec_engine.from_canonical(canon, layout, out)
+            return
         codec_quant.decode(mv, codec, layout, out)
         return
     raise DataLoss(f"payload uses unknown codec {codec!r}")
@@ -130,6 +138,10 @@ def measure_error(codec: str, block: np.ndarray, layout: KVLayout) -> dict[str, 
     check_block(block, layout)
     out = np.empty_like(block)
     decode(codec, encode(codec, block, layout), layout, out)
+    if layout.engine_native:   # measure in canonical order, where heads and K/V are known
+        block, canon = codec_engine.to_canonical(block, layout)
+        out = codec_engine.to_canonical(out, layout)[0]
+        layout = canon
     x, x_hat = _block_f32(block, layout), _block_f32(out, layout)
     finite = bool(torch.isfinite(x).all())
     if not finite:   # only lossless/raw get here; they are exact

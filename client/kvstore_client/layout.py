@@ -17,6 +17,12 @@ from .errors import InvalidArgument
 
 # Element sizes of the dtypes a namespace may hold. fp8 is a storage codec, not a namespace dtype.
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+# Engine-native blocks may also hold an engine's own 8-bit KV (fp8 caches) or plain bytes; those
+# are stored as opaque bytes: lossless codecs only.
+OPAQUE_DTYPE_BYTES: dict[str, int] = {"fp8_e4m3": 1, "fp8_e5m2": 1, "uint8": 1}
+# The axes of the canonical block [layers, K/V, tokens, heads, head_dim], one letter each; a
+# declared engine layout names the order its block interior stores them in (e.g. "LH2TD").
+CANONICAL_AXES = "L2THD"
 CODECS: tuple[str, ...] = ("lossless", "fp8_e4m3", "int8")
 HASH_SCHEMES: tuple[str, ...] = ("kvstore-blake3-v1", "external")
 
@@ -37,15 +43,28 @@ def _positive_int(name: str, value: object, upper: int) -> int:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one block in the canonical layout [layers, 2 (K,V), tokens, heads, head_dim]."""
+    """Shape of one block in the canonical layout [layers, 2 (K,V), tokens, heads, head_dim].
+
+    Engine-native blocks (`engine_layout` set) are opaque bytes of a fixed size (`block_bytes`)
+    in an engine's own paged layout, so an engine can hand over its chunks without reshaping
+    them. Their KV geometry is optional: with it and `kv_axes` (the order the block stores the
+    canonical axes in, e.g. "LH2TD" for vLLM's CPU backend) lossy codecs know which bytes are K
+    and V of which head; without it only lossless codecs apply.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_tokens: int
     dtype: str = "bfloat16"
+    engine_layout: str = ""
+    block_bytes_opaque: int = 0
+    kv_axes: str = ""
 
     def __post_init__(self) -> None:
+        if self.engine_layout:
+            self._check_engine_native()
+            return
         _positive_int("num_layers", self.num_layers, 1024)
         _positive_int("num_kv_heads", self.num_kv_heads, 1024)
         _positive_int("head_dim", self.head_dim, 4096)
@@ -53,14 +72,66 @@ class KVLayout:
         if self.dtype not in DTYPE_BYTES:
             raise InvalidArgument(
                 f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+        if self.block_bytes_opaque or self.kv_axes:
+            raise InvalidArgument("block_bytes and kv_axes are for engine-native layouts only; "
+                                  "set engine_layout to the engine's layout name")
         if self.block_bytes > MAX_BLOCK_BYTES:
             raise InvalidArgument(
                 f"one block would be {self.block_bytes / 2**20:.1f} MiB, above the "
                 f"{MAX_BLOCK_BYTES // 2**20} MiB limit; check block_tokens and the head sizes")
 
+    def _check_engine_native(self) -> None:
+        if not isinstance(self.engine_layout, str) or len(self.engine_layout) > 128:
+            raise InvalidArgument("engine_layout must be a layout name of at most 128 characters")
+        _positive_int("block_bytes", self.block_bytes_opaque, MAX_BLOCK_BYTES)
+        if self.dtype not in DTYPE_BYTES and self.dtype not in OPAQUE_DTYPE_BYTES:
+            raise InvalidArgument(
+                f"unknown dtype {self.dtype!r} for an engine-native layout; expected one of "
+                f"{sorted(DTYPE_BYTES) + sorted(OPAQUE_DTYPE_BYTES)}")
+        if not self.kv_axes:
+            return
+        if sorted(self.kv_axes) != sorted(CANONICAL_AXES):
+            raise InvalidArgument(f"kv_axes {self.kv_axes!r} must order the letters "
+                                  f"{CANONICAL_AXES!r} (layers, K/V, tokens, heads, head_dim)")
+        if self.dtype not in DTYPE_BYTES:
+            raise InvalidArgument(f"a declared layout (kv_axes) needs a float dtype, not "
+                                  f"{self.dtype!r}: lossy codecs cannot requantize it")
+        _positive_int("num_layers", self.num_layers, 1024)
+        _positive_int("num_kv_heads", self.num_kv_heads, 1024)
+        _positive_int("head_dim", self.head_dim, 4096)
+        _positive_int("block_tokens", self.block_tokens, MAX_BLOCK_TOKENS)
+        kv = self.block_elements * DTYPE_BYTES[self.dtype]
+        if kv != self.block_bytes_opaque:
+            raise InvalidArgument(
+                f"the declared KV geometry holds {kv} bytes but blocks are "
+                f"{self.block_bytes_opaque}; declare the layout only when it covers the block")
+
+    @property
+    def engine_native(self) -> bool:
+        return bool(self.engine_layout)
+
+    @property
+    def declared(self) -> bool:
+        """Whether lossy codecs may be used: the canonical layout, or a declared engine one."""
+        return not self.engine_layout or bool(self.kv_axes)
+
+    def canonical_layout(self) -> KVLayout:
+        """The canonical layout with this block's KV geometry (for lossy codecs)."""
+        if not self.declared:
+            raise InvalidArgument(f"engine layout {self.engine_layout!r} declares no KV "
+                                  "geometry (kv_axes); only lossless codecs apply")
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.block_tokens,
+                        self.dtype)
+
+    @property
+    def interior_shape(self) -> tuple[int, ...]:
+        """Shape of the block as stored, in `kv_axes` order (the canonical shape if none)."""
+        size = dict(zip(CANONICAL_AXES, self.block_shape, strict=True))
+        return tuple(size[a] for a in (self.kv_axes or CANONICAL_AXES))
+
     @property
     def itemsize(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return DTYPE_BYTES.get(self.dtype) or OPAQUE_DTYPE_BYTES[self.dtype]
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -75,7 +146,21 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
+        if self.engine_layout:
+            return self.block_bytes_opaque
         return self.block_elements * self.itemsize
+
+    def identity(self) -> dict:
+        """The fields that name this layout in a namespace digest.
+
+        The engine-native fields appear only when set, so that namespaces registered before
+        they existed keep their ids (and their stored blocks).
+        """
+        d = asdict(self)
+        if not self.engine_layout:
+            for k in ("engine_layout", "block_bytes_opaque", "kv_axes"):
+                d.pop(k)
+        return d
 
 
 @dataclass(frozen=True)
@@ -112,10 +197,16 @@ class NamespaceSpec:
                 "or 'external:<name>' for engine-computed keys")
         if self.codec not in CODECS:
             raise InvalidArgument(f"unknown codec {self.codec!r}; expected one of {list(CODECS)}")
+        if self.codec != "lossless" and not self.layout.declared:
+            raise InvalidArgument(
+                f"codec {self.codec!r} needs to know which bytes are K and V of which head, but "
+                f"engine layout {self.layout.engine_layout!r} declares no KV geometry (kv_axes);"
+                " use codec='lossless' or declare the layout")
 
     def canonical(self) -> bytes:
         """The byte string the digest covers (sorted-key JSON, stable across versions)."""
         d = asdict(self)
+        d["layout"] = self.layout.identity()
         return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
     @property

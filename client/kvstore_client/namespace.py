@@ -401,6 +401,27 @@ class Namespace:
             raise from_rpc_error(e, "Get", client.target) from None
         return n
 
+    def locate(self, keys: Sequence[bytes], *, prefetch: bool = False,
+               timeout: float | None = None) -> list[str | None]:
+        """The fastest tier holding each key ("host", "ssd", "remote", "gpu") or None.
+
+        Unlike lookup, every key is answered on its own (engines such as vLLM look blocks up
+        one by one). With `prefetch`, the daemon starts promoting the keys held only below host
+        into host in the background: a later load of them is a host hit.
+        """
+        keys = list(keys)
+        if not keys:
+            return []
+        req = pb.LocateRequest(namespace_id=self.ns_id, keys=keys, prefetch=prefetch)
+
+        def run() -> list[str | None]:
+            resp = self.client.call("Locate", req, timeout=timeout)
+            names = [None, *resp.tier_names]
+            if len(resp.where) != len(keys) or any(b >= len(names) for b in resp.where):
+                raise DataLoss("malformed Locate response from the daemon")
+            return [names[b] for b in resp.where]
+        return self._retrying(run)
+
     def retain(self, keys: Sequence[bytes], level: str) -> int:
         """Tell the daemon how likely `keys` (from `keys()`) are to be needed again: "low" (the
         session is over, a one-shot request: evict these first), "normal", or "high" (a

@@ -109,6 +109,7 @@ def spec_to_proto(spec: NamespaceSpec) -> pb.NamespaceSpec:
         model=spec.model, revision=spec.revision,
         layout=pb.KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                            head_dim=lay.head_dim, block_tokens=lay.block_tokens,
-                           dtype=lay.dtype),
+                           dtype=lay.dtype, engine_layout=lay.engine_layout,
+                           block_bytes=lay.block_bytes_opaque, kv_axes=lay.kv_axes),
         shard_rank=spec.shard_rank, shard_size=spec.shard_size, hash_scheme=spec.hash_scheme,
         tenant_salt=spec.tenant_salt, codec=spec.codec, extra=dict(spec.extra))

@@ -7,18 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "dtype")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "dtype", "engine_layout", "block_bytes", "kv_axes")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_AXES_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_tokens: int
     dtype: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_tokens: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    engine_layout: str
+    block_bytes: int
+    kv_axes: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., engine_layout: _Optional[str] = ..., block_bytes: _Optional[int] = ..., kv_axes: _Optional[str] = ...) -> None: ...
 
 class NamespaceSpec(_message.Message):
     __slots__ = ("model", "revision", "layout", "shard_rank", "shard_size", "hash_scheme", "tenant_salt", "codec", "extra")
@@ -358,3 +364,23 @@ class StatsResponse(_message.Message):
     active_leases: int
     daemon_id: str
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., namespaces: _Optional[int] = ..., active_leases: _Optional[int] = ..., daemon_id: _Optional[str] = ...) -> None: ...
+
+class LocateRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "prefetch")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    prefetch: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefetch: _Optional[bool] = ...) -> None: ...
+
+class LocateResponse(_message.Message):
+    __slots__ = ("tier_names", "where", "prefetching")
+    TIER_NAMES_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHING_FIELD_NUMBER: _ClassVar[int]
+    tier_names: _containers.RepeatedScalarFieldContainer[str]
+    where: bytes
+    prefetching: int
+    def __init__(self, tier_names: _Optional[_Iterable[str]] = ..., where: _Optional[bytes] = ..., prefetching: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,355 @@
+"""kvstore as a secondary tier of vLLM's tiered KV offloading (`SecondaryTierManager`).
+
+vLLM keeps its own primary tier of CPU chunks; this tier copies chunks between that primary
+memory and the daemon's shared-memory host pool, so every engine on the node (and, through the
+daemon's SSD and remote tiers, across restarts and nodes) reuses them.
+
+Every method runs in vLLM's scheduler and returns at once: copies run on a small thread pool,
+lookups are answered from a cache a background thread fills (lookups.py). Nothing here raises
+into vLLM: a daemon that is down or slow turns lookups into misses within a deadline and jobs
+into failed jobs; a load that fails part way, or a block that fails its checksum, comes back as
+a failed job naming the keys that did load, and vLLM recomputes the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+
+from .compat import check_vllm
+
+check_vllm()
+
+# ruff: noqa: E402  (the version check must run before vLLM's modules are imported)
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingMetricMetadata,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from .. import connect
+from ..errors import KVStoreError, Unavailable
+from . import identity, keyspace
+from .lookups import HIT, MISS, Lookups
+
+log = logging.getLogger("kvstore.vllm")
+
+_RESULT = {HIT: LookupResult.HIT, MISS: LookupResult.MISS}
+_DEFAULT_ADDRESS = "data/kvstore.sock"
+# vLLM metric names this tier reports through get_stats().
+M_LOOKUP_HITS = "vllm:kvstore_lookup_hit_chunks"
+M_LOOKUP_MISSES = "vllm:kvstore_lookup_miss_chunks"
+M_DEADLINE_MISSES = "vllm:kvstore_lookup_deadline_miss_chunks"
+M_STORED = "vllm:kvstore_stored_chunks"
+M_LOADED = "vllm:kvstore_loaded_chunks"
+M_LOAD_FAILED = "vllm:kvstore_load_failed_chunks"
+M_STORE_FAILED = "vllm:kvstore_store_failed_chunks"
+_METRICS = {
+    M_LOOKUP_HITS: "Chunks kvstore found in its host memory for a lookup.",
+    M_LOOKUP_MISSES: "Chunks kvstore did not hold (or could not answer for) at a lookup.",
+    M_DEADLINE_MISSES: "Lookups answered as misses because the daemon did not answer in time.",
+    M_STORED: "Chunks copied from vLLM's primary tier into kvstore.",
+    M_LOADED: "Chunks copied from kvstore into vLLM's primary tier, checksums verified.",
+    M_LOAD_FAILED: "Chunks a load could not deliver (missing, corrupt, daemon unreachable).",
+    M_STORE_FAILED: "Chunks a store could not deliver (daemon unreachable, full).",
+}
+
+
+_INSTANCES: weakref.WeakSet = weakref.WeakSet()
+
+
+def instances() -> list[KVStoreTier]:
+    """The tiers alive in this process, oldest first (for tests, benches and debugging)."""
+    return sorted(_INSTANCES, key=lambda t: t._created)
+
+
+class KVStoreTier(SecondaryTierManager):
+    """Configured as {"type": "KVStoreTier", "module_path": "kvstore_client.vllm.tier", ...}.
+
+    Settings (all optional): address (daemon socket or host:port; default $KVSTORE_ADDRESS or
+    data/kvstore.sock), codec ("lossless", "int8", "fp8_e4m3"), tenant_salt, timeout_s (per
+    transfer RPC), lookup_deadline_s (a lookup unanswered this long is a miss),
+    allow_process_local (run even when vLLM's block hashes are seeded per process), kv_heads and
+    head_dim (the KV geometry, where the model folder has no config.json), io_threads.
+    """
+
+    medium = Medium.CPU
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, *, address: str | None = None,
+                 codec: str = "lossless", tenant_salt: str = "", timeout_s: float = 5.0,
+                 lookup_deadline_s: float = 1.0, allow_process_local: bool = False,
+                 kv_heads: int | None = None, head_dim: int | None = None,
+                 io_threads: int = 2, **unknown: Any) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        unknown.pop("locality", None)
+        if unknown:
+            log.warning("kvstore: ignoring unknown vLLM tier settings %s", sorted(unknown))
+        self.address = address or os.environ.get("KVSTORE_ADDRESS") or _DEFAULT_ADDRESS
+        self.codec = codec
+        self.tenant_salt = tenant_salt
+        self.timeout_s = float(timeout_s)
+        self.allow_process_local = bool(allow_process_local)
+        self._kv_geo = (kv_heads, head_dim)
+        arr = np.asarray(primary_kv_view)
+        self._chunks = arr.view(np.uint8).reshape(arr.shape[0], -1)
+        self.geometry = identity.chunk_geometry(offloading_spec, self._chunks.shape[1])
+        self._io = ThreadPoolExecutor(max(1, int(io_threads)), thread_name_prefix="kvstore-vllm")
+        self._jobs: dict[int, Future] = {}
+        self._finished: list[JobResult] = []
+        self._lock = threading.Lock()
+        self._ns_lock = threading.Lock()
+        self._client: Any = None
+        self._ns: Any = None
+        self._disabled: str | None = None
+        self._down_until = 0.0
+        self._backoff = 0.5
+        self.counters: Counter = Counter()
+        self._reported: Counter = Counter()
+        self._req_keys: dict[str, list[bytes]] = {}
+        self._lookups = Lookups(self._locate, deadline_s=float(lookup_deadline_s))
+        self._created = time.monotonic()
+        _INSTANCES.add(self)
+        log.info("kvstore: vLLM tier on %s, %d-byte chunks, codec %s", self.address,
+                 self.geometry.nbytes, codec)
+
+    # -- the namespace, set up lazily (vLLM seeds its hashes after building the scheduler) ---
+    def _namespace(self) -> Any:
+        if self._ns is not None:
+            return self._ns
+        with self._ns_lock:
+            if self._ns is not None:
+                return self._ns
+            if self._disabled:
+                raise Unavailable(self._disabled)
+            space = keyspace.detect()
+            if space is None:
+                raise Unavailable("vLLM has not seeded its block hashes yet")
+            salt = self.tenant_salt
+            if space.process_random:
+                if not self.allow_process_local:
+                    self._disabled = (
+                        f"vLLM's {space.algo} block hashes are seeded randomly in each process "
+                        "(PYTHONHASHSEED is unset), so no other process could ever reuse a "
+                        "stored block: kvstore stores nothing. Set PYTHONHASHSEED to one value "
+                        "for all engines, use prefix_caching_hash_algo=sha256, or set "
+                        "allow_process_local=true to cache for this process only.")
+                    log.error("kvstore: %s", self._disabled)
+                    raise Unavailable(self._disabled)
+                salt = f"{salt}/process-local/{uuid.uuid4().hex}"
+                log.warning("kvstore: PROCESS-LOCAL MODE: vLLM's %s block hashes are seeded "
+                            "per process, so blocks stored now are private to this process and "
+                            "are lost when it exits", space.algo)
+            if self._client is None:
+                self._client = connect(self.address, timeout=self.timeout_s)
+            args = identity.namespace_args(self._offloading_spec, self.geometry, space.scheme,
+                                           self.codec, salt, *self._kv_geo)
+            self._ns = self._client.namespace(**args)
+            log.info("kvstore: namespace %s for %s (%s)", self._ns.ns_id.hex(),
+                     args["model"], space.scheme)
+            return self._ns
+
+    def _guard(self) -> Any:
+        """The namespace, or Unavailable at once while the daemon is known to be down."""
+        if time.monotonic() < self._down_until:
+            raise Unavailable(f"kvstore daemon at {self.address} is unreachable; retrying "
+                              "shortly")
+        return self._namespace()
+
+    def _failed(self, e: BaseException) -> None:
+        if isinstance(e, KVStoreError) and e.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            if self._disabled:
+                return
+            self._down_until = time.monotonic() + self._backoff
+            if self._backoff < 8:
+                log.warning("kvstore: daemon at %s unreachable (%s); serving misses",
+                            self.address, e)
+            self._backoff = min(self._backoff * 2, 10.0)
+        else:
+            log.warning("kvstore: %s: %s", type(e).__name__, e)
+        self.counters["errors"] += 1
+
+    def _ok(self) -> None:
+        self._backoff = 0.5
+
+    # -- lookups --------------------------------------------------------------------------
+    def _locate(self, keys: list[bytes]) -> list[str | None]:
+        try:
+            ns = self._guard()
+            where = ns.locate(keys, prefetch=True, timeout=self._lookups.deadline_s)
+        except Exception as e:
+            self._failed(e)
+            raise
+        self._ok()
+        return where
+
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        answer = self._lookups.lookup(keyspace.fold_key(key))
+        return _RESULT.get(answer, LookupResult.RETRY)
+
+    # -- transfers ------------------------------------------------------------------------
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, self._store)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, self._load)
+
+    def _submit(self, job: TransferJob, fn: Any) -> None:
+        keys = [keyspace.fold_key(k) for k in job.keys]
+        chunks = [int(c) for c in np.asarray(job.chunk_ids).reshape(-1)]
+        rid = job.req_context.req_id if job.req_context is not None else None
+        if rid is not None:
+            self._req_keys.setdefault(rid, []).extend(keys)
+        with self._lock:
+            self._jobs[job.job_id] = self._io.submit(self._run, job, fn, keys, chunks)
+
+    def _run(self, job: TransferJob, fn: Any, keys: list[bytes], chunks: list[int]) -> None:
+        t0 = time.monotonic()
+        try:
+            result = fn(job, keys, chunks)
+        except Exception as e:          # never into vLLM: the whole job failed
+            self._failed(e)
+            result = JobResult(job.job_id, False, successful_keys=() if job.is_promotion
+                               else None)
+            self.counters["load_failed" if job.is_promotion else "store_failed"] += len(keys)
+            if job.is_promotion:
+                self._lookups.forget(keys)
+        result.transfer_time = time.monotonic() - t0
+        with self._lock:
+            self._finished.append(result)
+            self._jobs.pop(job.job_id, None)
+
+    def _store(self, job: TransferJob, keys: list[bytes], chunks: list[int]) -> JobResult:
+        ns, nb, src = self._guard(), self.geometry.nbytes, self._chunks
+
+        def fill(base: np.ndarray, offsets: Any, first: int) -> None:
+            for j, off in enumerate(offsets):
+                base[off:off + nb] = src[chunks[first + j], :nb]
+        ns.store_blocks(keys, fill)
+        self._ok()
+        self._lookups.mark_hits(keys)
+        self.counters["stored"] += len(keys)
+        return JobResult(job.job_id, True, transfer_bytes=len(keys) * nb)
+
+    def _load(self, job: TransferJob, keys: list[bytes], chunks: list[int]) -> JobResult:
+        ns, nb, dst = self._guard(), self.geometry.nbytes, self._chunks
+
+        def drain(base: np.ndarray, offsets: Any, first: int) -> None:
+            for j, off in enumerate(offsets):
+                dst[chunks[first + j], :nb] = base[off:off + nb]
+        # load_blocks verifies each block's checksum and returns the verified prefix only.
+        n = ns.load_blocks(keys, drain)
+        self._ok()
+        self.counters["loaded"] += n
+        if n == len(keys):
+            return JobResult(job.job_id, True, transfer_bytes=n * nb)
+        self.counters["load_failed"] += len(keys) - n
+        self._lookups.forget(keys[n:])
+        ok = list(job.keys)[:n]
+        return JobResult(job.job_id, False, successful_keys=ok, transfer_bytes=n * nb)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        with self._lock:
+            done, self._finished = self._finished, []
+        return done
+
+    def has_pending_work(self) -> bool:
+        with self._lock:
+            busy = bool(self._jobs) or bool(self._finished)
+        return busy or self._lookups.pending()
+
+    def drain_jobs(self) -> None:
+        with self._lock:
+            futures = list(self._jobs.values())
+        # Each job's RPCs have deadlines, so this ends; the bound is a second line of defence.
+        wait(futures, timeout=4 * self.timeout_s + 10)
+
+    # -- requests and engine signals ---------------------------------------------------------
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._signal(self._req_keys.pop(req_context.req_id, None), "request_finished")
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        for rid in context.preempted_req_ids:
+            self._signal(self._req_keys.get(rid), "preempted")
+
+    def _signal(self, keys: list[bytes] | None, signal: str) -> None:
+        """Tell the daemon what the engine knows of these blocks' future (a retention hint)."""
+        if not keys or self._ns is None:
+            return
+        try:
+            from ..retention import level_for
+        except ImportError:                 # an SDK without the signal table
+            return
+        level = level_for(signal)
+        if level == "normal":
+            return
+        ns = self._ns
+
+        def send() -> None:
+            try:
+                ns.retain(list(dict.fromkeys(keys)), level)
+            except Exception as e:
+                log.debug("kvstore: retention hint failed: %s", e)
+        self._io.submit(send)
+
+    # -- stats ------------------------------------------------------------------------------
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]
+                                 ) -> dict[str, OffloadingMetricMetadata]:
+        return {name: OffloadingCounterMetadata(documentation=doc)
+                for name, doc in _METRICS.items()}
+
+    def _totals(self) -> dict[str, int]:
+        s = self._lookups.stats
+        return {M_LOOKUP_HITS: s.hits, M_LOOKUP_MISSES: s.misses,
+                M_DEADLINE_MISSES: s.deadline_misses, M_STORED: self.counters["stored"],
+                M_LOADED: self.counters["loaded"], M_LOAD_FAILED: self.counters["load_failed"],
+                M_STORE_FAILED: self.counters["store_failed"]}
+
+    def get_stats(self) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+        stats = OffloadingConnectorStats()
+        for name, total in self._totals().items():
+            delta = total - self._reported[name]
+            if delta:
+                stats.increase_counter(name, delta)
+                self._reported[name] = total
+        return None if stats.is_empty() else stats
+
+    def stats(self) -> dict[str, Any]:
+        """Totals since start, for logs and tests (vLLM's metrics get deltas via get_stats)."""
+        s = self._lookups.stats
+        return {**self._totals(), "queries": s.queries, "keys_asked": s.keys_asked,
+                "pending": s.pending, "errors": dict(self.counters).get("errors", 0),
+                "last_errors": list(s.errors), "disabled": self._disabled,
+                "namespace": self._ns.ns_id.hex() if self._ns is not None else None}
+
+    def shutdown(self) -> None:
+        self._lookups.close()
+        self.drain_jobs()
+        self._io.shutdown(wait=False)
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
