@@ -284,7 +284,13 @@ class KVStoreTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._signal(self._req_keys.pop(req_context.req_id, None), "request_finished")
+        # A request may say what follows it: kv_transfer_params={"kvstore_session": "closed"}
+        # (the conversation is over) or "continues" (a follow-up turn is expected).
+        params = req_context.kv_transfer_params or {}
+        session = params.get("kvstore_session") if isinstance(params, dict) else None
+        signal = {"closed": "session_closed", "continues": "session_continues"}.get(
+            session, "request_finished")
+        self._signal(self._req_keys.pop(req_context.req_id, None), signal)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         for rid in context.preempted_req_ids:
