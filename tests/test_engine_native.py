@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
+import kvstore_client
 import numpy as np
 import pytest
-
-import kvstore_client
 from kvstore_client import KVLayout
 from kvstore_client.errors import InvalidArgument, NotFound
+
 from tests.daemon import cleanup, start_daemon
 from tiers import codec_engine, codecs
 
