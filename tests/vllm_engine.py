@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> None:
                         detokenize=False, logprobs=0)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     results = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
+        if args.kill_pid and i == args.kill_after:   # the daemon dies mid-run
+            os.kill(args.kill_pid, 9)
         if args.ttft:   # time to first token: a one-token request, nothing else in flight
             t = time.monotonic()
             o = llm.generate(TokensPrompt(prompt_token_ids=p), one, use_tqdm=False)[0]
@@ -140,6 +142,8 @@ def main() -> None:
     r.add_argument("--max-model-len", type=int, default=4096)
     r.add_argument("--primary-mib", type=int, default=64)
     r.add_argument("--ttft", action="store_true")
+    r.add_argument("--kill-pid", type=int, default=0, help="SIGKILL this pid (the daemon)...")
+    r.add_argument("--kill-after", type=int, default=0, help="...before prompt number N")
     args = ap.parse_args()
     (make_model if args.cmd == "model" else run)(args)
 

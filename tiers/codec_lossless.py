@@ -27,7 +27,13 @@ from .codec_common import cctx, check_block, scratch, zstd_decompress_into
 VERSION = 1
 F_ZSTD = 1
 _HDR = struct.Struct("<BBBB")
-_UINT = {2: np.uint16, 4: np.uint32}
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def _planes(layout: KVLayout, nbytes: int) -> int:
+    """Bytes per element to shuffle by: the dtype's, or 1 for opaque bytes it does not divide."""
+    size = layout.itemsize
+    return size if size in _UINT and nbytes % size == 0 else 1
 
 
 def shuffle(block: np.ndarray, itemsize: int, planes: np.ndarray) -> None:
@@ -56,11 +62,12 @@ def unshuffle(planes: np.ndarray, itemsize: int, out: np.ndarray) -> None:
 def encode(block: np.ndarray, layout: KVLayout) -> bytes:
     check_block(block, layout)
     planes = scratch("planes", block.nbytes)
-    shuffle(block, layout.itemsize, planes)
+    size = _planes(layout, block.nbytes)
+    shuffle(block, size, planes)
     comp = cctx().compress(planes)
     if len(comp) >= block.nbytes:   # incompressible (e.g. random bits): store planes as is
-        return _HDR.pack(VERSION, 0, layout.itemsize, 0) + planes.tobytes()
-    return _HDR.pack(VERSION, F_ZSTD, layout.itemsize, 0) + comp
+        return _HDR.pack(VERSION, 0, size, 0) + planes.tobytes()
+    return _HDR.pack(VERSION, F_ZSTD, size, 0) + comp
 
 
 def decode(payload, layout: KVLayout, out: np.ndarray) -> None:
@@ -73,9 +80,10 @@ def decode(payload, layout: KVLayout, out: np.ndarray) -> None:
         raise DataLoss(f"lossless payload version {version} is not supported (expected {VERSION})")
     if flags & ~F_ZSTD or reserved:
         raise DataLoss(f"lossless payload has unknown flags {flags:#x}/{reserved:#x}")
-    if nplanes != layout.itemsize:
+    size = _planes(layout, out.nbytes)
+    if nplanes != size:
         raise DataLoss(f"lossless payload has {nplanes} byte planes; the namespace dtype "
-                       f"{layout.dtype} needs {layout.itemsize}")
+                       f"{layout.dtype} needs {size}")
     body = mv[_HDR.size:]
     planes = scratch("planes", out.nbytes)
     if flags & F_ZSTD:
@@ -85,4 +93,4 @@ def decode(payload, layout: KVLayout, out: np.ndarray) -> None:
             raise DataLoss(f"lossless payload holds {len(body)} plane bytes, expected "
                            f"{out.nbytes}")
         planes[:] = np.frombuffer(body, np.uint8)
-    unshuffle(planes, layout.itemsize, out)
+    unshuffle(planes, size, out)

@@ -58,6 +58,7 @@ class Lookups:
         self._state: dict[bytes, tuple[str, float]] = {}
         self._waiting: set[bytes] = set()           # keys answered RETRY, answer not yet known
         self._promoting: dict[bytes, float] = {}    # keys below host -> when first seen there
+        self._held: dict[bytes, float] = {}         # keys that failed to load -> MISS until
         self._queue: list[bytes] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -68,6 +69,11 @@ class Lookups:
     def lookup(self, key: bytes) -> str:
         """HIT, MISS or RETRY for one key, at once."""
         now = time.monotonic()
+        held = self._held.get(key)
+        if held is not None:
+            if now < held:
+                return MISS
+            self._held.pop(key, None)
         st = self._state.get(key)
         if st is not None:
             answer, since = st
@@ -105,6 +111,25 @@ class Lookups:
         now = time.monotonic()
         for k in keys:
             self._state[k] = (HIT, now)
+            self._held.pop(k, None)
+
+    def hold_misses(self, keys: Sequence[bytes], hold_s: float) -> None:
+        """Answer MISS for these keys for `hold_s` (after a load of them failed).
+
+        vLLM defers a request while any of its chunks answers HIT_PENDING or RETRY, and after a
+        failed promotion it asks again at once: were a block that cannot load (corrupt, gone)
+        answered HIT again, the request would be promoted, fail and be deferred forever. A miss
+        lets the engine recompute it instead.
+        """
+        now = time.monotonic()
+        until = now + hold_s
+        if len(self._held) > 4096:      # keys never asked about again: drop expired holds
+            for k in [k for k, t in list(self._held.items()) if t <= now]:
+                self._held.pop(k, None)
+        for k in keys:
+            self._state.pop(k, None)
+            self._waiting.discard(k)
+            self._held[k] = until
 
     def _run(self) -> None:
         while True:

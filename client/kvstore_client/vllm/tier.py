@@ -85,7 +85,8 @@ class KVStoreTier(SecondaryTierManager):
     data/kvstore.sock), codec ("lossless", "int8", "fp8_e4m3"), tenant_salt, timeout_s (per
     transfer RPC), lookup_deadline_s (a lookup unanswered this long is a miss),
     allow_process_local (run even when vLLM's block hashes are seeded per process), kv_heads and
-    head_dim (the KV geometry, where the model folder has no config.json), io_threads.
+    head_dim (the KV geometry, where the model folder has no config.json), io_threads,
+    failed_hold_s (chunks whose load failed answer MISS this long, so vLLM recomputes them).
     """
 
     medium = Medium.CPU
@@ -95,7 +96,7 @@ class KVStoreTier(SecondaryTierManager):
                  codec: str = "lossless", tenant_salt: str = "", timeout_s: float = 5.0,
                  lookup_deadline_s: float = 1.0, allow_process_local: bool = False,
                  kv_heads: int | None = None, head_dim: int | None = None,
-                 io_threads: int = 2, **unknown: Any) -> None:
+                 io_threads: int = 2, failed_hold_s: float = 10.0, **unknown: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         unknown.pop("locality", None)
         if unknown:
@@ -105,6 +106,7 @@ class KVStoreTier(SecondaryTierManager):
         self.tenant_salt = tenant_salt
         self.timeout_s = float(timeout_s)
         self.allow_process_local = bool(allow_process_local)
+        self.failed_hold_s = float(failed_hold_s)
         self._kv_geo = (kv_heads, head_dim)
         arr = np.asarray(primary_kv_view)
         self._chunks = arr.view(np.uint8).reshape(arr.shape[0], -1)
@@ -228,7 +230,7 @@ class KVStoreTier(SecondaryTierManager):
                                else None)
             self.counters["load_failed" if job.is_promotion else "store_failed"] += len(keys)
             if job.is_promotion:
-                self._lookups.forget(keys)
+                self._lookups.hold_misses(keys, self.failed_hold_s)
         result.transfer_time = time.monotonic() - t0
         with self._lock:
             self._finished.append(result)
@@ -253,15 +255,30 @@ class KVStoreTier(SecondaryTierManager):
             for j, off in enumerate(offsets):
                 dst[chunks[first + j], :nb] = base[off:off + nb]
         # load_blocks verifies each block's checksum and returns the verified prefix only.
+        bad_sums = ns.client.counters["checksum_failures"]
         n = ns.load_blocks(keys, drain)
         self._ok()
         self.counters["loaded"] += n
         if n == len(keys):
             return JobResult(job.job_id, True, transfer_bytes=n * nb)
         self.counters["load_failed"] += len(keys) - n
-        self._lookups.forget(keys[n:])
+        if ns.client.counters["checksum_failures"] != bad_sums:
+            self._drop_corrupt(ns, keys[n])
+        self._lookups.hold_misses(keys[n:], self.failed_hold_s)
         ok = list(job.keys)[:n]
         return JobResult(job.job_id, False, successful_keys=ok, transfer_bytes=n * nb)
+
+    def _drop_corrupt(self, ns: Any, key: bytes) -> None:
+        """Delete a block whose bytes failed their checksum, so that no engine is offered it
+        again (vLLM would promote it, fail and ask again); the next store writes it afresh."""
+        self.counters["corrupt_dropped"] += 1
+        try:
+            ns.delete([key])
+            log.warning("kvstore: dropped block %s: its bytes in the daemon failed their "
+                        "checksum", key.hex()[:16])
+        except Exception as e:
+            log.warning("kvstore: could not drop block %s that failed its checksum: %s",
+                        key.hex()[:16], e)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._lock:
@@ -284,7 +301,13 @@ class KVStoreTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._signal(self._req_keys.pop(req_context.req_id, None), "request_finished")
+        # A request may say what follows it: kv_transfer_params={"kvstore_session": "closed"}
+        # (the conversation is over) or "continues" (a follow-up turn is expected).
+        params = req_context.kv_transfer_params or {}
+        session = params.get("kvstore_session") if isinstance(params, dict) else None
+        signal = {"closed": "session_closed", "continues": "session_continues"}.get(
+            session, "request_finished")
+        self._signal(self._req_keys.pop(req_context.req_id, None), signal)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         for rid in context.preempted_req_ids:
@@ -341,6 +364,7 @@ class KVStoreTier(SecondaryTierManager):
         s = self._lookups.stats
         return {**self._totals(), "queries": s.queries, "keys_asked": s.keys_asked,
                 "pending": s.pending, "errors": dict(self.counters).get("errors", 0),
+                "corrupt_dropped": dict(self.counters).get("corrupt_dropped", 0),
                 "last_errors": list(s.errors), "disabled": self._disabled,
                 "namespace": self._ns.ns_id.hex() if self._ns is not None else None}
 
@@ -348,6 +372,9 @@ class KVStoreTier(SecondaryTierManager):
         self._lookups.close()
         self.drain_jobs()
         self._io.shutdown(wait=False)
+        # Drop the view of the primary tier: vLLM closes that mmap next and cannot while a
+        # buffer export is alive ("cannot close exported pointers exist").
+        self._chunks = None
         if self._client is not None:
             try:
                 self._client.close()
