@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 from kvstore_client import gpu as cg
+from kvstore_client import paged_copy, pools
 from kvstore_client.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from kvstore_client.layout import KVLayout
 
@@ -280,7 +281,7 @@ def test_cpu_store_then_load_round_trip(kind):
 
 def test_cpu_copy_is_bounded_staging(monkeypatch):
     """The torch path stages through a bounded temporary (many steps, same result)."""
-    monkeypatch.setattr(cg, "TORCH_STAGE_BYTES", 8192)
+    monkeypatch.setattr(paged_copy, "TORCH_STAGE_BYTES", 8192)
     L = LAYOUT
     _, src = make_caches(L, 40, 3)
     pool = HostRegion(40 * L.block_bytes)
@@ -402,7 +403,7 @@ def _child_reattach(q_in, q):
             pool = cg.open_pool(desc)
             data = pool.tensor[:1 << 16].clone()
             torch.cuda.synchronize()
-            q.put(("ok", bool((data == fill).all()), len(cg._pools)))
+            q.put(("ok", bool((data == fill).all()), len(pools._pools)))
     except BaseException as e:
         q.put(("error", repr(e)))
 
