@@ -147,15 +147,34 @@ def test_tier_without_cuda_raises_unavailable(no_cuda):
         GPUTier(1 << 20, 0)
 
 
-def test_daemon_disables_tier_with_one_log_line(no_cuda, caplog):
-    from tiers.gpu import open_gpu_tiers
+def test_daemon_picks_the_cpu_device_without_cuda_and_says_so(no_cuda, caplog):
+    from tiers.device import open_device_tiers
+    from tiers.device_cpu import CpuDeviceTier
 
     log = logging.getLogger("kvstore.test")
     with caplog.at_level(logging.INFO, logger="kvstore.test"):
-        assert open_gpu_tiers(1 << 30, [0, 1], log) == {}
+        tiers = open_device_tiers(1 << 20, [0, 1], "auto", log, slab_prefix="test-pick-")
+    try:
+        assert sorted(tiers) == [0, 1]
+        assert all(isinstance(t, CpuDeviceTier) for t in tiers.values())
+        lines = [r for r in caplog.records if r.name == "kvstore.test"]
+        assert len(lines) == 1 and "CPU device" in lines[0].getMessage()
+        assert "no CUDA device" in lines[0].getMessage()
+    finally:
+        for t in tiers.values():
+            t.close()
+
+
+def test_daemon_disables_cuda_backend_with_one_log_line(no_cuda, caplog):
+    from tiers.device import open_device_tiers
+
+    log = logging.getLogger("kvstore.test")
+    with caplog.at_level(logging.INFO, logger="kvstore.test"):
+        assert open_device_tiers(1 << 30, [0, 1], "cuda", log) == {}
     lines = [r for r in caplog.records if r.name == "kvstore.test"]
     assert len(lines) == 1 and "gpu tier disabled" in lines[0].getMessage()
-    assert "no CUDA device" in lines[0].getMessage()
+    with pytest.raises(InvalidArgument, match="gpu.backend"):
+        open_device_tiers(1 << 20, [0], "tpu", log)
 
 
 def test_pin_host_is_a_noop_without_cuda(no_cuda):
