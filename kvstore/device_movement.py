@@ -28,7 +28,6 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 
-import xxhash
 from kvstore_client.errors import DataLoss, InvalidArgument, ResourceExhausted
 
 from tiers.device import DeviceTier
@@ -312,9 +311,7 @@ class DeviceMovement:
             sums: list[int] = []
             if items:
                 with self._unlocked():
-                    t.copy_to_host_batch(items, self.host.array).wait(DEVICE_WAIT_S)
-                    sums = [xxhash.xxh3_64_intdigest(self.host.view(off, e.size))
-                            for e, off in zip(todo, offs, strict=True)]
+                    sums = t.copy_to_host_checked(items, self.host.array, DEVICE_WAIT_S)
         except BaseException:
             for off in offs:
                 self.host.free(off)
@@ -506,16 +503,10 @@ class DeviceMovement:
         by_dev: dict[int, list[int]] = {}
         for i, (_, dev, _) in enumerate(jobs):
             by_dev.setdefault(dev, []).append(i)
-        pending = []
-        for dev, idx in by_dev.items():
-            items = [(jobs[i][2], jobs[i][0].host, jobs[i][0].size) for i in idx]
-            pending.append(self.gpu[dev].copy_from_host_batch(items, self.host.array))
-        for tr in pending:
-            tr.wait(DEVICE_WAIT_S)
         sums: dict[int, int] = {}
         for dev, idx in by_dev.items():
-            got = self.gpu[dev].checksums([(jobs[i][2], jobs[i][0].size) for i in idx],
-                                          DEVICE_WAIT_S)
+            items = [(jobs[i][2], jobs[i][0].host, jobs[i][0].size) for i in idx]
+            got = self.gpu[dev].copy_from_host_checked(items, self.host.array, DEVICE_WAIT_S)
             sums.update(zip(idx, got, strict=True))
         return [sums[i] for i in range(len(jobs))]
 
@@ -526,10 +517,10 @@ class DeviceMovement:
         the reserved host slot and verify it (no lock; the block is marked moving)."""
         e = p.entry
         t = self.gpu[e.gpu_dev]
-        t.copy_to_host_batch([(e.gpu, p.offset, e.size)], self.host.array).wait(DEVICE_WAIT_S)
+        (got,) = t.copy_to_host_checked([(e.gpu, p.offset, e.size)], self.host.array,
+                                        DEVICE_WAIT_S)
         p.source = "gpu"
         p.nbytes = e.size
-        got = xxhash.xxh3_64_intdigest(self.host.view(p.offset, e.size))
         if p.checksum and got != p.checksum:
             p.error = DataLoss("the gpu copy does not match the block's checksum")
         elif not p.checksum:

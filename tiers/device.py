@@ -9,7 +9,8 @@ a GPU. Everything that only a device can do sits behind this small surface:
 - a view of a slot (`view`),
 - batched asynchronous copies device<->host with completion (`copy_to_host_batch`,
   `copy_from_host_batch` return a `Transfer`), and device<->device (`gather`),
-- the checksum of slots, for verification after every move (`checksums`),
+- the checksum of slots, for verification after every move (`checksums`, and the checked
+  copies `copy_to_host_checked` / `copy_from_host_checked` that move and hash in one call),
 - export of the slab for clients (`describe`, opened by `kvstore_client.gpu.open_pool`),
 - optional device-side encode before a copy to a keyed tier (`encode_batch`).
 
@@ -98,6 +99,22 @@ class DeviceTier(SlabAllocation, ABC):
             pos += n
         self.copy_to_host_batch(plan, stage).wait(timeout_s)
         return [xxhash.xxh3_64_intdigest(stage[p:p + n]) for _, p, n in plan]
+
+    def copy_to_host_checked(self, items: Sequence[Item], host: np.ndarray,
+                             timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
+        """Device -> host copies, waited for, and the xxh3-64 of each destination: a move and
+        its verification in one call, so a device can fuse them (the CPU device hashes each
+        block while it is still in cache)."""
+        import xxhash
+
+        self.copy_to_host_batch(items, host).wait(timeout_s)
+        return [xxhash.xxh3_64_intdigest(host[h:h + n]) for _, h, n in items]
+
+    def copy_from_host_checked(self, items: Sequence[Item], host: np.ndarray,
+                               timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
+        """Host -> device copies, waited for, and the xxh3-64 of each device destination."""
+        self.copy_from_host_batch(items, host).wait(timeout_s)
+        return self.checksums([(g, n) for g, _, n in items], timeout_s)
 
     def copy_to_host(self, offset: int, nbytes: int, host_view: np.ndarray,
                      timeout_s: float = DEFAULT_WAIT_S) -> None:
