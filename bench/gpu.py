@@ -131,7 +131,7 @@ def main() -> int:
     from bench import gpu_tier
 
     tier_blocks = 48 if args.quick else args.blocks
-    tier = gpu_tier.run(LAYOUT, tier_blocks, 3 if args.quick else 7)
+    tier = gpu_tier.run(LAYOUT, tier_blocks, 5 if args.quick else 9)
     tier["targets"] = {"gpu_tier_gather_vs_memcpy": 0.5, "gpu_demote_vs_memcpy": 0.5}
     print(f"cpu device: gather {tier['gpu_tier_gather_GBps']} GB/s, demote "
           f"{tier['gpu_demote_GBps']}, promote {tier['gpu_promote_GBps']} vs memcpy "

@@ -26,22 +26,23 @@ import numpy as np
 MIB = 1 << 20
 
 
-def _median(fn: Any, reps: int, setup: Any = None) -> float:
-    out = []
-    for _ in range(reps + 1):
-        if setup is not None:
-            setup()
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out[1:])         # the first run warms caches and allocators
-
-
-def _memcpy(nbytes: int, reps: int) -> float:
+def _interleaved(fn: Any, nbytes: int, reps: int, after: Any = None) -> tuple[float, float]:
+    """Median seconds of `fn` and of a memcpy of `nbytes`, alternated rep by rep so both see
+    the same neighbours on a shared machine; `after` runs untimed after each `fn`."""
     from bench.refs import aligned_buffer
 
     src, dst = aligned_buffer(nbytes), aligned_buffer(nbytes)
-    return _median(lambda: np.copyto(dst, src), reps)
+    ours, ref = [], []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        fn()
+        ours.append(time.perf_counter() - t)
+        if after is not None:
+            after()
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        ref.append(time.perf_counter() - t)
+    return statistics.median(ours[1:]), statistics.median(ref[1:])
 
 
 def _gather_client(desc: dict, slots: list[int], layout: Any, reps: int, q: Any) -> None:
@@ -58,8 +59,8 @@ def _gather_client(desc: dict, slots: list[int], layout: Any, reps: int, q: Any)
         cache = cg.PagedKVCache.from_vllm(caches)
         targets = np.random.default_rng(1).permutation(n_cache)[:len(slots)]
         cp = cg.PagedCopier(pool, cache, L)
-        t = _median(lambda: cp.load(targets, slots).wait(60), reps)
-        ref = _memcpy(len(slots) * L.block_bytes, reps)
+        t, ref = _interleaved(lambda: cp.load(targets, slots).wait(60),
+                              len(slots) * L.block_bytes, reps)
         # correctness of what was timed: one block, byte for byte
         b0 = torch.stack([torch.stack([caches[i][0, targets[0]], caches[i][1, targets[0]]])
                           for i in range(L.num_layers)]).contiguous()
@@ -120,23 +121,19 @@ def run(layout: Any, blocks: int, reps: int) -> dict:
                 assert len(lease.slots) == blocks
                 store.release(lease.id)
 
-            demote_s, promote_s = [], []
-            for _ in range(reps + 1):
-                t = time.perf_counter()
-                freed, n = store.evict("gpu")
-                demote_s.append(time.perf_counter() - t)
-                assert n == blocks, (n, blocks)
-                t = time.perf_counter()
-                promote()
-                promote_s.append(time.perf_counter() - t)
-                # Promotion leaves the host copies; without them the next eviction must copy
-                # every block down again (no SSD here: the gpu copies keep the blocks).
-                store.evict("host")
+            def demote() -> None:
+                assert store.evict("gpu")[1] == blocks
+
+            # Promotion leaves the host copies; without them each eviction must copy every
+            # block down again (no SSD here: the gpu copies keep the blocks).
+            d_s, ref = _interleaved(demote, nbytes, reps,
+                                    after=lambda: (promote(), store.evict("host")))
+            demote()                         # host-only now: each promotion copies up
+            p_s, ref_p = _interleaved(promote, nbytes, reps,
+                                      after=lambda: (store.evict("host"), demote()))
             counters = dict(store.counters)
-            ref = _memcpy(nbytes, reps)
         finally:
             store.close(flush=False)
-    d_s, p_s = statistics.median(demote_s[1:]), statistics.median(promote_s[1:])
 
     def gbps(s: float) -> float:
         return round(nbytes / s / 1e9, 2)
@@ -147,7 +144,7 @@ def run(layout: Any, blocks: int, reps: int) -> dict:
         "gpu_tier_gather_bytes_equal": res["same"],
         "gather_memcpy_GBps": gbps(res["memcpy_s"]),
         "gpu_demote_vs_memcpy": round(ref / d_s, 3), "gpu_demote_GBps": gbps(d_s),
-        "gpu_promote_vs_memcpy": round(ref / p_s, 3), "gpu_promote_GBps": gbps(p_s),
+        "gpu_promote_vs_memcpy": round(ref_p / p_s, 3), "gpu_promote_GBps": gbps(p_s),
         "memcpy_GBps": gbps(ref),
         "corrupt_blocks": counters.get("corrupt_blocks", 0),
     }

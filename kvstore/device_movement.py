@@ -244,7 +244,8 @@ class DeviceMovement:
         except ResourceExhausted:
             raise ResourceExhausted(
                 f"gpu tier of device {dev} full: {t.used_bytes} of {t.capacity} bytes are leased "
-                "or pinned and nothing is evictable; release leases or raise gpu.capacity"
+                "or pinned and nothing is evictable (or the host tier cannot take the victims); "
+                "release leases or raise gpu.capacity / host.capacity"
             ) from None
 
     def evict_gpu(self, nbytes: int | None) -> tuple[int, int]:
@@ -284,7 +285,13 @@ class DeviceMovement:
                 planned += _aligned(e.size)
             if not batch:
                 break
-            f, b = self._demote_gpu(dev, batch)
+            try:
+                f, b = self._demote_gpu(dev, batch)
+            except ResourceExhausted:
+                # Host cannot take the victims (leased or pinned full): they stay, and what was
+                # freed so far counts; an allocation that still does not fit says so itself.
+                self.counters["gpu_demotions_refused"] += 1
+                break
             freed, blocks = freed + f, blocks + b
         return freed, blocks
 
