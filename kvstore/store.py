@@ -372,7 +372,10 @@ class Store(DeviceMovement, TierMovement):
             get = self.index.get
             for k in keys:
                 e = get(ns_id + k)
+                # host before gpu: Locate's readers load from host, and a gpu-only block is
+                # one a prefetch copies down (kvstore/device_movement.py)
                 out.append(None if e is None else "host" if e.host is not None
+                           else "gpu" if e.gpu is not None
                            else "ssd" if e.ssd else "remote" if e.remote else None)
             self.counters["locate_blocks"] += len(keys)
         missing = [i for i, t in enumerate(out) if t is None]

@@ -225,3 +225,20 @@ def test_gpu_tier_under_concurrent_threads(tmp_path):
             for e in entries:
                 if e.gpu is not None:
                     assert store.gpu[gdev].view(e.gpu, e.size).tobytes() == kv_block(e.key)
+
+
+def test_gpu_only_blocks_are_located_and_read_through_host(tmp_path):
+    rng = np.random.default_rng(9)
+    _, keys = random_prompt(rng, 3)
+    with make_store(tmp_path, gpu_capacity=16 * 4096) as store:
+        ns = namespace(store)
+        lease = store.reserve(ns, 3, tier="gpu")
+        for k, s in zip(keys, lease.slots, strict=True):
+            store.gpu[s.device].view(s.offset, s.length)[:] = np.frombuffer(kv_block(k),
+                                                                             np.uint8)
+        assert store.commit(lease.id, keys).stored == 3
+        assert store.where(ns, keys) == ["gpu"] * 3
+        assert store.lookup(ns, keys).per_tier == {"host": 0, "gpu": 3, "ssd": 0}
+        assert store.get(ns, keys) == [(k, kv_block(k)) for k in keys]   # copied down
+        assert store.where(ns, keys) == ["host"] * 3
+        assert store.counters["bytes_gpu_to_host"] == 3 * len(kv_block(keys[0]))
