@@ -667,3 +667,22 @@ def test_triton_and_torch_paths_agree(tier):
             for b, s in zip([5, 1, 9, 2, 14, 0], slots, strict=True):
                 got = tier.view(s, LAYOUT.block_bytes).view(torch.float16).view(LAYOUT.block_shape)
                 assert torch.equal(got, canonical_block(src, b)), (kind, method)
+
+
+@cuda_test
+def test_cuda_device_keeps_the_interface_the_store_uses(tier):
+    """What kvstore/device_movement.py calls, on CUDA: checked copies, checksums, gather."""
+    import xxhash
+
+    host = page_aligned(4 << 20)
+    host[:] = np.random.default_rng(9).integers(0, 256, host.size, dtype=np.uint8)
+    offs = [tier.alloc(1 << 20) for _ in range(3)]
+    items = [(g, i << 20, 1 << 20) for i, g in enumerate(offs)]
+    want = [xxhash.xxh3_64_intdigest(host[i << 20:(i + 1) << 20]) for i in range(3)]
+    assert tier.copy_from_host_checked(items, host) == want
+    assert tier.checksums([(g, 1 << 20) for g in offs]) == want
+    dst = tier.alloc(1 << 20)
+    tier.gather([(offs[2], dst, 1 << 20)]).wait(30)
+    back = page_aligned(4 << 20)
+    assert tier.copy_to_host_checked([(dst, 0, 1 << 20)], back) == want[2:]
+    assert tier.describe()["kind"] == cg.CUDA_POOL_KIND
