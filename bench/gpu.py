@@ -1,6 +1,9 @@
-"""GPU tier transfer throughput, as ratios against plain torch copies in the same run (issue 5).
+"""GPU tier transfer throughput, as ratios against references measured in the same run.
 
-Figures (each a ratio of the reference's time to ours; ≥ 0.8 is the target):
+The gpu tier as a tier (issue 18), on the CPU device, on every machine (bench/gpu_tier.py):
+gpu_tier_gather_vs_memcpy, gpu_demote_vs_memcpy, gpu_promote_vs_memcpy (>= 0.5 is the target).
+
+Where a CUDA device exists, also the CUDA figures (issue 5; >= 0.8 is the target):
 - ipc_gather_vs_d2d: a separate client process opens the daemon's pool over CUDA IPC and
   gathers 256 blocks (shuffled slots) into a vLLM-layout paged cache (random block table),
   end to end through `PagedCopier.load` + wait, against one device-to-device copy of the same
@@ -12,7 +15,7 @@ Figures (each a ratio of the reference's time to ours; ≥ 0.8 is the target):
 Raw GB/s and the device model are recorded alongside.
 
 Usage: python bench/gpu.py [--quick] [--blocks N]. The last line is one JSON object; without a
-CUDA device it is {"skipped": "no CUDA device"} and the exit status is 0.
+CUDA device it holds the CPU-device figures and "cuda": "skipped: no CUDA device".
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# This folder holds a script named like the `tiers` package: take it off the path (bench/tiers.py).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 for p in (ROOT, ROOT / "client"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
@@ -123,8 +128,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (< 1 minute)")
     ap.add_argument("--blocks", type=int, default=256)
     args = ap.parse_args()
+    from bench import gpu_tier
+
+    tier_blocks = 48 if args.quick else args.blocks
+    tier = gpu_tier.run(LAYOUT, tier_blocks, 5 if args.quick else 9)
+    tier["targets"] = {"gpu_tier_gather_vs_memcpy": 0.5, "gpu_demote_vs_memcpy": 0.5}
+    print(f"cpu device: gather {tier['gpu_tier_gather_GBps']} GB/s, demote "
+          f"{tier['gpu_demote_GBps']}, promote {tier['gpu_promote_GBps']} vs memcpy "
+          f"{tier['memcpy_GBps']}", file=sys.stderr)
     if not cg.cuda_available():
-        print(json.dumps({"skipped": "no CUDA device"}))
+        print(json.dumps({**tier, "cuda": "skipped: no CUDA device"}))
         return 0
     import torch
 
@@ -202,8 +215,10 @@ def main() -> int:
         "h2d_vs_pinned": round(r_h2d / t_h2d, 3), "d2h_vs_pinned": round(r_d2h / t_d2h, 3),
         "h2d_GBps": gbps(t_h2d), "d2h_GBps": gbps(t_d2h),
         "pinned_h2d_GBps": gbps(r_h2d), "pinned_d2h_GBps": gbps(r_d2h),
-        "targets": {"ipc_gather_vs_d2d": 0.8, "h2d_vs_pinned": 0.8, "d2h_vs_pinned": 0.8},
+        "targets": {"ipc_gather_vs_d2d": 0.8, "h2d_vs_pinned": 0.8, "d2h_vs_pinned": 0.8,
+                    **tier.pop("targets")},
     }
+    out = {**tier, **out}
     print(f"{out['device']}: gather {out['ipc_gather_GBps']} GB/s ({out['ipc_gather_method']}) "
           f"vs d2d {out['d2d_GBps']}; h2d {out['h2d_GBps']} vs {out['pinned_h2d_GBps']}; "
           f"d2h {out['d2h_GBps']} vs {out['pinned_d2h_GBps']}", file=sys.stderr)

@@ -78,6 +78,19 @@ class GPUConfig(TierConfig):
     enabled: bool = False
     capacity: int = 4 << 30         # per device
     devices: list[int] = field(default_factory=lambda: [0])
+    # "auto": CUDA where a device exists, else the CPU device (tiers/device_cpu.py);
+    # "cuda": CUDA or no gpu tier; "cpu": the CPU device even where CUDA exists.
+    backend: str = "auto"
+
+    def check(self, name: str) -> None:
+        super().check(name)
+        if self.backend not in ("auto", "cuda", "cpu"):
+            raise ConfigError(f"{name}.backend must be 'auto', 'cuda' or 'cpu', got "
+                              f"{self.backend!r}")
+        if not self.devices or len(set(self.devices)) != len(self.devices) \
+                or any(d < 0 for d in self.devices):
+            raise ConfigError(f"{name}.devices must list distinct device numbers >= 0, got "
+                              f"{self.devices!r}")
 
 
 @dataclass

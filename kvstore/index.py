@@ -25,6 +25,9 @@ class Entry:
     ssd: bool = False
     remote: bool = False
     pins: int = 0               # read leases holding the host copy
+    gpu: int | None = None      # offset in the device slab of device `gpu_dev` (gpu tier)
+    gpu_dev: int = 0
+    gpu_pins: int = 0           # read leases holding the gpu copy
     children: int = 0           # indexed blocks whose parent this is
     # Set while the block moves between tiers outside the store lock (kvstore/movement.py):
     # an acquire promoting it (host copy None; other acquires wait on the event), or an
@@ -42,7 +45,7 @@ class Entry:
 
     @property
     def resident(self) -> bool:
-        return self.host is not None or self.ssd or self.remote
+        return self.host is not None or self.ssd or self.remote or self.gpu is not None
 
 
 class BlockIndex:

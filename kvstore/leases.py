@@ -20,6 +20,7 @@ from kvstore_client.errors import InvalidArgument, LeaseExpired, NotFound
 class Slot:
     offset: int
     length: int
+    device: int = 0                # which device's slab (gpu tier); 0 for host
 
 
 @dataclass

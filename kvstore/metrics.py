@@ -110,6 +110,7 @@ class StoreCollector(Collector):
         if stats is None:
             return
         yield from self._tiers(stats.get("tiers", {}))
+        yield from self._devices(stats.get("gpu_devices") or {})
         yield from self._remote(stats.get("remote") or {})
         yield from self._counters(stats.get("counters", {}))
         for key, help_ in (("namespaces", "Registered namespaces"),
@@ -149,6 +150,24 @@ class StoreCollector(Collector):
                 fam.add_metric([tier], v)
         yield from fams.values()
         yield other
+
+    @staticmethod
+    def _devices(devices: dict[str, dict]) -> Iterator[Metric]:
+        """Per-device gpu tier figures: kvstore_gpu_device_<field>{device, kind}."""
+        fams: dict[str, Metric] = {}
+        for dev, fields in devices.items():
+            kind = str(fields.get("kind", ""))
+            for field, value in fields.items():
+                v = _number(value)
+                if v is None:
+                    continue
+                name = metric_name(field)
+                fam = fams.get(name) or GaugeMetricFamily(
+                    f"kvstore_gpu_device_{name}", f"gpu tier, per device: {field}",
+                    labels=["device", "kind"])
+                fams[name] = fam
+                fam.add_metric([str(dev), kind], v)
+        yield from fams.values()
 
     @staticmethod
     def _remote(remote: dict[str, Any]) -> Iterator[Metric]:

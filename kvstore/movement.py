@@ -124,6 +124,7 @@ class Promotion:
     new_checksum: int = 0           # the slot's checksum, where the entry needs a new one
     nbytes: int = 0                 # encoded bytes read
     ssd_missed: bool = False        # the index said SSD but LMDB had no value
+    gpu: bool = False               # copy the gpu copy down (kvstore/device_movement.py)
 
 
 class TierMovement:
@@ -209,7 +210,7 @@ class TierMovement:
             # another eviction, or promoted) is not a victim.
             e = self.index.get(g)
             return (e is not None and e.pins == 0 and e.host is not None and e.moving is None
-                    and (lower or e.ssd or e.remote or e.children == 0))
+                    and (lower or e.ssd or e.remote or e.gpu is not None or e.children == 0))
         batch: list[Entry] = []
         while len(batch) < 16 and (nbytes is None or planned < nbytes):
             g = policy.pick(can)
@@ -425,7 +426,7 @@ class TierMovement:
             # A block being promoted keeps its lower copies until its promotion settles.
             return (e is not None and e.ssd and e.moving is None
                     and (self.remote is not None or e.remote or e.host is not None
-                         or e.children == 0))
+                         or e.gpu is not None or e.children == 0))
         while nbytes is None or freed < nbytes:
             g = policy.pick(can)
             if g is None:
@@ -480,7 +481,7 @@ class TierMovement:
                 if e is None:
                     first_unknown = i
                     break
-                if e.host is None and not e.ssd:
+                if e.host is None and not e.ssd and e.gpu is None:
                     want.append(e.gkey)
         if first_unknown is not None:
             n = self._remote_extend(ns_id, keys, first_unknown)
@@ -507,7 +508,8 @@ class TierMovement:
         made: eviction run by _host_room may reach the SSD tier, and must not take this copy.
         """
         remote_value = remote_values.get(e.gkey) if e.remote else None
-        if not e.ssd and remote_value is None:
+        from_gpu = e.gpu is not None    # exact bytes, and faster than any lower tier
+        if not e.ssd and remote_value is None and not from_gpu:
             e.remote = False            # vanished (Redis evicted it) or unreachable: a miss
             if not e.resident:
                 self.index.discard(e.gkey)
@@ -519,7 +521,7 @@ class TierMovement:
         except BaseException:
             e.moving = None
             raise
-        return Promotion(e, off, e.checksum, e.ssd, remote_value)
+        return Promotion(e, off, e.checksum, e.ssd and not from_gpu, remote_value, gpu=from_gpu)
 
     def _fill(self, info: NamespaceInfo, jobs: list[Promotion]) -> None:
         """Phase 2 (no lock held): read each block's lower copy and decode and verify it into its
@@ -531,6 +533,9 @@ class TierMovement:
         layout = info.spec.layout
 
         def one(p: Promotion) -> None:
+            if p.gpu:
+                self._fill_from_gpu(p)
+                return
             value = self.ssd.get(p.entry.gkey) if p.ssd else None
             p.ssd_missed = p.ssd and value is None
             p.source = "ssd" if value is not None else None
@@ -610,6 +615,8 @@ class TierMovement:
             self.ssd.delete(e.gkey)
             self.policies["ssd"].remove(e.gkey)
             e.ssd = False
+        elif source == "gpu":
+            self._drop_gpu_copy(e)
         else:
             self.remote.delete_many([e.gkey])
             e.remote = False

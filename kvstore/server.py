@@ -163,7 +163,8 @@ def spec_from_proto(msg: pb.NamespaceSpec, has_layout: bool) -> NamespaceSpec:
 
 def lease_to_proto(lease: Any) -> pb.Lease:
     return pb.Lease(lease_id=lease.id, deadline=lease.deadline, tier=lease.tier,
-                    slots=[pb.Slot(offset=s.offset, length=s.length) for s in lease.slots],
+                    slots=[pb.Slot(offset=s.offset, length=s.length, device=getattr(s, "device", 0))
+                           for s in lease.slots],
                     keys=list(lease.keys), checksums=[int(c) for c in lease.checksums])
 
 
@@ -403,7 +404,8 @@ class KVStoreServicer:
         for g in self.store.gpu_info():
             resp.gpu_pools.add(device=int(g.get("device", 0)),
                                ipc_handle=bytes(g.get("ipc_handle", b"")),
-                               size=int(g.get("size", 0)), owner_pid=int(g.get("owner_pid", 0)))
+                               size=int(g.get("size", 0)), owner_pid=int(g.get("owner_pid", 0)),
+                               kind=str(g.get("kind", "")), name=str(g.get("name", "")))
         return resp
 
     def Lookup(self, raw: bytes) -> pb.LookupResponse:
@@ -432,7 +434,8 @@ class KVStoreServicer:
         n = check_count(req.count)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
-        lease = self.store.reserve(ns, n, tier=tier, ttl_s=ttl)
+        dev = {"device": req.device} if req.HasField("device") else {}
+        lease = self.store.reserve(ns, n, tier=tier, ttl_s=ttl, **dev)
         return pb.ReserveResponse(lease=lease_to_proto(lease))
 
     def Commit(self, raw: bytes) -> pb.CommitResponse:
@@ -453,7 +456,8 @@ class KVStoreServicer:
         keys = check_keys(req.keys)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
-        lease = self.store.acquire(ns, keys, tier=tier, ttl_s=ttl)
+        dev = {"device": req.device} if req.HasField("device") else {}
+        lease = self.store.acquire(ns, keys, tier=tier, ttl_s=ttl, **dev)
         return pb.AcquireResponse(lease=lease_to_proto(lease))
 
     def Release(self, raw: bytes) -> pb.ReleaseResponse:

@@ -38,11 +38,12 @@ from kvstore_client.gpu import pin_host
 from kvstore_client.hashing import MAX_KEY_BYTES, MIN_KEY_BYTES
 from kvstore_client.layout import NamespaceSpec, check_retention
 
-from tiers.gpu import open_gpu_tiers
+from tiers.device import open_device_tiers
 from tiers.host import HostTier
 from tiers.ssd import SSDTier
 
 from .config import StoreConfig
+from .device_movement import DeviceMovement
 from .index import NS_ID_BYTES, BlockIndex, Entry
 from .leases import Lease, LeaseTable, Slot
 from .movement import REMOTE_CHUNK, Promotion, TierMovement, _aligned
@@ -77,7 +78,7 @@ class CommitResult:
     duplicates: int
 
 
-class Store(TierMovement):
+class Store(DeviceMovement, TierMovement):
     def __init__(self, config: StoreConfig) -> None:
         self.config = config.check()
         self.daemon_id = uuid.uuid4().hex
@@ -107,14 +108,17 @@ class Store(TierMovement):
         # Page-locked so host<->GPU copies (ours and clients') run at PCIe speed; a no-op
         # without CUDA. It must be unregistered before the slab is unmapped (close order).
         self._host_pin = pin_host(self.host.array)
-        self.gpu = (open_gpu_tiers(config.gpu.capacity, config.gpu.devices, log,
-                                   slab_prefix=shm_name + "-") if config.gpu.enabled else {})
+        self.gpu = (open_device_tiers(config.gpu.capacity, config.gpu.devices,
+                                      config.gpu.backend, log, slab_prefix=shm_name + "-")
+                    if config.gpu.enabled else {})
+        self.device_counters = {dev: Counter() for dev in self.gpu}
         self.ssd: SSDTier | None = None
         self.remote = None
         self.policies: dict[str, EvictionPolicy] = {
             # No capacity hint: blocks differ in size per namespace, so the policy learns its
             # capacity in blocks from peak residency.
-            "host": make_policy(config.host.policy, None)}
+            "host": make_policy(config.host.policy, None),
+            **{f"gpu{dev}": make_policy(config.gpu.policy, None) for dev in self.gpu}}
         try:
             if config.ssd.enabled:
                 self.ssd = SSDTier(str(data / "ssd"), config.ssd.capacity, sync=config.ssd.sync)
@@ -273,8 +277,10 @@ class Store(TierMovement):
         if tier == "host":
             return tier
         if tier == "gpu":
+            if self.gpu:
+                return tier
             raise Unavailable("the gpu tier is not enabled on this daemon")
-        raise InvalidArgument(f"tier {tier!r} cannot hold leased slots; use 'host'")
+        raise InvalidArgument(f"tier {tier!r} cannot hold leased slots; use 'host' or 'gpu'")
 
     # ----------------------------------------------------------------- namespaces
 
@@ -309,16 +315,18 @@ class Store(TierMovement):
             self._ns(ns_id)
             # Hot path (one call per engine request): plain locals, no per-key tuples.
             get = self.index.get
-            n = h = d = r = 0
-            run_h = run_d = run_r = True
+            n = h = d = r = gg = 0
+            run_h = run_d = run_r = run_g = True
             for k in keys:
                 e = get(ns_id + k)
                 if e is None:
                     break
-                on_h, on_d, on_r = e.host is not None, e.ssd, e.remote
-                if not (on_h or on_d or on_r):
+                on_h, on_d, on_r, on_g = e.host is not None, e.ssd, e.remote, e.gpu is not None
+                if not (on_h or on_d or on_r or on_g):
                     break
                 n += 1
+                if run_g:
+                    gg, run_g = (gg + 1, True) if on_g else (gg, False)
                 if run_h:
                     h, run_h = (h + 1, True) if on_h else (h, False)
                 if run_d:
@@ -326,6 +334,8 @@ class Store(TierMovement):
                 if run_r:
                     r, run_r = (r + 1, True) if on_r else (r, False)
             per = {"host": h}
+            if self.gpu:
+                per["gpu"] = gg
             if self.ssd is not None:
                 per["ssd"] = d
             if self.remote is not None:
@@ -362,7 +372,10 @@ class Store(TierMovement):
             get = self.index.get
             for k in keys:
                 e = get(ns_id + k)
+                # host before gpu: Locate's readers load from host, and a gpu-only block is
+                # one a prefetch copies down (kvstore/device_movement.py)
                 out.append(None if e is None else "host" if e.host is not None
+                           else "gpu" if e.gpu is not None
                            else "ssd" if e.ssd else "remote" if e.remote else None)
             self.counters["locate_blocks"] += len(keys)
         missing = [i for i, t in enumerate(out) if t is None]
@@ -406,12 +419,14 @@ class Store(TierMovement):
     # ----------------------------------------------------------------- write path
 
     def reserve(self, ns_id: bytes, n: int, tier: str = "host",
-                ttl_s: float | None = None) -> Lease:
+                ttl_s: float | None = None, device: int | None = None) -> Lease:
         tier = self._tier(tier)
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise InvalidArgument(f"count must be a positive integer, got {n!r}")
         if n > MAX_KEYS_PER_CALL:
             raise InvalidArgument(f"count {n} is above the per-call limit {MAX_KEYS_PER_CALL}")
+        if tier == "gpu":
+            return self._gpu_reserve(ns_id, n, ttl_s, device)
         with self._lock:
             self._check_open()
             self._reap_locked()
@@ -448,7 +463,10 @@ class Store(TierMovement):
                 raise InvalidArgument(f"{len(keys)} keys for a lease of {len(lease.slots)} slots")
             if checksums and len(checksums) != len(keys):
                 raise InvalidArgument(f"{len(checksums)} checksums for {len(keys)} keys")
-            views = [self.host.view(s.offset, s.length) for s in lease.slots[:len(keys)]]
+            views = ([] if lease.tier == "gpu" else
+                     [self.host.view(s.offset, s.length) for s in lease.slots[:len(keys)]])
+        if lease.tier == "gpu":
+            return self._gpu_commit(lease_id, keys, parent, checksums)
         # Hashing (the slow part) runs outside the lock, so one client's commit does not stall
         # every other call: the slots belong to this write lease alone, and a lease that
         # expires meanwhile fails the pop below.
@@ -573,7 +591,7 @@ class Store(TierMovement):
     # ----------------------------------------------------------------- read path
 
     def acquire(self, ns_id: bytes, keys: Sequence[bytes], tier: str = "host",
-                ttl_s: float | None = None) -> Lease:
+                ttl_s: float | None = None, device: int | None = None) -> Lease:
         """Pin the longest cached prefix in host memory, promoting from lower tiers.
 
         Blocks to promote get their host slots first, then are read and decoded in parallel
@@ -583,6 +601,8 @@ class Store(TierMovement):
         tier = self._tier(tier)
         keys = self._keys(keys)
         ttl = self.leases.ttl(ttl_s)
+        if tier == "gpu":
+            return self._gpu_acquire(ns_id, keys, ttl, device)
         want = self._remote_wanted(ns_id, keys)
         if len(want) > REMOTE_CHUNK:
             return self._acquire_pipelined(ns_id, keys, tier, ttl, want)
@@ -776,6 +796,9 @@ class Store(TierMovement):
             return self.leases.renew(lease_id, ttl_s)
 
     def _end_lease(self, lease: Lease) -> None:
+        if lease.tier == "gpu":
+            self._gpu_end_lease(lease)
+            return
         if lease.kind == "write":
             for s in lease.slots:
                 self.host.free(s.offset)
@@ -798,8 +821,9 @@ class Store(TierMovement):
                 e = self.index.get(g)
                 if e is None:
                     continue
-                if e.pins or e.moving is not None:
+                if e.pins or e.gpu_pins or e.moving is not None:
                     continue  # leased, or being promoted or demoted: it goes when evicted later
+                self._drop_gpu_copy(e)
                 if e.host is not None:
                     self.host.free(e.host)
                     self.policies["host"].remove(g)
@@ -839,11 +863,14 @@ class Store(TierMovement):
             self._check_open()
             if tier == "host":
                 return self._evict_host(nbytes or None)
+            if tier == "gpu" and self.gpu:
+                return self.evict_gpu(nbytes or None)
             if tier == "ssd":
                 if self.ssd is None:
                     raise Unavailable("the ssd tier is not enabled")
                 return self._evict_ssd(nbytes or None)
-            raise InvalidArgument(f"cannot evict from tier {tier!r}; use 'host' or 'ssd'")
+            raise InvalidArgument(f"cannot evict from tier {tier!r}; use 'host', 'ssd' or "
+                                  "'gpu' (where enabled)")
 
     def flush(self) -> int:
         """Write every host-only block down to SSD and sync; returns blocks written.
@@ -861,9 +888,10 @@ class Store(TierMovement):
         todo = [e for e in self.index.entries() if e.host is not None and not e.ssd]
         for i in range(0, len(todo), 64):
             self._demote_from_host(todo[i:i + 64])
+        n_gpu = self._flush_gpu_locked() if self.gpu else 0
         self.ssd.put_state("policy.ssd", self.policies["ssd"].snapshot())
         self.ssd.sync()
-        return len(todo)
+        return len(todo) + n_gpu
 
     # ----------------------------------------------------------------- reporting
 
@@ -873,7 +901,8 @@ class Store(TierMovement):
     def gpu_info(self) -> list[dict]:
         """GPU pools for RegisterNamespace replies (empty without CUDA or with gpu disabled)."""
         return [{"device": d["device"], "ipc_handle": d["handle"], "size": d["size"],
-                 "owner_pid": d["pid"], "uuid": d.get("uuid", ""), "name": d.get("name", "")}
+                 "owner_pid": d["pid"], "uuid": d.get("uuid", ""), "name": d.get("name", ""),
+                 "kind": d["kind"]}
                 for d in (t.describe() for t in self.gpu.values())]
 
     def stats(self) -> dict:
@@ -887,6 +916,8 @@ class Store(TierMovement):
             ssd_blocks = len(self.ssd) if self.ssd is not None else 0
             remote_blocks = (sum(e.remote for e in self.index.entries())
                              if self.remote is not None else 0)
+            if self.gpu:
+                tiers["gpu"], gpu_devices = self.gpu_stats()
             tiers["host"] = {"capacity_bytes": self.host.capacity,
                              "used_bytes": self.host.used_bytes, "blocks": host_blocks,
                              **self.tier_counters["host"]}
@@ -905,5 +936,6 @@ class Store(TierMovement):
                     t.setdefault(k, 0)
             out_remote = {} if self.remote is None else self.remote.stats
             return {"tiers": tiers, "counters": dict(self.counters), "remote": out_remote,
+                    "gpu_devices": gpu_devices if self.gpu else {},
                     "namespaces": len(self.namespaces), "active_leases": len(self.leases),
                     "blocks": len(self.index), "daemon_id": self.daemon_id}

@@ -13,8 +13,11 @@ SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=8, dtyp
 
 
 def make_store(tmp_path, host_capacity: int = 1 << 20, ssd_capacity: int = 64 << 20,
-               ssd: bool = True, **host_kw) -> Store:
+               ssd: bool = True, gpu_capacity: int = 0, **host_kw) -> Store:
+    """gpu_capacity > 0 enables the gpu tier on the CPU device (tiers/device_cpu.py)."""
     cfg = StoreConfig(data_dir=str(tmp_path / "data"))
+    if gpu_capacity:
+        cfg.gpu.enabled, cfg.gpu.capacity, cfg.gpu.backend = True, gpu_capacity, "cpu"
     cfg.host.capacity = host_capacity
     for k, v in host_kw.items():
         setattr(cfg.host, k, v)

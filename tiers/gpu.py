@@ -1,9 +1,12 @@
-"""GPU tier: one preallocated device slab per GPU, cut into block slots, shared over CUDA IPC.
+"""CUDA implementation of the device interface (tiers/device.py): one preallocated device slab
+per GPU, cut into block slots, shared over CUDA IPC.
 
 Why a slab: clients open it once (`kvstore_client.gpu.open_pool(describe())`) and then copy
 blocks at offsets the daemon hands out, with no per-block IPC handles, allocations or syscalls.
-It mirrors `tiers/host.py`: the same `ExtentAllocator`, the same alloc/free/describe/close, so
-the store treats both slab tiers alike.
+It mirrors `tiers/host.py` and `tiers/device_cpu.py`: the same `ExtentAllocator`, the same
+alloc/free/describe/close, so the store treats every slab tier alike. Nothing here decides
+anything the CPU device does not decide the same way: placement, eviction and verification
+live in the store (kvstore/device_movement.py), planning in the SDK.
 
 Why these streams: demotion (GPU → host) and promotion (host → GPU) run on two daemon-owned
 streams, so they overlap each other and never queue behind an engine's compute. Every batched
@@ -11,14 +14,13 @@ call returns at once with a `Transfer` (an event) or a `Future`; the store waits
 deadline. Lossy demotion quantizes on the GPU (`tiers.codecs.encode_tensor`) so only the
 half-size codes cross PCIe.
 
-Without CUDA the constructor raises `Unavailable("... no CUDA device ...")`; `open_gpu_tiers`
-turns that into one log line and no tier, so the daemon serves normally on CPU-only machines.
+Without CUDA the constructor raises `Unavailable("... no CUDA device ...")`;
+`tiers.device.open_device_tiers` then picks the CPU device (or, with gpu.backend=cuda, no tier).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -26,33 +28,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from kvstore_client.errors import InvalidArgument, KVStoreError, Unavailable
-from kvstore_client.gpu import (
-    PinnedHost,
-    Transfer,
-    coalesce_runs,
-    cuda_available,
-    pin_host,
-    require_cuda,
-)
+from kvstore_client.gpu import PinnedHost, Transfer, pin_host, require_cuda
 from kvstore_client.layout import KVLayout
 
 from .cuda_util import CudaError, DeviceSlab, device_identity
-from .slab import ExtentAllocator, SlabAllocation
+from .device import DEFAULT_WAIT_S, PAGE, DeviceTier, Item, check_host
+from .slab import ExtentAllocator
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-PAGE = 4096
-DEFAULT_WAIT_S = 30.0
-
-Item = tuple[int, int, int]            # (gpu_offset, host_offset, nbytes)
 EncodeFn = Callable[[str, Any, KVLayout], Any]   # (codec, device tensor, layout) -> payload
 
 
-class GPUTier(SlabAllocation):
+class GPUTier(DeviceTier):
     """A `capacity`-byte device slab on `device`, cut into 4 KiB-aligned extents."""
 
-    name = "gpu"
+    kind = "cuda"
 
     def __init__(self, capacity: int, device: int = 0, *, slab_name: str = "") -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < PAGE:
@@ -100,16 +92,6 @@ class GPUTier(SlabAllocation):
         return p
 
     # -- host <-> GPU copies ---------------------------------------------------------------------
-    def copy_to_host(self, offset: int, nbytes: int, host_view: np.ndarray,
-                     timeout_s: float = DEFAULT_WAIT_S) -> None:
-        """Copy slab bytes into `host_view` (1-D uint8, ≥ nbytes) and wait for it."""
-        self.copy_to_host_batch([(offset, 0, nbytes)], host_view).wait(timeout_s)
-
-    def copy_from_host(self, offset: int, nbytes: int, host_view: np.ndarray,
-                       timeout_s: float = DEFAULT_WAIT_S) -> None:
-        """Copy `host_view[:nbytes]` into the slab at `offset` and wait for it."""
-        self.copy_from_host_batch([(offset, 0, nbytes)], host_view).wait(timeout_s)
-
     def copy_to_host_batch(self, items: Sequence[Item], host: np.ndarray,
                            after: Any = None) -> Transfer:
         """Demotion: enqueue GPU → host copies of (gpu_offset, host_offset, nbytes) on the d2h
@@ -120,6 +102,23 @@ class GPUTier(SlabAllocation):
                              after: Any = None) -> Transfer:
         """Promotion: enqueue host → GPU copies on the h2d stream; returns at once."""
         return self._enqueue(items, host, after, to_host=False)
+
+    def gather(self, items: Sequence[Item], dst: DeviceTier | None = None) -> Transfer:
+        """Device -> device on the d2h stream: within this slab or into another GPU tier
+        (peer copy)."""
+        import torch
+
+        target = self if dst is None else dst
+        if not isinstance(target, GPUTier):
+            raise InvalidArgument("a CUDA device can gather only into another CUDA device")
+        s, d, n = self._plan(items, target.capacity, "destination slab")
+        src, out = self._require_open(), target._require_open()
+        with torch.cuda.device(self.device), torch.cuda.stream(self._d2h):
+            for so, do, nb in zip(s.tolist(), d.tolist(), n.tolist(), strict=True):
+                out[do:do + nb].copy_(src[so:so + nb], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._d2h)
+        return Transfer(ev, keepalive=(src, out), method="memcpy", nbytes=int(n.sum()))
 
     def encode_batch(self, items: Sequence[tuple[int, int]], codec: str, layout: KVLayout,
                      after: Any = None, encode_fn: EncodeFn | None = None
@@ -178,22 +177,11 @@ class GPUTier(SlabAllocation):
     def closed(self) -> bool:
         return self._slab.closed
 
-    def __enter__(self) -> GPUTier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- internals -------------------------------------------------------------------------------
     def _require_open(self) -> torch.Tensor:
         if self._slab.closed:
             raise InvalidArgument("gpu tier is closed")
         return self._slab.tensor
-
-    def _check_range(self, offset: int, nbytes: int) -> None:
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity:
-            raise InvalidArgument(f"gpu slab range [{offset}, {offset + nbytes}) is outside the "
-                                  f"{self.capacity}-byte slab")
 
     def _executor(self) -> cf.ThreadPoolExecutor:
         with self._lock:
@@ -207,17 +195,8 @@ class GPUTier(SlabAllocation):
         import torch
 
         gt = self._require_open()
-        if not isinstance(host, np.ndarray) or host.dtype != np.uint8 or host.ndim != 1 \
-                or not host.flags.c_contiguous:
-            raise InvalidArgument("host buffer must be a 1-D contiguous uint8 numpy array")
-        if to_host and not host.flags.writeable:
-            raise InvalidArgument("host buffer for a GPU → host copy must be writable")
-        arr = np.asarray(items, dtype=np.int64).reshape(-1, 3)
-        g, h, n = arr[:, 0], arr[:, 1], arr[:, 2]
-        if arr.size and ((g < 0).any() or (h < 0).any() or (n <= 0).any()
-                         or (g + n > self.capacity).any() or (h + n > host.size).any()):
-            raise InvalidArgument("a copy range lies outside the gpu slab or the host buffer")
-        g, h, n = coalesce_runs(g, h, n)
+        check_host(host, to_host)
+        g, h, n = self._plan(items, host.size, "host buffer")
         stream = self._d2h if to_host else self._h2d
         _wait_after_host(after)
         ht = torch.from_numpy(host)
@@ -252,20 +231,3 @@ def _wait_after_host(after: Any, timeout_s: float = DEFAULT_WAIT_S) -> None:
     """Host-side part of `after`: a Future (e.g. a CPU decode) must finish first."""
     if isinstance(after, cf.Future):
         after.result(timeout=timeout_s)
-
-
-def open_gpu_tiers(capacity: int, devices: Sequence[int], log: logging.Logger | None = None,
-                   slab_prefix: str = "") -> dict[int, GPUTier]:
-    """The daemon's GPU tiers, one per device; without CUDA: {} and one log line."""
-    log = log or logging.getLogger("kvstore")
-    if not cuda_available():
-        log.warning("gpu tier disabled: no CUDA device on this machine (torch.cuda is "
-                    "unavailable); serving from host/ssd only")
-        return {}
-    tiers: dict[int, GPUTier] = {}
-    for dev in devices:
-        try:
-            tiers[dev] = GPUTier(capacity, dev, slab_name=f"{slab_prefix}gpu{dev}")
-        except KVStoreError as e:      # Unavailable, or ResourceExhausted: slab does not fit
-            log.warning("gpu tier on cuda:%s disabled: %s", dev, e)
-    return tiers

@@ -130,6 +130,7 @@ class Client:
             response_deserializer=lambda b: b)
         self.daemon_id = ""
         self._pool: _Pool | None = None
+        self.gpu_pools: list[dict] = []
         self._shm_error: str | None = None
         self._namespaces: weakref.WeakSet[Namespace] = weakref.WeakSet()
         self.leases = LeaseKeeper(self._renew, self._release_quiet)
@@ -177,6 +178,10 @@ class Client:
         """Take the daemon identity and pool from a RegisterNamespace answer (caller locks)."""
         changed = resp.daemon_id != self.daemon_id
         self.daemon_id = resp.daemon_id
+        # Device pools, as `kvstore_client.gpu.open_pool` takes them (kvstore_client/device_kv.py)
+        self.gpu_pools = [{"kind": g.kind or "cuda_ipc", "device": int(g.device),
+                           "handle": bytes(g.ipc_handle), "size": int(g.size),
+                           "pid": int(g.owner_pid), "name": g.name} for g in resp.gpu_pools]
         if self.transport_option == "grpc":
             return
         hp = resp.host_pool

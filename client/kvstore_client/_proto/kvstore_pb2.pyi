@@ -66,16 +66,20 @@ class HostPool(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class GpuPool(_message.Message):
-    __slots__ = ("device", "ipc_handle", "size", "owner_pid")
+    __slots__ = ("device", "ipc_handle", "size", "owner_pid", "kind", "name")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     OWNER_PID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     device: int
     ipc_handle: bytes
     size: int
     owner_pid: int
-    def __init__(self, device: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., size: _Optional[int] = ..., owner_pid: _Optional[int] = ...) -> None: ...
+    kind: str
+    name: str
+    def __init__(self, device: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., size: _Optional[int] = ..., owner_pid: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class RegisterNamespaceRequest(_message.Message):
     __slots__ = ("spec",)
@@ -121,12 +125,14 @@ class LookupResponse(_message.Message):
     def __init__(self, prefix_blocks: _Optional[int] = ..., per_tier: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Slot(_message.Message):
-    __slots__ = ("offset", "length")
+    __slots__ = ("offset", "length", "device")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     offset: int
     length: int
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    device: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "deadline", "tier", "slots", "keys", "checksums")
@@ -145,16 +151,18 @@ class Lease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., deadline: _Optional[float] = ..., tier: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace_id", "count", "tier", "ttl_s")
+    __slots__ = ("namespace_id", "count", "tier", "ttl_s", "device")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     count: int
     tier: str
     ttl_s: float
-    def __init__(self, namespace_id: _Optional[bytes] = ..., count: _Optional[int] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    device: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., count: _Optional[int] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ..., device: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease",)
@@ -183,16 +191,18 @@ class CommitResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "tier", "ttl_s")
+    __slots__ = ("namespace_id", "keys", "tier", "ttl_s", "device")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tier: str
     ttl_s: float
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    device: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ..., device: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease",)

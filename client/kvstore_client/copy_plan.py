@@ -1,0 +1,210 @@
+"""Transfer planning between an engine's paged cache and pool slots (pure numpy).
+
+Why it is separate: the plan is the same whatever executes it (a Triton kernel or torch index
+ops on a GPU, torch index ops on the CPU device), so it is written once, on the CPU, and
+tested there. A plan lists equal-size runs that are contiguous on both sides; the executor only
+moves bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidArgument
+from .layout import KVLayout
+
+# More runs per block than this means the cache layout has no usable contiguous dimension.
+MAX_RUNS_PER_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class TensorGeom:
+    """Address, element size, shape [num_blocks, block_tokens, heads, head_dim] and strides
+    (in elements) of one K or V cache tensor of one layer."""
+
+    addr: int
+    itemsize: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @classmethod
+    def of(cls, t: Any) -> TensorGeom:
+        return cls(int(t.data_ptr()), int(t.element_size()), tuple(t.shape), tuple(t.stride()))
+
+    def extent(self) -> tuple[int, int]:
+        """[lowest, highest+1) byte address any element can occupy."""
+        lo = hi = 0
+        for n, s in zip(self.shape, self.strides, strict=True):
+            if n > 1:
+                if s >= 0:
+                    hi += (n - 1) * s
+                else:
+                    lo += (n - 1) * s
+        return self.addr + lo * self.itemsize, self.addr + (hi + 1) * self.itemsize
+
+    def block_span(self) -> int:
+        """Bytes one block's elements spread over (must not exceed the block stride)."""
+        return (sum((n - 1) * abs(s) for n, s in zip(self.shape[1:], self.strides[1:],
+                                                     strict=True)) + 1) * self.itemsize
+
+
+@dataclass(frozen=True)
+class StaticPlan:
+    """The per-cache part of every transfer, computed once per copier.
+
+    Run r of block b lives at `eng_off[r] + b * eng_stride[r]` in the engine cache and at
+    `slot + part_off[r]` in the pool; every run is `run_bytes` long and contiguous on both sides.
+    """
+
+    run_bytes: int
+    eng_off: np.ndarray       # (R,) int64 absolute byte address of run r of block 0
+    eng_stride: np.ndarray    # (R,) int64 bytes between consecutive blocks
+    part_off: np.ndarray      # (R,) int64 byte offset of run r inside a canonical slot
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Equal-size contiguous runs: run i is `run_bytes` at `engine[i]` ↔ `pool[i]`."""
+
+    engine: np.ndarray       # int64 absolute byte addresses in the engine cache
+    pool: np.ndarray         # int64 absolute byte addresses in the pool
+    run_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.engine.size) * self.run_bytes
+
+
+def _dense_suffix_elems(g: TensorGeom) -> int:
+    """Elements of the longest row-major dense suffix of one block's [T, H, D]."""
+    run, expected = 1, 1
+    for n, s in zip(reversed(g.shape[1:]), reversed(g.strides[1:]), strict=True):
+        if n != 1 and s != expected:
+            break
+        run *= n
+        expected *= n
+    return run
+
+
+def static_plan(geoms: Sequence[TensorGeom], layout: KVLayout) -> StaticPlan:
+    """Runs of one block: the largest pieces contiguous in both the engine tensor and the
+    canonical slot, the same size for every tensor, so one launch moves a whole batch.
+
+    `geoms` lists K and V in canonical order (layer 0 K, layer 0 V, layer 1 K, ...).
+    """
+    T, H, D = layout.block_tokens, layout.num_kv_heads, layout.head_dim
+    if len(geoms) != 2 * layout.num_layers:
+        raise InvalidArgument(f"the cache has {len(geoms)} K/V tensors; the layout needs "
+                              f"{2 * layout.num_layers} ({layout.num_layers} layers x K,V)")
+    nb = geoms[0].shape[0] if geoms and geoms[0].shape else 0
+    for c, g in enumerate(geoms):
+        if len(g.shape) != 4 or tuple(g.shape[1:]) != (T, H, D):
+            raise InvalidArgument(f"cache tensor {c} has shape {g.shape}; expected "
+                                  f"[num_blocks, {T}, {H}, {D}]")
+        if g.itemsize != layout.itemsize:
+            raise InvalidArgument(f"cache tensor {c} has {g.itemsize}-byte elements; the "
+                                  f"namespace dtype {layout.dtype} has {layout.itemsize}")
+        if g.shape[0] != nb:
+            raise InvalidArgument("all cache tensors must have the same number of blocks")
+        if nb > 1 and abs(g.strides[0]) * g.itemsize < g.block_span():
+            raise InvalidArgument(f"cache tensor {c}: blocks overlap (block stride "
+                                  f"{g.strides[0]} elements)")
+    e = layout.itemsize
+    chunk = T * H * D                      # elements of one (layer, K|V) part of a block
+    run = 0
+    for g in geoms:
+        run = int(np.gcd(run, _dense_suffix_elems(g)))
+    q = chunk // run                       # runs per (layer, K|V) part
+    if len(geoms) * q > MAX_RUNS_PER_BLOCK:
+        raise InvalidArgument(f"the cache layout is contiguous only in pieces of {run * e} "
+                              f"bytes ({len(geoms) * q} per block); keep head_dim contiguous "
+                              "(stride 1)")
+    starts = np.arange(q, dtype=np.int64) * run          # canonical element offsets in a part
+    t_i, h_i, d_i = np.unravel_index(starts, (T, H, D))
+    within = np.stack([t_i * g.strides[1] + h_i * g.strides[2] + d_i * g.strides[3]
+                       for g in geoms]).astype(np.int64)                     # (2L, q)
+    addr = np.array([g.addr for g in geoms], dtype=np.int64)[:, None]
+    eng_off = (addr + within * e).reshape(-1)
+    eng_stride = np.repeat(np.array([g.strides[0] * e for g in geoms], dtype=np.int64), q)
+    part_off = (np.arange(len(geoms), dtype=np.int64)[:, None] * chunk * e
+                + (starts * e)[None, :]).reshape(-1)
+    return StaticPlan(run * e, eng_off, eng_stride, part_off, nb)
+
+
+def _as_index_array(name: str, values: Any, bound: int | None = None) -> np.ndarray:
+    arr = np.asarray(values.cpu() if hasattr(values, "cpu") else values)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidArgument(f"{name} must be a 1-D sequence of integers")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and arr.min() < 0:
+        raise InvalidArgument(f"{name} must not be negative")
+    if bound is not None and arr.size and arr.max() >= bound:
+        raise InvalidArgument(f"{name} holds {int(arr.max())}, outside [0, {bound})")
+    return arr
+
+
+def check_batch(sp: StaticPlan, layout: KVLayout, block_ids: Any, slot_offsets: Any,
+                pool_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validate a batch against the cache and pool; O(n), never O(runs)."""
+    blocks = _as_index_array("block_ids", block_ids, sp.num_blocks)
+    slots = _as_index_array("slot_offsets", slot_offsets)
+    if blocks.size != slots.size:
+        raise InvalidArgument(f"{blocks.size} block ids but {slots.size} slot offsets")
+    if slots.size and int(slots.max()) + layout.block_bytes > pool_size:
+        raise InvalidArgument(f"slot offset {int(slots.max())} + block of {layout.block_bytes} "
+                              f"bytes runs past the {pool_size}-byte pool")
+    return blocks, slots
+
+
+def check_distinct(blocks: np.ndarray, slots: np.ndarray, block_bytes: int,
+                   to_pool: bool) -> None:
+    """Two copies writing the same destination would race; refuse the batch."""
+    if to_pool:
+        s = np.sort(slots)
+        if s.size > 1 and (np.diff(s) < block_bytes).any():
+            raise InvalidArgument("pool slots overlap: a destination appears twice in one "
+                                  "transfer")
+    elif np.unique(blocks).size != blocks.size:
+        raise InvalidArgument("engine blocks: a destination appears twice in one transfer")
+
+
+def plan_block_runs(geoms: Sequence[TensorGeom], layout: KVLayout, block_ids: Any,
+                    slot_offsets: Any, pool_addr: int, pool_size: int) -> RunPlan:
+    """Absolute addresses of every run of a batch (host-side; the copier does this on device)."""
+    sp = static_plan(geoms, layout)
+    blocks, slots = check_batch(sp, layout, block_ids, slot_offsets, pool_size)
+    engine = sp.eng_off[None, :] + blocks[:, None] * sp.eng_stride[None, :]
+    pool = pool_addr + slots[:, None] + sp.part_off[None, :]
+    return RunPlan(engine.reshape(-1), pool.reshape(-1), sp.run_bytes)
+
+
+def coalesce_runs(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge runs that continue each other on both sides (fewer, larger copies)."""
+    if src.size == 0:
+        return src, dst, nbytes
+    order = np.argsort(src, kind="stable")
+    s, d, n = src[order], dst[order], nbytes[order]
+    joins = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
+    head = np.concatenate(([True], ~joins))
+    group = np.cumsum(head) - 1
+    sizes = np.bincount(group, weights=n).astype(np.int64)
+    return s[head], d[head], sizes
+
+
+def copy_width(*values: Any) -> int:
+    """Largest element width (≤16 bytes) dividing every address and size: the widest view."""
+    acc = 16
+    for v in values:
+        if isinstance(v, np.ndarray):
+            if v.size:
+                acc |= int(np.bitwise_or.reduce(v.astype(np.int64)))
+        else:
+            acc |= int(v)
+    return min(16, acc & -acc)
+

@@ -1,0 +1,162 @@
+"""Store and load blocks through the daemon's gpu tier: the engine copies, the daemon never does.
+
+Why: a prefix another engine computed should reach this engine's paged cache with one
+device-to-device gather, not through host memory or the daemon's process. The client opens
+the daemon's device pool once by handle (`kvstore_client.gpu.open_pool`: a CUDA IPC slab, or
+the CPU device's shared-memory slab on machines without CUDA), and moves blocks between that
+pool and its own paged cache with `PagedCopier`, at the slot offsets the daemon leases:
+
+    store: Lookup -> Reserve(tier="gpu") -> copier.store (wait) -> Commit
+    load:  Acquire(tier="gpu") -> verify (CPU pools) -> copier.load (wait) -> Release
+
+The daemon promotes blocks found only in host or lower tiers into the pool before it answers
+Acquire, and verifies every block's bytes after each move; the client checks the slots it is
+handed and, where the pool is host memory, the checksums the lease carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+
+from ._proto import kvstore_pb2 as pb
+from .errors import DataLoss, InvalidArgument, LeaseExpired, NotFound
+from .paged_copy import PagedCopier, PagedKVCache
+from .pools import open_pool
+
+if TYPE_CHECKING:
+    from .namespace import Namespace
+
+COPY_WAIT_S = 60.0
+
+
+class DeviceKV:
+    """One engine cache bound to a namespace and one device pool of the daemon.
+
+    cache: the engine's `PagedKVCache` (CUDA tensors for a CUDA pool, CPU tensors for the CPU
+    device). device: which of the daemon's devices (its pool and its slots) to use.
+    """
+
+    def __init__(self, ns: Namespace, cache: PagedKVCache, *, device: int = 0,
+                 method: str = "auto") -> None:
+        self.ns = ns
+        self.device = device
+        self.cache = cache
+        self.method = method
+        self._open()
+
+    def _open(self) -> None:
+        pools = [p for p in self.ns.client.gpu_pools if p["device"] == self.device]
+        if not pools:
+            raise NotFound(f"the daemon offers no gpu pool for device {self.device} (is "
+                           "gpu.enabled set?); offered: "
+                           f"{[p['device'] for p in self.ns.client.gpu_pools]}")
+        self.pool = open_pool(pools[0])
+        self.copier = PagedCopier(self.pool, self.cache, self.ns.layout, method=self.method)
+
+    def _fresh(self) -> None:
+        """Re-open the pool when the daemon restarted (a new slab under the same name)."""
+        current = getattr(self.pool, "current", None)
+        if self.pool.closed or (current is not None and not current()):
+            self.ns.client.resync()
+            self._open()
+
+    def _offsets(self, slots: Sequence[pb.Slot]) -> list[int]:
+        bb = self.ns.block_bytes
+        out = []
+        for s in slots:
+            if s.device != self.device or s.length != bb or s.offset + s.length > self.pool.size:
+                raise DataLoss(f"daemon handed out gpu slot (device {s.device}, {s.offset}, "
+                               f"{s.length}) that does not fit a {bb}-byte block in device "
+                               f"{self.device}'s {self.pool.size}-byte pool")
+            out.append(int(s.offset))
+        return out
+
+    # -- store ------------------------------------------------------------------------------
+    def store_keys(self, keys: Sequence[bytes], block_ids: Any, *,
+                   parent: bytes | None = None) -> int:
+        """Store cache blocks block_ids[i] as keys[i] (the ones not cached yet, in any tier)
+        into the gpu tier; returns blocks written."""
+        keys = list(keys)
+        ids = _ids(block_ids, len(keys))
+        self._fresh()
+        client = self.ns.client
+        have = self.ns.lookup_keys(keys)
+        if have >= len(keys):
+            return 0
+        n = len(keys) - have
+        prev = keys[have - 1] if have else (parent or b"")
+        lease = client.call("Reserve", pb.ReserveRequest(
+            namespace_id=self.ns.ns_id, count=n, tier="gpu", ttl_s=client.lease_ttl_s,
+            device=self.device)).lease
+        lid = lease.lease_id
+        client.leases.add(lid, lease.deadline)
+        committed = False
+        try:
+            offsets = self._offsets(lease.slots)[:n]
+            self.copier.store(ids[have:have + n], offsets).wait(COPY_WAIT_S)
+            sums = ([xxhash.xxh3_64_intdigest(self.pool.view(o, self.ns.block_bytes))
+                     for o in offsets] if client.verify and self.pool.device is None else [])
+            if not client.leases.remove(lid):
+                raise LeaseExpired(f"write lease {lid} expired during the copy")
+            r = client.call("Commit", pb.CommitRequest(lease_id=lid, keys=keys[have:have + n],
+                                                       parent=prev, checksums=sums))
+            committed = True
+            return int(r.stored)
+        finally:
+            if not committed:
+                client.release(lid)
+
+    # -- load -------------------------------------------------------------------------------
+    def load_keys(self, keys: Sequence[bytes], block_ids: Any) -> int:
+        """Gather the cached prefix of keys into cache blocks block_ids[i]; returns blocks
+        loaded. Blocks the daemon holds only in host or lower tiers are promoted first."""
+        keys = list(keys)
+        ids = _ids(block_ids, 0)
+        keys = keys[:len(ids)]
+        if not keys:
+            return 0
+        self._fresh()
+        client = self.ns.client
+        lease = client.call("Acquire", pb.AcquireRequest(
+            namespace_id=self.ns.ns_id, keys=keys, tier="gpu", ttl_s=client.lease_ttl_s,
+            device=self.device)).lease
+        lid = lease.lease_id
+        if not lease.slots:
+            if lid:
+                client.release(lid)
+            return 0
+        client.leases.add(lid, lease.deadline)
+        try:
+            offsets = self._offsets(lease.slots)
+            n = len(offsets)
+            if list(lease.keys[:n]) != keys[:n]:
+                raise DataLoss("the daemon's read lease names other keys than were asked for")
+            if client.verify and self.pool.device is None and len(lease.checksums) == n:
+                # Host-memory pool: checking costs one read of each slot, so it is done.
+                bb = self.ns.block_bytes
+                for j, (o, c) in enumerate(zip(offsets, lease.checksums, strict=True)):
+                    if xxhash.xxh3_64_intdigest(self.pool.view(o, bb)) != c:
+                        client.counters["checksum_failures"] += 1
+                        n = j
+                        break
+            if n:
+                self.copier.load(ids[:n], offsets[:n]).wait(COPY_WAIT_S)
+            if not client.leases.ok(lid):
+                client.counters["leases_lost"] += 1
+                raise LeaseExpired(f"read lease {lid} expired during the copy")
+            return n
+        finally:
+            client.release(lid)
+
+
+def _ids(block_ids: Any, need: int) -> np.ndarray:
+    arr = np.asarray(block_ids.cpu() if hasattr(block_ids, "cpu") else block_ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgument("block_ids must be a 1-D list of integer cache block ids")
+    if len(arr) < need:
+        raise InvalidArgument(f"{len(arr)} block ids for {need} keys")
+    return arr.astype(np.int64)
