@@ -376,4 +376,15 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if from_command_line and args.command == "serve" and not args.no_malloc_tuning:
         tune_malloc(argv)
-    return int(args.func(args) or 0)
+    code = int(args.func(args) or 0)
+    if from_command_line and args.command == "serve":
+        # The daemon has closed everything it owns (store flushed, LMDB closed, shm unlinked,
+        # socket removed, lock released). Skipping the interpreter's teardown (torch, thread
+        # pools, module globals) saves 1-2 s of an idle stop on a loaded machine.
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -292,17 +292,17 @@ class Daemon:
                 self.server.stop(grace).wait(grace + 5)
                 self.server = None
             self._phase = ("store", time.monotonic())
+            self._teardown(close_metrics=metrics_closing is None)
             if metrics_closing is not None:
                 metrics_closing.join(5.0)
                 self.metrics = None
-            self._teardown()
         self._say("stopped")
 
-    def _teardown(self) -> None:
+    def _teardown(self, close_metrics: bool = True) -> None:
         if self.server is not None:
             self.server.stop(None)
             self.server = None
-        if self.metrics is not None:
+        if self.metrics is not None and close_metrics:
             self.metrics.close()
         if self.store is not None:
             try:
