@@ -62,9 +62,27 @@ def _base(tmp_path: Path) -> list[str]:
             "--socket", str(_short_dir(tmp_path) / "kvs.sock")]
 
 
+_SHORT: dict[Path, Path] = {}
+
+
+@pytest.fixture(autouse=True)
+def _short_socket_dir(tmp_path: Path) -> Iterator[None]:
+    """A folder short enough for a socket path (pytest's tmp_path may not be), removed after."""
+    if len(str(tmp_path)) < 80:
+        _SHORT[tmp_path] = tmp_path
+        yield
+        return
+    short = Path(tempfile.mkdtemp(prefix="kvs-op-"))
+    _SHORT[tmp_path] = short
+    try:
+        yield
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+        _SHORT.pop(tmp_path, None)
+
+
 def _short_dir(tmp_path: Path) -> Path:
-    d = tmp_path if len(str(tmp_path)) < 80 else Path(tempfile.mkdtemp(prefix="kvs-op-"))
-    return d
+    return _SHORT[tmp_path]
 
 
 def _try_mount(target: Path, options: str) -> bool:
@@ -156,7 +174,7 @@ def test_port_in_use_is_found_before_the_store_opens(tmp_path, busy_port, flag):
 
 
 def test_socket_path_too_long(tmp_path):
-    long_sock = "/tmp/" + "s" * 120 + ".sock"
+    long_sock = str(tmp_path / ("s" * 120 + ".sock"))
     res, took = serve(["--data-dir", str(tmp_path / "data"), *_base(tmp_path)[:-2],
                        "--socket", long_sock])
     assert_one_line(res, took, "107", "server.socket")
