@@ -152,16 +152,32 @@ def check_ports(cfg: StoreConfig) -> None:
             _bindable(key, addr)
 
 
+def _cpu_device_bytes(cfg: StoreConfig) -> int:
+    """Shared memory the gpu tier takes when the CPU device serves it (no CUDA here)."""
+    g = cfg.gpu
+    if not g.enabled:
+        return 0
+    # /dev/nvidiactl: the cheap, import-free sign of an NVIDIA driver ("auto" picks CUDA).
+    if g.backend == "cpu" or (g.backend == "auto" and not os.path.exists("/dev/nvidiactl")):
+        return g.capacity * len(g.devices)
+    return 0
+
+
 def check_shm(cfg: StoreConfig, shm_dir: str = SHM_DIR) -> None:
-    """The host pool is a shared-memory segment: it must fit in /dev/shm, or pages SIGBUS."""
+    """The host pool (and a CPU-device gpu tier) are shared-memory segments prefaulted at
+    start: they must fit in /dev/shm, or the daemon dies of SIGBUS while prefaulting."""
     if not os.path.isdir(shm_dir):
         return                  # no /dev/shm (not Linux): the host tier reports its own error
     free = _free_bytes(Path(shm_dir))
-    if cfg.host.capacity > free:
+    device = _cpu_device_bytes(cfg)
+    if cfg.host.capacity + device > free:
+        what = (f"host.capacity is {_size(cfg.host.capacity)}" if not device else
+                f"host.capacity ({_size(cfg.host.capacity)}) plus the CPU-device gpu tier "
+                f"({_size(device)}) need {_size(cfg.host.capacity + device)}")
         raise PreflightError(
-            f"host.capacity is {_size(cfg.host.capacity)} but {shm_dir} has only "
-            f"{_size(free)} free; lower --host-capacity or enlarge {shm_dir} (containers: "
-            "docker run --shm-size=..., Kubernetes: an emptyDir with medium: Memory)")
+            f"{what} but {shm_dir} has only {_size(free)} free; lower --host-capacity"
+            f"{' / gpu.capacity' if device else ''} or enlarge {shm_dir} (containers: docker "
+            "run --shm-size=..., Kubernetes: an emptyDir with medium: Memory)")
 
 
 def check_conflicts(cfg: StoreConfig) -> None:
@@ -175,9 +191,6 @@ def check_conflicts(cfg: StoreConfig) -> None:
     if cfg.remote.write_through and not cfg.remote.enabled:
         raise PreflightError("remote.write_through = true needs remote.enabled = true; enable "
                              "the remote tier or drop write_through")
-    if cfg.gpu.enabled and not cfg.gpu.devices:
-        raise PreflightError("gpu.enabled = true but gpu.devices is empty; list the CUDA "
-                             "devices (e.g. gpu.devices = [0]) or disable the GPU tier")
     if cfg.remote.enabled:
         for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
             path = getattr(cfg.remote, key)

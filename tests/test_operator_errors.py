@@ -207,6 +207,18 @@ def test_host_pool_larger_than_dev_shm(tmp_path):
     assert_one_line(res, took, "/dev/shm", "host.capacity", "--host-capacity")
 
 
+def test_cpu_device_gpu_tier_counts_against_dev_shm(tmp_path):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    st = os.statvfs("/dev/shm")
+    # The gpu slab alone fits; with the 16 MiB host pool of _base it does not.
+    gpu = st.f_bavail * st.f_frsize - (8 << 20)
+    res, took = serve(["--data-dir", str(tmp_path / "data"), *_base(tmp_path), "--set",
+                       "gpu.enabled=true", "--set", "gpu.backend=cpu", "--set",
+                       f"gpu.capacity={gpu}", "--set", "gpu.devices=0"])
+    assert_one_line(res, took, "/dev/shm", "CPU-device gpu tier", "gpu.capacity")
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--tcp", "127.0.0.1:58111", "--metrics", "127.0.0.1:58111"], ["both", "--metrics"]),
     (["--set", "ssd.enabled=false", "--set", "ssd.write_through=true"],
