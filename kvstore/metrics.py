@@ -63,6 +63,26 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                   "leases_expired": "Leases reaped after their deadline",
                   "lossy_refused_nonfinite": "Blocks a lossy codec refused (inf/NaN), stored "
                                              "lossless instead"}
+# Series that exist from the first scrape at 0, so `increase()` and `rate()` see the first
+# event (a series that appears with value 1 has no earlier sample to increase from).
+MOVE_PATHS = ("client->host", "host->client", "host->ssd", "ssd->host", "remote->host",
+              "host->remote")
+CODECS = ("lossless", "fp8_e4m3", "int8")
+LOSSY_CODECS = ("fp8_e4m3", "int8")
+# Every status the servicer answers with (kvstore_client.errors codes, CANCELLED for a client
+# that left mid-stream).
+RPC_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION",
+             "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DATA_LOSS", "DEADLINE_EXCEEDED", "INTERNAL")
+
+
+def rpc_methods() -> list[str]:
+    """The KVStore service's methods, from the compiled proto (one source of truth)."""
+    from kvstore_client._proto import kvstore_pb2
+
+    service = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"]
+    return [m.name for m in service.methods]
+
+
 _MOVE = re.compile(r"^bytes_(?:(?P<src>[a-z]+)_)?to_(?P<dst>[a-z]+)$")
 _CODEC = re.compile(r"^codec_(?P<dir>in|out)_bytes_(?P<codec>[a-z0-9_]+)$")
 # Sampled quantization error (kvstore/movement.py): sum and sample count per lossy codec.
@@ -133,6 +153,7 @@ class StoreCollector(Collector):
         other = GaugeMetricFamily("kvstore_tier_other", "Tier figures without their own metric",
                                   labels=["tier", "stat"])
         for tier, fields in tiers.items():
+            fields = {**dict.fromkeys(TIER_COUNTERS, 0), **fields}
             for field, value in fields.items():
                 v = _number(value)
                 if v is None:
@@ -214,19 +235,30 @@ class StoreCollector(Collector):
                  for name, help_ in STORE_COUNTERS.items()}
         for name in known:
             known[name].add_metric([], float(_number(counters.get(name)) or 0.0))
+        zeros = {f"codec_{d}_bytes_{c}": 0 for d in ("in", "out") for c in CODECS}
+        zeros |= {f"codec_blocks_{c}": 0 for c in CODECS}
+        zeros |= {f"codec_{st}_{c}": 0 for st in ("error_sum", "error_samples")
+                  for c in LOSSY_CODECS}
+        zeros |= {f"bytes_{p.replace('->', '_to_')}": 0 for p in MOVE_PATHS}
+        counters = {**zeros, **counters}
+        # Two spellings of one path (bytes_to_remote, bytes_host_to_remote) add up.
+        moved_by_path: dict[str, float] = {}
         for key, value in sorted(counters.items()):
             v = _number(value)
             key = str(key)
             if v is None or key in known:
                 continue
             if m := _MOVE.match(key):
-                moved.add_metric([f"{m.group('src') or 'host'}->{m.group('dst')}"], v)
+                path = f"{m.group('src') or 'host'}->{m.group('dst')}"
+                moved_by_path[path] = moved_by_path.get(path, 0.0) + v
             elif m := _CODEC.match(key):
                 codec[m.group("dir")].add_metric([m.group("codec")], v)
             elif m := _CODEC_STAT.match(key):
                 codec_stats[m.group("stat")].add_metric([m.group("codec")], v)
             else:
                 events.add_metric([metric_name(key)], v)
+        for path, v in sorted(moved_by_path.items()):
+            moved.add_metric([path], v)
         yield from known.values()
         yield moved
         yield from codec.values()
@@ -254,6 +286,12 @@ class Metrics:
         self.started = Gauge("kvstore_start_time_seconds", "Unix time the daemon started",
                              registry=self.registry)
         self.started.set(time.time())
+        for method in rpc_methods():
+            self.rpc_seconds.labels(method)
+            for code in RPC_CODES:
+                self.rpc_total.labels(method, code)
+                if code != "OK":
+                    self.rpc_errors.labels(method, code)
         ProcessCollector(registry=self.registry)
         self.store_collector: StoreCollector | None = None
         if store is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import weakref
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_ADDRESS = "data/kvstore.sock"   # `kvstore serve`'s default socket, relative to its cwd
 
 TRANSPORTS = ("auto", "shm", "grpc")
 
@@ -112,6 +114,7 @@ class Client:
         self.lease_ttl_s = float(lease_ttl_s)
         self._lock = threading.RLock()
         self._closed = False
+        self._reached = False           # a daemon answered once (see call())
         self._channel = grpc.insecure_channel(self.target, options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -139,14 +142,44 @@ class Client:
 
     # -- plumbing -------------------------------------------------------------------------
     def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """One unary RPC with a deadline, statuses turned into errors.* exceptions."""
+        """One unary RPC with a deadline, statuses turned into errors.* exceptions.
+
+        Until a daemon has answered once, a missing socket or a refused connection fails at
+        once ("no kvstore daemon at ..."): that is a wrong address, not a restart. Afterwards
+        calls wait up to their deadline for the channel, so a restarting daemon is waited for.
+        """
         if self._closed:
             raise KVStoreError("client is closed")
+        first = not self._reached
+        if first:
+            self._check_address()
         try:
-            return getattr(self._stub, method)(request, timeout=timeout or self.timeout,
-                                               wait_for_ready=True)
+            resp = getattr(self._stub, method)(request, timeout=timeout or self.timeout,
+                                               wait_for_ready=not first)
         except grpc.RpcError as e:
+            if first and e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise Unavailable(f"no kvstore daemon at {self.address} ({e.details()}); "
+                                  "start one with `kvstore serve` or pass the address it "
+                                  "printed") from None
             raise from_rpc_error(e, method, self.target) from None
+        self._reached = True
+        return resp
+
+    def _check_address(self) -> None:
+        """A Unix socket that is not there cannot be a daemon: say so without a round trip."""
+        if not self.target.startswith("unix:"):
+            return
+        path = self.target[len("unix:"):]
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise Unavailable(f"no kvstore daemon at {path}: the socket does not exist; start "
+                              "one with `kvstore serve` or pass the socket path it printed"
+                              ) from None
+        except OSError as e:
+            raise Unavailable(f"no kvstore daemon at {path}: {e.strerror}") from None
+        if not stat.S_ISSOCK(mode):
+            raise Unavailable(f"no kvstore daemon at {path}: that is not a socket")
 
     def _renew(self, lease_id: str) -> float:
         return self.call("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id,
@@ -280,11 +313,13 @@ class Client:
         self.close()
 
 
-def connect(address: str, *, transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
-            verify: bool = True, lease_ttl_s: float = 0.0) -> Client:
+def connect(address: str | None = None, *, transport: str = "auto",
+            timeout: float = DEFAULT_TIMEOUT_S, verify: bool = True,
+            lease_ttl_s: float = 0.0) -> Client:
     """Connect to a kvstore daemon.
 
-    address: a Unix socket path, "unix:///path", or "host:port".
+    address: a Unix socket path, "unix:///path", or "host:port"; None: $KVSTORE_ADDRESS,
+        else "data/kvstore.sock" (where `kvstore serve` started in this folder listens).
     transport: "shm" maps the daemon's host pool (same host only), "grpc" streams bytes with
         Put/Get, "auto" maps the pool when it can and falls back to streams otherwise.
     timeout: deadline in seconds of every RPC (a restarting daemon is waited for this long).
@@ -293,6 +328,8 @@ def connect(address: str, *, transport: str = "auto", timeout: float = DEFAULT_T
     lease_ttl_s: lease lifetime to ask for (0: the daemon's default); leases in use are renewed.
     The connection is lazy: the first namespace() call talks to the daemon.
     """
+    if address is None:
+        address = os.environ.get("KVSTORE_ADDRESS") or DEFAULT_ADDRESS
     return Client(address, transport=transport, timeout=timeout, verify=verify,
                   lease_ttl_s=lease_ttl_s)
 

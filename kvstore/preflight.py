@@ -1,0 +1,210 @@
+"""Checks `kvstore serve` runs on its config before any slow work.
+
+Why a separate pass: the daemon's slow steps (importing torch, prefaulting the host pool,
+opening LMDB, binding gRPC) each fail on an operator's mistake in their own way, often after
+half a minute and with a traceback or gRPC's log noise. Everything that can be known from the
+config and the machine alone is checked here first, with the standard library only, so a
+mistake costs one line naming the cause and the fix (exit 2) within a second of start.
+
+What stays with the daemon: the data-folder lock (another daemon may start between this check
+and the lock, so the lock is the authority) and the real binds (a port can be taken after the
+check; the daemon reports that too, in one line).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+import tempfile
+from pathlib import Path
+
+from .config import StoreConfig
+
+MAX_SOCKET_PATH = 107          # sockaddr_un.sun_path holds 108 bytes with the NUL
+MIN_FREE_DISK = 64 << 20       # LOCK file, LMDB meta pages and the first blocks
+SHM_DIR = "/dev/shm"
+
+
+class PreflightError(Exception):
+    """An operator's mistake found before start; the message is the one line to print."""
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_data_dir(data_dir: str) -> None:
+    """The data folder exists or can be made, is a folder, is writable and has room."""
+    p = Path(data_dir).absolute()
+    fix = "or pass another --data-dir"
+    if p.exists() and not p.is_dir():
+        raise PreflightError(f"data folder {p} is a file, not a folder; remove it {fix}")
+    if not p.exists():
+        parent = p.parent
+        if not parent.is_dir():
+            raise PreflightError(f"data folder {p} cannot be created: its parent {parent} does "
+                                 f"not exist; create it (mkdir -p {parent}) {fix}")
+        probe_in = parent
+    else:
+        probe_in = p
+    _check_writable(probe_in, p)
+    free = _free_bytes(probe_in)
+    if free < MIN_FREE_DISK:
+        raise PreflightError(f"data folder {p} is on a full disk ({_size(free)} free, at least "
+                             f"{_size(MIN_FREE_DISK)} needed); free some space {fix}")
+
+
+def _check_writable(folder: Path, data_dir: Path) -> None:
+    """Create and remove a file: the only test that also holds for root and read-only mounts."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".kvstore-probe-", dir=folder)
+    except OSError as e:
+        what = ("is on a read-only filesystem" if e.errno == errno.EROFS
+                else f"is not writable by this user (uid {os.geteuid()})"
+                if e.errno in (errno.EACCES, errno.EPERM)
+                else f"cannot be written ({os.strerror(e.errno or 0)})")
+        where = (f"data folder {data_dir}" if folder == data_dir
+                 else f"{folder} (where data folder {data_dir} would be made)")
+        raise PreflightError(f"{where} {what}; fix its permissions or pass another --data-dir"
+                             ) from None
+    os.close(fd)
+    os.unlink(name)
+
+
+def check_socket(socket_path: str, data_dir: str) -> None:
+    """Short enough for sockaddr_un, in an existing folder, not over a non-socket file."""
+    sock = os.path.abspath(socket_path)
+    n = len(sock.encode())
+    if n > MAX_SOCKET_PATH:
+        raise PreflightError(f"socket path {sock} is {n} bytes, longer than the "
+                             f"{MAX_SOCKET_PATH} a Unix socket allows; set --socket "
+                             "(server.socket) to a shorter path")
+    parent = Path(sock).parent
+    if not parent.exists() and parent != Path(data_dir).absolute():
+        raise PreflightError(f"socket folder {parent} does not exist; create it or set "
+                             "--socket (server.socket) to a path in an existing folder")
+    if parent.exists() and not parent.is_dir():
+        raise PreflightError(f"socket path {sock}: {parent} is not a folder; set --socket "
+                             "(server.socket) to a path in an existing folder")
+    try:
+        mode = os.lstat(sock).st_mode
+    except OSError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise PreflightError(f"socket path {sock} exists and is not a socket; remove it or "
+                             "set --socket (server.socket) to another path")
+
+
+def _bindable(key: str, address: str) -> None:
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    port = int(port_text)
+    if port == 0:
+        return                  # any free port: nothing to collide with
+    flag = "--tcp" if key == "tcp" else "--metrics"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise PreflightError(f"server.{key} = {address!r}: cannot resolve host {host!r} "
+                             f"({e.strerror}); set {flag} to a local address") from None
+    family, _, _, _, sockaddr = infos[0]
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # As the real listeners do, so a port in TIME_WAIT after a restart is not "in use".
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(sockaddr)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            why = "is already in use by another process"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            why = f"names an address ({host}) that is not on this machine"
+        elif e.errno == errno.EACCES:
+            why = "needs privileges (ports below 1024)"
+        else:
+            why = f"cannot be bound ({os.strerror(e.errno or 0)})"
+        raise PreflightError(f"server.{key} = {address!r} {why}; set {flag} to another "
+                             "host:port, or '' to disable it") from None
+    finally:
+        s.close()
+
+
+def check_ports(cfg: StoreConfig) -> None:
+    """TCP and metrics listeners: distinct, and free now (before the store opens)."""
+    srv = cfg.server
+    if srv.tcp and srv.metrics and srv.tcp == srv.metrics and not srv.tcp.endswith(":0"):
+        raise PreflightError(f"server.tcp and server.metrics are both {srv.tcp!r}; give the "
+                             "metrics endpoint its own port (--metrics)")
+    for key in ("tcp", "metrics"):
+        addr = getattr(srv, key)
+        if addr:
+            _bindable(key, addr)
+
+
+def _cpu_device_bytes(cfg: StoreConfig) -> int:
+    """Shared memory the gpu tier takes when the CPU device serves it (no CUDA here)."""
+    g = cfg.gpu
+    if not g.enabled:
+        return 0
+    # /dev/nvidiactl: the cheap, import-free sign of an NVIDIA driver ("auto" picks CUDA).
+    if g.backend == "cpu" or (g.backend == "auto" and not os.path.exists("/dev/nvidiactl")):
+        return g.capacity * len(g.devices)
+    return 0
+
+
+def check_shm(cfg: StoreConfig, shm_dir: str = SHM_DIR) -> None:
+    """The host pool (and a CPU-device gpu tier) are shared-memory segments prefaulted at
+    start: they must fit in /dev/shm, or the daemon dies of SIGBUS while prefaulting."""
+    if not os.path.isdir(shm_dir):
+        return                  # no /dev/shm (not Linux): the host tier reports its own error
+    free = _free_bytes(Path(shm_dir))
+    device = _cpu_device_bytes(cfg)
+    if cfg.host.capacity + device > free:
+        what = (f"host.capacity is {_size(cfg.host.capacity)}" if not device else
+                f"host.capacity ({_size(cfg.host.capacity)}) plus the CPU-device gpu tier "
+                f"({_size(device)}) need {_size(cfg.host.capacity + device)}")
+        raise PreflightError(
+            f"{what} but {shm_dir} has only {_size(free)} free; lower --host-capacity"
+            f"{' / gpu.capacity' if device else ''} or enlarge {shm_dir} (containers: docker "
+            "run --shm-size=..., Kubernetes: an emptyDir with medium: Memory)")
+
+
+def check_conflicts(cfg: StoreConfig) -> None:
+    """Settings that are each valid but cannot hold together."""
+    if not cfg.host.enabled:
+        raise PreflightError("host.enabled = false is not supported: every block passes "
+                             "through the host pool; lower host.capacity instead")
+    if cfg.ssd.write_through and not cfg.ssd.enabled:
+        raise PreflightError("ssd.write_through = true needs ssd.enabled = true; enable the SSD "
+                             "tier or drop write_through")
+    if cfg.remote.write_through and not cfg.remote.enabled:
+        raise PreflightError("remote.write_through = true needs remote.enabled = true; enable "
+                             "the remote tier or drop write_through")
+    if cfg.remote.enabled:
+        for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            path = getattr(cfg.remote, key)
+            if path and not os.path.isfile(path):
+                raise PreflightError(f"remote.{key} = {path!r}: no such file")
+        if bool(cfg.remote.tls_cert_file) != bool(cfg.remote.tls_key_file):
+            raise PreflightError("remote.tls_cert_file and remote.tls_key_file go together (a "
+                                 "client certificate needs its key); set both or neither")
+
+
+def preflight(cfg: StoreConfig) -> None:
+    """Every check, cheapest first; raises PreflightError on the first mistake found."""
+    check_conflicts(cfg)
+    check_data_dir(cfg.data_dir)
+    check_socket(cfg.socket_path, cfg.data_dir)
+    check_shm(cfg)
+    check_ports(cfg)

@@ -1,0 +1,61 @@
+"""`kvstore demo`: waits for its daemon and says so, reports why a daemon did not start, runs end
+to end, and says plainly when the machine is too loaded to show a speedup."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.demo import MIN_SHOWN_SPEEDUP, TurnResult, speedup_verdict, temporary_daemon
+
+pytest.importorskip("transformers")
+
+
+def test_temporary_daemon_says_what_it_waits_for():
+    said: list[str] = []
+    with temporary_daemon({"host.capacity": "32MiB", "ssd.capacity": "64MiB"}, say=said.append,
+                          say_every_s=0.2) as address:
+        assert address.startswith("unix:")
+    # Importing torch and prefaulting take far longer than 0.2 s, so it spoke while waiting.
+    assert said and all("waiting for the temporary kvstore daemon to start" in s for s in said)
+    assert any("it last said:" in s for s in said)
+
+
+def test_temporary_daemon_that_cannot_start_says_why():
+    with pytest.raises(RuntimeError) as ei:
+        with temporary_daemon({"host.capacity": "lots"}):
+            pass
+    msg = str(ei.value)
+    assert "exited with code 2" in msg and "host.capacity" in msg and "'lots'" in msg
+
+
+def _turn(n: int, reused: int, base: float, kv: float) -> TurnResult:
+    return TurnResult(n, 256 * n, reused, base, kv, 0.01, 0.0)
+
+
+def test_speedup_verdict():
+    fast = [_turn(1, 0, 0.1, 0.1), _turn(2, 240, 0.2, 0.05), _turn(3, 480, 0.3, 0.06)]
+    median, text = speedup_verdict(fast)
+    assert median == pytest.approx(4.5) and "median TTFT speedup 4.5x" in text
+    assert "720 tokens" in text
+    loaded = [_turn(1, 0, 0.1, 0.1), _turn(2, 240, 0.2, 0.21), _turn(3, 480, 0.3, 0.29)]
+    median, text = speedup_verdict(loaded)
+    assert median < MIN_SHOWN_SPEEDUP and "too loaded" in text and "720 tokens" in text
+    assert speedup_verdict([_turn(1, 0, 0.1, 0.1)])[0] is None
+
+
+def test_demo_end_to_end(tmp_path):
+    plot = tmp_path / "ttft.png"
+    res = subprocess.run(
+        [sys.executable, "-m", "kvstore", "demo", "--model", "tiny", "--turns", "2",
+         "--system-tokens", "64", "--user-tokens", "48", "--reply-tokens", "4", "--repeats",
+         "1", "--plot", str(plot), "--json"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    turns = json.loads(res.stdout.strip().splitlines()[-1])
+    assert turns[0]["reused_tokens"] == 0 and turns[1]["reused_tokens"] >= 64
+    assert "median TTFT speedup" in res.stdout or "no speedup shown" in res.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
