@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_VERSION ?= 0.32.0
 
-.PHONY: setup dev serve test lint demo bench redis clean vllm-env
+.PHONY: setup dev serve test lint demo bench redis promtool clean vllm-env
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,11 @@ redis:
 	  (apt-get update -q && apt-get install -y -q redis-server) >/dev/null; }
 	@# Debian starts a system instance on 6379; the tests start their own on free ports.
 
+promtool:
+	@command -v promtool >/dev/null || { \
+	  echo "installing promtool (checks the shipped Prometheus alert rules)"; \
+	  (apt-get update -q && apt-get install -y -q --no-install-recommends prometheus) >/dev/null; }
+
 serve: setup
 	$(VENV)/bin/kvstore serve $(ARGS)
 
@@ -59,7 +64,7 @@ $(VLLM_VENV)/.installed: client/pyproject.toml
 vllm-env: $(VLLM_VENV)/.installed
 
 # What the test suite needs installed before it runs (append prerequisites here).
-TEST_PREREQS := dev redis vllm-env
+TEST_PREREQS := dev redis promtool vllm-env
 
 test: $(TEST_PREREQS)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
