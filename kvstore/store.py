@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,10 +168,16 @@ class Store(DeviceMovement, TierMovement):
             log.info("rebuilt the index: %d blocks in %d namespaces from SSD", len(self.index),
                      len(self.namespaces))
 
-    def close(self, flush: bool = True) -> None:
+    def close(self, flush: bool = True, flush_budget_s: float | None = None,
+              progress: Callable[[str], None] | None = None) -> None:
         """Refuse new calls, let promotions and demotions in flight settle (they use the slab
         and LMDB without the lock), then flush and release everything. A second caller waits
-        for the first."""
+        for the first.
+
+        `flush_budget_s` bounds the flush (a stop must not hang on a full host pool): blocks
+        not written by then are dropped, which is safe because host-only blocks were never
+        promised durable. `progress` gets a line about once a second while it flushes.
+        """
         with self._lock:
             if self._closed:
                 while not self._shut:
@@ -182,7 +189,7 @@ class Store(DeviceMovement, TierMovement):
                 self._idle.wait()
             try:
                 if flush and self.ssd is not None:
-                    self._flush_locked()
+                    self._flush_locked(flush_budget_s, progress)
             finally:
                 try:
                     self._release_resources()
@@ -882,16 +889,48 @@ class Store(DeviceMovement, TierMovement):
             self._wait_demotions()
             return self._flush_locked()
 
-    def _flush_locked(self) -> int:
+    def _flush_locked(self, budget_s: float | None = None,
+                      progress: Callable[[str], None] | None = None) -> int:
+        """Write host-only blocks to SSD in batches, then sync; returns blocks written.
+
+        With `budget_s`, stops starting batches once that many seconds have passed and says
+        how many blocks it dropped; with `progress`, reports about once a second.
+        """
         if self.ssd is None:
             return 0
         todo = [e for e in self.index.entries() if e.host is not None and not e.ssd]
+        start = last = time.monotonic()
+        done = nbytes = 0
+        if progress is not None and todo:
+            limit = "" if budget_s is None else f", at most {budget_s:g} s"
+            progress(f"flushing {len(todo)} host blocks to SSD{limit}")
         for i in range(0, len(todo), 64):
-            self._demote_from_host(todo[i:i + 64])
-        n_gpu = self._flush_gpu_locked() if self.gpu else 0
+            now = time.monotonic()
+            if budget_s is not None and now - start >= budget_s:
+                left = len(todo) - done
+                self.counters["stop_flush_dropped_blocks"] += left
+                msg = (f"flush stopped after {now - start:.1f} s (server.stop_flush_s): "
+                       f"{left} host-only blocks not written to SSD are dropped")
+                log.warning(msg)
+                if progress is not None:
+                    progress(msg)
+                break
+            if progress is not None and now - last >= 1.0:
+                last = now
+                progress(f"flushed {done}/{len(todo)} blocks, "
+                         f"{nbytes / max(now - start, 1e-9) / 1e9:.2f} GB/s")
+            batch = todo[i:i + 64]
+            self._demote_from_host(batch)
+            done += len(batch)
+            nbytes += sum(e.size for e in batch)
+        else:   # no time ran out: gpu-only blocks go down too
+            done += self._flush_gpu_locked() if self.gpu else 0
         self.ssd.put_state("policy.ssd", self.policies["ssd"].snapshot())
         self.ssd.sync()
-        return len(todo) + n_gpu
+        if progress is not None and todo:
+            dt = time.monotonic() - start
+            progress(f"flushed {done} blocks ({nbytes / 1e9:.2f} GB) in {dt:.1f} s")
+        return done
 
     # ----------------------------------------------------------------- reporting
 
