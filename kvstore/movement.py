@@ -17,11 +17,11 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import msgpack
 import numpy as np
@@ -37,8 +37,11 @@ if TYPE_CHECKING:
     from .store import NamespaceInfo
 
 log = logging.getLogger("kvstore.store")
+T = TypeVar("T")
+R = TypeVar("R")
 
 LOSSY = ("fp8_e4m3", "int8")
+WORKERS = max(2, os.cpu_count() or 2)     # encode/decode threads (zstd, torch, numpy)
 ERROR_SAMPLE_EVERY = 32     # one lossy block in this many is decoded again to measure its error
 
 
@@ -395,7 +398,7 @@ class TierMovement:
             local: Counter = Counter()
             return encode_block(view, layout, codec, local, sample), local
 
-        done = list(self._pool().map(one, jobs)) if len(jobs) > 1 else [one(j) for j in jobs]
+        done = self._parallel(one, jobs)
         total: Counter = Counter()
         for _, local in done:
             total.update(local)
@@ -555,10 +558,7 @@ class TierMovement:
                 # leases hand out must be theirs (decoding is deterministic, so it stays valid).
                 p.new_checksum = xxhash.xxh3_64_intdigest(out)
 
-        if len(jobs) > 1:
-            list(self._pool().map(one, jobs))
-        else:
-            one(jobs[0])
+        self._parallel(one, jobs)
 
     def _settle(self, p: Promotion) -> bool:
         """Phase 3 (locked): publish a filled slot as the block's host copy, or give it back.
@@ -597,12 +597,37 @@ class TierMovement:
         p.entry.moving = None
         self.host.free(p.offset)
 
+    def _parallel(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
+        """[fn(x) for x in items] spread over the worker pool in contiguous chunks, one task
+        per worker and the last chunk on the calling thread.
+
+        Why not Executor.map: it makes one future (a lock, a condition, a queue round trip)
+        per block, which profiled at 16% of a spilling daemon's time.
+        """
+        if len(items) < 2:
+            return [fn(x) for x in items]
+        pool = self._pool()
+        parts = min(len(items), WORKERS + 1)
+        step = -(-len(items) // parts)
+        chunks = [items[i:i + step] for i in range(0, len(items), step)]
+
+        def run(chunk: list[T]) -> list[R]:
+            return [fn(x) for x in chunk]
+        futures = [pool.submit(run, c) for c in chunks[:-1]]
+        out: list[R] = []
+        try:
+            last = run(chunks[-1])
+        finally:
+            for f in futures:
+                out += f.result()     # waits for every chunk, even when ours raised
+        return out + last
+
     def _pool(self) -> ThreadPoolExecutor:
         """The encode/decode workers; safe with or without the store lock held (promotions
         call it outside the lock, and two must not each create a pool)."""
         with self._lock:
             if self._decoders is None:
-                self._decoders = ThreadPoolExecutor(max(2, os.cpu_count() or 2),
+                self._decoders = ThreadPoolExecutor(WORKERS,
                                                     thread_name_prefix="kvstore-decode")
             return self._decoders
 

@@ -12,6 +12,8 @@ page-aligned (PERF-NOTES copy-alignment trap). Not thread-safe: the owner (store
 
 from __future__ import annotations
 
+from collections import deque
+
 from kvstore_client.errors import InvalidArgument, ResourceExhausted
 
 
@@ -29,8 +31,12 @@ class ExtentAllocator:
         self._top = 0                                  # bump pointer: [top, limit) never used
         self._used: dict[int, int] = {}                # offset -> size of allocated extents
         self._free: dict[int, int] = {}                # offset -> size of free extents
-        # size -> insertion-ordered set of free offsets (dict keys): O(1) pop and removal
-        self._by_size: dict[int, dict[int, None]] = {}
+        # size -> free offsets of that size, oldest freed first. A deque, not an ordered dict:
+        # popping a dict's first key walks past every slot deleted before it until the dict
+        # resizes, which made refilling a churned pool quadratic (90 us, then 282 us per
+        # alloc after 200k frees). Offsets only ever leave from the front (exact take, split)
+        # or all at once (coalesce), so a deque is O(1) for every operation used.
+        self._by_size: dict[int, deque[int]] = {}
         self.used_bytes = 0
 
     # -- public -------------------------------------------------------------------------------
@@ -106,23 +112,24 @@ class ExtentAllocator:
     # -- internals ----------------------------------------------------------------------------
     def _add_free(self, off: int, size: int) -> None:
         self._free[off] = size
-        self._by_size.setdefault(size, {})[off] = None
+        bucket = self._by_size.get(size)
+        if bucket is None:
+            bucket = self._by_size[size] = deque()
+        bucket.append(off)
 
-    def _remove_free(self, off: int) -> int:
-        size = self._free.pop(off)
+    def _pop_free(self, size: int) -> int:
+        """The oldest free offset of `size` (the bucket exists and is not empty)."""
         bucket = self._by_size[size]
-        del bucket[off]
+        off = bucket.popleft()
         if not bucket:
             del self._by_size[size]
-        return size
+        del self._free[off]
+        return off
 
     def _take_exact(self, size: int) -> int | None:
-        bucket = self._by_size.get(size)
-        if not bucket:
+        if size not in self._by_size:
             return None
-        off = next(iter(bucket))   # oldest freed first: spreads reuse, keeps it deterministic
-        self._remove_free(off)
-        return off
+        return self._pop_free(size)  # oldest freed first: spreads reuse, deterministic
 
     def _bump(self, size: int) -> int | None:
         if self._top + size > self._limit:
@@ -136,8 +143,7 @@ class ExtentAllocator:
         best = min((s for s in self._by_size if s > size), default=None)
         if best is None:
             return None
-        off = next(iter(self._by_size[best]))
-        self._remove_free(off)
+        off = self._pop_free(best)
         self._add_free(off + size, best - size)
         return off
 
