@@ -3,9 +3,10 @@
 Figures (issue 2):
 - host_vs_memcpy: put + get of 64 x 2 MiB blocks through the Store (copy into the slab, then
   acquire, copy out into a reused buffer, release) against numpy copies of the same bytes.
-- ssd_write_vs_disk: demotion of those blocks (encode + LMDB write + fsync) against a sequential
+- ssd_write_vs_disk: demotion of those blocks (encode + payload-file write + index commit +
+  fsync) against a sequential
   O_DIRECT write of the same bytes.
-- ssd_read_vs_disk: cold promotion (page cache of LMDB's files dropped; read + decode + verify)
+- ssd_read_vs_disk: cold promotion (page cache of the payload file dropped; read + decode + verify)
   against a sequential O_DIRECT read.
 Usage: python bench/tiers.py [--quick] [--dir DIR]. The last line is one JSON object.
 """

@@ -454,7 +454,11 @@ class TierMovement:
         items = list(zip(in_host, self._encode_many(in_host), strict=True)) if in_host else []
         for e in entries:
             if not (from_host or e.host is not None):
-                value = self.ssd.get(e.gkey)
+                try:
+                    value = self.ssd.get(e.gkey)
+                except DataLoss:
+                    self.counters["corrupt_blocks"] += 1
+                    continue                # a corrupt copy is not passed down
                 if value is not None:
                     items.append((e, value))
         items = [(e, v) for e, v in items if self.remote.has_room(len(v))]
@@ -539,7 +543,11 @@ class TierMovement:
             if p.gpu:
                 self._fill_from_gpu(p)
                 return
-            value = self.ssd.get(p.entry.gkey) if p.ssd else None
+            try:
+                value = self.ssd.get(p.entry.gkey) if p.ssd else None
+            except DataLoss as exc:         # the payload fails its checksum: never served
+                p.source, p.error = "ssd", exc
+                return
             p.ssd_missed = p.ssd and value is None
             p.source = "ssd" if value is not None else None
             if value is None and p.remote_value is not None:

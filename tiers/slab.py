@@ -39,6 +39,36 @@ class ExtentAllocator:
         self._by_size: dict[int, deque[int]] = {}
         self.used_bytes = 0
 
+    @classmethod
+    def from_extents(cls, capacity: int, align: int, extents: list[tuple[int, int]]
+                     ) -> ExtentAllocator:
+        """An allocator with `extents` ((offset, size), aligned, disjoint) allocated and every
+        gap below the highest one free: how a persistent tier (SSD) rebuilds it on open."""
+        a = cls(capacity, align)
+        top = 0
+        for off, size in sorted(extents):
+            if off % align or size % align or off < top or off + size > a._limit:
+                raise InvalidArgument(f"extent ({off}, {size}) is unaligned, overlaps another "
+                                      f"or lies past {a._limit}")
+            if off > top:
+                a._add_free(top, off - top)
+            a._used[off] = size
+            a.used_bytes += size
+            top = off + size
+        a._top = top
+        return a
+
+    def grow(self, capacity: int) -> None:
+        """Raise the capacity (a file-backed tier that preallocated more room)."""
+        if capacity > self.capacity:
+            self.capacity = capacity
+            self._limit = capacity - capacity % self.align
+
+    @property
+    def top(self) -> int:
+        """End of the highest extent ever handed out (the file size a tier needs)."""
+        return self._top
+
     # -- public -------------------------------------------------------------------------------
     def round(self, nbytes: int) -> int:
         """The extent size `alloc(nbytes)` takes (nbytes rounded up to the alignment)."""
