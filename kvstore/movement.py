@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -32,9 +32,7 @@ from kvstore_client.layout import KVLayout
 from tiers import codecs, frame
 
 from .index import Entry
-
-if TYPE_CHECKING:
-    from .store import NamespaceInfo
+from .nsinfo import NamespaceInfo
 
 log = logging.getLogger("kvstore.store")
 T = TypeVar("T")
@@ -130,13 +128,50 @@ class Promotion:
     gpu: bool = False               # copy the gpu copy down (kvstore/device_movement.py)
 
 
+def _shared(name: str) -> property:
+    """An attribute of the store this movement serves (read and written through)."""
+    return property(lambda self: getattr(self._store, name),
+                    lambda self, value: setattr(self._store, name, value))
+
+
 class TierMovement:
-    """Mixin of Store: the movement half. Uses the store's attributes: config, host, ssd,
-    remote, index, namespaces, policies, counters, tier_counters, _encoded, _decoders,
-    _remote_fetcher, _lock, _idle, _busy, _demotions, _host_evicting, _ssd_pending. Every method
-    expects the store lock held (once) unless its docstring says not; those whose docstring says
-    so may release it mid-way.
+    """The store's movement half, as an object the store owns (`store.movement`).
+
+    It keeps its own state (demotions in flight, the bytes they free and write, the worker
+    pools) and works on the store's tiers, index, policies, counters and lock, named below.
+    Every method expects the store lock held (once) unless its docstring says not; those
+    whose docstring says so may release it mid-way.
     """
+
+    config = _shared("config")
+    host = _shared("host")
+    ssd = _shared("ssd")
+    remote = _shared("remote")
+    index = _shared("index")
+    namespaces = _shared("namespaces")
+    policies = _shared("policies")
+    counters = _shared("counters")
+    tier_counters = _shared("tier_counters")
+    _lock = _shared("_lock")
+    _idle = _shared("_idle")
+    _busy = _shared("_busy")          # close() waits while it is non-zero
+
+    def __init__(self, store: Any) -> None:
+        """`store`: the kvstore.store.Store this serves (not imported: movement.py must not
+        import store.py, which imports it)."""
+        self._store = store
+        self._demotions: set[threading.Event] = set()   # eviction batches in flight
+        self._host_evicting = 0         # host bytes those batches will free when they settle
+        self._ssd_pending = 0           # SSD bytes they are writing (room made, not yet landed)
+        self._decoders: ThreadPoolExecutor | None = None
+        self._remote_fetcher: ThreadPoolExecutor | None = None
+        self._encoded = 0               # blocks encoded, to sample one in ERROR_SAMPLE_EVERY
+
+    def close(self) -> None:
+        """Stop the worker pools (after the store has let every call settle)."""
+        for pool in (self._decoders, self._remote_fetcher):
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def _host_room(self, need: int) -> None:
         """Evict from host so `need` more bytes fit: past the high watermark, down to the low.
@@ -491,7 +526,7 @@ class TierMovement:
                 if e.host is None and not e.ssd and e.gpu is None:
                     want.append(e.gkey)
         if first_unknown is not None:
-            n = self._remote_extend(ns_id, keys, first_unknown)
+            n = self._store._remote_extend(ns_id, keys, first_unknown)
             want += [ns_id + k for k in keys[first_unknown:first_unknown + n]]
         return want
 
@@ -541,7 +576,7 @@ class TierMovement:
 
         def one(p: Promotion) -> None:
             if p.gpu:
-                self._fill_from_gpu(p)
+                self._store._fill_from_gpu(p)
                 return
             try:
                 value = self.ssd.get(p.entry.gkey) if p.ssd else None
@@ -649,7 +684,7 @@ class TierMovement:
             self.policies["ssd"].remove(e.gkey)
             e.ssd = False
         elif source == "gpu":
-            self._drop_gpu_copy(e)
+            self._store._drop_gpu_copy(e)
         else:
             self.remote.delete_many([e.gkey])
             e.remote = False

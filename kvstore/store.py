@@ -1,6 +1,7 @@
 """The store: namespaces, lookups, leases, and the write and read paths engines call.
 
-How blocks move between tiers (eviction, demotion, promotion) lives in kvstore/movement.py.
+How blocks move between tiers (eviction, demotion, promotion) lives in kvstore/movement.py, in
+a TierMovement object the store owns (`self.movement`), not a base class.
 Everything that changes the index happens under one lock, so the invariants the tests check
 (no leased block evicted, byte accounting equal to the resident sizes plus reserved and
 in-flight slots, no tier over its cap) hold between any two calls. The slow work that can run
@@ -20,7 +21,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +48,7 @@ from .device_movement import DeviceMovement
 from .index import NS_ID_BYTES, BlockIndex, Entry
 from .leases import Lease, LeaseTable, Slot
 from .movement import REMOTE_CHUNK, Promotion, TierMovement, _aligned
+from .nsinfo import NamespaceInfo
 from .policy import EvictionPolicy, make_policy
 
 log = logging.getLogger("kvstore.store")
@@ -55,16 +56,6 @@ log = logging.getLogger("kvstore.store")
 MAX_KEYS_PER_CALL = 1 << 16
 PROMOTION_WAIT_S = 60.0     # an acquire waits this long for another's promotion of its block
 TIERS = ("gpu", "host", "ssd", "remote")
-
-
-@dataclass(frozen=True)
-class NamespaceInfo:
-    ns_id: bytes
-    spec: NamespaceSpec
-
-    @property
-    def block_bytes(self) -> int:
-        return self.spec.layout.block_bytes
 
 
 @dataclass
@@ -79,7 +70,7 @@ class CommitResult:
     duplicates: int
 
 
-class Store(DeviceMovement, TierMovement):
+class Store(DeviceMovement):
     def __init__(self, config: StoreConfig) -> None:
         self.config = config.check()
         self.daemon_id = uuid.uuid4().hex
@@ -90,12 +81,6 @@ class Store(DeviceMovement, TierMovement):
         # eviction batches being demoted, allocations waiting for those (off the lock).
         self._busy = 0
         self._idle = threading.Condition(self._lock)    # notified when one of those settles
-        self._demotions: set[threading.Event] = set()   # eviction batches in flight
-        self._host_evicting = 0         # host bytes those batches will free when they settle
-        self._ssd_pending = 0           # SSD bytes they are writing (room made, not yet landed)
-        self._decoders: ThreadPoolExecutor | None = None
-        self._remote_fetcher: ThreadPoolExecutor | None = None
-        self._encoded = 0               # blocks encoded, to sample one in ERROR_SAMPLE_EVERY
         self.counters: Counter = Counter()
         self.tier_counters: dict[str, Counter] = {t: Counter() for t in TIERS}
         self.namespaces: dict[bytes, NamespaceInfo] = {}
@@ -115,6 +100,7 @@ class Store(DeviceMovement, TierMovement):
         self.device_counters = {dev: Counter() for dev in self.gpu}
         self.ssd: SSDTier | None = None
         self.remote = None
+        self.movement = TierMovement(self)
         self.policies: dict[str, EvictionPolicy] = {
             # No capacity hint: blocks differ in size per namespace, so the policy learns its
             # capacity in blocks from peak residency.
@@ -202,9 +188,7 @@ class Store(DeviceMovement, TierMovement):
             self.ssd.close()
         if self.remote is not None:
             self.remote.close()
-        for pool in (self._decoders, self._remote_fetcher):
-            if pool is not None:
-                pool.shutdown(wait=True)
+        self.movement.close()
         self._close_device_side()
         self.host.close()
 
@@ -444,11 +428,11 @@ class Store(DeviceMovement, TierMovement):
                     f"{n} blocks of {size} bytes do not fit the host tier "
                     f"({self.host.capacity} bytes); reserve in smaller batches")
             ttl = self.leases.ttl(ttl_s)
-            self._host_room(n * _aligned(size))
+            self.movement._host_room(n * _aligned(size))
             offsets: list[int] = []
             try:
                 for _ in range(n):
-                    offsets.append(self._alloc_host(size))
+                    offsets.append(self.movement._alloc_host(size))
             except ResourceExhausted:
                 for off in offsets:
                     self.host.free(off)
@@ -544,11 +528,11 @@ class Store(DeviceMovement, TierMovement):
         if not entries:
             return
         if self.ssd is not None and self.config.ssd.write_through:
-            self._demote_from_host(entries)
+            self.movement._demote_from_host(entries)
         if self.remote is not None and self.config.remote.write_through:
             # from_host=False: each block's source is its host copy if it still has one, else
             # its SSD copy (put's room-making may have evicted an entry it published earlier).
-            self._demote_to_remote([e for e in entries if not e.remote and e.resident],
+            self.movement._demote_to_remote([e for e in entries if not e.remote and e.resident],
                                    from_host=False)
 
     def put(self, ns_id: bytes, keys: Sequence[bytes], blocks: Sequence,
@@ -577,8 +561,8 @@ class Store(DeviceMovement, TierMovement):
                     continue
                 # Making room may release the lock while victims are demoted (another call may
                 # store this key meanwhile: _publish then dedups and the slot goes back).
-                self._host_room(_aligned(size))
-                off = self._alloc_host(size)
+                self.movement._host_room(_aligned(size))
+                off = self.movement._alloc_host(size)
                 view = self.host.view(off, size)
                 view[:] = np.frombuffer(b, dtype=np.uint8)
                 prev = parent if i == 0 else keys[i - 1]
@@ -610,10 +594,10 @@ class Store(DeviceMovement, TierMovement):
         ttl = self.leases.ttl(ttl_s)
         if tier == "gpu":
             return self._gpu_acquire(ns_id, keys, ttl, device)
-        want = self._remote_wanted(ns_id, keys)
+        want = self.movement._remote_wanted(ns_id, keys)
         if len(want) > REMOTE_CHUNK:
             return self._acquire_pipelined(ns_id, keys, tier, ttl, want)
-        return self._acquire_from(ns_id, keys, tier, ttl, self._fetch_remote(want))
+        return self._acquire_from(ns_id, keys, tier, ttl, self.movement._fetch_remote(want))
 
     def _acquire_pipelined(self, ns_id: bytes, keys: list[bytes], tier: str, ttl: float,
                            want: list[bytes]) -> Lease:
@@ -623,16 +607,17 @@ class Store(DeviceMovement, TierMovement):
         where = {ns_id + k: i for i, k in enumerate(keys)}
         ends = [where[c[0]] for c in chunks[1:]] + [len(keys)]
         if any(b <= a for a, b in zip([0, *ends], ends, strict=False)):  # repeated keys
-            return self._acquire_from(ns_id, keys, tier, ttl, self._fetch_remote(want))
+            return self._acquire_from(ns_id, keys, tier, ttl, self.movement._fetch_remote(want))
         wait_s = 5 + 4 * self.config.remote.deadline_ms / 1000
         parts: list[Lease] = []
         start = 0
-        pending = self._fetcher().submit(self._fetch_remote, chunks[0])
+        pending = self.movement._fetcher().submit(self.movement._fetch_remote, chunks[0])
         try:
             for j, end in enumerate(ends):
                 values = pending.result(timeout=wait_s)
                 if j + 1 < len(chunks):
-                    pending = self._fetcher().submit(self._fetch_remote, chunks[j + 1])
+                    pending = self.movement._fetcher().submit(self.movement._fetch_remote,
+                                                              chunks[j + 1])
                 part = self._acquire_from(ns_id, keys[start:end], tier, ttl, values)
                 parts.append(part)
                 if len(part.keys) < end - start:
@@ -702,11 +687,11 @@ class Store(DeviceMovement, TierMovement):
                 return chain, wait
             self._busy += 1                  # close() waits for this round to settle
         try:
-            self._fill(info, jobs)
+            self.movement._fill(info, jobs)
         except BaseException:
             with self._lock:
                 for p in jobs:
-                    self._abandon(p)
+                    self.movement._abandon(p)
                 self._unpin([x for x in chain if isinstance(x, Entry)])
                 self._round_done(flight)
             raise
@@ -715,7 +700,7 @@ class Store(DeviceMovement, TierMovement):
             cut = False
             for x in chain:
                 # Every promotion settles, even past the cut: a good copy is worth keeping.
-                ok = self._settle(x) if isinstance(x, Promotion) else True
+                ok = self.movement._settle(x) if isinstance(x, Promotion) else True
                 e = x.entry if isinstance(x, Promotion) else x
                 cut = cut or not ok
                 if cut:
@@ -744,14 +729,14 @@ class Store(DeviceMovement, TierMovement):
                     continue
                 if e.moving is not None:
                     return chain, e.moving   # another acquire is promoting it
-                p = self._reserve_promotion(e, remote_values, flight)
+                p = self.movement._reserve_promotion(e, remote_values, flight)
                 if p is None:
                     break
                 chain.append(p)
         except BaseException:
             for x in chain:
                 if isinstance(x, Promotion):
-                    self._abandon(x)
+                    self.movement._abandon(x)
             self._unpin([x for x in chain if isinstance(x, Entry)])
             flight.set()
             raise
@@ -869,13 +854,13 @@ class Store(DeviceMovement, TierMovement):
         with self._lock:
             self._check_open()
             if tier == "host":
-                return self._evict_host(nbytes or None)
+                return self.movement._evict_host(nbytes or None)
             if tier == "gpu" and self.gpu:
                 return self.evict_gpu(nbytes or None)
             if tier == "ssd":
                 if self.ssd is None:
                     raise Unavailable("the ssd tier is not enabled")
-                return self._evict_ssd(nbytes or None)
+                return self.movement._evict_ssd(nbytes or None)
             raise InvalidArgument(f"cannot evict from tier {tier!r}; use 'host', 'ssd' or "
                                   "'gpu' (where enabled)")
 
@@ -886,7 +871,7 @@ class Store(DeviceMovement, TierMovement):
         if their write failed, written here)."""
         with self._lock:
             self._check_open()
-            self._wait_demotions()
+            self.movement._wait_demotions()
             return self._flush_locked()
 
     def _flush_locked(self, budget_s: float | None = None,
@@ -920,7 +905,7 @@ class Store(DeviceMovement, TierMovement):
                 progress(f"flushed {done}/{len(todo)} blocks, "
                          f"{nbytes / max(now - start, 1e-9) / 1e9:.2f} GB/s")
             batch = todo[i:i + 64]
-            self._demote_from_host(batch)
+            self.movement._demote_from_host(batch)
             done += len(batch)
             nbytes += sum(e.size for e in batch)
         else:   # no time ran out: gpu-only blocks go down too
