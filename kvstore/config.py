@@ -64,6 +64,7 @@ class TierConfig:
 class HostConfig(TierConfig):
     capacity: int = 1 << 30
     shm_name: str = ""              # default: derived from the data folder
+    background_demotion: bool = True  # demote down to low_watermark on a background thread
 
 
 @dataclass

@@ -166,9 +166,46 @@ class TierMovement:
         self._decoders: ThreadPoolExecutor | None = None
         self._remote_fetcher: ThreadPoolExecutor | None = None
         self._encoded = 0               # blocks encoded, to sample one in ERROR_SAMPLE_EVERY
+        # Background demotion: woken when host use passes the low watermark (see _demote_loop).
+        self._wake = threading.Condition(store._lock)
+        self._demoter: threading.Thread | None = None
+
+    def start_background(self) -> None:
+        """Start demoting in the background, if there is a tier to demote to and it is on."""
+        if (self._demoter is not None or not self.config.host.background_demotion
+                or (self.ssd is None and self.remote is None)):
+            return
+        self._demoter = threading.Thread(target=self._demote_loop, name="kvstore-demoter",
+                                         daemon=True)
+        self._demoter.start()
+
+    def _demote_loop(self) -> None:
+        """Keep host use at or under the low watermark, so writers rarely evict inline.
+
+        Why: demotion (encode + SSD write) ran on the Reserve that needed room, so a spilling
+        engine stored 10-30 blocks/s and every other engine's lookups waited behind it. Here
+        it runs in batches on its own thread, releasing the store lock for each batch's encode
+        and write exactly as an inline eviction does (_evict_batch); a writer evicts inline only
+        when use would pass the high watermark anyway (counted as `reserve_waits`).
+        """
+        with self._lock:
+            while not self._store._closed:
+                over = (self.host.used_bytes - self._host_evicting
+                        - self.config.host.low_watermark * self.host.capacity)
+                freed = 0
+                if over > 0:
+                    try:
+                        freed, _ = self._evict_host(int(over))
+                        self.counters["background_demotion_bytes"] += freed
+                    except Exception as exc:  # the next round retries; inline eviction remains
+                        self.counters["background_demotion_errors"] += 1
+                        log.warning("background demotion failed: %s", exc)
+                if not freed:
+                    self._wake.wait(0.25)
 
     def close(self) -> None:
         """Stop the worker pools (after the store has let every call settle)."""
+        self._wake.notify_all()          # the caller holds the store lock; the demoter exits
         for pool in (self._decoders, self._remote_fetcher):
             if pool is not None:
                 pool.shutdown(wait=True)
@@ -184,10 +221,18 @@ class TierMovement:
         cap = self.host.capacity
         high, low = self.config.host.high_watermark * cap, self.config.host.low_watermark * cap
         used = self.host.used_bytes - self._host_evicting
+        if used + need > low and self._demoter is not None:
+            self._wake.notify()          # the background demoter makes room from here on
         if used + need <= high:
             return
         target = max(0.0, min(low, high - need))
         self._evict_host(int(used + need - target))
+
+    def must_evict_inline(self, need: int) -> bool:
+        """Whether making room for `need` more host bytes means evicting on the caller's
+        thread now (background demotion has not kept up); a Reserve then waits."""
+        used = self.host.used_bytes - self._host_evicting
+        return used + need > self.config.host.high_watermark * self.host.capacity
 
     def _alloc_host(self, nbytes: int) -> int:
         """A host slot of `nbytes`, evicting (and demoting, without the lock) until one fits.

@@ -121,6 +121,7 @@ class Store(DeviceMovement):
                 self.ssd.close()
             raise
         self._stop = threading.Event()
+        self.movement.start_background()
         self._reaper = threading.Thread(target=self._reap_loop, name="kvstore-reaper",
                                         daemon=True)
         self._reaper.start()
@@ -428,6 +429,8 @@ class Store(DeviceMovement):
                     f"{n} blocks of {size} bytes do not fit the host tier "
                     f"({self.host.capacity} bytes); reserve in smaller batches")
             ttl = self.leases.ttl(ttl_s)
+            t0 = time.perf_counter()
+            waits = self.movement.must_evict_inline(n * _aligned(size))
             self.movement._host_room(n * _aligned(size))
             offsets: list[int] = []
             try:
@@ -437,6 +440,9 @@ class Store(DeviceMovement):
                 for off in offsets:
                     self.host.free(off)
                 raise
+            if waits:                        # made room inline: this Reserve waited for it
+                self.counters["reserve_waits"] += 1
+                self.counters["reserve_wait_seconds"] += time.perf_counter() - t0
             return self.leases.new("write", bytes(ns_id), tier,
                                    [Slot(o, size) for o in offsets], ttl)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -97,3 +98,44 @@ def test_sigterm_prints_flush_progress_and_stops(tmp_path):
     assert "stopping: finishing in-flight calls" in out
     assert "flushing 20 host blocks to SSD, at most 30 s" in out
     assert "flushed 20 blocks" in out and "stopped" in out
+
+
+def _wait(cond, deadline_s: float = 30.0) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_background_demotion_keeps_host_under_low_watermark(tmp_path):
+    store = make_store(tmp_path, host_capacity=1 << 20)     # 1 MiB: ~250 slots of 4 KiB
+    try:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(3), 230)   # ~90%: past low, under high
+        blocks = [kv_block(k) for k in keys]
+        store.put(ns, keys, blocks)
+        low = store.config.host.low_watermark * store.host.capacity
+        assert _wait(lambda: store.host.used_bytes <= low), store.host.used_bytes
+        st = store.stats()
+        assert st["counters"].get("reserve_waits", 0) == 0
+        assert st["counters"]["background_demotion_bytes"] > 0
+        assert st["tiers"]["ssd"]["blocks"] > 0
+        assert [v for _, v in store.get(ns, keys)] == blocks     # demoted blocks come back
+    finally:
+        store.close()
+
+
+def test_reserve_that_must_evict_inline_is_counted(tmp_path):
+    store = make_store(tmp_path, host_capacity=1 << 20, background_demotion=False)
+    try:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(4), 240)
+        store.put(ns, keys, [kv_block(k) for k in keys])         # fill to ~94%, no demoter
+        lease = store.reserve(ns, 20)                            # needs room: evicts inline
+        store.release(lease.id)
+        c = store.stats()["counters"]
+        assert c["reserve_waits"] == 1 and c["reserve_wait_seconds"] > 0
+    finally:
+        store.close()

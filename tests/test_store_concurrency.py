@@ -123,9 +123,24 @@ def check_live(store) -> None:
                     assert e is not None and e.host == s.offset and e.pins > 0
 
 
-def check_quiet(store) -> None:
-    """Exact accounting once nothing is in flight: every allocated host byte has one owner."""
+def check_quiet(store, deadline_s: float = 30.0) -> None:
+    """Exact accounting once nothing is in flight: every allocated host byte has one owner.
+
+    The background demoter may still be finishing a batch after the callers stopped: wait
+    until, with the lock held, nothing is in flight (it starts batches only under the lock).
+    """
     check_live(store)
+    end = time.monotonic() + deadline_s
+    while True:
+        with store._lock:
+            if store._busy == 0:
+                _check_accounting(store)
+                return
+        assert time.monotonic() < end, "calls or demotions still in flight after the deadline"
+        time.sleep(0.01)
+
+
+def _check_accounting(store) -> None:
     with store._lock:
         assert store._busy == 0
         entries = list(store.index.entries())
