@@ -877,7 +877,11 @@ class Store(DeviceMovement):
         if their write failed, written here)."""
         with self._lock:
             self._check_open()
-            self.movement._wait_demotions()
+            # Until none is in flight with the lock held: while it waited, the background
+            # demoter (or another writer) may have started a batch, whose blocks flush would
+            # skip (they are moving) and would then not be synced.
+            while self.movement._wait_demotions():
+                pass
             return self._flush_locked()
 
     def _flush_locked(self, budget_s: float | None = None,
