@@ -70,6 +70,29 @@ class CommitResult:
     duplicates: int
 
 
+def _parents_first(records: dict[bytes, tuple[bytes, dict]]) -> list[bytes]:
+    """The keys of `records` ordered so every parent comes before its children, in linear time.
+
+    Why: the index and the policies check for parent-link cycles whenever a block arrives that
+    indexed children already wait for, walking its ancestors. Loaded in LMDB's key order (random
+    with respect to the chains) nearly every block is such a one, which made rebuilding 100k
+    blocks of long prompts take 23 s; in this order no block ever waits. A cycle (impossible in
+    data the store wrote, which drops cycle-closing links) just ends the walk.
+    """
+    done: set[bytes] = set()
+    out: list[bytes] = []
+    for g in records:
+        chain = []
+        while g is not None and g not in done and g in records:
+            chain.append(g)
+            done.add(g)
+            ns_id, m = records[g]
+            p = m.get("p")
+            g = ns_id + p if p else None
+        out.extend(reversed(chain))
+    return out
+
+
 class Store(DeviceMovement):
     def __init__(self, config: StoreConfig) -> None:
         self.config = config.check()
@@ -137,12 +160,15 @@ class Store(DeviceMovement):
             self.namespaces[ns_id] = NamespaceInfo(ns_id, spec)
         policy = self.policies["ssd"]
         state = self.ssd.get_state("policy.ssd")
+        records = {}
         for gkey, meta, _vsize in self.ssd.scan_meta():
-            m = msgpack.unpackb(meta)
-            ns_id, key = gkey[:NS_ID_BYTES], gkey[NS_ID_BYTES:]
-            if ns_id not in self.namespaces:
-                continue
-            e = Entry(ns_id, key, m.get("p") or None, m["s"], m.get("c", 0), ssd=True)
+            info = self.namespaces.get(gkey[:NS_ID_BYTES])
+            if info is not None:
+                records[gkey] = (info.ns_id, msgpack.unpackb(meta))
+        for gkey in _parents_first(records):
+            ns_id, m = records[gkey]
+            e = Entry(ns_id, gkey[NS_ID_BYTES:], m.get("p") or None, m["s"], m.get("c", 0),
+                      ssd=True)
             self.index.add(e)
             policy.insert(gkey, e.parent_gkey, e.size)
         self.index.recount_children()
