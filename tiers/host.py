@@ -149,7 +149,7 @@ class _Prefaulter(threading.Thread):
         self._stopped = threading.Event()
 
     def run(self) -> None:
-        for start in range(_PREFAULT_CHUNK, self._size, _PREFAULT_CHUNK):
+        for start in range(0, self._size, _PREFAULT_CHUNK):
             if self._stopped.is_set():
                 return
             _populate(self._addr + start, min(_PREFAULT_CHUNK, self._size - start))
@@ -171,7 +171,7 @@ def _prefault(arr: np.ndarray) -> _Prefaulter | None:
     in the background where the kernel can populate pages (Linux 5.14+), else by writing
     zeros now."""
     addr = arr.ctypes.data
-    if _populate(addr, min(_PREFAULT_CHUNK, arr.size)):
+    if _populate(addr, min(PAGE, arr.size)):         # one page: is the call supported?
         t = _Prefaulter(addr, arr.size)
         t.start()
         return t
