@@ -619,21 +619,7 @@ class TierMovement:
         """
         layout = info.spec.layout
 
-        def one(p: Promotion) -> None:
-            if p.gpu:
-                self._store._fill_from_gpu(p)
-                return
-            try:
-                value = self.ssd.get(p.entry.gkey) if p.ssd else None
-            except DataLoss as exc:         # the payload fails its checksum: never served
-                p.source, p.error = "ssd", exc
-                return
-            p.ssd_missed = p.ssd and value is None
-            p.source = "ssd" if value is not None else None
-            if value is None and p.remote_value is not None:
-                value, p.source = p.remote_value, "remote"
-            if value is None:
-                return
+        def decode(p: Promotion, value: object) -> None:
             p.nbytes = len(value[2]) if isinstance(value, tuple) else len(value)
             out = self.host.view(p.offset, p.entry.size)
             try:
@@ -645,6 +631,25 @@ class TierMovement:
                 # After a lossy promotion the slot holds dequantized bytes: the checksum read
                 # leases hand out must be theirs (decoding is deterministic, so it stays valid).
                 p.new_checksum = xxhash.xxh3_64_intdigest(out)
+
+        def one(p: Promotion) -> None:
+            if p.gpu:
+                self._store._fill_from_gpu(p)
+                return
+            if p.ssd:
+                # Decoded straight from the tier's read buffer (one O_DIRECT read, no copy).
+                try:
+                    found = self.ssd.visit(p.entry.gkey, lambda mv: decode(p, mv) or True)
+                except DataLoss as exc:     # the payload fails its checksum: never served
+                    p.source, p.error = "ssd", exc
+                    return
+                if found:
+                    p.source = "ssd"
+                    return
+                p.ssd_missed = True
+            if p.remote_value is not None:
+                p.source = "remote"
+                decode(p, p.remote_value)
 
         self._parallel(one, jobs)
 

@@ -202,7 +202,7 @@ class SSDTier:
             if raw is None:
                 return None
             off, length, checksum = _REC.unpack_from(raw)
-            value = os.pread(self._fd, length, off)
+            value = bytes(self._read_extent(off, length))
         if len(value) != length or xxhash.xxh3_64_intdigest(value) != checksum:
             raise DataLoss(f"SSD block {k.hex()} fails its checksum (torn or overwritten "
                            "payload)")
@@ -214,9 +214,45 @@ class SSDTier:
 
     def visit(self, gkey: bytes, fn: Callable[[memoryview], T]) -> T | None:
         """Call fn on a view of the verified value (valid only during the call); None if the
-        key is missing."""
-        value = self.get(gkey)
-        return None if value is None else fn(memoryview(value))
+        key is missing; DataLoss when it fails its checksum.
+
+        Why: promotion decodes straight from this view, which is a reused, page-aligned
+        per-thread buffer filled by one O_DIRECT read where the file allows it: no fresh
+        multi-MiB object per block (page faults) and no readahead-sized split of the read.
+        """
+        k = _key(gkey)
+        with self._pinned(), self._read() as txn:     # close() waits for the read
+            raw = txn.get(k, db=self._index)
+            if raw is None:
+                return None
+            off, length, checksum = _REC.unpack_from(raw)
+            view = self._read_extent(off, length)
+        if len(view) != length or xxhash.xxh3_64_intdigest(view) != checksum:
+            raise DataLoss(f"SSD block {k.hex()} fails its checksum (torn or overwritten "
+                           "payload)")
+        return fn(view)
+
+    def _read_extent(self, off: int, length: int) -> memoryview:
+        """`length` bytes at `off`, read into this thread's reusable read buffer."""
+        size = extent_size(length)
+        buf = getattr(self._tls, "rbuf", None)
+        if buf is None or len(buf) < size:
+            buf = self._tls.rbuf = mmap.mmap(-1, max(size, 4 << 20))
+        view = memoryview(buf)
+        fd = self._dfd if self._dfd is not None else self._fd
+        got = 0
+        while got < length:
+            try:
+                n = os.preadv(fd, [view[got:size]], off + got)
+            except OSError as exc:
+                if fd != self._dfd or exc.errno != errno.EINVAL:
+                    raise
+                fd = self._fd                  # O_DIRECT refused for reads: buffered
+                continue
+            if n <= 0:
+                break
+            got += n
+        return view[:min(got, length)]
 
     def get_meta(self, gkey: bytes) -> bytes | None:
         rec = self._record(_key(gkey))
