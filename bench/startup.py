@@ -1,4 +1,4 @@
-"""Startup and stop of the real `kvstore serve` (issue 16: an operator's first hour).
+"""Startup and stop of the real `kvstore serve` (issue 16: an operator's first hour; issue 14).
 
 Figures, each the median of `--runs` runs:
   mistake_exit_s    spawn -> exit of `kvstore serve` with a TCP port already in use: the
@@ -6,12 +6,21 @@ Figures, each the median of `--runs` runs:
                     Target < 5 s.
   python_floor_s    spawn -> exit of `python -c "import kvstore.cli"`: the interpreter's own
                     start, the floor under mistake_exit_s on this machine right now.
-  start_s           spawn -> health SERVING (imports torch, prefaults the host pool, opens LMDB).
+  start_s           spawn -> health SERVING (prefaults the host pool, opens LMDB).
   idle_sigterm_s    SIGTERM -> exit of a daemon that serves nothing. Target < 1 s.
   mistake_vs_start  mistake_exit_s / start_s: how much of the start a mistake costs (small).
+Issue 14's ratios, against references measured in the same run:
+  ready_vs_bare_grpc    daemon with the default config (TCP and a fixed metrics port off),
+                        spawn -> SERVING, against a bare grpcio server process with only the
+                        health service on a Unix socket. Target <= 2.
+  restart_100k_vs_bare  the same for a daemon whose SSD tier holds 100k blocks (the index is
+                        rebuilt at start). Target <= 3.
+  stop_flush_vs_disk    GB/s at which SIGTERM writes a full host pool down to SSD (from the
+                        daemon's own "flushed N blocks (X GB) in Y s" line) against a
+                        sequential O_DIRECT write on the same disk. Target >= 0.5.
 
-Usage: python bench/startup.py [--quick] [--runs N] [--host-capacity SIZE]. The last line of
-the output is one JSON object.
+Usage: python bench/startup.py [--quick] [--runs N] [--host-capacity SIZE] [--dir DIR]. The
+last line of the output is one JSON object.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,7 +39,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import numpy as np
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+from bench.refs import odirect_write_read  # noqa: E402
+
+ROOT = _HERE.parent
 
 
 def _env() -> dict[str, str]:
@@ -102,11 +119,183 @@ def start_and_stop(tmp: Path, host_capacity: str) -> tuple[float, float]:
     return start, stop
 
 
+DEADLINE_S = 120.0
+BARE_SERVER = """
+import sys
+from concurrent import futures
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+server = grpc.server(futures.ThreadPoolExecutor(4))
+h = health.HealthServicer()
+health_pb2_grpc.add_HealthServicer_to_server(h, server)
+server.add_insecure_port("unix:" + sys.argv[1])
+server.start()
+h.set("", health_pb2.HealthCheckResponse.SERVING)
+server.wait_for_termination()
+"""
+_FLUSHED = re.compile(r"flushed (\d+) blocks \(([\d.]+) GB\) in ([\d.]+) s")
+
+
+def _spawn_until_ready(argv: list[str], sock: str, log: Path) -> tuple[subprocess.Popen, float]:
+    """Start a process and poll its socket's health; returns it and the seconds to SERVING."""
+    with open(log, "wb") as out:
+        t = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_env(),
+                                stdin=subprocess.DEVNULL)
+    end = time.monotonic() + DEADLINE_S
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{argv[:4]} exited with {proc.returncode}: "
+                               f"{log.read_text(errors='replace')[-2000:]}")
+        if os.path.exists(sock) and _serving(sock):
+            return proc, time.perf_counter() - t
+        time.sleep(0.01)
+    proc.kill()
+    raise RuntimeError(f"{argv[:4]} not SERVING within {DEADLINE_S} s")
+
+
+def _stop(proc: subprocess.Popen, timeout: float = DEADLINE_S) -> float:
+    t = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        raise RuntimeError(f"process ignored SIGTERM for {timeout} s") from None
+    return time.perf_counter() - t
+
+
+def _daemon_argv(data: Path, sock: str, extra: dict[str, str] | None = None) -> list[str]:
+    args = [sys.executable, "-m", "kvstore", "serve", "--data-dir", str(data), "--socket", sock,
+            "--set", "server.tcp=", "--set", "server.metrics="]
+    for k, v in (extra or {}).items():
+        args += ["--set", f"{k}={v}"]
+    return args
+
+
+def bare_start_s(tmp: Path, runs: int) -> float:
+    times = []
+    for i in range(runs):
+        sock = str(tmp / f"bare{i}.sock")
+        proc, dt = _spawn_until_ready([sys.executable, "-c", BARE_SERVER, sock], sock,
+                                      tmp / f"bare{i}.log")
+        times.append(dt)
+        proc.kill()
+        proc.wait(10)
+    return statistics.median(times)
+
+
+def daemon_start_s(tmp: Path, data: Path, runs: int, extra: dict[str, str] | None = None
+                   ) -> float:
+    times = []
+    for i in range(runs):
+        sock = str(tmp / "d.sock")
+        proc, dt = _spawn_until_ready(_daemon_argv(data, sock, extra), sock,
+                                      tmp / f"daemon{i}.log")
+        times.append(dt)
+        _stop(proc)
+    return statistics.median(times)
+
+
+def fill_ssd(data: Path, n_blocks: int) -> None:
+    """n small blocks written down to the SSD tier through the Store (the real format)."""
+    from kvstore_client import KVLayout, NamespaceSpec
+
+    from kvstore.config import StoreConfig
+    from kvstore.store import Store
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_tokens=16,
+                      dtype="float16")                       # 1 KiB blocks
+    cfg = StoreConfig(data_dir=str(data))
+    cfg.host.capacity = 64 << 20
+    cfg.ssd.capacity = 1 << 30
+    rng = np.random.default_rng(1)
+    with Store(cfg) as store:
+        ns = store.register_namespace(NamespaceSpec(model="startup-bench",
+                                                    layout=layout)).ns_id
+        block = rng.integers(0, 255, layout.block_bytes, dtype=np.uint8).tobytes()
+        step = 4096
+        for start in range(0, n_blocks, step):
+            keys = [i.to_bytes(16, "little") for i in range(start, min(n_blocks, start + step))]
+            store.put(ns, keys, [block] * len(keys))
+        store.flush()
+        assert len(store.ssd) >= n_blocks, f"only {len(store.ssd)} blocks reached SSD"
+
+
+def stop_flush_gbps(tmp: Path, pool_bytes: int) -> tuple[float, float, str]:
+    """Fill a daemon's host pool over shm, SIGTERM it, read the flush rate from its log."""
+    from kvstore_client import KVLayout, connect
+
+    data = tmp / "flush-data"
+    sock = str(tmp / "f.sock")
+    log = tmp / "flush.log"
+    cap = pool_bytes * 2
+    proc, _ = _spawn_until_ready(
+        _daemon_argv(data, sock, {"host.capacity": str(cap), "ssd.capacity": str(4 * cap),
+                                  "server.stop_flush_s": "600"}), sock, log)
+    layout = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_tokens=32,
+                      dtype="bfloat16")                        # 2 MiB blocks
+    n = max(1, pool_bytes // layout.block_bytes)
+    rng = np.random.default_rng(2)
+    shape = layout.block_shape
+    x = (rng.standard_normal((shape[0], 2, 8 * shape[2], shape[3], shape[4]),
+                             dtype=np.float32))
+    kv = (x.view(np.uint32) >> 16).astype(np.uint16)     # bf16 bits, 8 blocks of tokens
+    try:
+        with connect("unix:" + sock) as c:
+            ns = c.namespace(layout, model="startup-flush")
+            for b in range(0, n, 8):
+                keys = [(b + j).to_bytes(16, "little") for j in range(min(8, n - b))]
+                ns.store_keys(keys, kv[:, :, :len(keys) * shape[2]])
+        stop_s = _stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text(errors="replace")
+    m = _FLUSHED.search(text)
+    if m is None:
+        raise RuntimeError(f"no flush line in the daemon's output:\n{text[-2000:]}")
+    gb, secs = float(m.group(2)), float(m.group(3))
+    return gb / max(secs, 1e-9), stop_s, m.group(0)
+
+
+def issue14_figures(quick: bool, folder: str) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-startup-", dir=folder))
+    runs = 3 if quick else 7
+    try:
+        bare = bare_start_s(tmp, runs)
+        ready = daemon_start_s(tmp, tmp / "fresh", runs)
+        n_blocks = 100_000
+        fill_ssd(tmp / "warm", n_blocks)
+        restart = daemon_start_s(tmp, tmp / "warm", runs, {"ssd.capacity": str(1 << 30)})
+        pool = (256 if quick else 1024) << 20
+        flush_gbps, stop_s, line = stop_flush_gbps(tmp, pool)
+        disk_w, _ = odirect_write_read(str(tmp), pool)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    disk_gbps = pool / disk_w / 1e9
+    return {
+        "ready_vs_bare_grpc": round(ready / bare, 3),
+        "restart_100k_vs_bare": round(restart / bare, 3),
+        "stop_flush_vs_disk": round(flush_gbps / disk_gbps, 3),
+        "bare_grpc_ready_s": round(bare, 3),
+        "daemon_ready_s": round(ready, 3),
+        "restart_100k_ready_s": round(restart, 3),
+        "stop_flush_gbps": round(flush_gbps, 3),
+        "disk_write_gbps": round(disk_gbps, 3),
+        "stop_total_s": round(stop_s, 2),
+        "flush_line": line,
+        "restart_blocks": n_blocks,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 runs (default 5)")
     ap.add_argument("--runs", type=int, default=0)
     ap.add_argument("--host-capacity", default="1GiB", help="host pool of the timed daemon")
+    ap.add_argument("--dir", default=os.getcwd(), help="folder on the disk to measure")
     args = ap.parse_args()
     runs = args.runs or (3 if args.quick else 5)
     floors, mistakes, starts, stops = [], [], [], []
@@ -129,6 +318,7 @@ def main() -> None:
     res["mistake_vs_start"] = round(res["mistake_exit_s"] / res["start_s"], 3)
     res["idle_sigterm_target_met"] = res["idle_sigterm_s"] < 1.0
     res["mistake_exit_target_met"] = res["mistake_exit_s"] < 5.0
+    res.update(issue14_figures(args.quick, args.dir))
     try:
         load = os.getloadavg()[0]
     except OSError:

@@ -3,10 +3,14 @@
 Figures (issue 2):
 - host_vs_memcpy: put + get of 64 x 2 MiB blocks through the Store (copy into the slab, then
   acquire, copy out into a reused buffer, release) against numpy copies of the same bytes.
-- ssd_write_vs_disk: demotion of those blocks (encode + LMDB write + fsync) against a sequential
+- ssd_write_vs_disk: demotion of those blocks (encode + payload-file write + index commit +
+  fsync) against a sequential
   O_DIRECT write of the same bytes.
-- ssd_read_vs_disk: cold promotion (page cache of LMDB's files dropped; read + decode + verify)
+- ssd_read_vs_disk: cold promotion (page cache of the payload file dropped; read + decode + verify)
   against a sequential O_DIRECT read.
+- ssd_tier_write_vs_disk / ssd_tier_read_vs_disk: the same bytes through SSDTier alone (payload
+  file + index commit + sync; cold reads through `visit`, as promotion reads), no codec: the
+  data path without encoding.
 Usage: python bench/tiers.py [--quick] [--dir DIR]. The last line is one JSON object.
 """
 
@@ -100,6 +104,7 @@ def run(quick: bool, folder: str) -> dict:
         store.release(lease.id)
         counters = store.stats()["counters"]
         store.close(flush=False)
+        tier_w, tier_r = tier_only(tmp, blocks)
 
         disk_w, disk_r = odirect_write_read(tmp, total)
     finally:
@@ -115,11 +120,47 @@ def run(quick: bool, folder: str) -> dict:
         "disk_write_gbps": round(gb / disk_w, 2),
         "promote_cold_gbps": round(gb / read_s, 2),
         "disk_read_gbps": round(gb / disk_r, 2),
+        "ssd_tier_write_vs_disk": round(disk_w / tier_w, 3),
+        "ssd_tier_read_vs_disk": round(disk_r / tier_r, 3),
         "ssd_stored_ratio": round(stored / total, 3),
         "lossy_refused": counters.get("lossy_refused_nonfinite", 0),
         "blocks": n, "block_bytes": LAYOUT.block_bytes,
     }
     return res
+
+
+def tier_only(folder: str, blocks: list[np.ndarray]) -> tuple[float, float]:
+    """Seconds to write (put_many in demotion-sized batches + sync) and cold-read (two threads,
+    as promotion reads) the same blocks, framed raw, through SSDTier alone: the data path
+    without the codec, which on a busy 2-core machine is what bounds the Store figures."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tiers import frame
+    from tiers.ssd import SSDTier
+
+    values = [frame.frame("raw", len(b), b) for b in blocks]
+    keys = [i.to_bytes(16, "big") for i in range(len(values))]
+    path = tempfile.mkdtemp(prefix="kvstore-bench-tier-", dir=folder)
+    try:
+        with SSDTier(path, capacity=4 * sum(map(len, values))) as t:
+            t.put_many([(k, v, b"") for k, v in zip(keys, values, strict=True)])  # grow once
+            t.delete_many(keys)
+            start = time.perf_counter()
+            for i in range(0, len(keys), 16):
+                t.put_many([(k, v, b"") for k, v in zip(keys[i:i + 16], values[i:i + 16],
+                                                       strict=True)])
+            t.sync()
+            write_s = time.perf_counter() - start
+            drop_page_cache(t.data_files())
+            start = time.perf_counter()
+            with ThreadPoolExecutor(2) as pool:      # promotion decodes from visit's view
+                sizes = list(pool.map(lambda k: t.visit(k, len), keys))
+            read_s = time.perf_counter() - start
+            assert sizes == [len(v) for v in values], "the SSD tier lost blocks"
+            assert [t.get(k) for k in keys] == values, "the SSD tier returned other bytes"
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return write_s, read_s
 
 
 def main() -> None:

@@ -64,6 +64,7 @@ class TierConfig:
 class HostConfig(TierConfig):
     capacity: int = 1 << 30
     shm_name: str = ""              # default: derived from the data folder
+    background_demotion: bool = True  # demote down to low_watermark on a background thread
 
 
 @dataclass
@@ -118,6 +119,7 @@ class ServerConfig:
     workers: int = 16
     max_message_bytes: int = 256 << 20
     shutdown_grace_s: float = 10.0  # on SIGTERM: how long in-flight calls may take to finish
+    stop_flush_s: float = 60.0      # on SIGTERM: how long writing host blocks to SSD may take
 
     def check(self) -> None:
         for key in ("tcp", "metrics"):
@@ -137,6 +139,9 @@ class ServerConfig:
         if not 0 <= self.shutdown_grace_s <= 3600:
             raise ConfigError(f"server.shutdown_grace_s must be in 0..3600, got "
                               f"{self.shutdown_grace_s}")
+        if not 0 <= self.stop_flush_s <= 86400:
+            raise ConfigError(f"server.stop_flush_s must be in 0..86400 seconds, got "
+                              f"{self.stop_flush_s}")
 
 
 def _is_host_port(addr: str) -> bool:

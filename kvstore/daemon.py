@@ -36,11 +36,15 @@ def _one_torch_thread() -> None:
     """One intra-op thread per torch call: the store runs codecs on its own worker threads.
 
     torch's own pool on top of ours oversubscribed the cores; with any neighbour busy, single
-    codec ops ran 10-100x slower.
+    codec ops ran 10-100x slower. torch itself is not imported here: a daemon whose namespaces
+    never quantize never loads it (tiers/codecs.py); the lossy codecs apply this on import.
     """
-    import torch
+    from tiers import codec_common
 
-    torch.set_num_threads(1)
+    codec_common.TORCH_THREADS = 1
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 LOCK_NAME = "LOCK"
 
@@ -306,7 +310,11 @@ class Daemon:
             self.metrics.close()
         if self.store is not None:
             try:
-                self.store.close()
+                if self._store_factory is None:     # our Store: bounded flush, with progress
+                    self.store.close(flush_budget_s=self.config.server.stop_flush_s,
+                                     progress=self._say)
+                else:
+                    self.store.close()
             except Exception:
                 log.exception("closing the store failed")
             self.store = None

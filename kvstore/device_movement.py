@@ -312,12 +312,12 @@ class DeviceMovement:
         offs: list[int] = []
         try:
             for e in todo:
-                self._host_room(_aligned(e.size))
-                offs.append(self._alloc_host(e.size))
+                self.movement._host_room(_aligned(e.size))
+                offs.append(self.movement._alloc_host(e.size))
             items = [(e.gpu, off, e.size) for e, off in zip(todo, offs, strict=True)]
             sums: list[int] = []
             if items:
-                with self._unlocked():
+                with self.movement._unlocked():
                     sums = t.copy_to_host_checked(items, self.host.array, DEVICE_WAIT_S)
         except BaseException:
             for off in offs:
@@ -397,10 +397,10 @@ class DeviceMovement:
                     self._count(e.gpu_dev, "read_hits")
             rest = keys[len(pinned):self._gpu_fit(ns_id, device, len(keys))]
             if rest:
-                want = self._remote_wanted(ns_id, rest)
+                want = self.movement._remote_wanted(ns_id, rest)
                 try:
                     host_lease = self._acquire_from(ns_id, rest, "host", ttl,
-                                                    self._fetch_remote(want))
+                                                    self.movement._fetch_remote(want))
                 except ResourceExhausted:
                     if not pinned:
                         raise
@@ -565,7 +565,7 @@ class DeviceMovement:
                 raw = np.empty(e.size, np.uint8)
                 t.copy_to_host(e.gpu, e.size, raw, DEVICE_WAIT_S)
                 values.append(encode_block(raw, spec.layout, spec.codec, self.counters))
-        self._ssd_room(sum(len(v) for v in values))
+        self.movement._ssd_room(sum(len(v) for v in values))
         self.ssd.put_many([(e.gkey, v, _meta(e)) for e, v in zip(batch, values, strict=True)])
         for e, v in zip(batch, values, strict=True):
             e.ssd = True

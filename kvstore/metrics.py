@@ -62,7 +62,12 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                   "commit_checksum_mismatch": "Commits refused: slot bytes != sent checksum",
                   "leases_expired": "Leases reaped after their deadline",
                   "lossy_refused_nonfinite": "Blocks a lossy codec refused (inf/NaN), stored "
-                                             "lossless instead"}
+                                             "lossless instead",
+                  "reserve_waits": "Reserves that evicted inline because background demotion "
+                                   "had not kept host use under the high watermark",
+                  "reserve_wait_seconds": "Seconds those Reserves spent making room",
+                  "stop_flush_dropped_blocks": "Host-only blocks a stop dropped when its flush "
+                                               "ran past server.stop_flush_s"}
 # Series that exist from the first scrape at 0, so `increase()` and `rate()` see the first
 # event (a series that appears with value 1 has no earlier sample to increase from).
 MOVE_PATHS = ("client->host", "host->client", "host->ssd", "ssd->host", "remote->host",

@@ -139,3 +139,17 @@ def test_random_sequences_keep_invariants(seq):
         assert all(e <= s2 for (_, e), (s2, _) in zip(spans, spans[1:], strict=False))
         assert all(e <= cap for _, e in spans)
         assert a.used_bytes == sum(live.values())
+
+
+def test_churned_pool_reuses_oldest_freed_first():
+    """After heavy churn (the pattern that made the old free list quadratic) every allocation
+    still takes the oldest free extent of its size, and the accounting stays exact."""
+    a = ExtentAllocator(1 << 30, 4096)
+    offs = [a.alloc(8192) for _ in range(20_000)]
+    freed = offs[::2]
+    for o in freed:
+        a.free(o)
+    assert a.used_bytes == 10_000 * 8192
+    again = [a.alloc(8192) for _ in range(10_000)]
+    assert again == freed
+    assert a.used_bytes == 20_000 * 8192

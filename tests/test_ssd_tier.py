@@ -1,4 +1,4 @@
-"""SSDTier on a real LMDB environment in a temporary folder."""
+"""SSDTier on a real payload file and LMDB index in a temporary folder."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import threading
 
 import pytest
-from kvstore_client.errors import InvalidArgument, Unavailable
+from kvstore_client.errors import DataLoss, InvalidArgument, Unavailable
 
 from tiers.ssd import SSDTier, initial_map_size
 
@@ -147,15 +147,139 @@ def test_evict_before_put_loop_never_hits_map_full(tmp_path):
         t.close()
 
 
-def test_map_grows_instead_of_failing(tmp_path):
-    t = SSDTier(str(tmp_path / "ssd"), capacity=1 * MIB)   # caller ignores the cap on purpose
+def test_map_grows_instead_of_failing(tmp_path, monkeypatch):
+    import tiers.ssd as mod
+    monkeypatch.setattr(mod, "MAP_SLACK", 2 * MIB)          # a tiny index map, on purpose
+    t = SSDTier(str(tmp_path / "ssd"), capacity=1 * MIB)
     try:
         before = t.map_size
-        t.put_many([(k(i), val(i, 2 * MIB), b"") for i in range(40)])   # 80 MiB > 65.5 MiB map
+        t.put_many([(k(i), val(i, 100), b"m" * 3000) for i in range(600)])  # ~2.4 MiB of records
         assert t.map_size > before
-        assert t.get(k(39)) == val(39, 2 * MIB)
+        assert t.get(k(599)) == val(599, 100) and t.get_meta(k(7)) == b"m" * 3000
     finally:
         t.close()
+
+
+def test_payload_file_grows_past_a_cap_the_caller_ignores(tmp_path):
+    t = SSDTier(str(tmp_path / "ssd"), capacity=1 * MIB)
+    try:
+        t.put_many([(k(i), val(i, 2 * MIB), b"") for i in range(40)])   # 80 MiB
+        assert t.file_bytes >= 80 * MIB
+        assert [t.get(k(i)) for i in (0, 39)] == [val(0, 2 * MIB), val(39, 2 * MIB)]
+    finally:
+        t.close()
+
+
+def test_freed_extents_are_reused_and_accounting_stays_exact(tmp_path):
+    """Cycling many varied values through a small cap must not grow the file without bound."""
+    cap = 24 * MIB
+    t = SSDTier(str(tmp_path / "ssd"), capacity=cap)
+    try:
+        resident: list[bytes] = []
+        for i in range(300):
+            v = val(i, 2 * MIB + (i % 7) * 33_000)
+            while t.used_bytes + len(v) > cap:
+                t.delete(resident.pop(0))
+            t.put(k(i), v, b"")
+            resident.append(k(i))
+        assert t.file_bytes <= 2 * mod_grow_step() + cap     # not 300 x 2 MiB
+        assert t.used_bytes == sum(t.size_of(x) for x in resident)
+        assert t.get(resident[0]) == val(int.from_bytes(resident[0][16:], "big"),
+                                         t.size_of(resident[0]))
+    finally:
+        t.close()
+
+
+def mod_grow_step() -> int:
+    import tiers.ssd as mod
+    return mod.GROW_STEP
+
+
+def test_reopen_rebuilds_free_space_without_clobbering(tmp_path):
+    path = str(tmp_path / "ssd")
+    t = SSDTier(path, capacity=64 * MIB)
+    t.put_many([(k(i), val(i, 100_000 + i), b"") for i in range(20)])
+    t.delete_many([k(i) for i in range(0, 20, 2)])          # holes between live extents
+    t.close()
+    t = SSDTier(path, capacity=64 * MIB)
+    try:
+        t.put_many([(k(100 + i), val(100 + i, 100_000), b"") for i in range(30)])
+        for i in range(1, 20, 2):                             # the survivors are intact
+            assert t.get(k(i)) == val(i, 100_000 + i)
+        assert all(t.get(k(100 + i)) == val(100 + i, 100_000) for i in range(30))
+        assert t.used_bytes == sum(size for _, _, size in t.scan_meta())
+    finally:
+        t.close()
+
+
+def test_corrupt_payload_is_data_loss_never_bytes(tmp_path):
+    t = SSDTier(str(tmp_path / "ssd"), capacity=64 * MIB)
+    try:
+        t.put(k(1), val(1, 50_000), b"")
+        t.put(k(2), val(2, 50_000), b"")
+        path = t.data_files()[0]
+        with open(path, "r+b") as f:                        # flip one byte of block 1
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 0xFF]))
+        off = 100
+        assert off < 50_000
+        with pytest.raises(DataLoss, match="checksum"):
+            t.get(k(1))
+        assert t.get(k(2)) == val(2, 50_000)
+    finally:
+        t.close()
+
+
+def test_buffered_fallback_when_o_direct_is_refused(tmp_path, monkeypatch):
+    import tiers.ssd as mod
+    monkeypatch.setattr(mod, "_open_direct", lambda path: None)
+    t = SSDTier(str(tmp_path / "ssd"), capacity=64 * MIB)
+    try:
+        assert not t.direct_io
+        t.put_many([(k(i), val(i, 70_000), b"") for i in range(5)])
+        assert [t.get(k(i)) for i in range(5)] == [val(i, 70_000) for i in range(5)]
+    finally:
+        t.close()
+
+
+def test_old_format_folder_is_migrated(tmp_path):
+    """A folder written by the LMDB-payload format comes back whole, then in the new format."""
+    import lmdb
+    path = tmp_path / "ssd"
+    path.mkdir()
+    env = lmdb.open(str(path), map_size=64 * MIB, subdir=True, max_dbs=8)
+    dbs = {n: env.open_db(n) for n in (b"blocks", b"meta", b"namespaces", b"state", b"_tier")}
+    with env.begin(write=True) as txn:
+        for i in range(5):
+            txn.put(k(i), val(i, 9000), db=dbs[b"blocks"])
+            txn.put(k(i), (9000).to_bytes(8, "little") + b"meta%d" % i, db=dbs[b"meta"])
+        txn.put(b"A" * 16, b"{}", db=dbs[b"namespaces"])
+        txn.put(b"policy.ssd", b"snap", db=dbs[b"state"])
+    env.close()
+    t = SSDTier(str(path), capacity=64 * MIB)
+    try:
+        assert [t.get(k(i)) for i in range(5)] == [val(i, 9000) for i in range(5)]
+        assert t.get_meta(k(3)) == b"meta3" and t.used_bytes == 5 * 9000
+        assert t.namespaces() == {b"A" * 16: b"{}"} and t.get_state("policy.ssd") == b"snap"
+        assert not (path / "data.mdb").exists()
+    finally:
+        t.close()
+
+
+def test_unknown_format_is_refused_in_one_line(tmp_path):
+    import lmdb
+    t = SSDTier(str(tmp_path / "ssd"), capacity=64 * MIB)
+    t.close()
+    env = lmdb.open(str(tmp_path / "ssd" / "index"), subdir=True, max_dbs=8)
+    tier = env.open_db(b"_tier")
+    with env.begin(write=True) as txn:
+        txn.put(b"format", b"9", db=tier)
+    env.close()
+    with pytest.raises(Unavailable, match="has format '9'") as err:
+        SSDTier(str(tmp_path / "ssd"), capacity=64 * MIB)
+    assert "\n" not in str(err.value)
 
 
 def test_concurrent_readers_and_writer(ssd):

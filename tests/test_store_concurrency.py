@@ -29,12 +29,12 @@ SECONDS = 1.5
 def slow_fill(monkeypatch):
     """Widen the window in which promotions are in flight off the lock (a slow disk)."""
     def install(store):
-        fill = store._fill
+        fill = store.movement._fill
 
         def slow(info, jobs):
             time.sleep(0.002)
             fill(info, jobs)
-        monkeypatch.setattr(store, "_fill", slow)
+        monkeypatch.setattr(store.movement, "_fill", slow)
     return install
 
 
@@ -123,9 +123,24 @@ def check_live(store) -> None:
                     assert e is not None and e.host == s.offset and e.pins > 0
 
 
-def check_quiet(store) -> None:
-    """Exact accounting once nothing is in flight: every allocated host byte has one owner."""
+def check_quiet(store, deadline_s: float = 30.0) -> None:
+    """Exact accounting once nothing is in flight: every allocated host byte has one owner.
+
+    The background demoter may still be finishing a batch after the callers stopped: wait
+    until, with the lock held, nothing is in flight (it starts batches only under the lock).
+    """
     check_live(store)
+    end = time.monotonic() + deadline_s
+    while True:
+        with store._lock:
+            if store._busy == 0:
+                _check_accounting(store)
+                return
+        assert time.monotonic() < end, "calls or demotions still in flight after the deadline"
+        time.sleep(0.01)
+
+
+def _check_accounting(store) -> None:
     with store._lock:
         assert store._busy == 0
         entries = list(store.index.entries())
@@ -141,7 +156,8 @@ def check_quiet(store) -> None:
                                                     if lease.kind == "write"
                                                     for s in lease.slots)
         assert len(store.policies["host"]) == sum(e.host is not None for e in entries)
-        assert not store._demotions and store._host_evicting == 0 and store._ssd_pending == 0
+        mv = store.movement
+        assert not mv._demotions and mv._host_evicting == 0 and mv._ssd_pending == 0
         pins: dict[bytes, int] = {}
         for lease in store.leases.all():
             if lease.kind == "read":
@@ -484,7 +500,7 @@ def test_demotion_failure_leaves_every_victim_as_it_was(tmp_path):
         ns = namespace(store)
         keys = random_prompt(np.random.default_rng(23), 12)[1]
         store.put(ns, keys, [expected(k) for k in keys])
-        put_many, encode = store.ssd.put_many, store._encode
+        put_many, encode = store.ssd.put_many, store.movement._encode
 
         def broken(*args):
             raise OSError("injected: disk went away")
@@ -492,10 +508,10 @@ def test_demotion_failure_leaves_every_victim_as_it_was(tmp_path):
             if where == "put_many":
                 store.ssd.put_many = broken
             else:
-                store._encode = broken
+                store.movement._encode = broken
             with pytest.raises(OSError, match="injected"):
                 store.evict("host")
-            store.ssd.put_many, store._encode = put_many, encode
+            store.ssd.put_many, store.movement._encode = put_many, encode
             for k in keys:
                 e = store.index.get(ns + k)
                 assert e.host is not None and not e.ssd and e.moving is None
@@ -592,7 +608,7 @@ def test_close_waits_for_demotions_in_flight(tmp_path, slow_demote):
     seen = hammer(1.0, [*(write(r) for r in rngs), evictor(store)], allowed=(Unavailable,))
     closer.join()
     assert seen.get("Unavailable", 0) > 0
-    assert store._busy == 0 and store._shut and not store._demotions
+    assert store._busy == 0 and store._shut and not store.movement._demotions
     assert store.tier_counters["host"]["demotions"] > 0
     # close() flushed after the last demotion settled: every stored block is on SSD, intact.
     with make_store(tmp_path, host_capacity=48 * 4096) as again:

@@ -89,3 +89,35 @@ def test_daemon_exports_documented_remote_metrics(tmp_path, redis_server):
     assert all(f in documented or f + "_total" in documented for f in remote), remote
     assert re.search(r'kvstore_remote_events_total\{event="keys_written"\} [1-9]', text)
     assert re.search(r"^kvstore_remote_up 1\.0", text, re.M)
+
+
+def test_default_write_back_demotes_evicted_blocks_to_redis(tmp_path, redis_server):
+    """The default remote mode (no write-through): blocks reach Redis only when evicted,
+    from host (no SSD tier) and from SSD (with one), and come back byte-equal elsewhere."""
+    _, keys = random_prompt(np.random.default_rng(2), 40)
+    blocks = [kv_block(k) for k in keys]
+    r = redis.Redis.from_url(redis_server.url)
+    with remote_store(tmp_path / "a", redis_server.url) as a:      # host -> Redis
+        ns = namespace(a)
+        a.put(ns, keys[:20], blocks[:20])
+        assert r.dbsize() == 0                                      # nothing written through
+        a.evict("host")
+        assert r.dbsize() == 20
+        assert a.stats()["tiers"]["remote"]["demotions_in"] == 20
+    cfg = StoreConfig(data_dir=str(tmp_path / "c"))                 # host -> SSD -> Redis
+    cfg.host.capacity = 4 << 20
+    cfg.ssd.capacity = 64 << 20
+    cfg.remote.enabled = True
+    cfg.remote.urls = [redis_server.url]
+    cfg.remote.deadline_ms = 2000
+    with Store(cfg) as c:
+        namespace(c)
+        c.put(ns, keys[20:], blocks[20:])
+        c.evict("host")
+        assert r.dbsize() == 20                                     # on SSD, not in Redis
+        c.evict("ssd")
+        assert r.dbsize() == 40
+    with remote_store(tmp_path / "b", redis_server.url) as b:
+        assert namespace(b) == ns
+        got = b.get(ns, keys)
+        assert [k for k, _ in got] == keys and [d for _, d in got] == blocks

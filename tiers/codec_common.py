@@ -26,6 +26,17 @@ CODEC_NAMES: dict[int, str] = {v: k for k, v in CODEC_IDS.items()}
 
 _tls = threading.local()
 
+# Intra-op threads torch gets when a lossy codec first imports it (None: torch's default). The
+# daemon sets 1: it runs codecs on its own worker threads, and torch's pool on top of those
+# oversubscribed the cores (single codec ops ran 10-100x slower with any neighbour busy).
+TORCH_THREADS: int | None = None
+
+
+class NonFiniteBlock(ValueError):
+    """A lossy codec refuses a block holding inf or NaN (the caller stores it losslessly).
+
+    Defined here, not beside the lossy codecs, so catching it never imports torch."""
+
 
 def cctx() -> zstd.ZstdCompressor:
     c = getattr(_tls, "cctx", None)

@@ -41,7 +41,11 @@ import torch
 from kvstore_client.errors import DataLoss, InvalidArgument
 from kvstore_client.layout import KVLayout
 
-from .codec_common import cctx, check_block, scratch, zstd_decompress_into
+from . import codec_common
+from .codec_common import NonFiniteBlock, cctx, check_block, scratch, zstd_decompress_into
+
+if codec_common.TORCH_THREADS is not None:
+    torch.set_num_threads(codec_common.TORCH_THREADS)
 
 VERSION = 1
 F_ZSTD = 1
@@ -53,10 +57,6 @@ HEADER_BYTES = _HDR.size
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
-
-
-class NonFiniteBlock(ValueError):
-    """A lossy codec refuses a block holding inf or NaN (the caller stores it losslessly)."""
 
 
 @dataclass(frozen=True)

@@ -8,20 +8,44 @@ codec id, lengths and a checksum. Formats and measured figures: docs/codecs.md.
 Error policy: a caller passing a wrong-sized block or an unknown codec to `encode` gets
 InvalidArgument (a bug); a stored payload that does not decode gets DataLoss (a miss), never a
 crash. Lossy codecs raise NonFiniteBlock on inf/NaN so the store can fall back to `lossless`.
+
+Why torch loads lazily: importing it costs seconds to tens of seconds on a busy machine, and
+only the lossy codecs and the error metrics need it; a daemon whose namespaces all use `raw` or
+`lossless` never imports it (start and warm restart stay at gRPC-server speed).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
-import torch
 from kvstore_client.errors import DataLoss, InvalidArgument
 from kvstore_client.layout import KVLayout
 
-from . import codec_engine, codec_lossless, codec_quant
-from .codec_common import CODEC_IDS, CODEC_NAMES, check_block
-from .codec_quant import SCHEMES, TORCH_DTYPES, NonFiniteBlock, QuantScheme
+from . import codec_engine, codec_lossless
+from .codec_common import CODEC_IDS, CODEC_NAMES, NonFiniteBlock, check_block
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+    from .codec_quant import QuantScheme
 
 LOSSY: tuple[str, ...] = ("fp8_e4m3", "int8")
+_QUANT_NAMES = ("QuantScheme", "SCHEMES", "TORCH_DTYPES")
+
+
+def _quant() -> Any:
+    """tiers.codec_quant, imported (with torch) on first use."""
+    from . import codec_quant
+
+    return codec_quant
+
+
+def __getattr__(name: str) -> Any:
+    """QuantScheme, SCHEMES and TORCH_DTYPES, loaded with torch only when someone asks."""
+    if name in _QUANT_NAMES:
+        return getattr(_quant(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["CODEC_IDS", "CODEC_NAMES", "LOSSY", "NonFiniteBlock", "QuantScheme", "encode",
            "decode", "encode_tensor", "attention_error", "measure_error", "relative_error"]
@@ -41,7 +65,8 @@ def encode(codec: str, block: np.ndarray, layout: KVLayout,
     if codec in LOSSY:
         if layout.engine_native:
             block, layout = codec_engine.to_canonical(check_block(block, layout), layout)
-        return codec_quant.encode(block, layout, scheme or SCHEMES[codec])
+        q = _quant()
+        return q.encode(block, layout, scheme or q.SCHEMES[codec])
     raise InvalidArgument(f"unknown codec {codec!r}; expected one of {list(CODEC_IDS)}")
 
 
@@ -52,12 +77,15 @@ def encode_tensor(codec: str, t: torch.Tensor, layout: KVLayout,
     Lossy codecs quantize on the tensor's device, so only the ~half-size codes and scales cross
     to the host; raw and lossless copy the block to the host and encode there (zstd is CPU-only).
     """
+    q = _quant()
     if codec in LOSSY and not layout.engine_native:
-        return codec_quant.encode_tensor(t, layout, scheme or SCHEMES[codec])
+        return q.encode_tensor(t, layout, scheme or q.SCHEMES[codec])
     if codec not in CODEC_IDS:
         raise InvalidArgument(f"unknown codec {codec!r}; expected one of {list(CODEC_IDS)}")
-    if t.numel() != layout.block_elements or t.dtype != TORCH_DTYPES[layout.dtype]:
+    if t.numel() != layout.block_elements or t.dtype != q.TORCH_DTYPES[layout.dtype]:
         raise InvalidArgument(f"tensor must hold {layout.block_elements} {layout.dtype} values")
+    import torch
+
     host = t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy()
     out = encode(codec, host, layout)
     return bytes(out) if codec == "raw" else out
@@ -83,10 +111,10 @@ def decode(codec: str, payload, layout: KVLayout, out: np.ndarray) -> None:
         if layout.engine_native:
             check_block(out, layout, "out")
             canon = np.empty(layout.block_bytes, np.uint8)
-            codec_quant.decode(mv, codec, layout.canonical_layout(), canon)
+            _quant().decode(mv, codec, layout.canonical_layout(), canon)
             codec_engine.from_canonical(canon, layout, out)
             return
-        codec_quant.decode(mv, codec, layout, out)
+        _quant().decode(mv, codec, layout, out)
         return
     raise DataLoss(f"payload uses unknown codec {codec!r}")
 
@@ -96,6 +124,8 @@ def decode(codec: str, payload, layout: KVLayout, out: np.ndarray) -> None:
 
 def relative_error(x: np.ndarray | torch.Tensor, x_hat: np.ndarray | torch.Tensor) -> float:
     """‖x̂ − x‖ / ‖x‖ over all elements (0 when both are zero)."""
+    import torch
+
     x = torch.as_tensor(x, dtype=torch.float32)
     x_hat = torch.as_tensor(x_hat, dtype=torch.float32)
     den = float(torch.linalg.vector_norm(x))
@@ -110,6 +140,8 @@ def attention_error(q, k, v, k_hat, v_hat) -> torch.Tensor:
     ‖A(q,K,V) − A(q,K̂,V̂)‖ / ‖A(q,K,V)‖ per leading index, with A = softmax(qKᵀ/√D)·V and the
     norm over all queries and channels. Aggregate with .mean() / .max().
     """
+    import torch
+
     q, k, v, k_hat, v_hat = (torch.as_tensor(a, dtype=torch.float32)
                              for a in (q, k, v, k_hat, v_hat))
     scale = q.shape[-1] ** -0.5
@@ -124,7 +156,9 @@ def attention_error(q, k, v, k_hat, v_hat) -> torch.Tensor:
 
 
 def _block_f32(block: np.ndarray, layout: KVLayout) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(block)).view(TORCH_DTYPES[layout.dtype])
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(block)).view(_quant().TORCH_DTYPES[layout.dtype])
     return t.float().reshape(layout.block_shape)
 
 
@@ -143,6 +177,8 @@ def measure_error(codec: str, block: np.ndarray, layout: KVLayout) -> dict[str, 
         out = codec_engine.to_canonical(out, layout)[0]
         layout = canon
     x, x_hat = _block_f32(block, layout), _block_f32(out, layout)
+    import torch
+
     finite = bool(torch.isfinite(x).all())
     if not finite:   # only lossless/raw get here; they are exact
         same = bool(np.array_equal(block, out))

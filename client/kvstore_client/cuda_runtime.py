@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +46,20 @@ class CudaError(KVStoreError):
 # ---------------------------------------------------------------------------------------------
 # availability
 # ---------------------------------------------------------------------------------------------
+# Device nodes an NVIDIA driver creates (Linux, containers with GPUs, WSL's /dev/dxg).
+_DRIVER_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg")
+
+
+def _no_nvidia_driver() -> bool:
+    """True when this machine has no NVIDIA driver at all: no need to import torch (seconds)
+    to learn that CUDA is unavailable, so a CPU-only daemon starts without it."""
+    return os.name == "posix" and not any(os.path.exists(p) for p in _DRIVER_NODES)
+
+
 def cuda_available() -> bool:
     """True when torch is installed with CUDA and sees at least one device. Never raises."""
+    if _no_nvidia_driver() and "torch" not in sys.modules:
+        return False
     try:
         import torch
     except ImportError:

@@ -1,0 +1,165 @@
+"""Start and stop costs: no torch for namespaces that never quantize, a bounded stop flush."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tests.daemon import start_daemon
+from tests.store_helpers import kv_block, make_store, namespace, random_prompt
+
+ROOT = Path(__file__).resolve().parent.parent
+
+NO_TORCH = """
+import sys
+import numpy as np
+from kvstore_client import KVLayout, NamespaceSpec, block_keys
+from kvstore.config import StoreConfig
+from kvstore.daemon import _one_torch_thread
+from kvstore.store import Store
+
+_one_torch_thread()
+cfg = StoreConfig(data_dir=sys.argv[1])
+cfg.host.capacity = 1 << 20
+cfg.ssd.capacity = 16 << 20
+layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=8, dtype="float16")
+with Store(cfg) as store:
+    ns = store.register_namespace(NamespaceSpec(model="m", layout=layout)).ns_id
+    keys = block_keys(np.arange(8 * 40), 8)
+    blocks = [np.full(layout.block_bytes, i, np.uint8).tobytes() for i in range(40)]
+    store.put(ns, keys, blocks)
+    store.evict("host")                       # demote (encode lossless) ...
+    got = store.get(ns, keys)                 # ... and promote (decode) again
+    assert [v for _, v in got] == blocks, "bytes changed"
+print("torch" in sys.modules)
+"""
+
+
+def test_lossless_daemon_path_never_imports_torch(tmp_path):
+    """Why: importing torch took 12-46 s of a loaded machine's start; only lossy codecs need it."""
+    out = subprocess.run([sys.executable, "-c", NO_TORCH, str(tmp_path / "data")],
+                         capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": f"{ROOT}:{ROOT / 'client'}", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
+
+
+def test_close_flush_budget_drops_the_rest_and_says_so(tmp_path):
+    store = make_store(tmp_path, host_capacity=4 << 20)
+    ns = namespace(store)
+    _, keys = random_prompt(np.random.default_rng(0), 300)
+    store.put(ns, keys, [kv_block(k) for k in keys])
+    lines: list[str] = []
+    store.close(flush_budget_s=0.0, progress=lines.append)
+    assert lines[0].startswith("flushing ") and "at most 0 s" in lines[0]
+    assert any("dropped" in line and "300 host-only blocks" in line for line in lines), lines
+    store = make_store(tmp_path, host_capacity=4 << 20)
+    try:
+        assert store.lookup(ns, keys).prefix_blocks == 0    # nothing was written
+    finally:
+        store.close()
+
+
+def test_close_flush_with_budget_writes_everything_and_reports(tmp_path):
+    store = make_store(tmp_path, host_capacity=4 << 20)
+    ns = namespace(store)
+    _, keys = random_prompt(np.random.default_rng(1), 200)
+    blocks = [kv_block(k) for k in keys]
+    store.put(ns, keys, blocks)
+    lines: list[str] = []
+    store.close(flush_budget_s=600.0, progress=lines.append)
+    assert lines[-1].startswith("flushed 200 blocks"), lines
+    store = make_store(tmp_path, host_capacity=4 << 20)
+    try:
+        assert [v for _, v in store.get(ns, keys)] == blocks
+    finally:
+        store.close()
+
+
+def test_sigterm_prints_flush_progress_and_stops(tmp_path):
+    from kvstore_client import KVLayout, connect
+
+    d = start_daemon(tmp_path, {"server.stop_flush_s": "30"})
+    try:
+        layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=8,
+                          dtype="float16")
+        with connect(d.address) as c:
+            ns = c.namespace(layout, model="stop-test")
+            kv = np.random.default_rng(2).standard_normal(
+                (2, 2, 8 * 20, 2, 16)).astype(np.float16)
+            assert ns.store_keys([i.to_bytes(16, "big") for i in range(20)], kv) == 20
+    finally:
+        assert d.stop() == 0
+    out = d.output()
+    assert "stopping: finishing in-flight calls" in out
+    assert "flushing 20 host blocks to SSD, at most 30 s" in out
+    assert "flushed 20 blocks" in out and "stopped" in out
+
+
+def _wait(cond, deadline_s: float = 30.0) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_background_demotion_keeps_host_under_low_watermark(tmp_path):
+    store = make_store(tmp_path, host_capacity=1 << 20)     # 1 MiB: ~250 slots of 4 KiB
+    try:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(3), 230)   # ~90%: past low, under high
+        blocks = [kv_block(k) for k in keys]
+        store.put(ns, keys, blocks)
+        low = store.config.host.low_watermark * store.host.capacity
+        assert _wait(lambda: store.host.used_bytes <= low), store.host.used_bytes
+        st = store.stats()
+        assert st["counters"].get("reserve_waits", 0) == 0
+        assert st["counters"]["background_demotion_bytes"] > 0
+        assert st["tiers"]["ssd"]["blocks"] > 0
+        assert [v for _, v in store.get(ns, keys)] == blocks     # demoted blocks come back
+    finally:
+        store.close()
+
+
+def test_reserve_that_must_evict_inline_is_counted(tmp_path):
+    store = make_store(tmp_path, host_capacity=1 << 20, background_demotion=False)
+    try:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(4), 240)
+        store.put(ns, keys, [kv_block(k) for k in keys])         # fill to ~94%, no demoter
+        lease = store.reserve(ns, 20)                            # needs room: evicts inline
+        store.release(lease.id)
+        c = store.stats()["counters"]
+        assert c["reserve_waits"] == 1 and c["reserve_wait_seconds"] > 0
+    finally:
+        store.close()
+
+
+def test_flush_covers_blocks_the_background_demoter_is_writing(tmp_path, monkeypatch):
+    """flush() returns only when every block is on SSD, including a batch the demoter started
+    while flush waited for earlier ones (those are skipped by flush's own pass)."""
+    store = make_store(tmp_path, host_capacity=1 << 20)
+    try:
+        put_many = store.ssd.put_many
+
+        def slow(items):                  # a slow disk: batches stay in flight for a while
+            time.sleep(0.02)
+            put_many(items)
+        monkeypatch.setattr(store.ssd, "put_many", slow)
+        ns = namespace(store)
+        for r in range(4):
+            store.evict("host")               # empty, then ~95%: two demoter batches
+            _, keys = random_prompt(np.random.default_rng(10 + r), 242)
+            store.put(ns, keys, [kv_block(k) for k in keys])
+            time.sleep(0.01)
+            store.flush()
+            missing = [k for k in keys if not store.ssd.contains(ns + k)]
+            assert not missing, f"round {r}: {len(missing)} blocks not on SSD after flush"
+    finally:
+        store.close()
