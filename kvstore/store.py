@@ -42,6 +42,7 @@ from tiers.device import open_device_tiers
 from tiers.host import HostTier
 from tiers.ssd import SSDTier
 
+from .checksums import xxh3_many
 from .config import StoreConfig
 from .device_movement import DeviceMovement
 from .index import NS_ID_BYTES, BlockIndex, Entry
@@ -470,7 +471,7 @@ class Store(DeviceMovement, TierMovement):
         # Hashing (the slow part) runs outside the lock, so one client's commit does not stall
         # every other call: the slots belong to this write lease alone, and a lease that
         # expires meanwhile fails the pop below.
-        hashed = [xxhash.xxh3_64_intdigest(v) for v in views]
+        hashed = xxh3_many(views)
         with self._lock:
             self._check_open()
             lease = self.leases.get(lease_id)
