@@ -49,6 +49,8 @@ def _build() -> Any:
             _kernel = k.move_blocks
         except ImportError as e:        # numba missing: numpy + xxhash fallback
             _kernel_error = f"numba unavailable ({e})"
+        except Exception as e:  # noqa: BLE001 - e.g. an xxhash build without the C API
+            _kernel_error = f"kernel unavailable ({type(e).__name__}: {e})"
         return _kernel
 
 
