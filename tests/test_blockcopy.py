@@ -168,3 +168,29 @@ def test_copy_threads_must_be_a_count(daemon) -> None:
     from kvstore_client import InvalidArgument
     with pytest.raises(InvalidArgument, match="copy_threads"):
         connect(daemon.address, copy_threads=-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_axis,page_axis", [(0, 1), (1, 0)])
+def test_paged_plan_gathers_pages_of_separate_layer_tensors(kv_axis: int, page_axis: int) -> None:
+    """vLLM-style caches: one allocation per layer; block j of a move is page table[j]."""
+    L, P, T, H, D = 3, 6, 4, 2, 8
+    shape = [0, 0, T, H, D]
+    shape[kv_axis], shape[page_axis] = 2, P
+    rng = np.random.default_rng(9)
+    layers = [rng.integers(-2**15, 2**15, shape, dtype=np.int16) for _ in range(L)]
+    plan = blockcopy.paged_plan(layers, kv_axis, page_axis)
+    assert plan is not None and plan.block_bytes == L * 2 * T * H * D * 2
+    table = [4, 0, 5]
+    pool = aligned_buffer(3 * plan.block_bytes)
+    offsets = [j * plan.block_bytes for j in range(3)]
+    sums = np.zeros(3, dtype=np.uint64)
+    blockcopy.run(plan, pool, table, offsets, True, sums, 2)
+    for j, page in enumerate(table):
+        want = np.stack([np.moveaxis(x, (page_axis, kv_axis), (0, 1))[page] for x in layers])
+        got = pool[offsets[j]:offsets[j] + plan.block_bytes]
+        assert got.tobytes() == want.tobytes()
+        assert int(sums[j]) == xxhash.xxh3_64_intdigest(want.tobytes())
+    with pytest.raises(ValueError, match="block indices"):
+        blockcopy.run(plan, pool, [P], offsets[:1], True, None, 1)      # no such page
+    assert blockcopy.paged_plan(layers[:1] + [layers[1][..., :4]], kv_axis, page_axis) is None

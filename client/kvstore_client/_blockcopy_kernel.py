@@ -43,16 +43,18 @@ _digest = _extern("XXH3_64bits_digest", _libxx, _u64(_u64))
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def move_blocks(eng, pool, eng_blk, eng_row, slot_off, row_bytes, to_slot, do_hash, sums,
+def move_blocks(ea, pa, eng_blk, eng_row, slot_off, row_bytes, to_slot, do_hash, sums,
                 j0, j1):  # pragma: no cover - compiled
-    """Blocks j0..j1-1: copy row r of block j between eng[eng_blk[j] + eng_row[r]:] and
-    pool[slot_off[j] + r*row_bytes:] (row_bytes each); sums[j] = XXH3-64 of the slot's bytes.
+    """Blocks j0..j1-1: copy row r of block j between address ea + eng_blk[j] + eng_row[r] and
+    pa + slot_off[j] + r*row_bytes (row_bytes each); sums[j] = XXH3-64 of the slot's bytes.
 
+    Addresses, not arrays, because a paged cache's layers are separate allocations; the caller
+    (blockcopy.run) has checked every offset against the memory it names.
     Returns 0, or -1 when the hash state could not be allocated (nothing was copied then).
     """
     R = eng_row.shape[0]
-    ea = np.uint64(eng.ctypes.data)
-    pa = np.uint64(pool.ctypes.data)
+    eu = np.uint64(ea)        # uint64 throughout: int64 mixed with uint64 becomes float64
+    pu = np.uint64(pa)
     n = np.uint64(row_bytes)
     st = np.uint64(0)
     if do_hash:
@@ -63,8 +65,8 @@ def move_blocks(eng, pool, eng_blk, eng_row, slot_off, row_bytes, to_slot, do_ha
         if do_hash:
             _reset(st)
         for r in range(R):
-            e = ea + np.uint64(eng_blk[j] + eng_row[r])
-            p = pa + np.uint64(slot_off[j] + r * row_bytes)
+            e = eu + np.uint64(eng_blk[j] + eng_row[r])
+            p = pu + np.uint64(slot_off[j] + r * row_bytes)
             if to_slot:
                 _memcpy(p, e, n)
                 if do_hash:

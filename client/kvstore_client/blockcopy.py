@@ -103,13 +103,15 @@ _MIN_BYTES_PER_THREAD = 1 << 20
 
 @dataclass
 class Plan:
-    """Where every row of every block sits, in bytes of a flat view of the engine's memory.
+    """Where every row of every block sits in the engine's memory, as byte offsets from `base`.
 
-    Block i's row r is eng[eng_blk[i] + eng_row[r] : + row_bytes]; in a slot it is at
-    slot + r * row_bytes (the canonical order).
+    Block i's row r is at base + eng_blk[i] + eng_row[r], row_bytes long; in a slot it is at
+    slot + r * row_bytes (the canonical order). `keep` holds the arrays the addresses point
+    into, so they live as long as the plan.
     """
 
-    eng: np.ndarray
+    keep: list[Any]
+    base: int
     eng_blk: np.ndarray
     eng_row: np.ndarray
     row_bytes: int
@@ -119,17 +121,8 @@ class Plan:
         return self.row_bytes * len(self.eng_row)
 
 
-def flat_bytes(x: np.ndarray) -> tuple[np.ndarray, int] | None:
-    """(uint8 view from x's first byte to its last, x's address), or None (negative strides).
-
-    The view spans x's whole extent, gaps included, so rows can be named by offsets; only the
-    rows x really holds are ever touched.
-    """
-    if x.size == 0 or any(s < 0 for s in x.strides) or x.strides[-1] != x.itemsize:
-        return None
-    extent = sum((n - 1) * s for n, s in zip(x.shape, x.strides, strict=True)) + x.itemsize
-    flat = np.lib.stride_tricks.as_strided(x.view(np.uint8), shape=(extent,), strides=(1,))
-    return flat, x.__array_interface__["data"][0]
+def _addr(x: np.ndarray) -> int:
+    return int(x.__array_interface__["data"][0])
 
 
 def seq_plan(x: np.ndarray, block_tokens: int) -> Plan | None:
@@ -138,22 +131,44 @@ def seq_plan(x: np.ndarray, block_tokens: int) -> Plan | None:
     Block i is tokens [i*T, (i+1)*T) of every (layer, K/V) row: one contiguous run per row when
     the (tokens, H, D) axes of a row are contiguous.
     """
-    if not isinstance(x, np.ndarray) or x.ndim != 5:
+    if not isinstance(x, np.ndarray) or x.ndim != 5 or x.size == 0:
         return None
     L, _, N, H, D = x.shape
     isz = x.itemsize
     s = x.strides
-    if s[4] != isz or (H > 1 and s[3] != D * isz) or (N > 1 and s[2] != H * D * isz):
-        return None
-    fb = flat_bytes(x)
-    if fb is None:
+    if s[0] < 0 or s[1] < 0 or s[4] != isz or (H > 1 and s[3] != D * isz) \
+            or (N > 1 and s[2] != H * D * isz):
         return None
     row_bytes = block_tokens * H * D * isz
     n = N // block_tokens
     eng_blk = np.arange(n, dtype=np.int64) * row_bytes
     eng_row = np.array([lay * s[0] + k * s[1] for lay in range(L) for k in range(2)],
                        dtype=np.int64)
-    return Plan(fb[0], eng_blk, eng_row, row_bytes)
+    return Plan([x], _addr(x), eng_blk, eng_row, row_bytes)
+
+
+def paged_plan(layers: Sequence[np.ndarray], kv_axis: int, page_axis: int) -> Plan | None:
+    """A plan for a paged cache: per layer [2, pages, T, H, D] or [pages, 2, T, H, D] (the
+    (T, H, D) axes contiguous, every layer with the same shape and strides). Block j of a move
+    is a page id: its rows are (layer, K/V) of that page."""
+    if not layers or any(not isinstance(x, np.ndarray) or x.ndim != 5 or x.size == 0
+                         for x in layers):
+        return None
+    x0 = layers[0]
+    if any(x.shape != x0.shape or x.strides != x0.strides for x in layers):
+        return None
+    s, isz = x0.strides, x0.itemsize
+    _, _, T, H, D = x0.shape
+    if s[kv_axis] < 0 or s[page_axis] < 0 or s[4] != isz or (H > 1 and s[3] != D * isz) \
+            or (T > 1 and s[2] != H * D * isz):
+        return None
+    addrs = [_addr(x) for x in layers]
+    base = min(addrs)
+    pages = x0.shape[page_axis]
+    eng_blk = np.arange(pages, dtype=np.int64) * s[page_axis]
+    eng_row = np.array([a - base + k * s[kv_axis] for a in addrs for k in range(2)],
+                       dtype=np.int64)
+    return Plan(list(layers), base, eng_blk, eng_row, T * H * D * isz)
 
 
 def run(plan: Plan, pool: np.ndarray, blocks: Sequence[int] | np.ndarray,
@@ -162,7 +177,8 @@ def run(plan: Plan, pool: np.ndarray, blocks: Sequence[int] | np.ndarray,
     """Move plan blocks `blocks[j]` to (to_slots) or from the slot at pool[offsets[j]:]; fill
     sums[j] with the XXH3-64 of each block's bytes when sums (uint64) is given.
 
-    pool: a 1-D uint8 array (the mapped pool or a staging buffer).
+    pool: a 1-D uint8 array (the mapped pool or a staging buffer). `blocks` index the plan's
+    blocks (token blocks for a sequence, page ids for a paged cache) and are bounds-checked.
     """
     kern = _build()
     if kern is None:
@@ -172,11 +188,16 @@ def run(plan: Plan, pool: np.ndarray, blocks: Sequence[int] | np.ndarray,
         return
     slot_off = np.asarray(offsets, dtype=np.int64)
     bb = plan.block_bytes
-    if slot_off.min() < 0 or slot_off.max() + bb > pool.nbytes:
+    if slot_off.min() < 0 or slot_off.max() + bb > pool.nbytes or pool.strides != (1,):
         raise ValueError("a slot lies outside the pool")
-    eng_blk = plan.eng_blk[np.asarray(blocks, dtype=np.int64)]
+    idx = np.asarray(blocks, dtype=np.int64)
+    if len(idx) != n or (n and (idx.min() < 0 or idx.max() >= len(plan.eng_blk))):
+        raise ValueError(f"block indices must be {n} values in [0, {len(plan.eng_blk)})")
+    if sums is not None and (sums.dtype != np.uint64 or len(sums) < n):
+        raise ValueError("sums must be a uint64 array with one entry per block")
+    eng_blk = plan.eng_blk[idx]
     out = sums if sums is not None else np.empty(0, dtype=np.uint64)
-    args = (plan.eng, pool, eng_blk, plan.eng_row, slot_off, plan.row_bytes, to_slots,
+    args = (plan.base, _addr(pool), eng_blk, plan.eng_row, slot_off, plan.row_bytes, to_slots,
             sums is not None, out)
     w = max(1, min(threads, n, (n * bb) // _MIN_BYTES_PER_THREAD))
     if w == 1:
