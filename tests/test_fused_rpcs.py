@@ -118,6 +118,36 @@ def test_fused_calls_check_their_input(daemon) -> None:
             namespace_id=b"\0" * 16, keys=ok), timeout=10) == grpc.StatusCode.NOT_FOUND
 
 
+SDK_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16,
+                      dtype="float16")
+
+
+def _pin_and_load(c, ns) -> None:
+    ids = np.arange(3 * 16) + 500
+    kv = torch.randn(2, 2, len(ids), 2, 64).to(torch.float16)
+    assert ns.store(ids, kv) == 3
+    keys = ns.keys(ids) + [b"m" * 16]
+    with ns.pin(keys) as pinned:
+        assert pinned.lookup.prefix_blocks == 3 and pinned.lookup.per_tier["host"] == 3
+        assert pinned.blocks == 3
+        assert c.stats()["active_leases"] == 1            # held until released
+        out = torch.zeros_like(kv)
+        assert pinned.load_keys(out) == 3
+        assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+    assert c.stats()["active_leases"] == 0
+    nothing = ns.pin([b"z" * 16])
+    assert nothing.blocks == 0 and nothing.lookup.prefix_blocks == 0
+    assert nothing.load_keys(torch.zeros_like(kv)) == 0
+    nothing.release()
+
+
+def test_pin_looks_up_and_pins_in_one_call(daemon) -> None:
+    with connect(daemon.address, transport="shm") as c:
+        ns = c.namespace(SDK_LAYOUT, model="fused/pin")
+        _pin_and_load(c, ns)
+        assert c.fused_rpcs
+
+
 # ------------------------------------------------------------------ an older daemon
 
 OLD_UNARY = ("RegisterNamespace", "Lookup", "Reserve", "Commit", "Acquire", "Release",
@@ -162,7 +192,7 @@ def old_daemon(daemon, tmp_path):
 
 
 def test_sdk_falls_back_against_an_older_daemon(old_daemon) -> None:
-    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="float16")
+    lay = SDK_LAYOUT
     ids = np.arange(4 * 16)
     kv = torch.randn(2, 2, len(ids), 2, 64).to(torch.float16)
     with connect(old_daemon, transport="shm") as c:
@@ -174,3 +204,4 @@ def test_sdk_falls_back_against_an_older_daemon(old_daemon) -> None:
         out = torch.zeros_like(kv)
         assert ns.load(ids, out=out) == len(ids)
         assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+        _pin_and_load(c, c.namespace(lay, model="fused/old/pin"))      # Lookup + Acquire

@@ -414,36 +414,81 @@ class Namespace:
         return offsets
 
     def _load_shm(self, keys: list[bytes], drain: Drain) -> int:
-        client, bb = self.client, self.block_bytes
+        client = self.client
         pool = self._current_pool()
         lease = client.call("Acquire", pb.AcquireRequest(
             namespace_id=self.ns_id, keys=keys, tier="host", ttl_s=client.lease_ttl_s)).lease
-        lid = lease.lease_id
         if not lease.slots:
-            if lid:
-                client.release(lid)
+            if lease.lease_id:
+                client.release(lease.lease_id)
             return 0
-        client.leases.add(lid, lease.deadline)
+        client.leases.add(lease.lease_id, lease.deadline)
         try:
-            offsets = self._check_slots(lease.slots, pool)
-            n = len(offsets)
-            if list(lease.keys[:n]) != keys[:n]:
-                raise DataLoss("the daemon's read lease names other keys than were asked for")
-            want = list(lease.checksums) if client.verify else []
-            good = _drain_verified(drain, pool.slab.array, offsets, bb,
-                                   want if len(want) == n else None)
-            if not client.leases.ok(lid):
-                client.counters["leases_lost"] += 1
-                raise _Stale(f"read lease {lid} expired during the copy")
-            if good < n:
-                client.counters["checksum_failures"] += 1
-                if not pool.current():
-                    raise _Stale("host pool segment replaced during the copy")
-                log.warning("kvstore: block %d of a load failed its checksum; serving the %d "
-                            "blocks before it", good, good)
-            return good
+            return self._drain_lease(lease, keys, pool, drain)
         finally:
-            client.release(lid)
+            client.release(lease.lease_id)
+
+    def _drain_lease(self, lease: Any, keys: Sequence[bytes], pool: _Pool, drain: Drain) -> int:
+        """Copy a read lease's blocks out through drain, verified; blocks of the good prefix."""
+        client, bb, lid = self.client, self.block_bytes, lease.lease_id
+        offsets = self._check_slots(lease.slots, pool)
+        n = len(offsets)
+        if list(lease.keys[:n]) != list(keys[:n]):
+            raise DataLoss("the daemon's read lease names other keys than were asked for")
+        want = list(lease.checksums) if client.verify else []
+        good = _drain_verified(drain, pool.slab.array, offsets, bb,
+                               want if len(want) == n else None)
+        if not client.leases.ok(lid):
+            client.counters["leases_lost"] += 1
+            raise _Stale(f"read lease {lid} expired during the copy")
+        if good < n:
+            client.counters["checksum_failures"] += 1
+            if not pool.current():
+                raise _Stale("host pool segment replaced during the copy")
+            log.warning("kvstore: block %d of a load failed its checksum; serving the %d "
+                        "blocks before it", good, good)
+        return good
+
+    # -- lookup + pin ------------------------------------------------------------------------
+    def pin(self, keys: Sequence[bytes]) -> Pinned:
+        """Look up `keys` and pin the cached prefix in the host pool, in one round trip.
+
+        For engines that ask "how much is cached?" and then load it: the answer carries the
+        slots and a read lease (renewed in the background), so `Pinned.load_keys` /
+        `load_blocks` copy with no further call before the release. Release it (or use it as a
+        context manager) when done; an unreleased pin ends at its lease deadline.
+        Same host only (the mapped pool): over gRPC streams use lookup + load.
+        """
+        keys = list(keys)
+        if not keys:
+            raise InvalidArgument("pin needs at least one key")
+        return self._retrying(lambda: self._pin_once(keys))
+
+    def _pin_once(self, keys: list[bytes]) -> Pinned:
+        client = self.client
+        pool = self._current_pool()
+        req = dict(namespace_id=self.ns_id, keys=keys, tier="host", ttl_s=client.lease_ttl_s)
+        lease, res = None, None
+        if client.fused_rpcs:
+            try:
+                r = client.call("LookupAcquire", pb.LookupAcquireRequest(**req))
+                res = LookupResult(int(r.prefix_blocks), {k: int(v) for k, v in
+                                                          r.per_tier.items()})
+                lease = r.lease if r.HasField("lease") else None
+            except Unimplemented:
+                log.info("kvstore: daemon has no LookupAcquire; using Lookup + Acquire")
+                client.fused_rpcs = False
+        if res is None:
+            res = self.lookup_result(keys)
+            if res.prefix_blocks:
+                lease = client.call("Acquire", pb.AcquireRequest(**req)).lease
+        if lease is not None and not lease.slots:
+            if lease.lease_id:
+                client.release(lease.lease_id)
+            lease = None
+        if lease is not None:
+            client.leases.add(lease.lease_id, lease.deadline)
+        return Pinned(self, keys, res, lease, pool)
 
     def _load_grpc(self, keys: list[bytes], drain: Drain) -> int:
         client = self.client
@@ -499,6 +544,56 @@ class Namespace:
         """Delete `keys` (None: the whole namespace) from every tier; returns blocks deleted."""
         req = pb.DeleteRequest(namespace_id=self.ns_id, keys=list(keys or ()), all=keys is None)
         return int(self.client.call("Delete", req).deleted)
+
+
+class Pinned:
+    """A cached prefix pinned in the host pool by `Namespace.pin`: `lookup` is what the daemon
+    found (per tier), `blocks` how many leading blocks are pinned and loadable now."""
+
+    def __init__(self, ns: Namespace, keys: list[bytes], lookup: LookupResult, lease: Any,
+                 pool: _Pool) -> None:
+        self.ns, self.keys, self.lookup, self._lease, self._pool = ns, keys, lookup, lease, pool
+        self.blocks = len(lease.slots) if lease is not None else 0
+
+    def load_blocks(self, drain: Drain) -> int:
+        """Copy the pinned blocks out through drain (verified); returns blocks loaded."""
+        if self._lease is None:
+            return 0
+        try:
+            return self.ns._drain_lease(self._lease, self.keys, self._pool, drain)
+        except _Stale as e:
+            raise LeaseExpired(f"pinned prefix lost ({e}); pin again") from None
+
+    def load_keys(self, out: Any) -> int:
+        """Fill out[:, :, :n*T] with the pinned blocks (as Namespace.load_keys); returns n."""
+        ns = self.ns
+        T = ns.layout.block_tokens
+        check_seq(out, ns.layout, 0, "out")
+        if out.shape[2] < self.blocks * T:
+            raise InvalidArgument(f"out holds {out.shape[2]} tokens; the pinned prefix is "
+                                  f"{self.blocks * T}")
+        dst = raw_view(out, ns.layout, "out")
+        plan = ns._plan(dst)
+        if plan is not None:
+            return self.load_blocks(ns._fused_move(plan, False))
+
+        def drain(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
+            for j, off in enumerate(offsets):
+                i = first + j
+                copy_block(dst[:, :, i * T:(i + 1) * T], slot_view(base, off, ns.layout, dst))
+        return self.load_blocks(drain)
+
+    def release(self) -> None:
+        """Unpin (idempotent)."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            self.ns.client.release(lease.lease_id)
+
+    def __enter__(self) -> Pinned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def _fill_checksummed(fill: Fill, base: np.ndarray, offsets: list[int], first: int, bb: int,
