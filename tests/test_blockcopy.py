@@ -194,3 +194,28 @@ def test_paged_plan_gathers_pages_of_separate_layer_tensors(kv_axis: int, page_a
     with pytest.raises(ValueError, match="block indices"):
         blockcopy.run(plan, pool, [P], offsets[:1], True, None, 1)      # no such page
     assert blockcopy.paged_plan(layers[:1] + [layers[1][..., :4]], kv_axis, page_axis) is None
+
+
+def test_get_stream_never_sends_a_corrupt_block(daemon) -> None:
+    """The daemon verifies host bytes before they leave over Put/Get streams."""
+    from kvstore_client._proto import kvstore_pb2 as pb
+    with connect(daemon.address, transport="shm") as c, \
+            connect(daemon.address, transport="grpc") as g:
+        ns = c.namespace(LAYOUT, model="bc/get")
+        ids = np.arange(3 * 16) + 2000
+        kv = _kv(4, len(ids))
+        assert ns.store(ids, kv) == 3
+        lease = c.call("Acquire", pb.AcquireRequest(namespace_id=ns.ns_id, keys=ns.keys(ids)))
+        c.release(lease.lease.lease_id)
+        where = lease.lease.slots[1].offset + 5
+        c.pool.slab.array[where] ^= 0x01
+        gns = g.namespace(LAYOUT, model="bc/get")
+        assert g.transport == "grpc"
+        out = torch.zeros_like(kv)
+        assert gns.load(ids, out=out) == 16
+        assert torch.equal(out[:, :, :16].view(torch.int16), kv[:, :, :16].view(torch.int16))
+        assert not out[:, :, 16:].view(torch.int16).any()
+        assert g.stats()["counters"]["get_checksum_mismatch"] == 1
+        c.pool.slab.array[where] ^= 0x01
+        assert gns.load(ids, out=out) == 3 * 16
+        assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
