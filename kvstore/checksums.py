@@ -19,6 +19,7 @@ import xxhash
 # Below this many bytes a batch is hashed on the calling thread: a hand-off costs more.
 PARALLEL_MIN_BYTES = 8 << 20
 MAX_THREADS = 8
+RANGES_PER_THREAD = 8
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -45,15 +46,31 @@ def _run(views: Sequence[Any]) -> list[int]:
 
 
 def xxh3_many(views: Sequence[Any]) -> list[int]:
-    """[xxh3_64(v) for v in views], split over threads when the batch is large."""
+    """[xxh3_64(v) for v in views], split over threads when the batch is large.
+
+    Ranges of views are handed out as threads ask for them (several per thread), so one thread
+    that loses its core on a busy machine does not hold up the whole batch.
+    """
     total = sum(len(v) if not hasattr(v, "nbytes") else v.nbytes for v in views)
     w = min(_threads(), len(views))
     if w <= 1 or total < PARALLEL_MIN_BYTES:
         return _run(views)
-    cuts = [len(views) * i // w for i in range(w + 1)]
+    per = max(1, -(-len(views) // (w * RANGES_PER_THREAD)))
+    starts = iter(range(0, len(views), per))
+    lock = threading.Lock()
+    out: list[int] = [0] * len(views)
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = next(starts, None)
+            if i is None:
+                return
+            out[i:i + per] = _run(views[i:i + per])
+
     ex = _executor()
-    futs = [ex.submit(_run, views[cuts[i]:cuts[i + 1]]) for i in range(1, w)]
-    out = _run(views[cuts[0]:cuts[1]])
+    futs = [ex.submit(work) for _ in range(w - 1)]
+    work()
     for f in futs:
-        out += f.result()
+        f.result()
     return out

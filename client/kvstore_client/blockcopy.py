@@ -97,6 +97,8 @@ def _executor(threads: int) -> ThreadPoolExecutor | None:
 # Below this many bytes per thread a batch runs on the calling thread alone: handing work to
 # another thread costs more than the copy.
 _MIN_BYTES_PER_THREAD = 1 << 20
+# Work ranges per thread in a parallel batch (see run()).
+_RANGES_PER_THREAD = 8
 
 
 # ----------------------------------------------------------------------------- plans
@@ -203,10 +205,24 @@ def run(plan: Plan, pool: np.ndarray, blocks: Sequence[int] | np.ndarray,
     if w == 1:
         rcs = [kern(*args, 0, n)]
     else:
+        # Ranges are handed out as threads ask for them, several per thread: on a busy machine
+        # a thread can lose its core for a time slice, and a fixed half-and-half split would
+        # make the whole batch wait for that straggler.
+        per = max(1, -(-n // (w * _RANGES_PER_THREAD)), _MIN_BYTES_PER_THREAD // bb)
+        ranges = iter([(j, min(n, j + per)) for j in range(0, n, per)])
+        lock = threading.Lock()
+
+        def drain_ranges() -> int:
+            rc = 0
+            while True:
+                with lock:
+                    r = next(ranges, None)
+                if r is None:
+                    return rc
+                rc |= kern(*args, r[0], r[1])
+
         ex = _executor(w)
-        cuts = [n * i // w for i in range(w + 1)]
-        futs = [ex.submit(kern, *args, cuts[i], cuts[i + 1])  # type: ignore[union-attr]
-                for i in range(1, w)]
-        rcs = [kern(*args, cuts[0], cuts[1])] + [f.result() for f in futs]
+        futs = [ex.submit(drain_ranges) for _ in range(w - 1)]  # type: ignore[union-attr]
+        rcs = [drain_ranges()] + [f.result() for f in futs]
     if any(rc != 0 for rc in rcs):
         raise MemoryError("blockcopy: could not allocate an xxh3 state")
