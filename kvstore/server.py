@@ -572,7 +572,8 @@ class KVStoreServicer:
         missing = len(keys) - res.prefix_blocks
         if missing > 0:
             n = min(missing, req.max_slots) if req.max_slots else missing
-            lease = self.store.reserve(ns, check_count(n), tier=tier, ttl_s=ttl)
+            dev = {"device": req.device} if req.HasField("device") else {}
+            lease = self.store.reserve(ns, check_count(n), tier=tier, ttl_s=ttl, **dev)
             resp.lease.CopyFrom(lease_to_proto(lease))
         return resp
 
@@ -588,7 +589,9 @@ class KVStoreServicer:
             prefix_blocks=res.prefix_blocks,
             per_tier={str(k): int(v) for k, v in res.per_tier.items()})
         if res.prefix_blocks:
-            lease = self.store.acquire(ns, keys[:res.prefix_blocks], tier=tier, ttl_s=ttl)
+            dev = {"device": req.device} if req.HasField("device") else {}
+            lease = self.store.acquire(ns, keys[:res.prefix_blocks], tier=tier, ttl_s=ttl,
+                                       **dev)
             if lease.slots:
                 resp.lease.CopyFrom(lease_to_proto(lease))
             else:                       # nothing could be pinned: hold nothing

@@ -396,18 +396,20 @@ class LocateResponse(_message.Message):
     def __init__(self, tier_names: _Optional[_Iterable[str]] = ..., where: _Optional[bytes] = ..., prefetching: _Optional[int] = ...) -> None: ...
 
 class LookupReserveRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "tier", "ttl_s", "max_slots")
+    __slots__ = ("namespace_id", "keys", "tier", "ttl_s", "max_slots", "device")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tier: str
     ttl_s: float
     max_slots: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ..., max_slots: _Optional[int] = ...) -> None: ...
+    device: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ..., max_slots: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
 
 class LookupReserveResponse(_message.Message):
     __slots__ = ("prefix_blocks", "per_tier", "lease")
@@ -427,16 +429,18 @@ class LookupReserveResponse(_message.Message):
     def __init__(self, prefix_blocks: _Optional[int] = ..., per_tier: _Optional[_Mapping[str, int]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class LookupAcquireRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "tier", "ttl_s")
+    __slots__ = ("namespace_id", "keys", "tier", "ttl_s", "device")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tier: str
     ttl_s: float
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    device: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ..., device: _Optional[int] = ...) -> None: ...
 
 class LookupAcquireResponse(_message.Message):
     __slots__ = ("prefix_blocks", "per_tier", "lease")
