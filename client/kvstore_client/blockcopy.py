@@ -69,14 +69,21 @@ def kernel_status() -> str:
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
+_retired: list[ThreadPoolExecutor] = []   # never shut down: another thread may still use one
+
+
+# Memory bandwidth is saturated well before this many copy threads; more only take cores from
+# the engine. `connect(copy_threads=N)` overrides.
+MAX_DEFAULT_THREADS = 16
 
 
 def default_threads() -> int:
-    """The cores this process may run on (the engine's share of the machine)."""
+    """The cores this process may run on (the engine's share of the machine), at most 16."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        n = len(os.sched_getaffinity(0))
     except AttributeError:          # not Linux
-        return max(1, os.cpu_count() or 1)
+        n = os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_THREADS, n))
 
 
 def _executor(threads: int) -> ThreadPoolExecutor | None:
@@ -85,12 +92,11 @@ def _executor(threads: int) -> ThreadPoolExecutor | None:
         return None
     with _pool_lock:
         if _pool is None or _pool_size < threads - 1:
-            old = _pool
+            if _pool is not None:
+                _retired.append(_pool)
             _pool = ThreadPoolExecutor(max_workers=threads - 1,
                                        thread_name_prefix="kvstore-copy")
             _pool_size = threads - 1
-            if old is not None:
-                old.shutdown(wait=False)
         return _pool
 
 

@@ -336,7 +336,7 @@ def connect(address: str | None = None, *, transport: str = "auto",
         send checksums with every Commit.
     lease_ttl_s: lease lifetime to ask for (0: the daemon's default); leases in use are renewed.
     copy_threads: threads that copy blocks between your tensors and the pool (0: every core this
-        process may run on; the copies release the GIL).
+        process may run on, at most 16; the copies release the GIL).
     The connection is lazy: the first namespace() call talks to the daemon.
     """
     if address is None:
