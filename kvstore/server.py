@@ -557,6 +557,47 @@ class KVStoreServicer:
         _parse(pb.StatsRequest, raw)
         return stats_to_proto(self.store.stats(), self.store.daemon_id)
 
+    # -- fused calls: one round trip where the protocol allows (issue 19) ---------------------
+    def LookupReserve(self, raw: bytes) -> pb.LookupReserveResponse:
+        """Lookup, then Reserve slots for the missing keys (at most max_slots)."""
+        req = _parse(pb.LookupReserveRequest, raw)
+        ns = check_ns(req.namespace_id)
+        keys = check_keys(req.keys)
+        tier = check_slot_tier(req.tier, self.gpu_enabled)
+        ttl = check_ttl(req.ttl_s, self.max_ttl_s)
+        res = self.store.lookup(ns, keys)
+        resp = pb.LookupReserveResponse(
+            prefix_blocks=res.prefix_blocks,
+            per_tier={str(k): int(v) for k, v in res.per_tier.items()})
+        missing = len(keys) - res.prefix_blocks
+        if missing > 0:
+            n = min(missing, req.max_slots) if req.max_slots else missing
+            dev = {"device": req.device} if req.HasField("device") else {}
+            lease = self.store.reserve(ns, check_count(n), tier=tier, ttl_s=ttl, **dev)
+            resp.lease.CopyFrom(lease_to_proto(lease))
+        return resp
+
+    def LookupAcquire(self, raw: bytes) -> pb.LookupAcquireResponse:
+        """Lookup, then Acquire the cached prefix under a read lease."""
+        req = _parse(pb.LookupAcquireRequest, raw)
+        ns = check_ns(req.namespace_id)
+        keys = check_keys(req.keys)
+        tier = check_slot_tier(req.tier, self.gpu_enabled)
+        ttl = check_ttl(req.ttl_s, self.max_ttl_s)
+        res = self.store.lookup(ns, keys)
+        resp = pb.LookupAcquireResponse(
+            prefix_blocks=res.prefix_blocks,
+            per_tier={str(k): int(v) for k, v in res.per_tier.items()})
+        if res.prefix_blocks:
+            dev = {"device": req.device} if req.HasField("device") else {}
+            lease = self.store.acquire(ns, keys[:res.prefix_blocks], tier=tier, ttl_s=ttl,
+                                       **dev)
+            if lease.slots:
+                resp.lease.CopyFrom(lease_to_proto(lease))
+            else:                       # nothing could be pinned: hold nothing
+                self.store.release(lease.id, missing_ok=True)
+        return resp
+
     # -- registration -------------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler with raw-bytes request deserializers (see module docstring)."""
@@ -565,7 +606,8 @@ class KVStoreServicer:
             return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
         unary = ("RegisterNamespace", "Lookup", "Reserve", "Commit", "Acquire", "Release",
-                 "RenewLease", "Retain", "Delete", "Evict", "Flush", "Stats", "Locate")
+                 "RenewLease", "Retain", "Delete", "Evict", "Flush", "Stats", "Locate",
+                 "LookupReserve", "LookupAcquire")
         handlers = {name: grpc.unary_unary_rpc_method_handler(
             self.unary(name, getattr(self, name)), response_serializer=ser) for name in unary}
         handlers["Put"] = grpc.stream_unary_rpc_method_handler(

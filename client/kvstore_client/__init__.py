@@ -10,14 +10,16 @@ from .errors import (
     NotFound,
     ResourceExhausted,
     Unavailable,
+    Unimplemented,
 )
 from .hashing import block_keys, chain_key
 from .layout import CODECS, KVLayout, NamespaceSpec
-from .namespace import LookupResult, Namespace
+from .namespace import LookupResult, Namespace, Pinned
 from .paged import PagedKV
 
 __all__ = [
     "CODECS", "Client", "DataLoss", "DeadlineExceeded", "InvalidArgument", "KVLayout",
     "KVStoreError", "LeaseExpired", "LookupResult", "Namespace", "NamespaceSpec", "NotFound",
-    "PagedKV", "ResourceExhausted", "Unavailable", "block_keys", "chain_key", "connect",
+    "PagedKV", "Pinned", "ResourceExhausted", "Unavailable", "Unimplemented", "block_keys",
+    "chain_key", "connect",
 ]

@@ -24,6 +24,7 @@ import grpc
 
 from ._proto import kvstore_pb2 as pb
 from ._proto import kvstore_pb2_grpc as pbg
+from .blockcopy import default_threads
 from .errors import (
     InvalidArgument,
     KVStoreError,
@@ -101,7 +102,7 @@ class Client:
 
     def __init__(self, address: str, *, transport: str = "auto",
                  timeout: float = DEFAULT_TIMEOUT_S, verify: bool = True,
-                 lease_ttl_s: float = 0.0) -> None:
+                 lease_ttl_s: float = 0.0, copy_threads: int = 0) -> None:
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if not timeout or timeout <= 0:
@@ -112,6 +113,13 @@ class Client:
         self.timeout = float(timeout)
         self.verify = verify
         self.lease_ttl_s = float(lease_ttl_s)
+        if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) \
+                or copy_threads < 0:
+            raise InvalidArgument(f"copy_threads must be a non-negative integer (0: every core "
+                                  f"this process may use), got {copy_threads!r}")
+        self.copy_threads = copy_threads or default_threads()
+        # LookupReserve / LookupAcquire until a daemon answers UNIMPLEMENTED (an older one).
+        self.fused_rpcs = True
         self._lock = threading.RLock()
         self._closed = False
         self._reached = False           # a daemon answered once (see call())
@@ -249,6 +257,7 @@ class Client:
         """Re-register every namespace and re-map the pool (after a daemon restart)."""
         with self._lock:
             self.counters["resyncs"] += 1
+            self.fused_rpcs = True      # the daemon may have been upgraded
             for ns in list(self._namespaces):
                 ns._register()
 
@@ -315,7 +324,7 @@ class Client:
 
 def connect(address: str | None = None, *, transport: str = "auto",
             timeout: float = DEFAULT_TIMEOUT_S, verify: bool = True,
-            lease_ttl_s: float = 0.0) -> Client:
+            lease_ttl_s: float = 0.0, copy_threads: int = 0) -> Client:
     """Connect to a kvstore daemon.
 
     address: a Unix socket path, "unix:///path", or "host:port"; None: $KVSTORE_ADDRESS,
@@ -326,11 +335,13 @@ def connect(address: str | None = None, *, transport: str = "auto",
     verify: check each loaded block against the xxh3-64 checksum its read lease carries, and
         send checksums with every Commit.
     lease_ttl_s: lease lifetime to ask for (0: the daemon's default); leases in use are renewed.
+    copy_threads: threads that copy blocks between your tensors and the pool (0: every core this
+        process may run on, at most 16; the copies release the GIL).
     The connection is lazy: the first namespace() call talks to the daemon.
     """
     if address is None:
         address = os.environ.get("KVSTORE_ADDRESS") or DEFAULT_ADDRESS
     return Client(address, transport=transport, timeout=timeout, verify=verify,
-                  lease_ttl_s=lease_ttl_s)
+                  lease_ttl_s=lease_ttl_s, copy_threads=copy_threads)
 
 

@@ -45,10 +45,16 @@ class DeadlineExceeded(KVStoreError, TimeoutError):
     code = "DEADLINE_EXCEEDED"
 
 
+class Unimplemented(KVStoreError):
+    """The daemon predates the call (the SDK then falls back to the older calls)."""
+
+    code = "UNIMPLEMENTED"
+
+
 BY_CODE: dict[str, type[KVStoreError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, LeaseExpired, ResourceExhausted, Unavailable, DataLoss,
-                DeadlineExceeded)
+                DeadlineExceeded, Unimplemented)
 }
 
 

@@ -18,9 +18,17 @@ import grpc
 import numpy as np
 import xxhash
 
+from . import blockcopy
 from ._proto import kvstore_pb2 as pb
 from .buffers import PAGE, _is_tensor, aligned_buffer, check_seq, copy_block, raw_view, slot_view
-from .errors import DataLoss, InvalidArgument, LeaseExpired, NotFound, from_rpc_error
+from .errors import (
+    DataLoss,
+    InvalidArgument,
+    LeaseExpired,
+    NotFound,
+    Unimplemented,
+    from_rpc_error,
+)
 from .hashing import DEFAULT_KEY_BYTES, ExtraKey, block_keys
 from .layout import NamespaceSpec, check_retention
 from .wire import decode_get, encode_put
@@ -42,10 +50,30 @@ _PUT_RPC_BYTES = 64 << 20
 _RESERVE_POOL_SHARE = 0.25
 _RESERVE_MAX_SLOTS = 1024
 
-Fill = Callable[[np.ndarray, Sequence[int], int], None]
-"""fill(base, offsets, first): write blocks first, first+1, ... into base[offsets[j]:+bb]."""
-Drain = Callable[[np.ndarray, Sequence[int], int], None]
-"""drain(base, offsets, first): copy base[offsets[j]:+bb] out as blocks first, first+1, ..."""
+Fill = Callable[[np.ndarray, Sequence[int], int], "np.ndarray | None"]
+"""fill(base, offsets, first): write blocks first, first+1, ... into base[offsets[j]:+bb].
+
+It may return the xxh3-64 of each block it wrote (uint64 array), computed in the copy's pass;
+when it returns None the namespace checksums the slots itself (a second pass)."""
+Drain = Callable[[np.ndarray, Sequence[int], int], "np.ndarray | None"]
+"""drain(base, offsets, first): copy base[offsets[j]:+bb] out as blocks first, first+1, ...
+
+Like Fill, it may return the xxh3-64 of each block it read, for the load's verification."""
+
+
+def fused(fn: Callable) -> Callable:
+    """Mark a fill/drain that takes a whole batch at once and returns its checksums.
+
+    Unmarked callbacks are called in ~4 MiB chunks so a separate checksum pass reads bytes the
+    copy just left in cache; a fused one already did both in one pass, so one call per batch
+    (and one Python call per batch, not per block) is what it wants.
+    """
+    fn._kvstore_fused = True  # type: ignore[attr-defined]
+    return fn
+
+
+def _is_fused(fn: Callable) -> bool:
+    return bool(getattr(fn, "_kvstore_fused", False))
 
 
 @dataclass
@@ -158,12 +186,15 @@ class Namespace:
         T = self.layout.block_tokens
         check_seq(kv, self.layout, len(keys) * T, "kv")
         src = raw_view(kv, self.layout, "kv")
-
-        def fill(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
-            for j, off in enumerate(offsets):
-                i = first + j
-                dst = slot_view(base, off, self.layout, src)
-                copy_block(dst, src[:, :, i * T:(i + 1) * T])
+        plan = self._plan(src)
+        if plan is not None:
+            fill = self._fused_move(plan, True)
+        else:
+            def fill(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
+                for j, off in enumerate(offsets):
+                    i = first + j
+                    dst = slot_view(base, off, self.layout, src)
+                    copy_block(dst, src[:, :, i * T:(i + 1) * T])
 
         rows = None
         if isinstance(src, np.ndarray):
@@ -181,6 +212,24 @@ class Namespace:
         return self._retrying(lambda: self._store_once(keys, fill, parent,
                                                        parts if rows is not None else None))
 
+    def _plan(self, x: Any) -> blockcopy.Plan | None:
+        """The compiled copy plan for a host-memory sequence tensor, or None (fallback)."""
+        if not isinstance(x, np.ndarray) or not blockcopy.kernel_available():
+            return None
+        return blockcopy.seq_plan(x, self.layout.block_tokens)
+
+    def _fused_move(self, plan: blockcopy.Plan, to_slots: bool) -> Callable:
+        """A fill (to_slots) or drain over `plan`: one pass, checksummed when verifying."""
+        client = self.client
+
+        @fused
+        def move(base: np.ndarray, offsets: Sequence[int], first: int) -> np.ndarray | None:
+            sums = np.empty(len(offsets), dtype=np.uint64) if client.verify else None
+            blockcopy.run(plan, base, range(first, first + len(offsets)), offsets, to_slots,
+                          sums, client.copy_threads)
+            return sums
+        return move
+
     def store_blocks(self, keys: Sequence[bytes], fill: Fill, *,
                      parent: bytes | None = None) -> int:
         """Store blocks produced by `fill` for the keys not cached yet (for custom layouts)."""
@@ -191,12 +240,12 @@ class Namespace:
 
     def _store_once(self, keys: list[bytes], fill: Fill, parent: bytes | None,
                     parts: Callable[[int], list[Any]] | None = None) -> int:
+        if self.client.pool is not None:
+            return self._store_shm(keys, parent, fill)
         have = self.lookup_keys(keys)
         if have >= len(keys):
             return 0
         first_parent = keys[have - 1] if have else (parent or b"")
-        if self.client.pool is not None:
-            return self._store_shm(keys, have, first_parent, fill)
         return self._store_grpc(keys, have, first_parent, fill, parts)
 
     def _reserve_batch(self) -> int:
@@ -212,27 +261,46 @@ class Namespace:
             raise _Stale("host pool segment replaced")
         return pool
 
-    def _store_shm(self, keys: list[bytes], start: int, parent: bytes, fill: Fill) -> int:
+    def _lookup_reserve(self, keys: list[bytes]) -> tuple[int, Any]:
+        """(cached prefix, write lease for the next missing blocks or None) in one round trip;
+        Lookup then (later) Reserve against a daemon that predates LookupReserve."""
+        client = self.client
+        if client.fused_rpcs:
+            try:
+                r = client.call("LookupReserve", pb.LookupReserveRequest(
+                    namespace_id=self.ns_id, keys=keys, tier="host", ttl_s=client.lease_ttl_s,
+                    max_slots=self._reserve_batch()))
+                return int(r.prefix_blocks), (r.lease if r.HasField("lease") else None)
+            except Unimplemented:
+                log.info("kvstore: daemon has no LookupReserve; using Lookup + Reserve")
+                client.fused_rpcs = False
+        return self.lookup_keys(keys), None
+
+    def _store_shm(self, keys: list[bytes], parent: bytes | None, fill: Fill) -> int:
         client, bb = self.client, self.block_bytes
+        pool = self._current_pool()
+        have, lease = self._lookup_reserve(keys)
+        if have >= len(keys):
+            if lease is not None:
+                client.release(lease.lease_id)
+            return 0
+        parent = keys[have - 1] if have else (parent or b"")
         stored = 0
-        i = start
+        i = have
         while i < len(keys):
             n = min(len(keys) - i, self._reserve_batch())
-            pool = self._current_pool()
-            lease = client.call("Reserve", pb.ReserveRequest(
-                namespace_id=self.ns_id, count=n, tier="host", ttl_s=client.lease_ttl_s)).lease
+            if lease is None:
+                pool = self._current_pool()
+                lease = client.call("Reserve", pb.ReserveRequest(
+                    namespace_id=self.ns_id, count=n, tier="host",
+                    ttl_s=client.lease_ttl_s)).lease
             lid = lease.lease_id
             client.leases.add(lid, lease.deadline)
             committed = False
             try:
                 offsets = self._check_slots(lease.slots, pool)[:n]
                 n = len(offsets)
-                base = pool.slab.array
-                sums: list[int] = []
-                for c0, c1 in _chunks(n, bb):
-                    fill(base, offsets[c0:c1], i + c0)
-                    if client.verify:
-                        sums += [xxhash.xxh3_64_intdigest(base[o:o + bb]) for o in offsets[c0:c1]]
+                sums = _fill_checksummed(fill, pool.slab.array, offsets, i, bb, client.verify)
                 if not client.leases.remove(lid):
                     client.counters["leases_lost"] += 1
                     raise LeaseExpired(f"write lease {lid} expired during the copy")
@@ -248,6 +316,7 @@ class Namespace:
             finally:
                 if not committed:
                     client.release(lid)
+            lease = None
             parent = keys[i + n - 1]
             i += n
         return stored
@@ -313,6 +382,9 @@ class Namespace:
             raise InvalidArgument(f"out holds {out.shape[2]} tokens, less than one block "
                                   f"({T} tokens)")
         dst = raw_view(out, self.layout, "out")
+        plan = self._plan(dst)
+        if plan is not None:
+            return self.load_blocks(keys, self._fused_move(plan, False))
 
         def drain(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
             for j, off in enumerate(offsets):
@@ -342,45 +414,81 @@ class Namespace:
         return offsets
 
     def _load_shm(self, keys: list[bytes], drain: Drain) -> int:
-        client, bb = self.client, self.block_bytes
+        client = self.client
         pool = self._current_pool()
         lease = client.call("Acquire", pb.AcquireRequest(
             namespace_id=self.ns_id, keys=keys, tier="host", ttl_s=client.lease_ttl_s)).lease
-        lid = lease.lease_id
         if not lease.slots:
-            if lid:
-                client.release(lid)
+            if lease.lease_id:
+                client.release(lease.lease_id)
             return 0
-        client.leases.add(lid, lease.deadline)
+        client.leases.add(lease.lease_id, lease.deadline)
         try:
-            offsets = self._check_slots(lease.slots, pool)
-            n = len(offsets)
-            if list(lease.keys[:n]) != keys[:n]:
-                raise DataLoss("the daemon's read lease names other keys than were asked for")
-            sums = list(lease.checksums)
-            base = pool.slab.array
-            good = n
-            for c0, c1 in _chunks(n, bb):
-                drain(base, offsets[c0:c1], c0)
-                if client.verify and len(sums) == n:
-                    bad = next((j for j in range(c0, c1)
-                                if xxhash.xxh3_64_intdigest(base[offsets[j]:offsets[j] + bb])
-                                != sums[j]), None)
-                    if bad is not None:
-                        good = bad
-                        break
-            if not client.leases.ok(lid):
-                client.counters["leases_lost"] += 1
-                raise _Stale(f"read lease {lid} expired during the copy")
-            if good < n:
-                client.counters["checksum_failures"] += 1
-                if not pool.current():
-                    raise _Stale("host pool segment replaced during the copy")
-                log.warning("kvstore: block %d of a load failed its checksum; serving the %d "
-                            "blocks before it", good, good)
-            return good
+            return self._drain_lease(lease, keys, pool, drain)
         finally:
-            client.release(lid)
+            client.release(lease.lease_id)
+
+    def _drain_lease(self, lease: Any, keys: Sequence[bytes], pool: _Pool, drain: Drain) -> int:
+        """Copy a read lease's blocks out through drain, verified; blocks of the good prefix."""
+        client, bb, lid = self.client, self.block_bytes, lease.lease_id
+        offsets = self._check_slots(lease.slots, pool)
+        n = len(offsets)
+        if list(lease.keys[:n]) != list(keys[:n]):
+            raise DataLoss("the daemon's read lease names other keys than were asked for")
+        want = list(lease.checksums) if client.verify else []
+        good = _drain_verified(drain, pool.slab.array, offsets, bb,
+                               want if len(want) == n else None)
+        if not client.leases.ok(lid):
+            client.counters["leases_lost"] += 1
+            raise _Stale(f"read lease {lid} expired during the copy")
+        if good < n:
+            client.counters["checksum_failures"] += 1
+            if not pool.current():
+                raise _Stale("host pool segment replaced during the copy")
+            log.warning("kvstore: block %d of a load failed its checksum; serving the %d "
+                        "blocks before it", good, good)
+        return good
+
+    # -- lookup + pin ------------------------------------------------------------------------
+    def pin(self, keys: Sequence[bytes]) -> Pinned:
+        """Look up `keys` and pin the cached prefix in the host pool, in one round trip.
+
+        For engines that ask "how much is cached?" and then load it: the answer carries the
+        slots and a read lease (renewed in the background), so `Pinned.load_keys` /
+        `load_blocks` copy with no further call before the release. Release it (or use it as a
+        context manager) when done; an unreleased pin ends at its lease deadline.
+        Same host only (the mapped pool): over gRPC streams use lookup + load.
+        """
+        keys = list(keys)
+        if not keys:
+            raise InvalidArgument("pin needs at least one key")
+        return self._retrying(lambda: self._pin_once(keys))
+
+    def _pin_once(self, keys: list[bytes]) -> Pinned:
+        client = self.client
+        pool = self._current_pool()
+        req = dict(namespace_id=self.ns_id, keys=keys, tier="host", ttl_s=client.lease_ttl_s)
+        lease, res = None, None
+        if client.fused_rpcs:
+            try:
+                r = client.call("LookupAcquire", pb.LookupAcquireRequest(**req))
+                res = LookupResult(int(r.prefix_blocks), {k: int(v) for k, v in
+                                                          r.per_tier.items()})
+                lease = r.lease if r.HasField("lease") else None
+            except Unimplemented:
+                log.info("kvstore: daemon has no LookupAcquire; using Lookup + Acquire")
+                client.fused_rpcs = False
+        if res is None:
+            res = self.lookup_result(keys)
+            if res.prefix_blocks:
+                lease = client.call("Acquire", pb.AcquireRequest(**req)).lease
+        if lease is not None and not lease.slots:
+            if lease.lease_id:
+                client.release(lease.lease_id)
+            lease = None
+        if lease is not None:
+            client.leases.add(lease.lease_id, lease.deadline)
+        return Pinned(self, keys, res, lease, pool)
 
     def _load_grpc(self, keys: list[bytes], drain: Drain) -> int:
         client = self.client
@@ -436,6 +544,102 @@ class Namespace:
         """Delete `keys` (None: the whole namespace) from every tier; returns blocks deleted."""
         req = pb.DeleteRequest(namespace_id=self.ns_id, keys=list(keys or ()), all=keys is None)
         return int(self.client.call("Delete", req).deleted)
+
+
+class Pinned:
+    """A cached prefix pinned in the host pool by `Namespace.pin`: `lookup` is what the daemon
+    found (per tier), `blocks` how many leading blocks are pinned and loadable now."""
+
+    def __init__(self, ns: Namespace, keys: list[bytes], lookup: LookupResult, lease: Any,
+                 pool: _Pool) -> None:
+        self.ns, self.keys, self.lookup, self._lease, self._pool = ns, keys, lookup, lease, pool
+        self.blocks = len(lease.slots) if lease is not None else 0
+
+    def load_blocks(self, drain: Drain) -> int:
+        """Copy the pinned blocks out through drain (verified); returns blocks loaded."""
+        if self._lease is None:
+            return 0
+        try:
+            return self.ns._drain_lease(self._lease, self.keys, self._pool, drain)
+        except _Stale as e:
+            raise LeaseExpired(f"pinned prefix lost ({e}); pin again") from None
+
+    def load_keys(self, out: Any) -> int:
+        """Fill out[:, :, :n*T] with the pinned blocks (as Namespace.load_keys); returns n."""
+        ns = self.ns
+        T = ns.layout.block_tokens
+        check_seq(out, ns.layout, 0, "out")
+        if out.shape[2] < self.blocks * T:
+            raise InvalidArgument(f"out holds {out.shape[2]} tokens; the pinned prefix is "
+                                  f"{self.blocks * T}")
+        dst = raw_view(out, ns.layout, "out")
+        plan = ns._plan(dst)
+        if plan is not None:
+            return self.load_blocks(ns._fused_move(plan, False))
+
+        def drain(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
+            for j, off in enumerate(offsets):
+                i = first + j
+                copy_block(dst[:, :, i * T:(i + 1) * T], slot_view(base, off, ns.layout, dst))
+        return self.load_blocks(drain)
+
+    def release(self) -> None:
+        """Unpin (idempotent)."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            self.ns.client.release(lease.lease_id)
+
+    def __enter__(self) -> Pinned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _fill_checksummed(fill: Fill, base: np.ndarray, offsets: list[int], first: int, bb: int,
+                      verify: bool) -> list[int]:
+    """Run fill over the batch; the checksums to send with Commit ([] without verify)."""
+    if _is_fused(fill):
+        got = fill(base, offsets, first)
+        if not verify:
+            return []
+        if got is not None and len(got) == len(offsets):
+            return got.tolist()
+        return [xxhash.xxh3_64_intdigest(base[o:o + bb]) for o in offsets]
+    sums: list[int] = []
+    for c0, c1 in _chunks(len(offsets), bb):
+        got = fill(base, offsets[c0:c1], first + c0)
+        if verify:
+            if got is not None and len(got) == c1 - c0:
+                sums += got.tolist()
+            else:
+                sums += [xxhash.xxh3_64_intdigest(base[o:o + bb]) for o in offsets[c0:c1]]
+    return sums
+
+
+def _drain_verified(drain: Drain, base: np.ndarray, offsets: list[int], bb: int,
+                    want: list[int] | None) -> int:
+    """Run drain over the batch; blocks of the verified prefix (all of them when want is None).
+
+    A fused drain checksums in its copy pass, so a block that fails has already been copied:
+    the caller serves only the prefix before it (positions past it hold unverified bytes).
+    """
+    n = len(offsets)
+    if _is_fused(drain):
+        chunks: Iterator[tuple[int, int]] = iter([(0, n)])
+    else:
+        chunks = _chunks(n, bb)
+    for c0, c1 in chunks:
+        got = drain(base, offsets[c0:c1], c0)
+        if want is None:
+            continue
+        if got is None or len(got) != c1 - c0:
+            got = np.array([xxhash.xxh3_64_intdigest(base[o:o + bb]) for o in offsets[c0:c1]],
+                           dtype=np.uint64)
+        bad = np.flatnonzero(got != np.array(want[c0:c1], dtype=np.uint64))
+        if bad.size:
+            return c0 + int(bad[0])
+    return n
 
 
 def _chunks(n: int, block_bytes: int) -> Iterator[tuple[int, int]]:

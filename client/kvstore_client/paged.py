@@ -7,8 +7,12 @@ With `page_tokens == block_tokens`, kvstore block i is exactly page `block_table
 layer, so no dense sequence copy is needed: this module moves pages between the engine's tensors
 and the kvstore slots directly.
 
-How the copy is vectorized: in the canonical block layout the K (or V) rows of layer l sit at a
-fixed offset inside every slot, `(2*l + kv) * row_bytes`. Viewing the destination buffer as
+Host-memory caches (numpy or CPU tensors) go through `blockcopy`'s one-pass kernel: every
+(layer, K/V) row of every page of a batch is copied and checksummed in one GIL-free call per
+thread (`blockcopy.paged_plan`). Where the kernel is unavailable, the numpy path below runs.
+
+How the numpy copy is vectorized: in the canonical block layout the K (or V) rows of layer l
+sit at a fixed offset inside every slot, `(2*l + kv) * row_bytes`. Viewing the destination buffer as
 overlapping rows that start at every multiple of `g = gcd(row_bytes, slot offsets)` turns "page
 p of layer l, K, goes to slot j" into one fancy-index assignment per layer and K/V over all
 blocks (`rows[dst_idx] = pages[page_ids]`): 2 × num_layers numpy calls per batch, never a loop
@@ -26,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from . import blockcopy
 from .buffers import _is_tensor, _torch, aligned_buffer, raw_view
 from .errors import InvalidArgument
 from .layout import KVLayout
-from .namespace import Namespace
+from .namespace import Namespace, fused
 
 _INT = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}
 
@@ -118,7 +123,11 @@ class PagedKV:
             self._tview = [(t.from_numpy(x) if isinstance(x, np.ndarray) else x)
                            .movedim((page_axis, kv_axis), (0, 1)) for x in self._raw]
             self._staging: Any = None
-        else:
+        # Host-memory caches go through the one-pass copy kernel when it can address them.
+        self._kplan = None
+        if not self._torch_path and blockcopy.kernel_available():
+            self._kplan = blockcopy.paged_plan(self._raw, kv_axis, page_axis)
+        if not self._torch_path:
             # [pages, 2, T*H*D] per layer: K rows and V rows as views of the engine's memory.
             self._rows = []
             for x in self._raw:
@@ -147,6 +156,11 @@ class PagedKV:
 
     def _np_move(self, base: np.ndarray, offsets: Sequence[int], pages: np.ndarray,
                  to_slots: bool) -> None:
+        if self._kplan is not None:
+            threads = self.ns.client.copy_threads if self.ns is not None else \
+                blockcopy.default_threads()
+            blockcopy.run(self._kplan, base, pages, offsets, to_slots, None, threads)
+            return
         g, offs = self._row_index(base, offsets)
         for layer, rows in enumerate(self._rows):
             for kv in (0, 1):
@@ -222,10 +236,25 @@ class PagedKV:
         """Store pages block_table[i] as keys[i] (missing blocks only); returns blocks written."""
         keys = list(keys)
         pages = self._pages(block_table, len(keys), "store")
+        ns = self._ns()
+        if self._kplan is not None:
+            return ns.store_blocks(keys, self._fused(ns, pages, True), parent=parent)
 
         def fill(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
             self._move(base, offsets, pages[first:first + len(offsets)], True)
-        return self._ns().store_blocks(keys, fill, parent=parent)
+        return ns.store_blocks(keys, fill, parent=parent)
+
+    def _fused(self, ns: Namespace, pages: np.ndarray, to_slots: bool) -> Any:
+        """A fill/drain that moves whole batches through the kernel, checksummed in its pass."""
+        client, plan = ns.client, self._kplan
+
+        @fused
+        def move(base: np.ndarray, offsets: Sequence[int], first: int) -> np.ndarray | None:
+            sums = np.empty(len(offsets), dtype=np.uint64) if client.verify else None
+            blockcopy.run(plan, base, pages[first:first + len(offsets)], offsets, to_slots,
+                          sums, client.copy_threads)
+            return sums
+        return move
 
     def store(self, token_ids: Any, block_table: Any) -> int:
         """store_keys for the reference keys of the full blocks of token_ids."""
@@ -239,10 +268,13 @@ class PagedKV:
         keys = list(keys)
         n = min(len(keys), len(block_table))
         pages = self._pages(block_table, n, "load")
+        ns = self._ns()
+        if self._kplan is not None:
+            return ns.load_blocks(keys[:n], self._fused(ns, pages, False))
 
         def drain(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
             self._move(base, offsets, pages[first:first + len(offsets)], False)
-        return self._ns().load_blocks(keys[:n], drain)
+        return ns.load_blocks(keys[:n], drain)
 
     def load(self, token_ids: Any, block_table: Any) -> int:
         """load_keys for token_ids; returns tokens loaded (a multiple of block_tokens)."""

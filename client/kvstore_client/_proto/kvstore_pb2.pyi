@@ -394,3 +394,67 @@ class LocateResponse(_message.Message):
     where: bytes
     prefetching: int
     def __init__(self, tier_names: _Optional[_Iterable[str]] = ..., where: _Optional[bytes] = ..., prefetching: _Optional[int] = ...) -> None: ...
+
+class LookupReserveRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "tier", "ttl_s", "max_slots", "device")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tier: str
+    ttl_s: float
+    max_slots: int
+    device: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ..., max_slots: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
+
+class LookupReserveResponse(_message.Message):
+    __slots__ = ("prefix_blocks", "per_tier", "lease")
+    class PerTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PER_TIER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    prefix_blocks: int
+    per_tier: _containers.ScalarMap[str, int]
+    lease: Lease
+    def __init__(self, prefix_blocks: _Optional[int] = ..., per_tier: _Optional[_Mapping[str, int]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class LookupAcquireRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "tier", "ttl_s", "device")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tier: str
+    ttl_s: float
+    device: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ..., device: _Optional[int] = ...) -> None: ...
+
+class LookupAcquireResponse(_message.Message):
+    __slots__ = ("prefix_blocks", "per_tier", "lease")
+    class PerTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PER_TIER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    prefix_blocks: int
+    per_tier: _containers.ScalarMap[str, int]
+    lease: Lease
+    def __init__(self, prefix_blocks: _Optional[int] = ..., per_tier: _Optional[_Mapping[str, int]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...

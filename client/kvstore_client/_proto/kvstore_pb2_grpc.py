@@ -109,6 +109,16 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LocateRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LocateResponse.FromString,
                 _registered_method=True)
+        self.LookupReserve = channel.unary_unary(
+                '/kvstore.v1.KVStore/LookupReserve',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupReserveRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LookupReserveResponse.FromString,
+                _registered_method=True)
+        self.LookupAcquire = channel.unary_unary(
+                '/kvstore.v1.KVStore/LookupAcquire',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupAcquireRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LookupAcquireResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -215,6 +225,24 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LookupReserve(self, request, context):
+        """--- Fewer round trips on the engine's hot path (added in v1; older daemons answer
+        UNIMPLEMENTED and clients fall back to the separate calls). ---
+        Lookup, then Reserve for the keys that are missing, in one call: the store path's first
+        round trip. Equivalent to Lookup(keys) followed by Reserve(min(missing, max_slots)).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LookupAcquire(self, request, context):
+        """Lookup, then Acquire of the cached prefix, in one call: an engine that asks how much is
+        cached and means to load it gets the slots and read lease in the same answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -292,6 +320,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Locate,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LocateRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LocateResponse.SerializeToString,
+            ),
+            'LookupReserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupReserve,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LookupReserveRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupReserveResponse.SerializeToString,
+            ),
+            'LookupAcquire': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupAcquire,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LookupAcquireRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupAcquireResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -699,6 +737,60 @@ class KVStore:
             '/kvstore.v1.KVStore/Locate',
             kvstore_dot_v1_dot_kvstore__pb2.LocateRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.LocateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupReserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/LookupReserve',
+            kvstore_dot_v1_dot_kvstore__pb2.LookupReserveRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.LookupReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupAcquire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/LookupAcquire',
+            kvstore_dot_v1_dot_kvstore__pb2.LookupAcquireRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.LookupAcquireResponse.FromString,
             options,
             channel_credentials,
             insecure,
