@@ -65,6 +65,9 @@ class HostConfig(TierConfig):
     capacity: int = 1 << 30
     shm_name: str = ""              # default: derived from the data folder
     background_demotion: bool = True  # demote down to low_watermark on a background thread
+    # Check each block's commit checksum before its bytes leave the pool (Get, demotion,
+    # write-through). Off only to measure what the check costs (bench/rpc.py).
+    verify_reads: bool = True
 
 
 @dataclass

@@ -33,6 +33,7 @@ from tiers import codecs, frame
 
 from .index import Entry
 from .nsinfo import NamespaceInfo
+from .verify import matches
 
 log = logging.getLogger("kvstore.store")
 T = TypeVar("T")
@@ -348,6 +349,8 @@ class TierMovement:
         acquired while it was demoted keeps its host copy (it now has an SSD copy too)."""
         freed = blocks = 0
         for e in batch:
+            if e.host is None:
+                continue                     # a corrupt copy, dropped when it was encoded
             if e.pins:
                 self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
                 self.counters["demotions_kept_pinned"] += 1
@@ -373,6 +376,7 @@ class TierMovement:
         with self._unlocked():
             values, local = self._encode(jobs)
         self.counters.update(local)
+        todo, values = self._verified(todo, values)
         need = sum(len(v) for v in values)
         self._ssd_room(need)
         items = [(e.gkey, v, _meta(e)) for e, v in zip(todo, values, strict=True)]
@@ -434,7 +438,9 @@ class TierMovement:
             if self.remote is not None and todo:
                 self._demote_to_remote(todo, from_host=True)
             return
-        items = list(zip(todo, self._encode_many(todo), strict=True))
+        items = list(zip(*self._verified(todo, self._encode_many(todo)), strict=True))
+        if not items:
+            return
         self._ssd_room(sum(len(v) for _, v in items))
         self.ssd.put_many([(e.gkey, v, _meta(e)) for e, v in items])
         self._record_ssd_copies([(e, len(v)) for e, v in items])
@@ -448,7 +454,7 @@ class TierMovement:
             self.counters["bytes_host_to_ssd"] += nbytes
         self.tier_counters["host"]["demotions"] += len(written)
 
-    def _encode_many(self, entries: list[Entry]) -> list[bytes]:
+    def _encode_many(self, entries: list[Entry]) -> list[bytes | None]:
         """Encode host copies for a lower tier (locked), in parallel; see _encode."""
         values, local = self._encode(self._encode_jobs(entries))
         self.counters.update(local)
@@ -462,20 +468,58 @@ class TierMovement:
             self._encoded += 1
             spec = self.namespaces[e.ns_id].spec
             jobs.append((self.host.view(e.host, e.size), spec.layout, spec.codec,
-                         self._encoded % ERROR_SAMPLE_EVERY == 1))
+                         self._encoded % ERROR_SAMPLE_EVERY == 1,
+                         e.checksum if self.config.host.verify_reads else 0))
         return jobs
 
-    def _encode(self, jobs: list[tuple]) -> tuple[list[bytes], Counter]:
+    def _verified(self, entries: list[Entry], values: list[bytes | None]
+                  ) -> tuple[list[Entry], list[bytes]]:
+        """(entries, values) without the blocks whose host copy failed its checksum when it
+        was encoded; those are counted and dropped (locked)."""
+        good = [(e, v) for e, v in zip(entries, values, strict=True) if v is not None]
+        for e, v in zip(entries, values, strict=True):
+            if v is None:
+                self._corrupt_host_copy(e.gkey, "demotion")
+        return [e for e, _ in good], [v for _, v in good]
+
+    def _corrupt_host_copy(self, gkey: bytes, path: str) -> None:
+        """A host copy whose bytes no longer match its commit checksum: count it and free it
+        (locked). Never served or demoted; a copy a reader still leases, or one in flight,
+        is freed by a later eviction."""
+        self.counters["corrupt_blocks"] += 1
+        self.counters["corrupt_host_blocks"] += 1
+        e = self.index.get(gkey)
+        log.warning("dropping block %s: its host copy no longer matches the checksum taken at "
+                    "commit (found by %s; a client wrote into a committed slot)",
+                    gkey[-16:].hex(), path)
+        if e is None or e.host is None or e.pins or e.moving is not None:
+            # Leased, or an eviction victim in flight: the slot cannot be freed under its user.
+            # It stays in the host policy, so a later eviction finds it again (and, checking it
+            # before it writes, frees it instead of demoting it).
+            return
+        self.policies["host"].remove(gkey)
+        self.host.free(e.host)
+        e.host = None
+        if not e.resident:
+            self.index.discard(gkey)
+
+    def _encode(self, jobs: list[tuple]) -> tuple[list[bytes | None], Counter]:
         """Encode jobs from _encode_jobs, in parallel (zstd and torch release the GIL); needs
-        no lock. Returns the values and the codec counters, for the caller to add under the
+        no lock. Returns the values (None for a block whose host copy fails its checksum: the
+        caller drops it, see _verified) and the codec counters, for the caller to add under the
         lock.
 
         Encoding, not the disk, is the slow part of demotion (about 0.4 GB/s a core for
         lossless), so a batch of victims is spread over the worker pool.
         """
-        def one(job: tuple) -> tuple[bytes, Counter]:
-            view, layout, codec, sample = job
+        def one(job: tuple) -> tuple[bytes | None, Counter]:
+            view, layout, codec, sample, checksum = job
             local: Counter = Counter()
+            if checksum:
+                # A private copy first: the slot is client-writable (kvstore/verify.py).
+                view = np.array(view)
+                if not matches(view, checksum):
+                    return None, local
             return encode_block(view, layout, codec, local, sample), local
 
         done = self._parallel(one, jobs)
@@ -531,7 +575,8 @@ class TierMovement:
     def _demote_to_remote(self, entries: list[Entry], from_host: bool) -> None:
         # Host copies are encoded (in parallel); SSD-only blocks already hold an encoded value.
         in_host = [e for e in entries if from_host or e.host is not None]
-        items = list(zip(in_host, self._encode_many(in_host), strict=True)) if in_host else []
+        items = (list(zip(*self._verified(in_host, self._encode_many(in_host)), strict=True))
+                 if in_host else [])
         for e in entries:
             if not (from_host or e.host is not None):
                 try:

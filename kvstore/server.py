@@ -21,6 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -29,6 +30,7 @@ from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client.errors import InvalidArgument, KVStoreError, NotFound, Unavailable
 from kvstore_client.layout import KVLayout, NamespaceSpec
 
+from . import getstream
 from .prefetch import Prefetcher
 
 log = logging.getLogger("kvstore.server")
@@ -294,6 +296,7 @@ def _encode_get_response(blocks: list[tuple[bytes, memoryview]]) -> tuple[int, b
                   b"\x12", _varint(n), data]
     return len(blocks), b"".join(parts)
 
+
 class KVStoreServicer:
     """One method per RPC of kvstore.v1.KVStore; each takes the raw request bytes."""
 
@@ -308,6 +311,8 @@ class KVStoreServicer:
         self._block_bytes: dict[bytes, int] = {}
         self._prefetcher: Prefetcher | None = None
         self._prefetcher_lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self._checker: ThreadPoolExecutor | None = None   # Get's checks (kvstore/getstream.py)
 
     def start_shutdown(self) -> None:
         """New calls get UNAVAILABLE from now on; calls already running finish."""
@@ -510,19 +515,39 @@ class KVStoreServicer:
         keys = check_keys(req.keys)
         bb = self._ns_block_bytes(ns)
         per = max(1, GET_BATCH_BYTES // bb) if bb else 1
-        i = 0
         sent = False
-        while i < len(keys):
-            chunk = keys[i:i + per]
-            n, msg = self.store.with_prefix(ns, chunk, _encode_get_response)
-            if n:
+        if self.store.config.host.verify_reads:
+            def report(key: bytes) -> None:
+                self.store.corrupt_host_copy(ns, key, "Get")
+            for msg in getstream.verified(self._get_batches(ns, keys, per), self._check_pool(),
+                                          _encode_get_response, report):
                 sent = True
                 yield msg
+        else:
+            for _, msg, _ in self._get_batches(ns, keys, per):
+                sent = True
+                yield msg
+        if not sent:
+            yield pb.GetResponse()
+
+    def _get_batches(self, ns: bytes, keys: list[bytes], per: int
+                     ) -> Iterator[getstream.Batch]:
+        """(blocks, encoded GetResponse, checksums) per batch of the longest cached prefix."""
+        i = 0
+        while i < len(keys):
+            chunk = keys[i:i + per]
+            (n, msg), sums = self.store.read_prefix(ns, chunk, _encode_get_response)
+            if n:
+                yield n, msg, sums
             if n < len(chunk):
                 break
             i += n
-        if not sent:
-            yield pb.GetResponse()
+
+    def _check_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._checker is None:
+                self._checker = ThreadPoolExecutor(2, thread_name_prefix="get-check")
+            return self._checker
 
     def Delete(self, raw: bytes) -> pb.DeleteResponse:
         req = _parse(pb.DeleteRequest, raw)

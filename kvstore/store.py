@@ -51,6 +51,7 @@ from .leases import Lease, LeaseTable, Slot
 from .movement import REMOTE_CHUNK, Promotion, TierMovement, _aligned
 from .nsinfo import NamespaceInfo
 from .policy import EvictionPolicy, make_policy
+from .verify import first_mismatch
 
 log = logging.getLogger("kvstore.store")
 
@@ -786,35 +787,60 @@ class Store(DeviceMovement):
         self._busy -= 1
         self._idle.notify_all()
 
-    def with_prefix(self, ns_id: bytes, keys: Sequence[bytes], fn):
+    def with_prefix(self, ns_id: bytes, keys: Sequence[bytes], fn, copies=None):
         """Call fn([(key, view), ...]) on the pinned host copies of the longest cached prefix.
 
         The views are valid only inside fn (the read lease is released after it), which lets a
         caller copy the bytes exactly once, straight into whatever it sends.
+        `copies(result)` names the copies fn made, block by block; they are checked against the
+        committed checksums (kvstore/verify.py) and a block that fails is counted, dropped and
+        ends the prefix: fn is called again on the blocks before it.
         """
+        lease = self.acquire(ns_id, keys, ttl_s=self.config.leases.default_ttl_s)
+        bad: list[bytes] = []
+        try:
+            views = [(k, memoryview(self.host.view(s.offset, s.length)))
+                     for k, s in zip(lease.keys, lease.slots, strict=True)]
+            while True:
+                out = fn(views)
+                if not self.config.host.verify_reads or copies is None:
+                    break
+                n = first_mismatch(copies(out), lease.checksums[:len(views)])
+                if n == len(views):
+                    break
+                bad.append(ns_id + views[n][0])
+                views = views[:n]
+            self.counters["bytes_host_to_client"] += sum(v.nbytes for _, v in views)
+            return out
+        finally:
+            self.release(lease.id, missing_ok=True)
+            if bad:
+                with self._lock:
+                    for g in bad:
+                        self.movement._corrupt_host_copy(g, "Get")
+
+    def read_prefix(self, ns_id: bytes, keys: Sequence[bytes], fn):
+        """(fn(views), checksums): with_prefix without the check, for a caller that checks its
+        copies itself (the Get stream overlaps that with sending) and reports a failure with
+        corrupt_host_copy."""
         lease = self.acquire(ns_id, keys, ttl_s=self.config.leases.default_ttl_s)
         try:
             views = [(k, memoryview(self.host.view(s.offset, s.length)))
                      for k, s in zip(lease.keys, lease.slots, strict=True)]
-            # The bytes leave over the network with no client-side check, so they are verified
-            # here, once, on all cores (xxh3 runs at memory speed): the prefix ends before the
-            # first block whose slot no longer matches its committed checksum.
-            sums = xxh3_many([v for _, v in views])
-            for i, (got, want) in enumerate(zip(sums, lease.checksums, strict=True)):
-                if want and got != want:
-                    self.counters["get_checksum_mismatch"] += 1
-                    log.warning("host block %s failed its checksum; Get serves the %d blocks "
-                                "before it", views[i][0].hex(), i)
-                    views = views[:i]
-                    break
-            self.counters["bytes_host_to_client"] += sum(v.nbytes for _, v in views)
-            return fn(views)
+            self.counters["bytes_host_to_client"] += sum(s.length for s in lease.slots)
+            return fn(views), list(lease.checksums)
         finally:
             self.release(lease.id, missing_ok=True)
 
+    def corrupt_host_copy(self, ns_id: bytes, key: bytes, path: str) -> None:
+        """Count and drop a host copy a reader found not to match its commit checksum."""
+        with self._lock:
+            self.movement._corrupt_host_copy(ns_id + key, path)
+
     def get(self, ns_id: bytes, keys: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
         """Bytes path: copies of the longest cached prefix."""
-        return self.with_prefix(ns_id, keys, lambda views: [(k, bytes(v)) for k, v in views])
+        return self.with_prefix(ns_id, keys, lambda views: [(k, bytes(v)) for k, v in views],
+                                copies=lambda out: [b for _, b in out])
 
     def release(self, lease_id: str, missing_ok: bool = False) -> None:
         with self._lock:
