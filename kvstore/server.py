@@ -43,6 +43,8 @@ MAX_LEASE_ID = 128
 MAX_TEXT = 1024               # model, revision, tenant salt, extra entries
 MAX_EXTRA = 64
 GET_BATCH_BYTES = 4 << 20     # block bytes per Get stream message
+# The largest valid request other than Put: MAX_KEYS keys and checksums, plus small fields.
+MAX_REQUEST_BYTES = MAX_KEYS * (2 + MAX_KEY_BYTES + 11) + (256 << 10)
 TIERS = ("gpu", "host", "ssd", "remote")
 SLOT_TIERS = ("host", "gpu")  # tiers that hand out slots under leases
 
@@ -190,6 +192,11 @@ def stats_to_proto(stats: dict, daemon_id: str) -> pb.StatsResponse:
 
 
 def _parse(cls: type[Message], raw: bytes) -> Any:
+    if len(raw) > MAX_REQUEST_BYTES:
+        # Refused before protobuf parses millions of keys (early refusal, issue 13).
+        raise InvalidArgument(f"request is {len(raw)} bytes; no valid {cls.DESCRIPTOR.full_name} "
+                              f"is larger than {MAX_REQUEST_BYTES} bytes (at most {MAX_KEYS} "
+                              "keys of at most 32 bytes): split the request")
     try:
         return cls.FromString(raw)
     except Exception as e:  # DecodeError, or invalid UTF-8 in a string field
@@ -240,12 +247,22 @@ def _wire_fields(buf: memoryview, what: str) -> Iterator[tuple[int, int, Any]]:
             raise InvalidArgument(f"request is not a valid {what} message: wire type {wt}")
 
 
-def _parse_put(raw: bytes) -> tuple[bytes, bytes, list[tuple[bytes, memoryview]]]:
-    """PutRequest -> (namespace_id, parent, [(key, data view)]), data not copied."""
+def _parse_put(raw: bytes, block_bytes: int | None = None,
+               sizer: Callable[[bytes], int | None] | None = None, where: str = "message 0"
+               ) -> tuple[bytes, bytes, list[tuple[bytes, memoryview]]]:
+    """PutRequest -> (namespace_id, parent, [(key, data view)]), data not copied.
+
+    Refuses as it reads, not after: the block past MAX_KEYS, or a block whose data is not
+    `block_bytes` long (`sizer(namespace_id)` gives it once the namespace field is read), ends
+    the parse there, so a message of a million blocks costs no more than the first bad one.
+    """
     ns = parent = b""
     blocks: list[tuple[bytes, memoryview]] = []
     what = "kvstore.v1.PutRequest"
     for field, wt, v in _wire_fields(memoryview(raw), what):
+        if field == 3 and len(blocks) >= MAX_KEYS:
+            raise InvalidArgument(f"{where} carries more than {MAX_KEYS} blocks (refused at "
+                                  f"block {MAX_KEYS}); send at most {MAX_KEYS} per message")
         if field in (1, 2, 3) and wt != 2:
             raise InvalidArgument(f"request is not a valid {what} message: field {field} has "
                                   f"wire type {wt}")
@@ -263,7 +280,12 @@ def _parse_put(raw: bytes) -> tuple[bytes, bytes, list[tuple[bytes, memoryview]]
                     key = bytes(v2)
                 elif f2 == 2:
                     data = v2
+            if block_bytes is not None and len(data) != block_bytes:
+                raise InvalidArgument(f"{where} blocks[{len(blocks)}].data is {len(data)} "
+                                      f"bytes; this namespace's blocks are {block_bytes} bytes")
             blocks.append((key, data))
+        elif field == 1 and sizer is not None and block_bytes is None:
+            block_bytes = sizer(bytes(v))
     return ns, parent, blocks
 
 
@@ -481,8 +503,13 @@ class KVStoreServicer:
         ns: bytes | None = None
         prev: bytes | None = None      # parent of the next block
         stored = dups = 0
+        block_bytes: int | None = None
+
+        def sizer(ns_id: bytes) -> int | None:
+            return self._ns_block_bytes(check_ns(ns_id, "namespace_id (first Put message)"))
         for m, raw in enumerate(raws):
-            req_ns, req_parent, blocks = _parse_put(raw)
+            req_ns, req_parent, blocks = _parse_put(raw, block_bytes, sizer if m == 0 else None,
+                                                    f"message {m}")
             if m == 0:
                 ns = check_ns(req_ns, "namespace_id (first Put message)")
                 prev = check_parent(req_parent, "parent (first Put message)")
