@@ -69,8 +69,7 @@ class DataDirLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:   # preflight checked; this is the race or an odd filesystem
-            raise StartupError(f"cannot use data folder {self.path.parent}: "
-                               f"{e.strerror or e}; pass another --data-dir") from None
+            raise _fs_error(self.path.parent, e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -82,8 +81,16 @@ class DataDirLock:
                     f"(pid {holder}, lock {self.path}); stop it or pass another --data-dir"
                 ) from None
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        # The pid is written first and the file cut to it after: on a full filesystem the
+        # write fails and the previous holder's pid stays readable, never an empty LOCK.
+        pid = f"{os.getpid()}\n".encode()
+        try:
+            if os.pwrite(fd, pid, 0) != len(pid):
+                raise OSError(errno.ENOSPC, "short write")
+            os.ftruncate(fd, len(pid))
+        except OSError as e:
+            os.close(fd)
+            raise _fs_error(self.path.parent, e) from None
         self._fd = fd
 
     def release(self) -> None:
@@ -94,6 +101,40 @@ class DataDirLock:
         finally:
             os.close(self._fd)    # closing drops the flock
             self._fd = None
+
+
+FS_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+
+
+def _fs_error(folder: Path, e: OSError) -> StartupError:
+    """A data folder the daemon cannot write: exit 2, one line naming folder and cause."""
+    if e.errno == errno.EROFS:
+        why = "is on a read-only filesystem"
+    elif e.errno in (errno.ENOSPC, errno.EDQUOT):
+        why = f"is on a full filesystem ({_free(folder)} bytes free)"
+    else:
+        why = f"cannot be written ({e.strerror or e})"
+    return StartupError(f"data folder {folder} {why}; free space, remount it read-write or "
+                        "pass another --data-dir", exit_code=2)
+
+
+def _free(folder: Path) -> int:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def check_data_dir_writable(folder: Path) -> None:
+    """The preflight check of the data folder (full, read-only, not writable), for a Daemon
+    started without the CLI: exit 2 and one line, before LOCK is touched."""
+    from .preflight import PreflightError, check_data_dir
+
+    try:
+        check_data_dir(str(folder))
+    except PreflightError as e:
+        raise StartupError(str(e), exit_code=2) from None
 
 
 def check_socket_free(path: str) -> None:
@@ -198,6 +239,7 @@ class Daemon:
         from .server import SERVICE, KVStoreServicer, build_server
 
         cfg = self.config
+        check_data_dir_writable(self.lock.path.parent)    # before LOCK is touched at all
         self.lock.acquire()
         try:
             check_socket_free(self.socket_path)
@@ -211,6 +253,8 @@ class Daemon:
             except KVStoreError as e:
                 raise StartupError(f"cannot open the store: {e}") from None
             except OSError as e:
+                if e.errno in FS_ERRNOS:
+                    raise _fs_error(Path(cfg.data_dir), e) from None
                 raise StartupError(f"cannot open the store in {cfg.data_dir}: {e}") from None
             self.metrics = Metrics(self.store)
             self.servicer = KVStoreServicer(

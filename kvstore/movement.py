@@ -30,6 +30,7 @@ from kvstore_client.errors import DataLoss, ResourceExhausted
 from kvstore_client.layout import KVLayout
 
 from tiers import codecs, frame
+from tiers.ssd import DiskFull
 
 from .index import Entry
 from .nsinfo import NamespaceInfo
@@ -330,6 +331,8 @@ class TierMovement:
         self._busy += 1                      # close() waits for this batch to settle
         try:
             written = self._demote_unlocked([e for e in batch if not e.ssd])
+        except DiskFull as exc:
+            written = self._demotion_disk_full(batch, exc)
         except BaseException:
             for e in batch:                  # as it was: the host copy stays, evictable again
                 e.moving = None
@@ -343,6 +346,21 @@ class TierMovement:
             return self._free_victims(batch)
         finally:
             self._demotion_done(flight, size)
+
+    def _demotion_disk_full(self, batch: list[Entry], exc: DiskFull) -> list:
+        """The SSD write of an eviction batch did not land (filesystem full): the victims
+        without a lower copy are dropped rather than kept, so host keeps serving (a full disk
+        must not stop every write and every promotion that needs room). Counted; logged at most
+        once a minute, not once per batch."""
+        lost = sum(1 for e in batch if not e.ssd and not e.remote and not e.pins)
+        self.counters["ssd_disk_full_errors"] += 1
+        self.counters["ssd_disk_full_dropped_blocks"] += lost
+        now = time.monotonic()
+        if now - getattr(self, "_disk_full_logged", -1e9) > 60:
+            self._disk_full_logged = now
+            log.warning("%s; dropping %d evicted host blocks instead of demoting them (logged "
+                        "once a minute; counter ssd_disk_full_dropped_blocks)", exc, lost)
+        return []
 
     def _free_victims(self, batch: list[Entry]) -> tuple[int, int]:
         """Phase 3 of an eviction (locked): free the victims' host slots. A victim a reader

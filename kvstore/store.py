@@ -41,7 +41,7 @@ from kvstore_client.layout import NamespaceSpec, check_retention
 
 from tiers.device import open_device_tiers
 from tiers.host import HostTier
-from tiers.ssd import SSDTier
+from tiers.ssd import DiskFull, SSDTier
 
 from .checksums import xxh3_many
 from .config import StoreConfig
@@ -205,6 +205,8 @@ class Store(DeviceMovement):
             try:
                 if flush and self.ssd is not None:
                     self._flush_locked(flush_budget_s, progress)
+            except DiskFull as exc:    # host-only blocks are lost, as in a crash; SSD is intact
+                log.warning("not every host block was flushed at close: %s", exc)
             finally:
                 try:
                     self._release_resources()
@@ -319,7 +321,11 @@ class Store(DeviceMovement):
                 info = NamespaceInfo(ns_id, spec)
                 self.namespaces[ns_id] = info
                 if self.ssd is not None:
-                    self.ssd.put_namespace(ns_id, json.dumps(spec.to_dict()).encode())
+                    try:
+                        self.ssd.put_namespace(ns_id, json.dumps(spec.to_dict()).encode())
+                    except DiskFull as exc:   # host still serves it; a restart forgets it
+                        self.counters["ssd_disk_full_errors"] += 1
+                        log.warning("namespace %s not persisted: %s", ns_id.hex(), exc)
             return info
 
     def namespace(self, ns_id: bytes) -> NamespaceInfo:
