@@ -260,22 +260,25 @@ class TierMovement:
                     "leased or pinned and nothing is evictable; release leases or raise "
                     "host.capacity") from None
 
-    def _evict_host(self, nbytes: int | None) -> tuple[int, int]:
-        """Evict host blocks until `nbytes` are freed (None: all evictable), demoting in batches.
+    def _evict_host(self, nbytes: int | None, only: set[bytes] | None = None
+                    ) -> tuple[int, int]:
+        """Evict host blocks until `nbytes` are freed (None: all evictable), demoting in batches;
+        with `only`, blocks of those namespaces alone (a tenant's own Evict, its quota).
 
         Returns (bytes freed, blocks freed). May release the store lock while a batch is encoded
         and written to SSD (see _evict_batch).
         """
-        freed, blocks, _ = self._evict_host_batches(nbytes)
+        freed, blocks, _ = self._evict_host_batches(nbytes, only)
         return freed, blocks
 
-    def _evict_host_batches(self, nbytes: int | None) -> tuple[int, int, int]:
+    def _evict_host_batches(self, nbytes: int | None, only: set[bytes] | None = None
+                            ) -> tuple[int, int, int]:
         """_evict_host, also returning how many victims were picked (a victim a reader pinned
         while it was demoted keeps its host copy: picked, but not freed)."""
         freed = blocks = picked = 0
         planned = 0
         while nbytes is None or planned < nbytes:
-            batch = self._pick_host_victims(nbytes, planned)
+            batch = self._pick_host_victims(nbytes, planned, only)
             if not batch:
                 break
             picked += len(batch)
@@ -284,7 +287,8 @@ class TierMovement:
             freed, blocks = freed + f, blocks + b
         return freed, blocks, picked
 
-    def _pick_host_victims(self, nbytes: int | None, planned: int) -> list[Entry]:
+    def _pick_host_victims(self, nbytes: int | None, planned: int,
+                           only: set[bytes] | None = None) -> list[Entry]:
         """Phase 1 of an eviction (locked): up to 16 victims, taken out of the host policy."""
         policy = self.policies["host"]
         lower = self.ssd is not None or self.remote is not None
@@ -295,7 +299,8 @@ class TierMovement:
             # another eviction, or promoted) is not a victim.
             e = self.index.get(g)
             return (e is not None and e.pins == 0 and e.host is not None and e.moving is None
-                    and (lower or e.ssd or e.remote or e.gpu is not None or e.children == 0))
+                    and (lower or e.ssd or e.remote or e.gpu is not None or e.children == 0)
+                    and (only is None or e.ns_id in only))
         batch: list[Entry] = []
         while len(batch) < 16 and (nbytes is None or planned < nbytes):
             g = policy.pick(can)
@@ -562,7 +567,8 @@ class TierMovement:
             raise ResourceExhausted(f"ssd tier full ({used} of {cap} bytes) and nothing is "
                                     "evictable")
 
-    def _evict_ssd(self, nbytes: int | None) -> tuple[int, int]:
+    def _evict_ssd(self, nbytes: int | None, only: set[bytes] | None = None
+                   ) -> tuple[int, int]:
         policy = self.policies["ssd"]
         freed = blocks = 0
 
@@ -571,7 +577,8 @@ class TierMovement:
             # A block being promoted keeps its lower copies until its promotion settles.
             return (e is not None and e.ssd and e.moving is None
                     and (self.remote is not None or e.remote or e.host is not None
-                         or e.gpu is not None or e.children == 0))
+                         or e.gpu is not None or e.children == 0)
+                    and (only is None or e.ns_id in only))
         while nbytes is None or freed < nbytes:
             g = policy.pick(can)
             if g is None:

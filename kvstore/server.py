@@ -31,7 +31,9 @@ from kvstore_client.errors import InvalidArgument, KVStoreError, NotFound, Unava
 from kvstore_client.layout import KVLayout, NamespaceSpec
 
 from . import getstream
+from .auth import OPEN, Auth
 from .prefetch import Prefetcher
+from .scoped import scoped_stats
 
 log = logging.getLogger("kvstore.server")
 
@@ -323,8 +325,10 @@ class KVStoreServicer:
     """One method per RPC of kvstore.v1.KVStore; each takes the raw request bytes."""
 
     def __init__(self, store: Any, max_ttl_s: float = 600.0, gpu_enabled: bool = False,
-                 observe: Observer | None = None, in_flight: Any = None) -> None:
+                 observe: Observer | None = None, in_flight: Any = None,
+                 auth: Auth | None = None) -> None:
         self.store = store
+        self.auth = auth or OPEN      # identity and ownership checks (kvstore/auth.py)
         self.max_ttl_s = max_ttl_s
         self.gpu_enabled = gpu_enabled
         self._observe = observe
@@ -375,6 +379,7 @@ class KVStoreServicer:
             try:
                 self._enter()
                 entered = True
+                self.auth.identify(context)
                 resp = fn(raw)
             except Exception as exc:
                 code, msg = self._failure(method, exc)
@@ -392,6 +397,7 @@ class KVStoreServicer:
             try:
                 self._enter()
                 entered = True
+                self.auth.identify(context)
                 yield from fn(raw)
             except GeneratorExit:   # the client went away mid-stream
                 code = "CANCELLED"
@@ -419,16 +425,20 @@ class KVStoreServicer:
         req = _parse(pb.RegisterNamespaceRequest, raw)
         if not req.HasField("spec"):
             raise InvalidArgument("spec is missing: RegisterNamespace needs the namespace spec")
-        spec = spec_from_proto(req.spec, req.spec.HasField("layout"))
+        spec = self.auth.tag(spec_from_proto(req.spec, req.spec.HasField("layout")))
         info = self.store.register_namespace(spec)
         block_bytes = int(getattr(info, "block_bytes", spec.layout.block_bytes))
         self._block_bytes[bytes(info.ns_id)] = block_bytes
-        host = self.store.host_info()
+        # A tenant that is not admin gets no name of the shared pools: it streams over Put/Get
+        # (kvstore/handoff.py hands it its own pool where it has one).
+        caller = self.auth.caller
+        shared = caller is None or caller.admin
+        host = self.store.host_info() if shared else {}
         resp = pb.RegisterNamespaceResponse(
             namespace_id=info.ns_id, block_bytes=block_bytes, daemon_id=self.store.daemon_id,
             host_pool=pb.HostPool(kind=str(host.get("kind", "")), name=str(host.get("name", "")),
                                   size=int(host.get("size", 0))))
-        for g in self.store.gpu_info():
+        for g in self.store.gpu_info() if shared else ():
             resp.gpu_pools.add(device=int(g.get("device", 0)),
                                ipc_handle=bytes(g.get("ipc_handle", b"")),
                                size=int(g.get("size", 0)), owner_pid=int(g.get("owner_pid", 0)),
@@ -438,6 +448,7 @@ class KVStoreServicer:
     def Lookup(self, raw: bytes) -> pb.LookupResponse:
         req = _parse(pb.LookupRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys, allow_empty=True)
         res = self.store.lookup(ns, keys)
         return pb.LookupResponse(prefix_blocks=res.prefix_blocks,
@@ -446,6 +457,7 @@ class KVStoreServicer:
     def Locate(self, raw: bytes) -> pb.LocateResponse:
         req = _parse(pb.LocateRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys, allow_empty=True)
         where = self.store.where(ns, keys)
         names = [t for t in TIERS if t in set(where)]
@@ -458,6 +470,7 @@ class KVStoreServicer:
     def Reserve(self, raw: bytes) -> pb.ReserveResponse:
         req = _parse(pb.ReserveRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         n = check_count(req.count)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
@@ -468,6 +481,7 @@ class KVStoreServicer:
     def Commit(self, raw: bytes) -> pb.CommitResponse:
         req = _parse(pb.CommitRequest, raw)
         lease_id = check_lease_id(req.lease_id)
+        self.auth.check_lease(lease_id)
         keys = check_keys(req.keys, allow_empty=True, distinct=True)
         parent = check_parent(req.parent)
         if req.checksums and len(req.checksums) != len(keys):
@@ -480,6 +494,7 @@ class KVStoreServicer:
     def Acquire(self, raw: bytes) -> pb.AcquireResponse:
         req = _parse(pb.AcquireRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
@@ -489,12 +504,15 @@ class KVStoreServicer:
 
     def Release(self, raw: bytes) -> pb.ReleaseResponse:
         req = _parse(pb.ReleaseRequest, raw)
-        self.store.release(check_lease_id(req.lease_id))
+        lease_id = check_lease_id(req.lease_id)
+        self.auth.check_lease(lease_id)
+        self.store.release(lease_id)
         return pb.ReleaseResponse()
 
     def RenewLease(self, raw: bytes) -> pb.RenewLeaseResponse:
         req = _parse(pb.RenewLeaseRequest, raw)
         lease_id = check_lease_id(req.lease_id)
+        self.auth.check_lease(lease_id)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
         return pb.RenewLeaseResponse(deadline=self.store.renew(lease_id, ttl))
 
@@ -506,12 +524,14 @@ class KVStoreServicer:
         block_bytes: int | None = None
 
         def sizer(ns_id: bytes) -> int | None:
-            return self._ns_block_bytes(check_ns(ns_id, "namespace_id (first Put message)"))
+            self.auth.check_ns(check_ns(ns_id, "namespace_id (first Put message)"))
+            return self._ns_block_bytes(ns_id)
         for m, raw in enumerate(raws):
             req_ns, req_parent, blocks = _parse_put(raw, block_bytes, sizer if m == 0 else None,
                                                     f"message {m}")
             if m == 0:
                 ns = check_ns(req_ns, "namespace_id (first Put message)")
+                self.auth.check_ns(ns)
                 prev = check_parent(req_parent, "parent (first Put message)")
                 block_bytes = self._ns_block_bytes(ns)
             else:
@@ -539,6 +559,7 @@ class KVStoreServicer:
         """The longest cached prefix, fetched and sent in ~8 MiB batches to bound memory."""
         req = _parse(pb.GetRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         bb = self._ns_block_bytes(ns)
         per = max(1, GET_BATCH_BYTES // bb) if bb else 1
@@ -579,6 +600,7 @@ class KVStoreServicer:
     def Delete(self, raw: bytes) -> pb.DeleteResponse:
         req = _parse(pb.DeleteRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         if req.all and req.keys:
             raise InvalidArgument("pass either keys or all=true, not both")
         if not req.all and not req.keys:
@@ -590,6 +612,7 @@ class KVStoreServicer:
     def Retain(self, raw: bytes) -> pb.RetainResponse:
         req = _parse(pb.RetainRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         return pb.RetainResponse(blocks=int(self.store.retain(ns, keys, req.level)))
 
@@ -597,23 +620,31 @@ class KVStoreServicer:
         req = _parse(pb.EvictRequest, raw)
         if req.tier not in TIERS:
             raise InvalidArgument(f"tier {req.tier[:40]!r} is not one of {list(TIERS)}")
-        res = self.store.evict(req.tier, int(req.bytes))
+        scope = self.auth.scope()
+        res = (self.store.evict(req.tier, int(req.bytes)) if scope is None
+               else self.store.evict(req.tier, int(req.bytes), only=scope))
         freed, blocks = res if isinstance(res, tuple) else (res, 0)
         return pb.EvictResponse(freed_bytes=int(freed), blocks=int(blocks))
 
     def Flush(self, raw: bytes) -> pb.FlushResponse:
         _parse(pb.FlushRequest, raw)
-        return pb.FlushResponse(demoted=int(self.store.flush() or 0))
+        scope = self.auth.scope()
+        done = self.store.flush() if scope is None else self.store.flush(only=scope)
+        return pb.FlushResponse(demoted=int(done or 0))
 
     def Stats(self, raw: bytes) -> pb.StatsResponse:
         _parse(pb.StatsRequest, raw)
-        return stats_to_proto(self.store.stats(), self.store.daemon_id)
+        scope = self.auth.scope()
+        if scope is None:
+            return stats_to_proto(self.store.stats(), self.store.daemon_id)
+        return stats_to_proto(scoped_stats(self.store, scope), self.store.daemon_id)
 
     # -- fused calls: one round trip where the protocol allows (issue 19) ---------------------
     def LookupReserve(self, raw: bytes) -> pb.LookupReserveResponse:
         """Lookup, then Reserve slots for the missing keys (at most max_slots)."""
         req = _parse(pb.LookupReserveRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
@@ -633,6 +664,7 @@ class KVStoreServicer:
         """Lookup, then Acquire the cached prefix under a read lease."""
         req = _parse(pb.LookupAcquireRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)

@@ -32,6 +32,7 @@ from kvstore_client.errors import (
     DataLoss,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
@@ -923,25 +924,31 @@ class Store(DeviceMovement):
             self.counters["retention_hint_blocks"] += len(found)
             return len(found)
 
-    def evict(self, tier: str, nbytes: int = 0) -> tuple[int, int]:
-        """Evict from `tier` until `nbytes` are freed (0: everything evictable)."""
+    def evict(self, tier: str, nbytes: int = 0, only: set[bytes] | None = None
+              ) -> tuple[int, int]:
+        """Evict from `tier` until `nbytes` are freed (0: everything evictable); with `only`,
+        blocks of those namespaces alone (a tenant's Evict)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidArgument(f"bytes must be a non-negative integer, got {nbytes!r}")
         with self._lock:
             self._check_open()
             if tier == "host":
-                return self.movement._evict_host(nbytes or None)
+                return self.movement._evict_host(nbytes or None, only)
             if tier == "gpu" and self.gpu:
+                if only is not None:
+                    raise PermissionDenied("evicting the gpu tier is for admin tenants: it is "
+                                           "not partitioned per tenant (docs/security.md)")
                 return self.evict_gpu(nbytes or None)
             if tier == "ssd":
                 if self.ssd is None:
                     raise Unavailable("the ssd tier is not enabled")
-                return self.movement._evict_ssd(nbytes or None)
+                return self.movement._evict_ssd(nbytes or None, only)
             raise InvalidArgument(f"cannot evict from tier {tier!r}; use 'host', 'ssd' or "
                                   "'gpu' (where enabled)")
 
-    def flush(self) -> int:
-        """Write every host-only block down to SSD and sync; returns blocks written.
+    def flush(self, only: set[bytes] | None = None) -> int:
+        """Write every host-only block (of the namespaces `only` names) down to SSD and sync;
+        returns blocks written.
 
         Evictions demoting without the lock settle first, so their blocks are synced too (or,
         if their write failed, written here)."""
@@ -952,18 +959,21 @@ class Store(DeviceMovement):
             # skip (they are moving) and would then not be synced.
             while self.movement._wait_demotions():
                 pass
-            return self._flush_locked()
+            return self._flush_locked(only=only)
 
     def _flush_locked(self, budget_s: float | None = None,
-                      progress: Callable[[str], None] | None = None) -> int:
-        """Write host-only blocks to SSD in batches, then sync; returns blocks written.
+                      progress: Callable[[str], None] | None = None,
+                      only: set[bytes] | None = None) -> int:
+        """Write host-only blocks (of the namespaces `only` names) to SSD in batches, then
+        sync; returns blocks written.
 
         With `budget_s`, stops starting batches once that many seconds have passed and says
         how many blocks it dropped; with `progress`, reports about once a second.
         """
         if self.ssd is None:
             return 0
-        todo = [e for e in self.index.entries() if e.host is not None and not e.ssd]
+        todo = [e for e in self.index.entries() if e.host is not None and not e.ssd
+                and (only is None or e.ns_id in only)]
         start = last = time.monotonic()
         done = nbytes = 0
         if progress is not None and todo:
