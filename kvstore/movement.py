@@ -157,6 +157,11 @@ class TierMovement:
     _lock = _shared("_lock")
     _idle = _shared("_idle")
     _busy = _shared("_busy")          # close() waits while it is non-zero
+    # Per-tenant host pools (kvstore/pools.py, a mixin of the store)
+    _seg = _shared("_seg")
+    _seg_room = _shared("_seg_room")
+    _seg_namespaces = _shared("_seg_namespaces")
+    _seg_full = _shared("_seg_full")
 
     def __init__(self, store: Any) -> None:
         """`store`: the kvstore.store.Store this serves (not imported: movement.py must not
@@ -192,13 +197,19 @@ class TierMovement:
         """
         with self._lock:
             while not self._store._closed:
-                over = (self.host.used_bytes - self._host_evicting
-                        - self.config.host.low_watermark * self.host.capacity)
                 freed = 0
-                if over > 0:
+                # Each tenant's own pool is kept under its own watermark with its own blocks:
+                # one tenant's writes never demote another's (kvstore/pools.py).
+                for seg in range(getattr(self.host, "segment_count", 1)):
+                    cap, used = self._seg_room(seg)
+                    over = (used - (self._host_evicting if seg == 0 else 0)
+                            - self.config.host.low_watermark * cap)
+                    if over <= 0:
+                        continue
                     try:
-                        freed, _ = self._evict_host(int(over))
-                        self.counters["background_demotion_bytes"] += freed
+                        f, _ = self._evict_host(int(over), self._seg_namespaces(seg))
+                        freed += f
+                        self.counters["background_demotion_bytes"] += f
                     except Exception as exc:  # the next round retries; inline eviction remains
                         self.counters["background_demotion_errors"] += 1
                         log.warning("background demotion failed: %s", exc)
@@ -212,7 +223,7 @@ class TierMovement:
             if pool is not None:
                 pool.shutdown(wait=True)
 
-    def _host_room(self, need: int) -> None:
+    def _host_room(self, need: int, ns_id: bytes | None = None) -> None:
         """Evict from host so `need` more bytes fit: past the high watermark, down to the low.
 
         Victims already being demoted by other threads count as freed (their slots are freed
@@ -220,15 +231,16 @@ class TierMovement:
         release the store lock while victims are demoted (see _evict_batch); _alloc_host then
         gets the slot even if other threads took the room meanwhile.
         """
-        cap = self.host.capacity
+        seg = self._seg(ns_id)                  # a tenant's own pool (kvstore/pools.py)
+        cap, used = self._seg_room(seg)
         high, low = self.config.host.high_watermark * cap, self.config.host.low_watermark * cap
-        used = self.host.used_bytes - self._host_evicting
+        used -= self._host_evicting if seg == 0 else 0
         if used + need > low and self._demoter is not None:
             self._wake.notify()          # the background demoter makes room from here on
         if used + need <= high:
             return
         target = max(0.0, min(low, high - need))
-        self._evict_host(int(used + need - target))
+        self._evict_host(int(used + need - target), self._seg_namespaces(seg))
 
     def must_evict_inline(self, need: int) -> bool:
         """Whether making room for `need` more host bytes means evicting on the caller's
@@ -236,24 +248,27 @@ class TierMovement:
         used = self.host.used_bytes - self._host_evicting
         return used + need > self.config.host.high_watermark * self.host.capacity
 
-    def _alloc_host(self, nbytes: int) -> int:
+    def _alloc_host(self, nbytes: int, ns_id: bytes | None = None) -> int:
         """A host slot of `nbytes`, evicting (and demoting, without the lock) until one fits.
 
         Other threads may take the room an eviction made while the lock was released, so this
         loops: evict what is missing, or wait for other threads' demotions in flight to settle,
         and try again; ResourceExhausted only when nothing is evictable and nothing is in flight.
         """
+        seg = self._seg(ns_id)
         while True:
             try:
-                return self.host.alloc(nbytes)
+                return self.host.alloc(nbytes, seg) if seg else self.host.alloc(nbytes)
             except ResourceExhausted:
                 pass
-            _, _, picked = self._evict_host_batches(_aligned(nbytes))
+            _, _, picked = self._evict_host_batches(_aligned(nbytes), self._seg_namespaces(seg))
             if picked or self._wait_demotions():
                 continue
             try:
-                return self.host.alloc(nbytes)
+                return self.host.alloc(nbytes, seg) if seg else self.host.alloc(nbytes)
             except ResourceExhausted:
+                if seg:
+                    raise self._seg_full(seg) from None
                 # Watermarks are a target, not a guarantee; this is the real limit.
                 raise ResourceExhausted(
                     f"host tier full: {self.host.used_bytes} of {self.host.capacity} bytes are "
@@ -673,8 +688,8 @@ class TierMovement:
             return None
         e.moving = flight
         try:
-            self._host_room(_aligned(e.size))
-            off = self._alloc_host(e.size)
+            self._host_room(_aligned(e.size), e.ns_id)
+            off = self._alloc_host(e.size, e.ns_id)
         except BaseException:
             e.moving = None
             raise

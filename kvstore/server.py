@@ -420,6 +420,16 @@ class KVStoreServicer:
             self._block_bytes[ns_id] = bb
         return bb
 
+    def _lease_out(self, lease: Any) -> pb.Lease:
+        """A lease as the client maps it: slots in a tenant's own pool count from its start."""
+        msg = lease_to_proto(lease)
+        if self.auth.enabled and lease.tier == "host":
+            base = self.store.tenant_base(self.store.owner(lease.ns_id))
+            if base:
+                for slot in msg.slots:
+                    slot.offset -= base
+        return msg
+
     # -- RPCs ---------------------------------------------------------------------------------
     def RegisterNamespace(self, raw: bytes) -> pb.RegisterNamespaceResponse:
         req = _parse(pb.RegisterNamespaceRequest, raw)
@@ -433,7 +443,9 @@ class KVStoreServicer:
         # (kvstore/handoff.py hands it its own pool where it has one).
         caller = self.auth.caller
         shared = caller is None or caller.admin
-        host = self.store.host_info() if shared else {}
+        own = self.store.tenant_pool(caller) if caller is not None else None
+        host = ({"kind": "memfd", "name": "", "size": own[1]} if own is not None
+                else self.store.host_info() if shared else {})
         resp = pb.RegisterNamespaceResponse(
             namespace_id=info.ns_id, block_bytes=block_bytes, daemon_id=self.store.daemon_id,
             host_pool=pb.HostPool(kind=str(host.get("kind", "")), name=str(host.get("name", "")),
@@ -476,7 +488,7 @@ class KVStoreServicer:
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
         dev = {"device": req.device} if req.HasField("device") else {}
         lease = self.store.reserve(ns, n, tier=tier, ttl_s=ttl, **dev)
-        return pb.ReserveResponse(lease=lease_to_proto(lease))
+        return pb.ReserveResponse(lease=self._lease_out(lease))
 
     def Commit(self, raw: bytes) -> pb.CommitResponse:
         req = _parse(pb.CommitRequest, raw)
@@ -500,7 +512,7 @@ class KVStoreServicer:
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
         dev = {"device": req.device} if req.HasField("device") else {}
         lease = self.store.acquire(ns, keys, tier=tier, ttl_s=ttl, **dev)
-        return pb.AcquireResponse(lease=lease_to_proto(lease))
+        return pb.AcquireResponse(lease=self._lease_out(lease))
 
     def Release(self, raw: bytes) -> pb.ReleaseResponse:
         req = _parse(pb.ReleaseRequest, raw)
@@ -657,7 +669,7 @@ class KVStoreServicer:
             n = min(missing, req.max_slots) if req.max_slots else missing
             dev = {"device": req.device} if req.HasField("device") else {}
             lease = self.store.reserve(ns, check_count(n), tier=tier, ttl_s=ttl, **dev)
-            resp.lease.CopyFrom(lease_to_proto(lease))
+            resp.lease.CopyFrom(self._lease_out(lease))
         return resp
 
     def LookupAcquire(self, raw: bytes) -> pb.LookupAcquireResponse:
@@ -677,7 +689,7 @@ class KVStoreServicer:
             lease = self.store.acquire(ns, keys[:res.prefix_blocks], tier=tier, ttl_s=ttl,
                                        **dev)
             if lease.slots:
-                resp.lease.CopyFrom(lease_to_proto(lease))
+                resp.lease.CopyFrom(self._lease_out(lease))
             else:                       # nothing could be pinned: hold nothing
                 self.store.release(lease.id, missing_ok=True)
         return resp

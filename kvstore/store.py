@@ -52,6 +52,7 @@ from .leases import Lease, LeaseTable, Slot
 from .movement import REMOTE_CHUNK, Promotion, TierMovement, _aligned
 from .nsinfo import NamespaceInfo
 from .policy import EvictionPolicy, make_policy
+from .pools import TenantPools
 from .verify import first_mismatch
 
 log = logging.getLogger("kvstore.store")
@@ -96,7 +97,7 @@ def _parents_first(records: dict[bytes, tuple[bytes, dict]]) -> list[bytes]:
     return out
 
 
-class Store(DeviceMovement):
+class Store(DeviceMovement, TenantPools):
     def __init__(self, config: StoreConfig) -> None:
         self.config = config.check()
         self.daemon_id = uuid.uuid4().hex
@@ -117,6 +118,7 @@ class Store(DeviceMovement):
         shm_name = config.host.shm_name or "kvstore-" + blake3.blake3(
             str(data.resolve()).encode()).hexdigest()[:16]
         self.host = HostTier(config.host.capacity, shm_name=shm_name)
+        self._setup_pools()             # tenants with a host quota get their own segment
         # Page-locked so host<->GPU copies (ours and clients') run at PCIe speed; a no-op
         # without CUDA. It must be unregistered before the slab is unmapped (close order).
         self._host_pin = pin_host(self.host.array)
@@ -466,11 +468,11 @@ class Store(DeviceMovement):
             ttl = self.leases.ttl(ttl_s)
             t0 = time.perf_counter()
             waits = self.movement.must_evict_inline(n * _aligned(size))
-            self.movement._host_room(n * _aligned(size))
+            self.movement._host_room(n * _aligned(size), ns_id)
             offsets: list[int] = []
             try:
                 for _ in range(n):
-                    offsets.append(self.movement._alloc_host(size))
+                    offsets.append(self.movement._alloc_host(size, ns_id))
             except ResourceExhausted:
                 for off in offsets:
                     self.host.free(off)
@@ -602,8 +604,8 @@ class Store(DeviceMovement):
                     continue
                 # Making room may release the lock while victims are demoted (another call may
                 # store this key meanwhile: _publish then dedups and the slot goes back).
-                self.movement._host_room(_aligned(size))
-                off = self.movement._alloc_host(size)
+                self.movement._host_room(_aligned(size), ns_id)
+                off = self.movement._alloc_host(size, ns_id)
                 view = self.host.view(off, size)
                 view[:] = np.frombuffer(b, dtype=np.uint8)
                 prev = parent if i == 0 else keys[i - 1]
