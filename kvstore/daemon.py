@@ -324,6 +324,10 @@ class Daemon:
                                                     cfg.server.max_message_bytes)
             _bind_unix(self.server, self.socket_path, 0o666 if tenants else 0o600)
             if tenants:
+                from .tenant_metrics import TenantCollector, TenantCounters
+                self.servicer.tenant_counters = TenantCounters()
+                self.metrics.registry.register(TenantCollector(
+                    self.store, sorted(tenants), self.servicer.tenant_counters))
                 self.handoff = Handoff(self.socket_path + SUFFIX, self.auth,
                                        getattr(self.store, "tenant_pool", None))
             if cfg.server.tcp:

@@ -162,6 +162,7 @@ class TierMovement:
     _seg_room = _shared("_seg_room")
     _seg_namespaces = _shared("_seg_namespaces")
     _seg_full = _shared("_seg_full")
+    _fit_quota = _shared("_fit_quota")
 
     def __init__(self, store: Any) -> None:
         """`store`: the kvstore.store.Store this serves (not imported: movement.py must not
@@ -415,6 +416,7 @@ class TierMovement:
             values, local = self._encode(jobs)
         self.counters.update(local)
         todo, values = self._verified(todo, values)
+        todo, values = self._fit_quota("ssd", todo, values, strict=False)
         need = sum(len(v) for v in values)
         self._ssd_room(need)
         items = [(e.gkey, v, _meta(e)) for e, v in zip(todo, values, strict=True)]
@@ -476,7 +478,8 @@ class TierMovement:
             if self.remote is not None and todo:
                 self._demote_to_remote(todo, from_host=True)
             return
-        items = list(zip(*self._verified(todo, self._encode_many(todo)), strict=True))
+        todo, values = self._verified(todo, self._encode_many(todo))
+        items = list(zip(*self._fit_quota("ssd", todo, values, strict=True), strict=True))
         if not items:
             return
         self._ssd_room(sum(len(v) for _, v in items))
@@ -627,6 +630,8 @@ class TierMovement:
                 if value is not None:
                     items.append((e, value))
         items = [(e, v) for e, v in items if self.remote.has_room(len(v))]
+        items = list(zip(*self._fit_quota("remote", [e for e, _ in items],
+                                          [v for _, v in items], strict=False), strict=True))
         if not items:
             return
         written = self.remote.put_many([(e.gkey, v) for e, v in items])

@@ -10,6 +10,9 @@ host quota every answer is "the one slab, every namespace", exactly as before.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from kvstore_client.errors import ResourceExhausted
 
 from tiers.host_segments import SegmentedHost
@@ -27,6 +30,8 @@ class TenantPools:
     def _setup_pools(self) -> None:
         """Called once the shared slab exists: give each tenant with a host quota its segment."""
         self.tenants = load_tenants(self.config)
+        self._quotas = {tier: {n: t.quota[tier] for n, t in self.tenants.items()
+                               if t.quota.get(tier)} for tier in ("ssd", "remote")}
         pools = {n: t.quota["host"] for n, t in self.tenants.items() if t.quota.get("host")}
         self._segmented = bool(pools)
         if pools and self.config.gpu.enabled:
@@ -80,3 +85,60 @@ class TenantPools:
             return None
         seg = self.host.segment_of_tenant(tenant)
         return self.host.base(seg) if seg else None
+
+    # -- SSD and remote quotas ----------------------------------------------------------------
+    def _owned_ns(self, tenant: str) -> set[bytes]:
+        return {ns for ns in list(self.namespaces) if self.owner(ns) == tenant}
+
+    def _tier_bytes(self, ns_ids: set[bytes], tier: str) -> int:
+        """Raw block bytes those namespaces hold in `tier` (a walk of their blocks)."""
+        total = 0
+        for ns in ns_ids:
+            for g in self.index.namespace_keys(ns):
+                e = self.index.get(g)
+                if e is not None and (e.ssd if tier == "ssd" else e.remote):
+                    total += e.size
+        return total
+
+    def _fit_quota(self, tier: str, entries: Sequence[Any], values: Sequence[Any],
+                   strict: bool) -> tuple[list, list]:
+        """The (entries, values) about to be written to `tier` that fit their tenants' quota
+        for it (locked). A tenant over its SSD quota first evicts its own SSD blocks, never
+        another's; what still does not fit raises ResourceExhausted naming tenant and tier
+        (`strict`: Flush, write-through) or is left out and counted (eviction, where the block
+        is dropped as a miss rather than evicting someone else's)."""
+        caps = self._quotas.get(tier)
+        if not caps:
+            return list(entries), list(values)
+        keep = [True] * len(entries)
+        groups: dict[str, list[int]] = {}
+        for i, e in enumerate(entries):
+            t = self.owner(e.ns_id)
+            if t in caps:
+                groups.setdefault(t, []).append(i)
+        for t, idx in groups.items():
+            cap, own = caps[t], self._owned_ns(t)
+            need = sum(entries[i].size for i in idx)
+            used = self._tier_bytes(own, tier)
+            for _ in range(8):
+                if used + need <= cap or tier != "ssd":
+                    break
+                _, n = self.movement._evict_ssd(used + need - cap, own)
+                if not n:
+                    break
+                used = self._tier_bytes(own, tier)
+            if used + need <= cap:
+                continue
+            if strict:
+                raise ResourceExhausted(
+                    f"tenant {t}'s {tier} quota is full: it holds {used} bytes of its "
+                    f"{cap}-byte {tier} quota and {need} more do not fit after evicting its "
+                    f"own evictable blocks; delete some or raise tenants.{t}.{tier}_quota")
+            for i in idx:
+                if used + entries[i].size <= cap:
+                    used += entries[i].size
+                else:
+                    keep[i] = False
+                    self.counters["tenant_quota_dropped_blocks"] += 1
+        return ([e for e, k in zip(entries, keep, strict=True) if k],
+                [v for v, k in zip(values, keep, strict=True) if k])

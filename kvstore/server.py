@@ -329,6 +329,7 @@ class KVStoreServicer:
                  auth: Auth | None = None) -> None:
         self.store = store
         self.auth = auth or OPEN      # identity and ownership checks (kvstore/auth.py)
+        self.tenant_counters: Any = None  # per-tenant lookups (kvstore/tenant_metrics.py)
         self.max_ttl_s = max_ttl_s
         self.gpu_enabled = gpu_enabled
         self._observe = observe
@@ -463,6 +464,10 @@ class KVStoreServicer:
         self.auth.check_ns(ns)
         keys = check_keys(req.keys, allow_empty=True)
         res = self.store.lookup(ns, keys)
+        if self.tenant_counters is not None:
+            caller = self.auth.caller
+            self.tenant_counters.lookup(caller.name if caller else None, len(keys),
+                                        res.prefix_blocks)
         return pb.LookupResponse(prefix_blocks=res.prefix_blocks,
                                  per_tier={str(k): int(v) for k, v in res.per_tier.items()})
 

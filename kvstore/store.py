@@ -208,8 +208,8 @@ class Store(DeviceMovement, TenantPools):
             try:
                 if flush and self.ssd is not None:
                     self._flush_locked(flush_budget_s, progress)
-            except DiskFull as exc:    # host-only blocks are lost, as in a crash; SSD is intact
-                log.warning("not every host block was flushed at close: %s", exc)
+            except ResourceExhausted as exc:   # disk or a tenant's quota full: the host-only
+                log.warning("not every host block was flushed at close: %s", exc)  # blocks go
             finally:
                 try:
                     self._release_resources()
