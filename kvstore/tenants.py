@@ -8,7 +8,7 @@ must say who it is (docs/security.md).
 A tenant table (in the daemon config, or in `auth.tokens_file` to keep secrets apart):
 
     [tenants.team-a]
-    token_sha256 = ["<hex sha256 of the bearer token>"]   # `kvstore hash-token` prints one
+    token_sha256 = ["<hex sha256 of the bearer token>"]   # docs/security.md: how to hash
     uids = [1001]            # Unix-socket peers with this uid are this tenant (SO_PEERCRED)
     cert_names = ["team-a"]  # mTLS client certificates with this common name
     models = ["llama-*"]     # fnmatch patterns of the models it may register ("*": any)

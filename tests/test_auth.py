@@ -349,3 +349,15 @@ def test_mtls_with_trustme(tmp_path: Path) -> None:
             assert type(ei.value).__name__ in ("Unavailable", "DeadlineExceeded")
     finally:
         cleanup(d)
+
+
+def test_status_command_sends_credentials(world) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    argv = [sys.executable, "-m", "kvstore", "status", "--address", world.socket, "--json"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                       env={**env, "KVSTORE_TOKEN": TOKENS["ops"]})
+    assert r.returncode == 0, r.stderr
+    assert '"daemon_id"' in r.stdout and '"tiers"' in r.stdout
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0
+    assert "no tenant lists uid 0" in r.stderr
