@@ -52,6 +52,7 @@ class Auth:
         self._by_uid = {u: t for t in tenants.values() for u in t.uids}
         self._by_cert = {c: t for t in tenants.values() for c in t.cert_names}
         self._sessions: OrderedDict[str, Tenant] = OrderedDict()
+        self._seen: dict[str, Tenant] = {}     # metadata value -> tenant (skips the hash)
         self._lock = threading.Lock()
         self._owners: dict[bytes, str | None] = {}
         self._local = threading.local()
@@ -79,8 +80,16 @@ class Auth:
             if not isinstance(value, str) or not value.startswith("Bearer ") \
                     or len(value) > 4096:
                 raise Unauthenticated("the authorization metadata must be 'Bearer <token>'")
+            tenant = self._seen.get(value)
+            if tenant is not None:
+                return tenant
             h = hashlib.sha256(value[7:].encode()).hexdigest()
             tenant = self._by_hash.get(h) or self._sessions.get(h)
+            if tenant is not None:
+                # The hash once per token (forgotten with the sessions, see new_session).
+                if len(self._seen) >= 2 * MAX_SESSIONS:
+                    self._seen.clear()
+                self._seen[value] = tenant
             if tenant is None:
                 raise Unauthenticated("the bearer token matches no tenant of this daemon (or a "
                                       "session of a daemon run that has ended: reconnect)")
@@ -110,6 +119,7 @@ class Auth:
             self._sessions[hashlib.sha256(token.encode()).hexdigest()] = tenant
             while len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
+                self._seen.clear()          # it may hold the forgotten session
         return token
 
     @property
