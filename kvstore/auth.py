@@ -155,6 +155,13 @@ class Auth:
             raise PermissionDenied(f"namespace {ns_id.hex()} belongs to another tenant; tenant "
                                    f"{t.name} may use only the namespaces it registered")
 
+    def check_tier(self, tier: str) -> None:
+        """Slots of the gpu tier live in pools shared by every tenant: admins only."""
+        t = self.caller
+        if tier == "gpu" and t is not None and not t.admin:
+            raise PermissionDenied(f"tenant {t.name} may not lease gpu slots: the gpu tier is "
+                                   "not partitioned per tenant (docs/security.md); use 'host'")
+
     def check_lease(self, lease_id: str) -> None:
         t = self.caller
         if t is None or t.admin:

@@ -490,6 +490,7 @@ class KVStoreServicer:
         self.auth.check_ns(ns)
         n = check_count(req.count)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
+        self.auth.check_tier(tier)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
         dev = {"device": req.device} if req.HasField("device") else {}
         lease = self.store.reserve(ns, n, tier=tier, ttl_s=ttl, **dev)
@@ -514,6 +515,7 @@ class KVStoreServicer:
         self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
+        self.auth.check_tier(tier)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
         dev = {"device": req.device} if req.HasField("device") else {}
         lease = self.store.acquire(ns, keys, tier=tier, ttl_s=ttl, **dev)

@@ -361,3 +361,26 @@ def test_status_command_sends_credentials(world) -> None:
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode != 0
     assert "no tenant lists uid 0" in r.stderr
+
+
+def test_gpu_tier_is_admin_only_with_tenants(tmp_path: Path) -> None:
+    gpu = {"gpu.enabled": "true", "gpu.backend": "cpu", "gpu.capacity": "1MiB"}
+    tf = tokens_file(tmp_path)
+    d = start_daemon(tmp_path / "d", {"auth.tokens_file": str(tf), **gpu})
+    try:
+        with connect(d.address, token=TOKENS["team-a"], transport="grpc") as a:
+            ns = a.namespace(LAYOUT, model="a-gpu")
+            for method, req in (
+                    ("Reserve", pb.ReserveRequest(namespace_id=ns.ns_id, count=1, tier="gpu")),
+                    ("Acquire", pb.AcquireRequest(namespace_id=ns.ns_id, keys=[b"\1" * 16],
+                                                  tier="gpu"))):
+                with pytest.raises(PermissionDenied, match="may not lease gpu slots"):
+                    a.call(method, req)
+            with pytest.raises(PermissionDenied, match="gpu tier is for admin tenants"):
+                a.evict("gpu")
+    finally:
+        cleanup(d)
+    quota = tmp_path / "quota.toml"
+    quota.write_text(f'[tenants.q]\ntoken_sha256 = "{hash_token("q")}"\nhost_quota = "1MiB"\n')
+    with pytest.raises(DaemonError, match="cannot be combined yet"):
+        start_daemon(tmp_path / "e", {"auth.tokens_file": str(quota), **gpu})
