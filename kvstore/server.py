@@ -421,6 +421,15 @@ class KVStoreServicer:
             self._block_bytes[ns_id] = bb
         return bb
 
+    def _lookup(self, ns: bytes, keys: list[bytes]) -> Any:
+        """store.lookup, counted per tenant where tenants are configured."""
+        res = self.store.lookup(ns, keys)
+        if self.tenant_counters is not None:
+            caller = self.auth.caller
+            self.tenant_counters.lookup(caller.name if caller else None, len(keys),
+                                        res.prefix_blocks)
+        return res
+
     def _lease_out(self, lease: Any) -> pb.Lease:
         """A lease as the client maps it: slots in a tenant's own pool count from its start."""
         msg = lease_to_proto(lease)
@@ -463,11 +472,7 @@ class KVStoreServicer:
         ns = check_ns(req.namespace_id)
         self.auth.check_ns(ns)
         keys = check_keys(req.keys, allow_empty=True)
-        res = self.store.lookup(ns, keys)
-        if self.tenant_counters is not None:
-            caller = self.auth.caller
-            self.tenant_counters.lookup(caller.name if caller else None, len(keys),
-                                        res.prefix_blocks)
+        res = self._lookup(ns, keys)
         return pb.LookupResponse(prefix_blocks=res.prefix_blocks,
                                  per_tier={str(k): int(v) for k, v in res.per_tier.items()})
 
@@ -666,8 +671,9 @@ class KVStoreServicer:
         self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
+        self.auth.check_tier(tier)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
-        res = self.store.lookup(ns, keys)
+        res = self._lookup(ns, keys)
         resp = pb.LookupReserveResponse(
             prefix_blocks=res.prefix_blocks,
             per_tier={str(k): int(v) for k, v in res.per_tier.items()})
@@ -686,8 +692,9 @@ class KVStoreServicer:
         self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
+        self.auth.check_tier(tier)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
-        res = self.store.lookup(ns, keys)
+        res = self._lookup(ns, keys)
         resp = pb.LookupAcquireResponse(
             prefix_blocks=res.prefix_blocks,
             per_tier={str(k): int(v) for k, v in res.per_tier.items()})

@@ -844,6 +844,8 @@ class Store(DeviceMovement, TenantPools):
     def corrupt_host_copy(self, ns_id: bytes, key: bytes, path: str) -> None:
         """Count and drop a host copy a reader found not to match its commit checksum."""
         with self._lock:
+            if path == "Get":
+                self.counters["get_checksum_mismatch"] += 1    # a Get stream was cut there
             self.movement._corrupt_host_copy(ns_id + key, path)
 
     def get(self, ns_id: bytes, keys: Sequence[bytes]) -> list[tuple[bytes, bytes]]:

@@ -94,7 +94,7 @@ class DiskFull(ResourceExhausted):
     path and the free space, which is what an operator needs to act.
     """
 
-    def __init__(self, path: str, free: int, exc: BaseException) -> None:
+    def __init__(self, path: str, free: int, exc: BaseException | str) -> None:
         super().__init__(f"SSD tier write did not land: the filesystem under {path} is full "
                          f"({free} bytes free; {exc}); free space there or lower ssd.capacity")
         self.path, self.free = path, free
@@ -194,8 +194,8 @@ class SSDTier:
                 os.fdatasync(self._fd)          # payloads durable before the index names them
         except OSError as exc:
             self._free_now(offsets)
-            if exc.errno == errno.ENOSPC:
-                raise ResourceExhausted(f"SSD tier disk full at {self.path}: {exc}") from exc
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull(self.path, free_bytes(self.path), exc) from None
             raise
         replaced: list[int] = []
 
@@ -480,20 +480,30 @@ class SSDTier:
             return offsets
 
     def _grow_file(self, need: int) -> None:
-        """Preallocate GROW_STEP more (or `need`, if larger) at the end of the payload file."""
-        new = self._file_size + max(GROW_STEP, -(-need // ALIGN) * ALIGN)
+        """Preallocate GROW_STEP more (or `need`, if larger) at the end of the payload file;
+        on a filesystem with less room than a step, just `need` (DiskFull when not even that
+        fits)."""
+        exact = self._file_size + -(-need // ALIGN) * ALIGN
+        new = max(self._file_size + GROW_STEP, exact)
         if new > _ADDRESS_LIMIT:
             raise ResourceExhausted(f"SSD payload file at {self._payload_path} cannot grow "
                                     "further")
-        try:
-            os.posix_fallocate(self._fd, self._file_size, new - self._file_size)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise ResourceExhausted(f"SSD tier disk full at {self.path}: cannot grow the "
-                                        f"payload file to {new} bytes") from exc
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            os.ftruncate(self._fd, new)     # no preallocation on this filesystem: sparse
+        while True:
+            try:
+                os.posix_fallocate(self._fd, self._file_size, new - self._file_size)
+                break
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and new > exact:
+                    new = exact             # a nearly full disk: only what this write needs
+                    continue
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFull(self.path, free_bytes(self.path),
+                                   f"cannot grow the payload file to {new} bytes: {exc}"
+                                   ) from None
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(self._fd, new)     # no preallocation on this filesystem: sparse
+                break
         self._file_size = new
         self._alloc.grow(new)
 
