@@ -16,6 +16,8 @@ Figures, each a ratio against a reference measured in the same run (the machine 
   network_vs_redis      (redis-py pipelined SET + GET of the same blocks on a local redis-server)
                         / (SDK store + load of the blocks through the Put/Get streams).
                         Target >= 1.0.
+  verified_get_vs_unverified, auth_lookup_p50_vs_noauth: the cost of issue 13's checks
+                        (bench/rpc_security.py). Targets >= 0.9 and <= 1.05.
 Also reported: lookup/echo p99 and calls/s, GB/s of every path, verify-off shm figures, the
 SDK's key hashing rate (`hash_mtokens_per_s`, target >= 10 M tokens/s: an absolute figure, so
 read it on an idle machine) and whether the compiled copy kernel ran (`copy_kernel`).
@@ -302,6 +304,10 @@ def main() -> None:
             result["grpc"] = bench_data(daemon.address, "grpc", nblocks, reps, verify=True)
             if not args.no_redis:
                 result["redis"] = bench_redis(tmp, nblocks, 2 << 20, reps)
+            from bench import rpc_security
+            result.update(rpc_security.run(daemon, tmp, args.workers, nblocks, reps, rounds,
+                                           per_round, dict(MALLOC_ENV), _aligned_kv,
+                                           percentiles))
         finally:
             echo.kill()
             echo.wait(10)
@@ -322,6 +328,9 @@ def main() -> None:
     result["zero_copy_vs_memcpy_noverify"] = round(result["shm_noverify"]["vs_memcpy"], 3)
     result["network_vs_redis"] = (round(rd["total_s"] / grpc_["total_s"], 3)
                                   if "redis" in result else None)
+    gv, al = result["get_verify"], result["auth_lookup"]
+    result["verified_get_vs_unverified"] = round(gv["verified_get_vs_unverified"], 3)
+    result["auth_lookup_p50_vs_noauth"] = round(al["auth_lookup_p50_vs_noauth"], 3)
     result["targets_met"] = {
         "lookup_p50_vs_echo": result["lookup_p50_vs_echo"] <= 1.3,
         "lookup_tokens_1k_p50_vs_echo": result["lookup_tokens_1k_p50_vs_echo"] <= 2.0,
@@ -329,7 +338,9 @@ def main() -> None:
         "zero_copy_small_vs_memcpy": result["zero_copy_small_vs_memcpy"] >= 0.4,
         "network_vs_redis": (result["network_vs_redis"] >= 1.0
                              if result["network_vs_redis"] is not None else None),
-        "hash_mtokens_per_s": result["hash_mtokens_per_s"] >= 10.0}
+        "hash_mtokens_per_s": result["hash_mtokens_per_s"] >= 10.0,
+        "verified_get_vs_unverified": result["verified_get_vs_unverified"] >= 0.9,
+        "auth_lookup_p50_vs_noauth": result["auth_lookup_p50_vs_noauth"] <= 1.05}
 
     rows = [
         ("64-key lookup p50 / p99 (us)", f"{lk['lookup']['p50_us']:.0f} / "
@@ -349,6 +360,10 @@ def main() -> None:
          f"{result['shm_noverify']['load_gbps']:.2f}", "", result["zero_copy_vs_memcpy_noverify"]),
         ("Put / Get streams (GB/s)", f"{grpc_['store_gbps']:.2f} / {grpc_['load_gbps']:.2f}",
          f"redis {rd['set_gbps']:.2f} / {rd['get_gbps']:.2f}", result["network_vs_redis"]),
+        ("lookup p50, tenants / none (us)", f"{al['auth']['p50_us']:.0f}",
+         f"no auth {al['noauth']['p50_us']:.0f}", result["auth_lookup_p50_vs_noauth"]),
+        ("Get, checked / unchecked (GB/s)", f"{gv['verified_gbps']:.2f}",
+         f"unchecked {gv['unverified_gbps']:.2f}", result["verified_get_vs_unverified"]),
     ]
     print(f"{'path':32} {'SDK':>18} {'reference':>24} {'ratio':>8}")
     for name, sdk, ref, ratio in rows:

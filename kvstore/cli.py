@@ -190,6 +190,17 @@ def format_status(resp: Any) -> str:
     return "\n".join(lines)
 
 
+def _status_credentials(address: str, timeout: float) -> tuple | None:
+    """On a daemon with tenants: $KVSTORE_TOKEN, else the uid handshake (docs/security.md)."""
+    from kvstore_client.handoff import handshake, handshake_path
+
+    token = os.environ.get("KVSTORE_TOKEN", "")
+    path = handshake_path(address[len("unix:"):]) if address.startswith("unix:") else ""
+    if not token and path and os.path.exists(path):
+        token = handshake(path, "", timeout).token
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
@@ -208,9 +219,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         return _fail(f"no kvstore daemon at {address}: the socket does not exist (start one "
                      "with `kvstore serve`, or pass --address / --data-dir)", 1)
     try:
+        metadata = _status_credentials(address, args.timeout)
         with grpc.insecure_channel(address) as ch:
             resp = kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(),
-                                                         timeout=args.timeout)
+                                                         timeout=args.timeout,
+                                                         metadata=metadata)
     except grpc.RpcError as e:
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return _fail(f"no kvstore daemon answers at {address} ({e.code().name}: "

@@ -65,6 +65,9 @@ class HostConfig(TierConfig):
     capacity: int = 1 << 30
     shm_name: str = ""              # default: derived from the data folder
     background_demotion: bool = True  # demote down to low_watermark on a background thread
+    # Check each block's commit checksum before its bytes leave the pool (Get, demotion,
+    # write-through). Off only to measure what the check costs (bench/rpc.py).
+    verify_reads: bool = True
 
 
 @dataclass
@@ -150,6 +153,23 @@ def _is_host_port(addr: str) -> bool:
 
 
 @dataclass
+class AuthConfig:
+    """Who may call (docs/security.md). Tenants themselves are `[tenants.<name>]` tables."""
+    tokens_file: str = ""           # a TOML file of [tenants.<name>] tables (secrets apart)
+    insecure_tcp: bool = False      # allow TCP beyond loopback with neither tenants nor mTLS
+    tls_cert_file: str = ""         # TCP listener's certificate and key: TLS on TCP
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""    # clients must present a certificate from this CA (mTLS)
+
+    def check(self) -> None:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("auth.tls_cert_file and auth.tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError("auth.tls_client_ca_file (mTLS) needs auth.tls_cert_file and "
+                              "auth.tls_key_file for the server side")
+
+
+@dataclass
 class LeaseConfig:
     default_ttl_s: float = 30.0
     max_ttl_s: float = 600.0
@@ -164,6 +184,8 @@ class StoreConfig:
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    tenants: dict[str, Any] = field(default_factory=dict)   # kvstore/tenants.py reads them
     log_level: str = "info"
 
     def check(self) -> StoreConfig:
@@ -180,6 +202,7 @@ class StoreConfig:
         if not 0 < self.leases.default_ttl_s <= self.leases.max_ttl_s:
             raise ConfigError("leases: need 0 < default_ttl_s <= max_ttl_s")
         self.server.check()
+        self.auth.check()
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level: expected one of {list(LOG_LEVELS)}, got "
                               f"{self.log_level!r}")
@@ -210,6 +233,10 @@ def _apply(obj: Any, values: dict[str, Any], where: str) -> None:
 def _coerce(cur: Any, v: Any, key: str, is_size: bool) -> Any:
     if is_size:
         return parse_size(v, key)
+    if isinstance(cur, dict):
+        if not isinstance(v, dict):
+            raise ConfigError(f"{key}: expected a table")
+        return {**cur, **v}
     if isinstance(cur, bool):
         if isinstance(v, str):
             if v.lower() in ("1", "true", "yes", "on"):

@@ -69,8 +69,7 @@ class DataDirLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:   # preflight checked; this is the race or an odd filesystem
-            raise StartupError(f"cannot use data folder {self.path.parent}: "
-                               f"{e.strerror or e}; pass another --data-dir") from None
+            raise _fs_error(self.path.parent, e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -82,8 +81,16 @@ class DataDirLock:
                     f"(pid {holder}, lock {self.path}); stop it or pass another --data-dir"
                 ) from None
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        # The pid is written first and the file cut to it after: on a full filesystem the
+        # write fails and the previous holder's pid stays readable, never an empty LOCK.
+        pid = f"{os.getpid()}\n".encode()
+        try:
+            if os.pwrite(fd, pid, 0) != len(pid):
+                raise OSError(errno.ENOSPC, "short write")
+            os.ftruncate(fd, len(pid))
+        except OSError as e:
+            os.close(fd)
+            raise _fs_error(self.path.parent, e) from None
         self._fd = fd
 
     def release(self) -> None:
@@ -94,6 +101,40 @@ class DataDirLock:
         finally:
             os.close(self._fd)    # closing drops the flock
             self._fd = None
+
+
+FS_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+
+
+def _fs_error(folder: Path, e: OSError) -> StartupError:
+    """A data folder the daemon cannot write: exit 2, one line naming folder and cause."""
+    if e.errno == errno.EROFS:
+        why = "is on a read-only filesystem"
+    elif e.errno in (errno.ENOSPC, errno.EDQUOT):
+        why = f"is on a full filesystem ({_free(folder)} bytes free)"
+    else:
+        why = f"cannot be written ({e.strerror or e})"
+    return StartupError(f"data folder {folder} {why}; free space, remount it read-write or "
+                        "pass another --data-dir", exit_code=2)
+
+
+def _free(folder: Path) -> int:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def check_data_dir_writable(folder: Path) -> None:
+    """The preflight check of the data folder (full, read-only, not writable), for a Daemon
+    started without the CLI: exit 2 and one line, before LOCK is touched."""
+    from .preflight import PreflightError, check_data_dir
+
+    try:
+        check_data_dir(str(folder))
+    except PreflightError as e:
+        raise StartupError(str(e), exit_code=2) from None
 
 
 def check_socket_free(path: str) -> None:
@@ -115,20 +156,66 @@ def check_socket_free(path: str) -> None:
                        "server.socket / --socket to another path")
 
 
-def _bind_unix(server: Any, path: str) -> None:
-    """Bind the socket with mode 0600 from the first instant (umask), not chmod-after."""
+def _bind_unix(server: Any, path: str, mode: int = 0o600) -> None:
+    """Bind the socket with its mode from the first instant (umask), not chmod-after.
+
+    0600 without tenants (the daemon's own user only); 0666 with tenants, where every call is
+    authenticated and other uids are exactly who the socket is for.
+    """
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    old = os.umask(0o177)
+    old = os.umask(0o777 & ~mode)
     try:
         server.add_insecure_port(f"unix:{path}")
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    os.chmod(path, mode)
 
 
-def _bind_tcp(server: Any, address: str) -> str:
+def is_loopback(address: str) -> bool:
+    host = address.rpartition(":")[0].strip("[]").lower()
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def check_exposure(cfg: StoreConfig, tenants: dict) -> str | None:
+    """Refuse a TCP listener beyond loopback that nobody authenticates; returns the warning
+    to log at every start when the operator insisted (auth.insecure_tcp)."""
+    tcp = cfg.server.tcp
+    if not tcp or is_loopback(tcp) or tenants or cfg.auth.tls_client_ca_file:
+        return None
+    if not cfg.auth.insecure_tcp:
+        raise StartupError(
+            f"config error: server.tcp={tcp} listens beyond loopback with no authentication; "
+            "configure [tenants.*] (bearer tokens) or mTLS (auth.tls_cert_file, "
+            "auth.tls_key_file, auth.tls_client_ca_file), bind 127.0.0.1, or set "
+            "auth.insecure_tcp=true to accept that anyone who reaches the port can read, "
+            "write and evict every block", exit_code=2)
+    return (f"INSECURE: server.tcp={tcp} accepts unauthenticated calls from the network "
+            "(auth.insecure_tcp=true): anyone who reaches it can read, write and evict every "
+            "block")
+
+
+def _tls_credentials(cfg: StoreConfig) -> Any:
+    """grpcio server credentials for the TCP listener (None: plaintext)."""
+    import grpc
+
+    a = cfg.auth
+    if not a.tls_cert_file:
+        return None
     try:
-        port = server.add_insecure_port(address)
+        key = Path(a.tls_key_file).read_bytes()
+        cert = Path(a.tls_cert_file).read_bytes()
+        ca = Path(a.tls_client_ca_file).read_bytes() if a.tls_client_ca_file else None
+    except OSError as e:
+        raise StartupError(f"config error: cannot read a TLS file ({e.filename}): "
+                           f"{e.strerror}", exit_code=2) from None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def _bind_tcp(server: Any, address: str, creds: Any = None) -> str:
+    try:
+        port = (server.add_secure_port(address, creds) if creds is not None
+                else server.add_insecure_port(address))
     except RuntimeError as e:
         raise StartupError(f"cannot listen on TCP {address}: {e} (is the port in use? set "
                            "server.tcp / --tcp, or '' to disable)") from None
@@ -180,6 +267,8 @@ class Daemon:
         self.server: Any = None
         self.health: Any = None
         self.servicer: Any = None
+        self.auth: Any = None
+        self.handoff: Any = None
         self.metrics: Any = None
         self.socket_path = os.path.abspath(config.socket_path)
         self.tcp_address: str | None = None
@@ -194,10 +283,21 @@ class Daemon:
         """Everything up to SERVING; raises StartupError (after undoing what it did)."""
         from grpc_health.v1 import health_pb2
 
+        from .auth import store_auth
+        from .config import ConfigError
+        from .handoff import SUFFIX, Handoff
         from .metrics import Metrics
         from .server import SERVICE, KVStoreServicer, build_server
+        from .tenants import load_tenants
 
         cfg = self.config
+        try:
+            tenants = load_tenants(cfg)
+        except ConfigError as e:
+            raise StartupError(f"config error: {e}", exit_code=2) from None
+        insecure = check_exposure(cfg, tenants)
+        tls = _tls_credentials(cfg) if cfg.server.tcp else None
+        check_data_dir_writable(self.lock.path.parent)    # before LOCK is touched at all
         self.lock.acquire()
         try:
             check_socket_free(self.socket_path)
@@ -211,16 +311,27 @@ class Daemon:
             except KVStoreError as e:
                 raise StartupError(f"cannot open the store: {e}") from None
             except OSError as e:
+                if e.errno in FS_ERRNOS:
+                    raise _fs_error(Path(cfg.data_dir), e) from None
                 raise StartupError(f"cannot open the store in {cfg.data_dir}: {e}") from None
             self.metrics = Metrics(self.store)
+            self.auth = store_auth(self.store, tenants, mtls=bool(cfg.auth.tls_client_ca_file))
             self.servicer = KVStoreServicer(
                 self.store, max_ttl_s=cfg.leases.max_ttl_s, gpu_enabled=bool(self.store.gpu),
-                observe=self.metrics.observe, in_flight=self.metrics.in_flight)
+                observe=self.metrics.observe, in_flight=self.metrics.in_flight,
+                auth=self.auth)
             self.server, self.health = build_server(self.servicer, cfg.server.workers,
                                                     cfg.server.max_message_bytes)
-            _bind_unix(self.server, self.socket_path)
+            _bind_unix(self.server, self.socket_path, 0o666 if tenants else 0o600)
+            if tenants:
+                from .tenant_metrics import TenantCollector, TenantCounters
+                self.servicer.tenant_counters = TenantCounters()
+                self.metrics.registry.register(TenantCollector(
+                    self.store, sorted(tenants), self.servicer.tenant_counters))
+                self.handoff = Handoff(self.socket_path + SUFFIX, self.auth,
+                                       getattr(self.store, "tenant_pool", None))
             if cfg.server.tcp:
-                self.tcp_address = _bind_tcp(self.server, cfg.server.tcp)
+                self.tcp_address = _bind_tcp(self.server, cfg.server.tcp, tls)
             if cfg.server.metrics:
                 try:
                     self.metrics_url = self.metrics.serve(cfg.server.metrics)
@@ -234,7 +345,14 @@ class Daemon:
             raise
         self._say(f"serving gRPC on unix:{self.socket_path}")
         if self.tcp_address:
-            self._say(f"serving gRPC on {self.tcp_address}")
+            self._say(f"serving gRPC on {self.tcp_address}"
+                      + (" (mTLS)" if cfg.auth.tls_client_ca_file else
+                         " (TLS)" if tls is not None else ""))
+        if insecure:
+            log.warning("%s", insecure)
+        if tenants:
+            self._say(f"{len(tenants)} tenants; every call is authenticated (uid handshake on "
+                      f"unix:{self.socket_path}{SUFFIX})")
         self._say(f"metrics on {self.metrics_url}" if self.metrics_url else "metrics disabled")
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -303,6 +421,9 @@ class Daemon:
         self._say("stopped")
 
     def _teardown(self, close_metrics: bool = True) -> None:
+        if self.handoff is not None:
+            self.handoff.close()
+            self.handoff = None
         if self.server is not None:
             self.server.stop(None)
             self.server = None

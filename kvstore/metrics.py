@@ -57,6 +57,12 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                   "deleted_blocks": "Blocks removed by Delete",
                   "retention_hint_blocks": "Stored blocks reached by Retain hints",
                   "corrupt_blocks": "Blocks that failed their checksum and were dropped",
+                  "corrupt_host_blocks": "Host copies changed after commit, dropped unserved",
+                  "ssd_disk_full_errors": "SSD writes that did not land: filesystem full",
+                  "ssd_disk_full_dropped_blocks": "Evicted host blocks dropped, not demoted, "
+                                                  "because the SSD filesystem was full",
+                  "tenant_quota_dropped_blocks": "Evicted blocks not demoted because their "
+                                                 "tenant's SSD or remote quota was full",
                   "promotion_duplicates": "Promoted copies dropped because a write stored the "
                                           "block meanwhile",
                   "commit_checksum_mismatch": "Commits refused: slot bytes != sent checksum",

@@ -30,9 +30,11 @@ from kvstore_client.errors import DataLoss, ResourceExhausted
 from kvstore_client.layout import KVLayout
 
 from tiers import codecs, frame
+from tiers.ssd import DiskFull
 
 from .index import Entry
 from .nsinfo import NamespaceInfo
+from .verify import matches
 
 log = logging.getLogger("kvstore.store")
 T = TypeVar("T")
@@ -155,6 +157,12 @@ class TierMovement:
     _lock = _shared("_lock")
     _idle = _shared("_idle")
     _busy = _shared("_busy")          # close() waits while it is non-zero
+    # Per-tenant host pools (kvstore/pools.py, a mixin of the store)
+    _seg = _shared("_seg")
+    _seg_room = _shared("_seg_room")
+    _seg_namespaces = _shared("_seg_namespaces")
+    _seg_full = _shared("_seg_full")
+    _fit_quota = _shared("_fit_quota")
 
     def __init__(self, store: Any) -> None:
         """`store`: the kvstore.store.Store this serves (not imported: movement.py must not
@@ -190,13 +198,19 @@ class TierMovement:
         """
         with self._lock:
             while not self._store._closed:
-                over = (self.host.used_bytes - self._host_evicting
-                        - self.config.host.low_watermark * self.host.capacity)
                 freed = 0
-                if over > 0:
+                # Each tenant's own pool is kept under its own watermark with its own blocks:
+                # one tenant's writes never demote another's (kvstore/pools.py).
+                for seg in range(getattr(self.host, "segment_count", 1)):
+                    cap, used = self._seg_room(seg)
+                    over = (used - (self._host_evicting if seg == 0 else 0)
+                            - self.config.host.low_watermark * cap)
+                    if over <= 0:
+                        continue
                     try:
-                        freed, _ = self._evict_host(int(over))
-                        self.counters["background_demotion_bytes"] += freed
+                        f, _ = self._evict_host(int(over), self._seg_namespaces(seg))
+                        freed += f
+                        self.counters["background_demotion_bytes"] += f
                     except Exception as exc:  # the next round retries; inline eviction remains
                         self.counters["background_demotion_errors"] += 1
                         log.warning("background demotion failed: %s", exc)
@@ -210,7 +224,7 @@ class TierMovement:
             if pool is not None:
                 pool.shutdown(wait=True)
 
-    def _host_room(self, need: int) -> None:
+    def _host_room(self, need: int, ns_id: bytes | None = None) -> None:
         """Evict from host so `need` more bytes fit: past the high watermark, down to the low.
 
         Victims already being demoted by other threads count as freed (their slots are freed
@@ -218,15 +232,16 @@ class TierMovement:
         release the store lock while victims are demoted (see _evict_batch); _alloc_host then
         gets the slot even if other threads took the room meanwhile.
         """
-        cap = self.host.capacity
+        seg = self._seg(ns_id)                  # a tenant's own pool (kvstore/pools.py)
+        cap, used = self._seg_room(seg)
         high, low = self.config.host.high_watermark * cap, self.config.host.low_watermark * cap
-        used = self.host.used_bytes - self._host_evicting
+        used -= self._host_evicting if seg == 0 else 0
         if used + need > low and self._demoter is not None:
             self._wake.notify()          # the background demoter makes room from here on
         if used + need <= high:
             return
         target = max(0.0, min(low, high - need))
-        self._evict_host(int(used + need - target))
+        self._evict_host(int(used + need - target), self._seg_namespaces(seg))
 
     def must_evict_inline(self, need: int) -> bool:
         """Whether making room for `need` more host bytes means evicting on the caller's
@@ -234,46 +249,52 @@ class TierMovement:
         used = self.host.used_bytes - self._host_evicting
         return used + need > self.config.host.high_watermark * self.host.capacity
 
-    def _alloc_host(self, nbytes: int) -> int:
+    def _alloc_host(self, nbytes: int, ns_id: bytes | None = None) -> int:
         """A host slot of `nbytes`, evicting (and demoting, without the lock) until one fits.
 
         Other threads may take the room an eviction made while the lock was released, so this
         loops: evict what is missing, or wait for other threads' demotions in flight to settle,
         and try again; ResourceExhausted only when nothing is evictable and nothing is in flight.
         """
+        seg = self._seg(ns_id)
         while True:
             try:
-                return self.host.alloc(nbytes)
+                return self.host.alloc(nbytes, seg) if seg else self.host.alloc(nbytes)
             except ResourceExhausted:
                 pass
-            _, _, picked = self._evict_host_batches(_aligned(nbytes))
+            _, _, picked = self._evict_host_batches(_aligned(nbytes), self._seg_namespaces(seg))
             if picked or self._wait_demotions():
                 continue
             try:
-                return self.host.alloc(nbytes)
+                return self.host.alloc(nbytes, seg) if seg else self.host.alloc(nbytes)
             except ResourceExhausted:
+                if seg:
+                    raise self._seg_full(seg) from None
                 # Watermarks are a target, not a guarantee; this is the real limit.
                 raise ResourceExhausted(
                     f"host tier full: {self.host.used_bytes} of {self.host.capacity} bytes are "
                     "leased or pinned and nothing is evictable; release leases or raise "
                     "host.capacity") from None
 
-    def _evict_host(self, nbytes: int | None) -> tuple[int, int]:
-        """Evict host blocks until `nbytes` are freed (None: all evictable), demoting in batches.
+    def _evict_host(self, nbytes: int | None, only: set[bytes] | None = None
+                    ) -> tuple[int, int]:
+        """Evict host blocks until `nbytes` are freed (None: all evictable), demoting in batches;
+        with `only`, blocks of those namespaces alone (a tenant's own Evict, its quota).
 
         Returns (bytes freed, blocks freed). May release the store lock while a batch is encoded
         and written to SSD (see _evict_batch).
         """
-        freed, blocks, _ = self._evict_host_batches(nbytes)
+        freed, blocks, _ = self._evict_host_batches(nbytes, only)
         return freed, blocks
 
-    def _evict_host_batches(self, nbytes: int | None) -> tuple[int, int, int]:
+    def _evict_host_batches(self, nbytes: int | None, only: set[bytes] | None = None
+                            ) -> tuple[int, int, int]:
         """_evict_host, also returning how many victims were picked (a victim a reader pinned
         while it was demoted keeps its host copy: picked, but not freed)."""
         freed = blocks = picked = 0
         planned = 0
         while nbytes is None or planned < nbytes:
-            batch = self._pick_host_victims(nbytes, planned)
+            batch = self._pick_host_victims(nbytes, planned, only)
             if not batch:
                 break
             picked += len(batch)
@@ -282,7 +303,8 @@ class TierMovement:
             freed, blocks = freed + f, blocks + b
         return freed, blocks, picked
 
-    def _pick_host_victims(self, nbytes: int | None, planned: int) -> list[Entry]:
+    def _pick_host_victims(self, nbytes: int | None, planned: int,
+                           only: set[bytes] | None = None) -> list[Entry]:
         """Phase 1 of an eviction (locked): up to 16 victims, taken out of the host policy."""
         policy = self.policies["host"]
         lower = self.ssd is not None or self.remote is not None
@@ -293,7 +315,8 @@ class TierMovement:
             # another eviction, or promoted) is not a victim.
             e = self.index.get(g)
             return (e is not None and e.pins == 0 and e.host is not None and e.moving is None
-                    and (lower or e.ssd or e.remote or e.gpu is not None or e.children == 0))
+                    and (lower or e.ssd or e.remote or e.gpu is not None or e.children == 0)
+                    and (only is None or e.ns_id in only))
         batch: list[Entry] = []
         while len(batch) < 16 and (nbytes is None or planned < nbytes):
             g = policy.pick(can)
@@ -329,6 +352,8 @@ class TierMovement:
         self._busy += 1                      # close() waits for this batch to settle
         try:
             written = self._demote_unlocked([e for e in batch if not e.ssd])
+        except DiskFull as exc:
+            written = self._demotion_disk_full(batch, exc)
         except BaseException:
             for e in batch:                  # as it was: the host copy stays, evictable again
                 e.moving = None
@@ -343,11 +368,28 @@ class TierMovement:
         finally:
             self._demotion_done(flight, size)
 
+    def _demotion_disk_full(self, batch: list[Entry], exc: DiskFull) -> list:
+        """The SSD write of an eviction batch did not land (filesystem full): the victims
+        without a lower copy are dropped rather than kept, so host keeps serving (a full disk
+        must not stop every write and every promotion that needs room). Counted; logged at most
+        once a minute, not once per batch."""
+        lost = sum(1 for e in batch if not e.ssd and not e.remote and not e.pins)
+        self.counters["ssd_disk_full_errors"] += 1
+        self.counters["ssd_disk_full_dropped_blocks"] += lost
+        now = time.monotonic()
+        if now - getattr(self, "_disk_full_logged", -1e9) > 60:
+            self._disk_full_logged = now
+            log.warning("%s; dropping %d evicted host blocks instead of demoting them (logged "
+                        "once a minute; counter ssd_disk_full_dropped_blocks)", exc, lost)
+        return []
+
     def _free_victims(self, batch: list[Entry]) -> tuple[int, int]:
         """Phase 3 of an eviction (locked): free the victims' host slots. A victim a reader
         acquired while it was demoted keeps its host copy (it now has an SSD copy too)."""
         freed = blocks = 0
         for e in batch:
+            if e.host is None:
+                continue                     # a corrupt copy, dropped when it was encoded
             if e.pins:
                 self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
                 self.counters["demotions_kept_pinned"] += 1
@@ -373,6 +415,8 @@ class TierMovement:
         with self._unlocked():
             values, local = self._encode(jobs)
         self.counters.update(local)
+        todo, values = self._verified(todo, values)
+        todo, values = self._fit_quota("ssd", todo, values, strict=False)
         need = sum(len(v) for v in values)
         self._ssd_room(need)
         items = [(e.gkey, v, _meta(e)) for e, v in zip(todo, values, strict=True)]
@@ -434,7 +478,10 @@ class TierMovement:
             if self.remote is not None and todo:
                 self._demote_to_remote(todo, from_host=True)
             return
-        items = list(zip(todo, self._encode_many(todo), strict=True))
+        todo, values = self._verified(todo, self._encode_many(todo))
+        items = list(zip(*self._fit_quota("ssd", todo, values, strict=True), strict=True))
+        if not items:
+            return
         self._ssd_room(sum(len(v) for _, v in items))
         self.ssd.put_many([(e.gkey, v, _meta(e)) for e, v in items])
         self._record_ssd_copies([(e, len(v)) for e, v in items])
@@ -448,7 +495,7 @@ class TierMovement:
             self.counters["bytes_host_to_ssd"] += nbytes
         self.tier_counters["host"]["demotions"] += len(written)
 
-    def _encode_many(self, entries: list[Entry]) -> list[bytes]:
+    def _encode_many(self, entries: list[Entry]) -> list[bytes | None]:
         """Encode host copies for a lower tier (locked), in parallel; see _encode."""
         values, local = self._encode(self._encode_jobs(entries))
         self.counters.update(local)
@@ -462,20 +509,58 @@ class TierMovement:
             self._encoded += 1
             spec = self.namespaces[e.ns_id].spec
             jobs.append((self.host.view(e.host, e.size), spec.layout, spec.codec,
-                         self._encoded % ERROR_SAMPLE_EVERY == 1))
+                         self._encoded % ERROR_SAMPLE_EVERY == 1,
+                         e.checksum if self.config.host.verify_reads else 0))
         return jobs
 
-    def _encode(self, jobs: list[tuple]) -> tuple[list[bytes], Counter]:
+    def _verified(self, entries: list[Entry], values: list[bytes | None]
+                  ) -> tuple[list[Entry], list[bytes]]:
+        """(entries, values) without the blocks whose host copy failed its checksum when it
+        was encoded; those are counted and dropped (locked)."""
+        good = [(e, v) for e, v in zip(entries, values, strict=True) if v is not None]
+        for e, v in zip(entries, values, strict=True):
+            if v is None:
+                self._corrupt_host_copy(e.gkey, "demotion")
+        return [e for e, _ in good], [v for _, v in good]
+
+    def _corrupt_host_copy(self, gkey: bytes, path: str) -> None:
+        """A host copy whose bytes no longer match its commit checksum: count it and free it
+        (locked). Never served or demoted; a copy a reader still leases, or one in flight,
+        is freed by a later eviction."""
+        self.counters["corrupt_blocks"] += 1
+        self.counters["corrupt_host_blocks"] += 1
+        e = self.index.get(gkey)
+        log.warning("dropping block %s: its host copy no longer matches the checksum taken at "
+                    "commit (found by %s; a client wrote into a committed slot)",
+                    gkey[-16:].hex(), path)
+        if e is None or e.host is None or e.pins or e.moving is not None:
+            # Leased, or an eviction victim in flight: the slot cannot be freed under its user.
+            # It stays in the host policy, so a later eviction finds it again (and, checking it
+            # before it writes, frees it instead of demoting it).
+            return
+        self.policies["host"].remove(gkey)
+        self.host.free(e.host)
+        e.host = None
+        if not e.resident:
+            self.index.discard(gkey)
+
+    def _encode(self, jobs: list[tuple]) -> tuple[list[bytes | None], Counter]:
         """Encode jobs from _encode_jobs, in parallel (zstd and torch release the GIL); needs
-        no lock. Returns the values and the codec counters, for the caller to add under the
+        no lock. Returns the values (None for a block whose host copy fails its checksum: the
+        caller drops it, see _verified) and the codec counters, for the caller to add under the
         lock.
 
         Encoding, not the disk, is the slow part of demotion (about 0.4 GB/s a core for
         lossless), so a batch of victims is spread over the worker pool.
         """
-        def one(job: tuple) -> tuple[bytes, Counter]:
-            view, layout, codec, sample = job
+        def one(job: tuple) -> tuple[bytes | None, Counter]:
+            view, layout, codec, sample, checksum = job
             local: Counter = Counter()
+            if checksum:
+                # A private copy first: the slot is client-writable (kvstore/verify.py).
+                view = np.array(view)
+                if not matches(view, checksum):
+                    return None, local
             return encode_block(view, layout, codec, local, sample), local
 
         done = self._parallel(one, jobs)
@@ -500,7 +585,8 @@ class TierMovement:
             raise ResourceExhausted(f"ssd tier full ({used} of {cap} bytes) and nothing is "
                                     "evictable")
 
-    def _evict_ssd(self, nbytes: int | None) -> tuple[int, int]:
+    def _evict_ssd(self, nbytes: int | None, only: set[bytes] | None = None
+                   ) -> tuple[int, int]:
         policy = self.policies["ssd"]
         freed = blocks = 0
 
@@ -509,7 +595,8 @@ class TierMovement:
             # A block being promoted keeps its lower copies until its promotion settles.
             return (e is not None and e.ssd and e.moving is None
                     and (self.remote is not None or e.remote or e.host is not None
-                         or e.gpu is not None or e.children == 0))
+                         or e.gpu is not None or e.children == 0)
+                    and (only is None or e.ns_id in only))
         while nbytes is None or freed < nbytes:
             g = policy.pick(can)
             if g is None:
@@ -531,7 +618,8 @@ class TierMovement:
     def _demote_to_remote(self, entries: list[Entry], from_host: bool) -> None:
         # Host copies are encoded (in parallel); SSD-only blocks already hold an encoded value.
         in_host = [e for e in entries if from_host or e.host is not None]
-        items = list(zip(in_host, self._encode_many(in_host), strict=True)) if in_host else []
+        items = (list(zip(*self._verified(in_host, self._encode_many(in_host)), strict=True))
+                 if in_host else [])
         for e in entries:
             if not (from_host or e.host is not None):
                 try:
@@ -542,6 +630,8 @@ class TierMovement:
                 if value is not None:
                     items.append((e, value))
         items = [(e, v) for e, v in items if self.remote.has_room(len(v))]
+        items = list(zip(*self._fit_quota("remote", [e for e, _ in items],
+                                          [v for _, v in items], strict=False), strict=True))
         if not items:
             return
         written = self.remote.put_many([(e.gkey, v) for e, v in items])
@@ -603,8 +693,8 @@ class TierMovement:
             return None
         e.moving = flight
         try:
-            self._host_room(_aligned(e.size))
-            off = self._alloc_host(e.size)
+            self._host_room(_aligned(e.size), e.ns_id)
+            off = self._alloc_host(e.size, e.ns_id)
         except BaseException:
             e.moving = None
             raise

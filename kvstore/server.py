@@ -21,6 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -29,7 +30,10 @@ from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client.errors import InvalidArgument, KVStoreError, NotFound, Unavailable
 from kvstore_client.layout import KVLayout, NamespaceSpec
 
+from . import getstream
+from .auth import OPEN, Auth
 from .prefetch import Prefetcher
+from .scoped import scoped_stats
 
 log = logging.getLogger("kvstore.server")
 
@@ -41,6 +45,8 @@ MAX_LEASE_ID = 128
 MAX_TEXT = 1024               # model, revision, tenant salt, extra entries
 MAX_EXTRA = 64
 GET_BATCH_BYTES = 4 << 20     # block bytes per Get stream message
+# The largest valid request other than Put: MAX_KEYS keys and checksums, plus small fields.
+MAX_REQUEST_BYTES = MAX_KEYS * (2 + MAX_KEY_BYTES + 11) + (256 << 10)
 TIERS = ("gpu", "host", "ssd", "remote")
 SLOT_TIERS = ("host", "gpu")  # tiers that hand out slots under leases
 
@@ -188,6 +194,11 @@ def stats_to_proto(stats: dict, daemon_id: str) -> pb.StatsResponse:
 
 
 def _parse(cls: type[Message], raw: bytes) -> Any:
+    if len(raw) > MAX_REQUEST_BYTES:
+        # Refused before protobuf parses millions of keys (early refusal, issue 13).
+        raise InvalidArgument(f"request is {len(raw)} bytes; no valid {cls.DESCRIPTOR.full_name} "
+                              f"is larger than {MAX_REQUEST_BYTES} bytes (at most {MAX_KEYS} "
+                              "keys of at most 32 bytes): split the request")
     try:
         return cls.FromString(raw)
     except Exception as e:  # DecodeError, or invalid UTF-8 in a string field
@@ -238,12 +249,22 @@ def _wire_fields(buf: memoryview, what: str) -> Iterator[tuple[int, int, Any]]:
             raise InvalidArgument(f"request is not a valid {what} message: wire type {wt}")
 
 
-def _parse_put(raw: bytes) -> tuple[bytes, bytes, list[tuple[bytes, memoryview]]]:
-    """PutRequest -> (namespace_id, parent, [(key, data view)]), data not copied."""
+def _parse_put(raw: bytes, block_bytes: int | None = None,
+               sizer: Callable[[bytes], int | None] | None = None, where: str = "message 0"
+               ) -> tuple[bytes, bytes, list[tuple[bytes, memoryview]]]:
+    """PutRequest -> (namespace_id, parent, [(key, data view)]), data not copied.
+
+    Refuses as it reads, not after: the block past MAX_KEYS, or a block whose data is not
+    `block_bytes` long (`sizer(namespace_id)` gives it once the namespace field is read), ends
+    the parse there, so a message of a million blocks costs no more than the first bad one.
+    """
     ns = parent = b""
     blocks: list[tuple[bytes, memoryview]] = []
     what = "kvstore.v1.PutRequest"
     for field, wt, v in _wire_fields(memoryview(raw), what):
+        if field == 3 and len(blocks) >= MAX_KEYS:
+            raise InvalidArgument(f"{where} carries more than {MAX_KEYS} blocks (refused at "
+                                  f"block {MAX_KEYS}); send at most {MAX_KEYS} per message")
         if field in (1, 2, 3) and wt != 2:
             raise InvalidArgument(f"request is not a valid {what} message: field {field} has "
                                   f"wire type {wt}")
@@ -261,7 +282,12 @@ def _parse_put(raw: bytes) -> tuple[bytes, bytes, list[tuple[bytes, memoryview]]
                     key = bytes(v2)
                 elif f2 == 2:
                     data = v2
+            if block_bytes is not None and len(data) != block_bytes:
+                raise InvalidArgument(f"{where} blocks[{len(blocks)}].data is {len(data)} "
+                                      f"bytes; this namespace's blocks are {block_bytes} bytes")
             blocks.append((key, data))
+        elif field == 1 and sizer is not None and block_bytes is None:
+            block_bytes = sizer(bytes(v))
     return ns, parent, blocks
 
 
@@ -294,12 +320,16 @@ def _encode_get_response(blocks: list[tuple[bytes, memoryview]]) -> tuple[int, b
                   b"\x12", _varint(n), data]
     return len(blocks), b"".join(parts)
 
+
 class KVStoreServicer:
     """One method per RPC of kvstore.v1.KVStore; each takes the raw request bytes."""
 
     def __init__(self, store: Any, max_ttl_s: float = 600.0, gpu_enabled: bool = False,
-                 observe: Observer | None = None, in_flight: Any = None) -> None:
+                 observe: Observer | None = None, in_flight: Any = None,
+                 auth: Auth | None = None) -> None:
         self.store = store
+        self.auth = auth or OPEN      # identity and ownership checks (kvstore/auth.py)
+        self.tenant_counters: Any = None  # per-tenant lookups (kvstore/tenant_metrics.py)
         self.max_ttl_s = max_ttl_s
         self.gpu_enabled = gpu_enabled
         self._observe = observe
@@ -308,6 +338,8 @@ class KVStoreServicer:
         self._block_bytes: dict[bytes, int] = {}
         self._prefetcher: Prefetcher | None = None
         self._prefetcher_lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self._checker: ThreadPoolExecutor | None = None   # Get's checks (kvstore/getstream.py)
 
     def start_shutdown(self) -> None:
         """New calls get UNAVAILABLE from now on; calls already running finish."""
@@ -348,6 +380,7 @@ class KVStoreServicer:
             try:
                 self._enter()
                 entered = True
+                self.auth.identify(context)
                 resp = fn(raw)
             except Exception as exc:
                 code, msg = self._failure(method, exc)
@@ -365,6 +398,7 @@ class KVStoreServicer:
             try:
                 self._enter()
                 entered = True
+                self.auth.identify(context)
                 yield from fn(raw)
             except GeneratorExit:   # the client went away mid-stream
                 code = "CANCELLED"
@@ -387,21 +421,46 @@ class KVStoreServicer:
             self._block_bytes[ns_id] = bb
         return bb
 
+    def _lookup(self, ns: bytes, keys: list[bytes]) -> Any:
+        """store.lookup, counted per tenant where tenants are configured."""
+        res = self.store.lookup(ns, keys)
+        if self.tenant_counters is not None:
+            caller = self.auth.caller
+            self.tenant_counters.lookup(caller.name if caller else None, len(keys),
+                                        res.prefix_blocks)
+        return res
+
+    def _lease_out(self, lease: Any) -> pb.Lease:
+        """A lease as the client maps it: slots in a tenant's own pool count from its start."""
+        msg = lease_to_proto(lease)
+        if self.auth.enabled and lease.tier == "host":
+            base = self.store.tenant_base(self.store.owner(lease.ns_id))
+            if base:
+                for slot in msg.slots:
+                    slot.offset -= base
+        return msg
+
     # -- RPCs ---------------------------------------------------------------------------------
     def RegisterNamespace(self, raw: bytes) -> pb.RegisterNamespaceResponse:
         req = _parse(pb.RegisterNamespaceRequest, raw)
         if not req.HasField("spec"):
             raise InvalidArgument("spec is missing: RegisterNamespace needs the namespace spec")
-        spec = spec_from_proto(req.spec, req.spec.HasField("layout"))
+        spec = self.auth.tag(spec_from_proto(req.spec, req.spec.HasField("layout")))
         info = self.store.register_namespace(spec)
         block_bytes = int(getattr(info, "block_bytes", spec.layout.block_bytes))
         self._block_bytes[bytes(info.ns_id)] = block_bytes
-        host = self.store.host_info()
+        # A tenant that is not admin gets no name of the shared pools: it streams over Put/Get
+        # (kvstore/handoff.py hands it its own pool where it has one).
+        caller = self.auth.caller
+        shared = caller is None or caller.admin
+        own = self.store.tenant_pool(caller) if caller is not None else None
+        host = ({"kind": "memfd", "name": "", "size": own[1]} if own is not None
+                else self.store.host_info() if shared else {})
         resp = pb.RegisterNamespaceResponse(
             namespace_id=info.ns_id, block_bytes=block_bytes, daemon_id=self.store.daemon_id,
             host_pool=pb.HostPool(kind=str(host.get("kind", "")), name=str(host.get("name", "")),
                                   size=int(host.get("size", 0))))
-        for g in self.store.gpu_info():
+        for g in self.store.gpu_info() if shared else ():
             resp.gpu_pools.add(device=int(g.get("device", 0)),
                                ipc_handle=bytes(g.get("ipc_handle", b"")),
                                size=int(g.get("size", 0)), owner_pid=int(g.get("owner_pid", 0)),
@@ -411,14 +470,16 @@ class KVStoreServicer:
     def Lookup(self, raw: bytes) -> pb.LookupResponse:
         req = _parse(pb.LookupRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys, allow_empty=True)
-        res = self.store.lookup(ns, keys)
+        res = self._lookup(ns, keys)
         return pb.LookupResponse(prefix_blocks=res.prefix_blocks,
                                  per_tier={str(k): int(v) for k, v in res.per_tier.items()})
 
     def Locate(self, raw: bytes) -> pb.LocateResponse:
         req = _parse(pb.LocateRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys, allow_empty=True)
         where = self.store.where(ns, keys)
         names = [t for t in TIERS if t in set(where)]
@@ -431,16 +492,19 @@ class KVStoreServicer:
     def Reserve(self, raw: bytes) -> pb.ReserveResponse:
         req = _parse(pb.ReserveRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         n = check_count(req.count)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
+        self.auth.check_tier(tier)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
         dev = {"device": req.device} if req.HasField("device") else {}
         lease = self.store.reserve(ns, n, tier=tier, ttl_s=ttl, **dev)
-        return pb.ReserveResponse(lease=lease_to_proto(lease))
+        return pb.ReserveResponse(lease=self._lease_out(lease))
 
     def Commit(self, raw: bytes) -> pb.CommitResponse:
         req = _parse(pb.CommitRequest, raw)
         lease_id = check_lease_id(req.lease_id)
+        self.auth.check_lease(lease_id)
         keys = check_keys(req.keys, allow_empty=True, distinct=True)
         parent = check_parent(req.parent)
         if req.checksums and len(req.checksums) != len(keys):
@@ -453,21 +517,26 @@ class KVStoreServicer:
     def Acquire(self, raw: bytes) -> pb.AcquireResponse:
         req = _parse(pb.AcquireRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
+        self.auth.check_tier(tier)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
         dev = {"device": req.device} if req.HasField("device") else {}
         lease = self.store.acquire(ns, keys, tier=tier, ttl_s=ttl, **dev)
-        return pb.AcquireResponse(lease=lease_to_proto(lease))
+        return pb.AcquireResponse(lease=self._lease_out(lease))
 
     def Release(self, raw: bytes) -> pb.ReleaseResponse:
         req = _parse(pb.ReleaseRequest, raw)
-        self.store.release(check_lease_id(req.lease_id))
+        lease_id = check_lease_id(req.lease_id)
+        self.auth.check_lease(lease_id)
+        self.store.release(lease_id)
         return pb.ReleaseResponse()
 
     def RenewLease(self, raw: bytes) -> pb.RenewLeaseResponse:
         req = _parse(pb.RenewLeaseRequest, raw)
         lease_id = check_lease_id(req.lease_id)
+        self.auth.check_lease(lease_id)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
         return pb.RenewLeaseResponse(deadline=self.store.renew(lease_id, ttl))
 
@@ -476,10 +545,17 @@ class KVStoreServicer:
         ns: bytes | None = None
         prev: bytes | None = None      # parent of the next block
         stored = dups = 0
+        block_bytes: int | None = None
+
+        def sizer(ns_id: bytes) -> int | None:
+            self.auth.check_ns(check_ns(ns_id, "namespace_id (first Put message)"))
+            return self._ns_block_bytes(ns_id)
         for m, raw in enumerate(raws):
-            req_ns, req_parent, blocks = _parse_put(raw)
+            req_ns, req_parent, blocks = _parse_put(raw, block_bytes, sizer if m == 0 else None,
+                                                    f"message {m}")
             if m == 0:
                 ns = check_ns(req_ns, "namespace_id (first Put message)")
+                self.auth.check_ns(ns)
                 prev = check_parent(req_parent, "parent (first Put message)")
                 block_bytes = self._ns_block_bytes(ns)
             else:
@@ -507,26 +583,48 @@ class KVStoreServicer:
         """The longest cached prefix, fetched and sent in ~8 MiB batches to bound memory."""
         req = _parse(pb.GetRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         bb = self._ns_block_bytes(ns)
         per = max(1, GET_BATCH_BYTES // bb) if bb else 1
-        i = 0
         sent = False
-        while i < len(keys):
-            chunk = keys[i:i + per]
-            n, msg = self.store.with_prefix(ns, chunk, _encode_get_response)
-            if n:
+        if self.store.config.host.verify_reads:
+            def report(key: bytes) -> None:
+                self.store.corrupt_host_copy(ns, key, "Get")
+            for msg in getstream.verified(self._get_batches(ns, keys, per), self._check_pool(),
+                                          _encode_get_response, report):
                 sent = True
                 yield msg
+        else:
+            for _, msg, _ in self._get_batches(ns, keys, per):
+                sent = True
+                yield msg
+        if not sent:
+            yield pb.GetResponse()
+
+    def _get_batches(self, ns: bytes, keys: list[bytes], per: int
+                     ) -> Iterator[getstream.Batch]:
+        """(blocks, encoded GetResponse, checksums) per batch of the longest cached prefix."""
+        i = 0
+        while i < len(keys):
+            chunk = keys[i:i + per]
+            (n, msg), sums = self.store.read_prefix(ns, chunk, _encode_get_response)
+            if n:
+                yield n, msg, sums
             if n < len(chunk):
                 break
             i += n
-        if not sent:
-            yield pb.GetResponse()
+
+    def _check_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._checker is None:
+                self._checker = ThreadPoolExecutor(2, thread_name_prefix="get-check")
+            return self._checker
 
     def Delete(self, raw: bytes) -> pb.DeleteResponse:
         req = _parse(pb.DeleteRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         if req.all and req.keys:
             raise InvalidArgument("pass either keys or all=true, not both")
         if not req.all and not req.keys:
@@ -538,6 +636,7 @@ class KVStoreServicer:
     def Retain(self, raw: bytes) -> pb.RetainResponse:
         req = _parse(pb.RetainRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         return pb.RetainResponse(blocks=int(self.store.retain(ns, keys, req.level)))
 
@@ -545,27 +644,36 @@ class KVStoreServicer:
         req = _parse(pb.EvictRequest, raw)
         if req.tier not in TIERS:
             raise InvalidArgument(f"tier {req.tier[:40]!r} is not one of {list(TIERS)}")
-        res = self.store.evict(req.tier, int(req.bytes))
+        scope = self.auth.scope()
+        res = (self.store.evict(req.tier, int(req.bytes)) if scope is None
+               else self.store.evict(req.tier, int(req.bytes), only=scope))
         freed, blocks = res if isinstance(res, tuple) else (res, 0)
         return pb.EvictResponse(freed_bytes=int(freed), blocks=int(blocks))
 
     def Flush(self, raw: bytes) -> pb.FlushResponse:
         _parse(pb.FlushRequest, raw)
-        return pb.FlushResponse(demoted=int(self.store.flush() or 0))
+        scope = self.auth.scope()
+        done = self.store.flush() if scope is None else self.store.flush(only=scope)
+        return pb.FlushResponse(demoted=int(done or 0))
 
     def Stats(self, raw: bytes) -> pb.StatsResponse:
         _parse(pb.StatsRequest, raw)
-        return stats_to_proto(self.store.stats(), self.store.daemon_id)
+        scope = self.auth.scope()
+        if scope is None:
+            return stats_to_proto(self.store.stats(), self.store.daemon_id)
+        return stats_to_proto(scoped_stats(self.store, scope), self.store.daemon_id)
 
     # -- fused calls: one round trip where the protocol allows (issue 19) ---------------------
     def LookupReserve(self, raw: bytes) -> pb.LookupReserveResponse:
         """Lookup, then Reserve slots for the missing keys (at most max_slots)."""
         req = _parse(pb.LookupReserveRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
+        self.auth.check_tier(tier)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
-        res = self.store.lookup(ns, keys)
+        res = self._lookup(ns, keys)
         resp = pb.LookupReserveResponse(
             prefix_blocks=res.prefix_blocks,
             per_tier={str(k): int(v) for k, v in res.per_tier.items()})
@@ -574,17 +682,19 @@ class KVStoreServicer:
             n = min(missing, req.max_slots) if req.max_slots else missing
             dev = {"device": req.device} if req.HasField("device") else {}
             lease = self.store.reserve(ns, check_count(n), tier=tier, ttl_s=ttl, **dev)
-            resp.lease.CopyFrom(lease_to_proto(lease))
+            resp.lease.CopyFrom(self._lease_out(lease))
         return resp
 
     def LookupAcquire(self, raw: bytes) -> pb.LookupAcquireResponse:
         """Lookup, then Acquire the cached prefix under a read lease."""
         req = _parse(pb.LookupAcquireRequest, raw)
         ns = check_ns(req.namespace_id)
+        self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
+        self.auth.check_tier(tier)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
-        res = self.store.lookup(ns, keys)
+        res = self._lookup(ns, keys)
         resp = pb.LookupAcquireResponse(
             prefix_blocks=res.prefix_blocks,
             per_tier={str(k): int(v) for k, v in res.per_tier.items()})
@@ -593,7 +703,7 @@ class KVStoreServicer:
             lease = self.store.acquire(ns, keys[:res.prefix_blocks], tier=tier, ttl_s=ttl,
                                        **dev)
             if lease.slots:
-                resp.lease.CopyFrom(lease_to_proto(lease))
+                resp.lease.CopyFrom(self._lease_out(lease))
             else:                       # nothing could be pinned: hold nothing
                 self.store.release(lease.id, missing_ok=True)
         return resp

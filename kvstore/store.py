@@ -32,6 +32,7 @@ from kvstore_client.errors import (
     DataLoss,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
@@ -41,7 +42,7 @@ from kvstore_client.layout import NamespaceSpec, check_retention
 
 from tiers.device import open_device_tiers
 from tiers.host import HostTier
-from tiers.ssd import SSDTier
+from tiers.ssd import DiskFull, SSDTier
 
 from .checksums import xxh3_many
 from .config import StoreConfig
@@ -51,6 +52,8 @@ from .leases import Lease, LeaseTable, Slot
 from .movement import REMOTE_CHUNK, Promotion, TierMovement, _aligned
 from .nsinfo import NamespaceInfo
 from .policy import EvictionPolicy, make_policy
+from .pools import TenantPools
+from .verify import first_mismatch
 
 log = logging.getLogger("kvstore.store")
 
@@ -94,7 +97,7 @@ def _parents_first(records: dict[bytes, tuple[bytes, dict]]) -> list[bytes]:
     return out
 
 
-class Store(DeviceMovement):
+class Store(DeviceMovement, TenantPools):
     def __init__(self, config: StoreConfig) -> None:
         self.config = config.check()
         self.daemon_id = uuid.uuid4().hex
@@ -115,6 +118,7 @@ class Store(DeviceMovement):
         shm_name = config.host.shm_name or "kvstore-" + blake3.blake3(
             str(data.resolve()).encode()).hexdigest()[:16]
         self.host = HostTier(config.host.capacity, shm_name=shm_name)
+        self._setup_pools()             # tenants with a host quota get their own segment
         # Page-locked so host<->GPU copies (ours and clients') run at PCIe speed; a no-op
         # without CUDA. It must be unregistered before the slab is unmapped (close order).
         self._host_pin = pin_host(self.host.array)
@@ -204,6 +208,8 @@ class Store(DeviceMovement):
             try:
                 if flush and self.ssd is not None:
                     self._flush_locked(flush_budget_s, progress)
+            except ResourceExhausted as exc:   # disk or a tenant's quota full: the host-only
+                log.warning("not every host block was flushed at close: %s", exc)  # blocks go
             finally:
                 try:
                     self._release_resources()
@@ -318,7 +324,11 @@ class Store(DeviceMovement):
                 info = NamespaceInfo(ns_id, spec)
                 self.namespaces[ns_id] = info
                 if self.ssd is not None:
-                    self.ssd.put_namespace(ns_id, json.dumps(spec.to_dict()).encode())
+                    try:
+                        self.ssd.put_namespace(ns_id, json.dumps(spec.to_dict()).encode())
+                    except DiskFull as exc:   # host still serves it; a restart forgets it
+                        self.counters["ssd_disk_full_errors"] += 1
+                        log.warning("namespace %s not persisted: %s", ns_id.hex(), exc)
             return info
 
     def namespace(self, ns_id: bytes) -> NamespaceInfo:
@@ -458,11 +468,11 @@ class Store(DeviceMovement):
             ttl = self.leases.ttl(ttl_s)
             t0 = time.perf_counter()
             waits = self.movement.must_evict_inline(n * _aligned(size))
-            self.movement._host_room(n * _aligned(size))
+            self.movement._host_room(n * _aligned(size), ns_id)
             offsets: list[int] = []
             try:
                 for _ in range(n):
-                    offsets.append(self.movement._alloc_host(size))
+                    offsets.append(self.movement._alloc_host(size, ns_id))
             except ResourceExhausted:
                 for off in offsets:
                     self.host.free(off)
@@ -594,8 +604,8 @@ class Store(DeviceMovement):
                     continue
                 # Making room may release the lock while victims are demoted (another call may
                 # store this key meanwhile: _publish then dedups and the slot goes back).
-                self.movement._host_room(_aligned(size))
-                off = self.movement._alloc_host(size)
+                self.movement._host_room(_aligned(size), ns_id)
+                off = self.movement._alloc_host(size, ns_id)
                 view = self.host.view(off, size)
                 view[:] = np.frombuffer(b, dtype=np.uint8)
                 prev = parent if i == 0 else keys[i - 1]
@@ -786,35 +796,62 @@ class Store(DeviceMovement):
         self._busy -= 1
         self._idle.notify_all()
 
-    def with_prefix(self, ns_id: bytes, keys: Sequence[bytes], fn):
+    def with_prefix(self, ns_id: bytes, keys: Sequence[bytes], fn, copies=None):
         """Call fn([(key, view), ...]) on the pinned host copies of the longest cached prefix.
 
         The views are valid only inside fn (the read lease is released after it), which lets a
         caller copy the bytes exactly once, straight into whatever it sends.
+        `copies(result)` names the copies fn made, block by block; they are checked against the
+        committed checksums (kvstore/verify.py) and a block that fails is counted, dropped and
+        ends the prefix: fn is called again on the blocks before it.
         """
+        lease = self.acquire(ns_id, keys, ttl_s=self.config.leases.default_ttl_s)
+        bad: list[bytes] = []
+        try:
+            views = [(k, memoryview(self.host.view(s.offset, s.length)))
+                     for k, s in zip(lease.keys, lease.slots, strict=True)]
+            while True:
+                out = fn(views)
+                if not self.config.host.verify_reads or copies is None:
+                    break
+                n = first_mismatch(copies(out), lease.checksums[:len(views)])
+                if n == len(views):
+                    break
+                bad.append(ns_id + views[n][0])
+                views = views[:n]
+            self.counters["bytes_host_to_client"] += sum(v.nbytes for _, v in views)
+            return out
+        finally:
+            self.release(lease.id, missing_ok=True)
+            if bad:
+                with self._lock:
+                    for g in bad:
+                        self.movement._corrupt_host_copy(g, "Get")
+
+    def read_prefix(self, ns_id: bytes, keys: Sequence[bytes], fn):
+        """(fn(views), checksums): with_prefix without the check, for a caller that checks its
+        copies itself (the Get stream overlaps that with sending) and reports a failure with
+        corrupt_host_copy."""
         lease = self.acquire(ns_id, keys, ttl_s=self.config.leases.default_ttl_s)
         try:
             views = [(k, memoryview(self.host.view(s.offset, s.length)))
                      for k, s in zip(lease.keys, lease.slots, strict=True)]
-            # The bytes leave over the network with no client-side check, so they are verified
-            # here, once, on all cores (xxh3 runs at memory speed): the prefix ends before the
-            # first block whose slot no longer matches its committed checksum.
-            sums = xxh3_many([v for _, v in views])
-            for i, (got, want) in enumerate(zip(sums, lease.checksums, strict=True)):
-                if want and got != want:
-                    self.counters["get_checksum_mismatch"] += 1
-                    log.warning("host block %s failed its checksum; Get serves the %d blocks "
-                                "before it", views[i][0].hex(), i)
-                    views = views[:i]
-                    break
-            self.counters["bytes_host_to_client"] += sum(v.nbytes for _, v in views)
-            return fn(views)
+            self.counters["bytes_host_to_client"] += sum(s.length for s in lease.slots)
+            return fn(views), list(lease.checksums)
         finally:
             self.release(lease.id, missing_ok=True)
 
+    def corrupt_host_copy(self, ns_id: bytes, key: bytes, path: str) -> None:
+        """Count and drop a host copy a reader found not to match its commit checksum."""
+        with self._lock:
+            if path == "Get":
+                self.counters["get_checksum_mismatch"] += 1    # a Get stream was cut there
+            self.movement._corrupt_host_copy(ns_id + key, path)
+
     def get(self, ns_id: bytes, keys: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
         """Bytes path: copies of the longest cached prefix."""
-        return self.with_prefix(ns_id, keys, lambda views: [(k, bytes(v)) for k, v in views])
+        return self.with_prefix(ns_id, keys, lambda views: [(k, bytes(v)) for k, v in views],
+                                copies=lambda out: [b for _, b in out])
 
     def release(self, lease_id: str, missing_ok: bool = False) -> None:
         with self._lock:
@@ -891,25 +928,31 @@ class Store(DeviceMovement):
             self.counters["retention_hint_blocks"] += len(found)
             return len(found)
 
-    def evict(self, tier: str, nbytes: int = 0) -> tuple[int, int]:
-        """Evict from `tier` until `nbytes` are freed (0: everything evictable)."""
+    def evict(self, tier: str, nbytes: int = 0, only: set[bytes] | None = None
+              ) -> tuple[int, int]:
+        """Evict from `tier` until `nbytes` are freed (0: everything evictable); with `only`,
+        blocks of those namespaces alone (a tenant's Evict)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidArgument(f"bytes must be a non-negative integer, got {nbytes!r}")
         with self._lock:
             self._check_open()
             if tier == "host":
-                return self.movement._evict_host(nbytes or None)
+                return self.movement._evict_host(nbytes or None, only)
             if tier == "gpu" and self.gpu:
+                if only is not None:
+                    raise PermissionDenied("evicting the gpu tier is for admin tenants: it is "
+                                           "not partitioned per tenant (docs/security.md)")
                 return self.evict_gpu(nbytes or None)
             if tier == "ssd":
                 if self.ssd is None:
                     raise Unavailable("the ssd tier is not enabled")
-                return self.movement._evict_ssd(nbytes or None)
+                return self.movement._evict_ssd(nbytes or None, only)
             raise InvalidArgument(f"cannot evict from tier {tier!r}; use 'host', 'ssd' or "
                                   "'gpu' (where enabled)")
 
-    def flush(self) -> int:
-        """Write every host-only block down to SSD and sync; returns blocks written.
+    def flush(self, only: set[bytes] | None = None) -> int:
+        """Write every host-only block (of the namespaces `only` names) down to SSD and sync;
+        returns blocks written.
 
         Evictions demoting without the lock settle first, so their blocks are synced too (or,
         if their write failed, written here)."""
@@ -920,18 +963,21 @@ class Store(DeviceMovement):
             # skip (they are moving) and would then not be synced.
             while self.movement._wait_demotions():
                 pass
-            return self._flush_locked()
+            return self._flush_locked(only=only)
 
     def _flush_locked(self, budget_s: float | None = None,
-                      progress: Callable[[str], None] | None = None) -> int:
-        """Write host-only blocks to SSD in batches, then sync; returns blocks written.
+                      progress: Callable[[str], None] | None = None,
+                      only: set[bytes] | None = None) -> int:
+        """Write host-only blocks (of the namespaces `only` names) to SSD in batches, then
+        sync; returns blocks written.
 
         With `budget_s`, stops starting batches once that many seconds have passed and says
         how many blocks it dropped; with `progress`, reports about once a second.
         """
         if self.ssd is None:
             return 0
-        todo = [e for e in self.index.entries() if e.host is not None and not e.ssd]
+        todo = [e for e in self.index.entries() if e.host is not None and not e.ssd
+                and (only is None or e.ns_id in only)]
         start = last = time.monotonic()
         done = nbytes = 0
         if progress is not None and todo:

@@ -32,7 +32,8 @@ def _fields(obj) -> set[str]:
 def _keys(table: dict, prefix: str = "") -> set[str]:
     out = set()
     for k, v in table.items():
-        out |= _keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+        # An empty table is an open map (tenants), a key of its own.
+        out |= _keys(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {prefix + k}
     return out
 
 

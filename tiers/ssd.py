@@ -83,6 +83,32 @@ def extent_size(nbytes: int) -> int:
     return -(-n // grain) * grain
 
 
+DISK_FULL_BYTES = 64 << 20         # an EIO with less than this free is the disk filling up
+
+
+class DiskFull(ResourceExhausted):
+    """A write to the SSD tier did not land: the filesystem under it is full.
+
+    Why its own type: the store treats it differently from its own byte cap (it keeps host
+    working by dropping eviction victims instead of demoting them) and the message names the
+    path and the free space, which is what an operator needs to act.
+    """
+
+    def __init__(self, path: str, free: int, exc: BaseException | str) -> None:
+        super().__init__(f"SSD tier write did not land: the filesystem under {path} is full "
+                         f"({free} bytes free; {exc}); free space there or lower ssd.capacity")
+        self.path, self.free = path, free
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer can still use on the filesystem holding `path`."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
 class SSDTier:
     """Keyed tier: payload file + LMDB index. Thread-safe: commits serialize on a lock,
     payload writes and reads run concurrently.
@@ -168,8 +194,8 @@ class SSDTier:
                 os.fdatasync(self._fd)          # payloads durable before the index names them
         except OSError as exc:
             self._free_now(offsets)
-            if exc.errno == errno.ENOSPC:
-                raise ResourceExhausted(f"SSD tier disk full at {self.path}: {exc}") from exc
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull(self.path, free_bytes(self.path), exc) from None
             raise
         replaced: list[int] = []
 
@@ -454,20 +480,30 @@ class SSDTier:
             return offsets
 
     def _grow_file(self, need: int) -> None:
-        """Preallocate GROW_STEP more (or `need`, if larger) at the end of the payload file."""
-        new = self._file_size + max(GROW_STEP, -(-need // ALIGN) * ALIGN)
+        """Preallocate GROW_STEP more (or `need`, if larger) at the end of the payload file;
+        on a filesystem with less room than a step, just `need` (DiskFull when not even that
+        fits)."""
+        exact = self._file_size + -(-need // ALIGN) * ALIGN
+        new = max(self._file_size + GROW_STEP, exact)
         if new > _ADDRESS_LIMIT:
             raise ResourceExhausted(f"SSD payload file at {self._payload_path} cannot grow "
                                     "further")
-        try:
-            os.posix_fallocate(self._fd, self._file_size, new - self._file_size)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise ResourceExhausted(f"SSD tier disk full at {self.path}: cannot grow the "
-                                        f"payload file to {new} bytes") from exc
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            os.ftruncate(self._fd, new)     # no preallocation on this filesystem: sparse
+        while True:
+            try:
+                os.posix_fallocate(self._fd, self._file_size, new - self._file_size)
+                break
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and new > exact:
+                    new = exact             # a nearly full disk: only what this write needs
+                    continue
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFull(self.path, free_bytes(self.path),
+                                   f"cannot grow the payload file to {new} bytes: {exc}"
+                                   ) from None
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(self._fd, new)     # no preallocation on this filesystem: sparse
+                break
         self._file_size = new
         self._alloc.grow(new)
 
@@ -669,9 +705,9 @@ class SSDTier:
                         ) from None
                     self._grow()
                 except lmdb.Error as exc:
-                    if _is_enospc(exc):
-                        raise ResourceExhausted(
-                            f"SSD tier disk full at {self.path}: {exc}") from exc
+                    free = free_bytes(self.path)
+                    if _is_enospc(exc) or (_is_eio(exc) and free < DISK_FULL_BYTES):
+                        raise DiskFull(self.path, free, exc) from None
                     raise
 
     def _grow(self) -> None:
@@ -730,4 +766,10 @@ def _state_key(name: object) -> bytes:
 
 
 def _is_enospc(exc: lmdb.Error) -> bool:
-    return getattr(exc, "errno", None) == errno.ENOSPC or "No space" in str(exc)
+    return (getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+            or "No space" in str(exc) or "quota" in str(exc).lower())
+
+
+def _is_eio(exc: lmdb.Error) -> bool:
+    """LMDB reports a short write (the disk filled mid-commit) as EIO."""
+    return getattr(exc, "errno", None) == errno.EIO or "Input/output error" in str(exc)

@@ -8,7 +8,9 @@ from .errors import (
     KVStoreError,
     LeaseExpired,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
     Unimplemented,
 )
@@ -20,6 +22,6 @@ from .paged import PagedKV
 __all__ = [
     "CODECS", "Client", "DataLoss", "DeadlineExceeded", "InvalidArgument", "KVLayout",
     "KVStoreError", "LeaseExpired", "LookupResult", "Namespace", "NamespaceSpec", "NotFound",
-    "PagedKV", "Pinned", "ResourceExhausted", "Unavailable", "Unimplemented", "block_keys",
-    "chain_key", "connect",
+    "PagedKV", "PermissionDenied", "Pinned", "ResourceExhausted", "Unauthenticated",
+    "Unavailable", "Unimplemented", "block_keys", "chain_key", "connect",
 ]

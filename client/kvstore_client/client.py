@@ -30,9 +30,11 @@ from .errors import (
     KVStoreError,
     LeaseExpired,
     NotFound,
+    Unauthenticated,
     Unavailable,
     from_rpc_error,
 )
+from .handoff import Session, handshake, handshake_path
 from .hashing import DEFAULT_KEY_BYTES, ExtraKey
 from .layout import KVLayout, NamespaceSpec
 from .leases import LeaseKeeper
@@ -76,11 +78,14 @@ def grpc_target(address: str) -> tuple[str, bool]:
 class _Pool:
     """The mapped host pool, with the segment identity to notice a restarted daemon."""
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, fd: int | None = None) -> None:
         from . import shm  # only clients that map the pool need it
         self.name, self.size = name, size
-        self.slab = shm.attach(name, size)
-        self.ino = self._ino()
+        self.fd_backed = fd is not None
+        # A tenant's own pool comes as a memfd from the handshake; it has no name to stat, and
+        # a restart shows as a new daemon_id or unknown namespace instead.
+        self.slab = shm.attach_fd(fd, size) if fd is not None else shm.attach(name, size)
+        self.ino = None if self.fd_backed else self._ino()
 
     def _ino(self) -> tuple[int, int] | None:
         try:
@@ -91,7 +96,7 @@ class _Pool:
 
     def current(self) -> bool:
         """False when the daemon replaced the segment (restart) or removed it."""
-        return not os.path.isdir("/dev/shm") or self._ino() == self.ino
+        return self.fd_backed or not os.path.isdir("/dev/shm") or self._ino() == self.ino
 
     def close(self) -> None:
         self.slab.close()
@@ -102,7 +107,9 @@ class Client:
 
     def __init__(self, address: str, *, transport: str = "auto",
                  timeout: float = DEFAULT_TIMEOUT_S, verify: bool = True,
-                 lease_ttl_s: float = 0.0, copy_threads: int = 0) -> None:
+                 lease_ttl_s: float = 0.0, copy_threads: int = 0, token: str | None = None,
+                 tls_ca_file: str | None = None, tls_cert_file: str | None = None,
+                 tls_key_file: str | None = None, tls_server_name: str | None = None) -> None:
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if not timeout or timeout <= 0:
@@ -123,7 +130,7 @@ class Client:
         self._lock = threading.RLock()
         self._closed = False
         self._reached = False           # a daemon answered once (see call())
-        self._channel = grpc.insecure_channel(self.target, options=[
+        options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             # A restarted daemon should be found again in well under a second.
@@ -131,7 +138,23 @@ class Client:
             ("grpc.min_reconnect_backoff_ms", 50),
             ("grpc.max_reconnect_backoff_ms", 500),
             ("grpc.enable_retries", 0),
-        ])
+        ]
+        if tls_ca_file or tls_cert_file:
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(self.target, tls_credentials(
+                tls_ca_file, tls_cert_file, tls_key_file), options=options)
+        else:
+            self._channel = grpc.insecure_channel(self.target, options=options)
+        # Credentials (docs/security.md): a bearer token, or on the Unix socket of a daemon
+        # with tenants a session from the uid handshake (made on first use).
+        self._token = token or ""
+        self.metadata: tuple[tuple[str, str], ...] | None = (
+            (("authorization", f"Bearer {token}"),) if token else None)
+        self._auth_path = (handshake_path(self.target[len("unix:"):])
+                           if self.target.startswith("unix:") else None)
+        self._session: Session | None = None
+        self._session_checked = False
         self._stub = pbg.KVStoreStub(self._channel)
         self._put = self._channel.stream_unary(
             "/kvstore.v1.KVStore/Put", request_serializer=lambda b: b,
@@ -161,17 +184,30 @@ class Client:
         first = not self._reached
         if first:
             self._check_address()
+        if not self._session_checked:
+            self.ensure_session()
         try:
-            resp = getattr(self._stub, method)(request, timeout=timeout or self.timeout,
-                                               wait_for_ready=not first)
+            resp = self._invoke(method, request, timeout, wait=not first)
         except grpc.RpcError as e:
             if first and e.code() == grpc.StatusCode.UNAVAILABLE:
                 raise Unavailable(f"no kvstore daemon at {self.address} ({e.details()}); "
                                   "start one with `kvstore serve` or pass the address it "
                                   "printed") from None
-            raise from_rpc_error(e, method, self.target) from None
+            err = from_rpc_error(e, method, self.target)
+            if not (isinstance(err, Unauthenticated) and self._session is not None):
+                raise err from None
+            # A session ends with the daemon run that issued it: one fresh handshake, one retry.
+            self.ensure_session(refresh=True)
+            try:
+                resp = self._invoke(method, request, timeout, wait=True)
+            except grpc.RpcError as e2:
+                raise from_rpc_error(e2, method, self.target) from None
         self._reached = True
         return resp
+
+    def _invoke(self, method: str, request: Any, timeout: float | None, wait: bool) -> Any:
+        return getattr(self._stub, method)(request, timeout=timeout or self.timeout,
+                                           wait_for_ready=wait, metadata=self.metadata)
 
     def _check_address(self) -> None:
         """A Unix socket that is not there cannot be a daemon: say so without a round trip."""
@@ -188,6 +224,28 @@ class Client:
             raise Unavailable(f"no kvstore daemon at {path}: {e.strerror}") from None
         if not stat.S_ISSOCK(mode):
             raise Unavailable(f"no kvstore daemon at {path}: that is not a socket")
+
+    def ensure_session(self, refresh: bool = False) -> None:
+        """Handshake with the daemon's Unix socket when it has one (a daemon with tenants):
+        a session token unless a token was given, and the tenant's own pool fd, if any."""
+        with self._lock:
+            if self._session_checked and not refresh:
+                return
+            old = self._session
+            self._session_checked = True
+            if self._auth_path is None or not os.path.exists(self._auth_path):
+                self._session = None
+                return
+            self._session = handshake(self._auth_path, self._token, self.timeout)
+            if old is not None and old.pool_fd is not None:
+                os.close(old.pool_fd)
+            if not self._token:
+                self.metadata = (("authorization", f"Bearer {self._session.token}"),)
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant the daemon's handshake named (None: no handshake on this connection)."""
+        return self._session.tenant if self._session is not None else None
 
     def _renew(self, lease_id: str) -> float:
         return self.call("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id,
@@ -229,6 +287,15 @@ class Client:
         pool = self._pool
         if pool is not None and not changed and pool.name == hp.name and pool.current():
             return
+        fd = None
+        if hp.kind == "memfd":
+            # This tenant's own pool: the fd from the handshake (a fresh one after a restart).
+            if changed and pool is not None:
+                self.ensure_session(refresh=True)
+            session = self._session
+            fd = session.pool_fd if session is not None else None
+            if session is not None:
+                session.pool_fd = None          # consumed by the mapping
         if pool is not None:
             self._pool = None
             pool.close()
@@ -236,9 +303,12 @@ class Client:
             self._shm_error = "the daemon is on another host"
             return
         try:
-            if hp.kind != "shm" or not hp.name or not hp.size:
+            if hp.kind == "memfd" and fd is not None and hp.size:
+                self._pool = _Pool("", int(hp.size), fd=fd)
+            elif hp.kind != "shm" or not hp.name or not hp.size:
                 raise NotFound(f"the daemon offers no shared-memory host pool ({hp.kind!r})")
-            self._pool = _Pool(hp.name, int(hp.size))
+            else:
+                self._pool = _Pool(hp.name, int(hp.size))
             self._shm_error = None
         except (KVStoreError, OSError) as e:
             self._shm_error = str(e)
@@ -258,6 +328,8 @@ class Client:
         with self._lock:
             self.counters["resyncs"] += 1
             self.fused_rpcs = True      # the daemon may have been upgraded
+            if self._session is not None:
+                self.ensure_session(refresh=True)
             for ns in list(self._namespaces):
                 ns._register()
 
@@ -313,6 +385,9 @@ class Client:
             if self._pool is not None:
                 self._pool.close()
                 self._pool = None
+            if self._session is not None and self._session.pool_fd is not None:
+                os.close(self._session.pool_fd)
+                self._session.pool_fd = None
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -322,9 +397,28 @@ class Client:
         self.close()
 
 
+def tls_credentials(ca_file: str | None, cert_file: str | None, key_file: str | None
+                    ) -> grpc.ChannelCredentials:
+    """grpcio channel credentials: the CA to trust, and for mTLS this client's cert and key."""
+    def read(path: str | None, what: str) -> bytes | None:
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise InvalidArgument(f"cannot read the TLS {what} {path}: {e.strerror}") from None
+    if bool(cert_file) != bool(key_file):
+        raise InvalidArgument("tls_cert_file and tls_key_file go together (mTLS)")
+    return grpc.ssl_channel_credentials(read(ca_file, "CA file"), read(key_file, "key file"),
+                                        read(cert_file, "certificate file"))
+
+
 def connect(address: str | None = None, *, transport: str = "auto",
             timeout: float = DEFAULT_TIMEOUT_S, verify: bool = True,
-            lease_ttl_s: float = 0.0, copy_threads: int = 0) -> Client:
+            lease_ttl_s: float = 0.0, copy_threads: int = 0, token: str | None = None,
+            tls_ca_file: str | None = None, tls_cert_file: str | None = None,
+            tls_key_file: str | None = None, tls_server_name: str | None = None) -> Client:
     """Connect to a kvstore daemon.
 
     address: a Unix socket path, "unix:///path", or "host:port"; None: $KVSTORE_ADDRESS,
@@ -337,11 +431,18 @@ def connect(address: str | None = None, *, transport: str = "auto",
     lease_ttl_s: lease lifetime to ask for (0: the daemon's default); leases in use are renewed.
     copy_threads: threads that copy blocks between your tensors and the pool (0: every core this
         process may run on, at most 16; the copies release the GIL).
+    token: bearer token of a tenant (daemons with tenants, docs/security.md). On the Unix socket
+        the SDK can instead prove the process's uid, when a tenant lists it.
+    tls_ca_file / tls_cert_file / tls_key_file: TLS over TCP (the CA that signed the daemon's
+        certificate), and mTLS (this client's certificate and key); tls_server_name overrides
+        the name checked in the daemon's certificate.
     The connection is lazy: the first namespace() call talks to the daemon.
     """
     if address is None:
         address = os.environ.get("KVSTORE_ADDRESS") or DEFAULT_ADDRESS
     return Client(address, transport=transport, timeout=timeout, verify=verify,
-                  lease_ttl_s=lease_ttl_s, copy_threads=copy_threads)
+                  lease_ttl_s=lease_ttl_s, copy_threads=copy_threads, token=token,
+                  tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file,
+                  tls_key_file=tls_key_file, tls_server_name=tls_server_name)
 
 

@@ -51,10 +51,22 @@ class Unimplemented(KVStoreError):
     code = "UNIMPLEMENTED"
 
 
+class Unauthenticated(KVStoreError):
+    """The call carried no credentials the daemon accepts (no token, an unknown token, or a
+    Unix-socket peer uid no tenant claims)."""
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(KVStoreError, PermissionError):
+    """The caller is known but may not do this (another tenant's namespace or lease, a model
+    it is not allowed, an admin-only request)."""
+    code = "PERMISSION_DENIED"
+
+
 BY_CODE: dict[str, type[KVStoreError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, LeaseExpired, ResourceExhausted, Unavailable, DataLoss,
-                DeadlineExceeded, Unimplemented)
+                DeadlineExceeded, Unimplemented, Unauthenticated, PermissionDenied)
 }
 
 

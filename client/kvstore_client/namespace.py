@@ -353,7 +353,8 @@ class Namespace:
                     yield encode_put(self.ns_id if m0 == 0 else b"",
                                      parent if m0 == 0 else b"", blocks)
             try:
-                r = client._put(msgs(), timeout=client.timeout, wait_for_ready=True)
+                r = client._put(msgs(), timeout=client.timeout, wait_for_ready=True,
+                                metadata=client.metadata)
             except grpc.RpcError as e:
                 raise from_rpc_error(e, "Put", client.target) from None
             stored += int(r.stored)
@@ -495,7 +496,8 @@ class Namespace:
         n = 0
         try:
             for raw in client._get(pb.GetRequest(namespace_id=self.ns_id, keys=keys),
-                                   timeout=client.timeout, wait_for_ready=True):
+                                   timeout=client.timeout, wait_for_ready=True,
+                                   metadata=client.metadata):
                 base = np.frombuffer(raw, dtype=np.uint8)
                 blocks = decode_get(raw)
                 for k, (key, _off, length) in enumerate(blocks):

@@ -76,6 +76,20 @@ def attach(name: str, size: int) -> SharedSlab:
     return _attach_fallback(name, size)
 
 
+def attach_fd(fd: int, size: int, name: str = "memfd") -> SharedSlab:
+    """Map a pool the daemon handed over as a file descriptor (kvstore_client/handoff.py); the
+    fd is closed once mapped (the mapping keeps the memory alive)."""
+    try:
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            raise InvalidArgument(f"the pool fd holds {actual} bytes, fewer than the {size} "
+                                  "the daemon announced")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return SharedSlab(name, size, mm)
+
+
 def _attach_dev_shm(name: str, size: int) -> SharedSlab:
     try:
         fd = os.open(_SHM_DIR / name, os.O_RDWR)

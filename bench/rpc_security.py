@@ -1,0 +1,110 @@
+"""The cost of issue 13's checks, for bench/rpc.py (its JSON last line carries both ratios).
+
+  verified_get_vs_unverified  (Get of 64 cached 2 MiB blocks from a daemon with
+                        host.verify_reads off) / (the same Get from one with the check on:
+                        every block's commit checksum checked on the bytes sent), the two
+                        daemons' calls alternating. Target >= 0.9.
+  auth_lookup_p50_vs_noauth   p50 of a 64-key lookup on a daemon with tenants (bearer token on
+                        every call, namespace ownership checked) / the same on a daemon with
+                        none, interleaved. Target <= 1.05.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def bench_get_verify(verified: str, unverified: str, nblocks: int, reps: int,
+                     aligned_kv: Callable) -> dict:
+    """Median Get seconds of the same cached blocks from two daemons, alternating calls."""
+    import kvstore_client
+    import numpy as np
+    import torch
+    from kvstore_client import KVLayout
+
+    lay = KVLayout(32, 8, 128, 16, "bfloat16")
+    T = lay.block_tokens
+    kv = aligned_kv(lay, nblocks * T, 5)
+    out = aligned_kv(lay, nblocks * T, 6)
+    ids = np.random.default_rng(7).integers(0, 50_000, nblocks * T)
+    times: dict[str, list[float]] = {"verified": [], "unverified": []}
+    with kvstore_client.connect(verified, transport="grpc") as cv, \
+            kvstore_client.connect(unverified, transport="grpc") as cu:
+        pairs = [("verified", cv.namespace(lay, model="bench/getv")),
+                 ("unverified", cu.namespace(lay, model="bench/getv"))]
+        for _, ns in pairs:
+            ns.store(ids, kv)
+        for r in range(2 * reps + 2):
+            for name, ns in pairs if r % 2 else pairs[::-1]:
+                t = time.perf_counter()
+                got = ns.load(ids, out=out)
+                if got != nblocks * T:
+                    raise RuntimeError(f"{name}: loaded {got}/{nblocks * T} tokens")
+                if r >= 2:
+                    times[name].append(time.perf_counter() - t)
+        if not torch.equal(out.view(torch.int16), kv.view(torch.int16)):
+            raise RuntimeError("Get returned bytes that differ from those stored")
+    v, u = statistics.median(times["verified"]), statistics.median(times["unverified"])
+    nbytes = nblocks * lay.block_bytes
+    return {"verified_s": v, "unverified_s": u, "verified_gbps": nbytes / v / 1e9,
+            "unverified_gbps": nbytes / u / 1e9, "verified_get_vs_unverified": u / v}
+
+
+def bench_auth_lookup(noauth: str, auth: str, token: str, rounds: int, per_round: int,
+                      percentiles: Callable) -> dict:
+    """Interleaved rounds of the same 64-key lookup against a daemon without and with tenants."""
+    import kvstore_client
+    import numpy as np
+    from kvstore_client import KVLayout
+
+    lay = KVLayout(32, 8, 128, 16, "bfloat16")
+    samples: dict[str, list[float]] = {"noauth": [], "auth": []}
+    with kvstore_client.connect(noauth) as cn, kvstore_client.connect(auth, token=token) as ca:
+        pairs = [("noauth", cn.namespace(lay, model="bench/auth")),
+                 ("auth", ca.namespace(lay, model="bench/auth"))]
+        keys = pairs[0][1].keys(np.arange(64 * 16))
+        for _, ns in pairs:
+            for _ in range(200):
+                ns.lookup_keys(keys)
+        pc = time.perf_counter
+        for r in range(rounds):
+            for name, ns in pairs if r % 2 else pairs[::-1]:
+                for _ in range(per_round):
+                    t = pc()
+                    ns.lookup_keys(keys)
+                    samples[name].append(pc() - t)
+    out = {k: percentiles(v) for k, v in samples.items()}
+    out["auth_lookup_p50_vs_noauth"] = out["auth"]["p50_us"] / out["noauth"]["p50_us"]
+    return out
+
+
+def run(main_daemon: object, tmp: Path, workers: int, nblocks: int, reps: int, rounds: int,
+        per_round: int, env: dict, aligned_kv: Callable, percentiles: Callable) -> dict:
+    """Both figures, against `main_daemon` (no tenants, checks on) and two daemons started
+    here: one with host.verify_reads off, one with a tenant."""
+    from kvstore.tenants import hash_token
+    from tests.daemon import cleanup, start_daemon
+
+    out: dict = {}
+    plain = start_daemon(tmp / "noverify", {
+        "host.capacity": "1GiB", "ssd.capacity": "1GiB", "host.verify_reads": "false",
+        "server.workers": str(workers)}, env=env)
+    try:
+        out["get_verify"] = bench_get_verify(main_daemon.address, plain.address, nblocks, reps,
+                                             aligned_kv)
+    finally:
+        cleanup(plain)
+    tokens = tmp / "tenants.toml"
+    tokens.write_text(f'[tenants.bench]\ntoken_sha256 = "{hash_token("bench-token")}"\n')
+    authd = start_daemon(tmp / "auth", {
+        "host.capacity": "256MiB", "ssd.capacity": "256MiB", "auth.tokens_file": str(tokens),
+        "server.workers": str(workers)}, env=env)
+    try:
+        out["auth_lookup"] = bench_auth_lookup(main_daemon.address, authd.address,
+                                               "bench-token", rounds, per_round, percentiles)
+    finally:
+        cleanup(authd)
+    return out

@@ -1,0 +1,70 @@
+"""The client half of the daemon's Unix-socket handshake (daemon side: kvstore/handoff.py).
+
+Why: on a daemon with tenants, a process on the same host proves who it is by its uid (the
+kernel reports it to the daemon, nothing to configure or leak) or by its token, and receives a
+session token for its gRPC calls and, where its tenant has one, its own host pool as a file
+descriptor: memory no other tenant's process can open by any name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+
+from .errors import InvalidArgument, Unauthenticated, Unavailable
+
+SUFFIX = ".auth"
+MAX_REPLY = 8192
+
+
+@dataclass
+class Session:
+    tenant: str
+    token: str
+    pool_fd: int | None       # the tenant's own host pool (memfd), owned by the caller
+    pool_size: int
+
+
+def handshake_path(socket_path: str) -> str:
+    return socket_path + SUFFIX
+
+
+def handshake(path: str, token: str = "", timeout: float = 5.0) -> Session:
+    """One exchange with the daemon's handshake socket; every step has `timeout`."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        try:
+            s.connect(path)
+        except OSError as e:
+            raise Unavailable(f"cannot reach the daemon's handshake socket {path}: "
+                              f"{e.strerror or e}") from None
+        s.sendall((json.dumps({"v": 1, "token": token}) + "\n").encode())
+        data, fds = b"", []
+        while not data.endswith(b"\n"):
+            msg, got, _flags, _addr = socket.recv_fds(s, MAX_REPLY, 4)
+            fds += got
+            if not msg:
+                break
+            data += msg
+    finally:
+        s.close()
+    try:
+        reply = json.loads(data)
+    except ValueError:
+        for fd in fds:
+            os.close(fd)
+        raise Unavailable(f"the daemon's handshake at {path} answered no JSON line") from None
+    if "error" in reply:
+        for fd in fds:
+            os.close(fd)
+        cls = Unauthenticated if reply["error"] == "UNAUTHENTICATED" else InvalidArgument
+        raise cls(f"handshake with {path}: {reply.get('message', reply['error'])}")
+    size = int(reply.get("pool_size") or 0)
+    fd = fds[0] if fds and size else None
+    for extra in fds[1 if fd is not None else 0:]:
+        os.close(extra)
+    return Session(tenant=str(reply["tenant"]), token=str(reply["session"]), pool_fd=fd,
+                   pool_size=size)

@@ -1,0 +1,199 @@
+"""Who is calling, and may they touch this namespace or lease.
+
+Identity, per call, from the first of:
+- `authorization: Bearer <token>` metadata: the token's SHA-256 names a tenant, or names a
+  session the Unix-socket handshake (kvstore/handoff.py) issued to a peer uid;
+- the common name of the mTLS client certificate (TCP with auth.tls_client_ca_file).
+No tenants configured: every call is the implicit tenant, which may do everything (as before).
+
+Authorization: a namespace belongs to the tenant that registered it. The daemon writes the
+owner into the spec (extra["kvstore.tenant"]), so the namespace id is derived from it: two
+tenants registering the same model get two namespaces, and knowing another tenant's namespace
+id (or lease id) grants nothing. Admin tenants act on every namespace.
+
+Why a thread-local for the caller: the servicer's RPC methods parse their own request (the
+namespace id is only known after that), and each call runs on one worker thread from start to
+end (streams included), so the wrapper sets the caller once and the methods check it where
+they need it without a second parse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+from kvstore_client.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from kvstore_client.layout import NamespaceSpec
+
+from .tenants import TENANT_KEY, Tenant
+
+MAX_SESSIONS = 4096            # handshake sessions remembered (oldest forgotten first)
+
+
+class Auth:
+    """Identity and ownership checks; with no tenants every check passes at no cost."""
+
+    def __init__(self, tenants: dict[str, Tenant], owner_of: Callable[[bytes], str | None],
+                 lease_ns: Callable[[str], bytes | None],
+                 namespaces: Callable[[], Iterable[tuple[bytes, str | None]]],
+                 mtls: bool = False) -> None:
+        self.tenants = tenants
+        self.enabled = bool(tenants)
+        self.mtls = mtls
+        self._owner_of = owner_of            # ns_id -> owner ("": nobody, None: unknown ns)
+        self._lease_ns = lease_ns            # lease id -> its namespace id (None: unknown)
+        self._namespaces = namespaces        # every (ns_id, owner)
+        self._by_hash = {h: t for t in tenants.values() for h in t.token_sha256}
+        self._by_uid = {u: t for t in tenants.values() for u in t.uids}
+        self._by_cert = {c: t for t in tenants.values() for c in t.cert_names}
+        self._sessions: OrderedDict[str, Tenant] = OrderedDict()
+        self._seen: dict[str, Tenant] = {}     # metadata value -> tenant (skips the hash)
+        self._lock = threading.Lock()
+        self._owners: dict[bytes, str | None] = {}
+        self._local = threading.local()
+
+    # -- identity -----------------------------------------------------------------------------
+    def identify(self, context: Any) -> Tenant | None:
+        """The caller of this RPC (None: the implicit tenant); remembered for the checks."""
+        if not self.enabled:
+            return None
+        tenant = self._from_metadata(context) or self._from_certificate(context)
+        if tenant is None:
+            raise Unauthenticated(
+                "no credentials: this daemon has tenants, so every call must carry "
+                "'authorization: Bearer <token>' metadata (kvstore_client.connect(..., "
+                "token=...)); on the Unix socket the SDK can instead prove your uid, if a "
+                "tenant lists it in `uids`" + (", or present a client certificate over mTLS"
+                                               if self.mtls else ""))
+        self._local.tenant = tenant
+        return tenant
+
+    def _from_metadata(self, context: Any) -> Tenant | None:
+        for key, value in context.invocation_metadata() or ():
+            if key != "authorization":
+                continue
+            if not isinstance(value, str) or not value.startswith("Bearer ") \
+                    or len(value) > 4096:
+                raise Unauthenticated("the authorization metadata must be 'Bearer <token>'")
+            tenant = self._seen.get(value)
+            if tenant is not None:
+                return tenant
+            h = hashlib.sha256(value[7:].encode()).hexdigest()
+            tenant = self._by_hash.get(h) or self._sessions.get(h)
+            if tenant is not None:
+                # The hash once per token (forgotten with the sessions, see new_session).
+                if len(self._seen) >= 2 * MAX_SESSIONS:
+                    self._seen.clear()
+                self._seen[value] = tenant
+            if tenant is None:
+                raise Unauthenticated("the bearer token matches no tenant of this daemon (or a "
+                                      "session of a daemon run that has ended: reconnect)")
+            return tenant
+        return None
+
+    def _from_certificate(self, context: Any) -> Tenant | None:
+        if not self.mtls:
+            return None
+        names = (context.auth_context() or {}).get("x509_common_name") or []
+        for n in names:
+            tenant = self._by_cert.get(n.decode(errors="replace") if isinstance(n, bytes) else n)
+            if tenant is not None:
+                return tenant
+        return None
+
+    def by_uid(self, uid: int) -> Tenant | None:
+        return self._by_uid.get(uid)
+
+    def by_token(self, token: str) -> Tenant | None:
+        return self._by_hash.get(hashlib.sha256(token.encode()).hexdigest())
+
+    def new_session(self, tenant: Tenant) -> str:
+        """A bearer token standing for `tenant` until the daemon stops (handshake result)."""
+        token = secrets.token_urlsafe(32)
+        with self._lock:
+            self._sessions[hashlib.sha256(token.encode()).hexdigest()] = tenant
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+                self._seen.clear()          # it may hold the forgotten session
+        return token
+
+    @property
+    def caller(self) -> Tenant | None:
+        """The tenant of the RPC running on this thread (None: implicit, may do everything)."""
+        return getattr(self._local, "tenant", None) if self.enabled else None
+
+    # -- authorization ------------------------------------------------------------------------
+    def tag(self, spec: NamespaceSpec) -> NamespaceSpec:
+        """The spec a RegisterNamespace really registers: owned by the caller."""
+        if TENANT_KEY in spec.extra:
+            raise InvalidArgument(f"spec.extra[{TENANT_KEY!r}] is set by the daemon, not by "
+                                  "clients; remove it")
+        t = self.caller
+        if t is None:
+            return spec
+        if not t.may_use_model(spec.model):
+            raise PermissionDenied(f"tenant {t.name} may not register model {spec.model!r} "
+                                   f"(its models: {', '.join(t.models)})")
+        return replace(spec, extra={**spec.extra, TENANT_KEY: t.name})
+
+    def check_ns(self, ns_id: bytes) -> None:
+        t = self.caller
+        if t is None or t.admin:
+            return
+        owner = self._owners.get(ns_id)
+        if owner is None:
+            owner = self._owner_of(ns_id)
+            if owner is None:
+                return          # unknown namespace: the store answers NOT_FOUND
+            self._owners[ns_id] = owner
+        if owner != t.name:
+            raise PermissionDenied(f"namespace {ns_id.hex()} belongs to another tenant; tenant "
+                                   f"{t.name} may use only the namespaces it registered")
+
+    def check_tier(self, tier: str) -> None:
+        """Slots of the gpu tier live in pools shared by every tenant: admins only."""
+        t = self.caller
+        if tier == "gpu" and t is not None and not t.admin:
+            raise PermissionDenied(f"tenant {t.name} may not lease gpu slots: the gpu tier is "
+                                   "not partitioned per tenant (docs/security.md); use 'host'")
+
+    def check_lease(self, lease_id: str) -> None:
+        t = self.caller
+        if t is None or t.admin:
+            return
+        ns = self._lease_ns(lease_id)
+        if ns is not None:          # unknown or expired: the store says so
+            self.check_ns(ns)
+
+    def scope(self) -> set[bytes] | None:
+        """The namespaces an Evict, Flush or Stats of this caller covers (None: all)."""
+        t = self.caller
+        if t is None or t.admin:
+            return None
+        return {ns for ns, owner in self._namespaces() if owner == t.name}
+
+
+def store_auth(store: Any, tenants: dict[str, Tenant], mtls: bool = False) -> Auth:
+    """An Auth reading ownership from a Store (a namespace registered before tenants were
+    configured is owned by nobody: only admins reach it)."""
+    def owner_of(ns_id: bytes) -> str | None:
+        info = store.namespaces.get(ns_id)
+        return None if info is None else info.spec.extra.get(TENANT_KEY, "")
+
+    def lease_ns(lease_id: str) -> bytes | None:
+        lease = store.leases._leases.get(lease_id)
+        return None if lease is None else lease.ns_id
+
+    def namespaces() -> list[tuple[bytes, str | None]]:
+        return [(ns, info.spec.extra.get(TENANT_KEY, ""))
+                for ns, info in list(store.namespaces.items())]
+    return Auth(tenants, owner_of, lease_ns, namespaces, mtls=mtls)
+
+
+OPEN = Auth({}, lambda ns: None, lambda lid: None, lambda: [])
+"""No tenants: every check passes (servicers built without an Auth use this)."""

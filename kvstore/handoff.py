@@ -1,0 +1,130 @@
+"""The Unix-socket handshake: prove who you are by your uid (or a token), get a session and,
+where your tenant has one, your own host pool as a file descriptor.
+
+Why a socket of its own next to the gRPC one: gRPC does not tell a Python servicer the peer's
+credentials, and it cannot carry file descriptors. This socket (`<server.socket>.auth`) does
+both with plain kernel mechanisms: SO_PEERCRED gives the connecting process's uid, which the
+kernel vouches for, and SCM_RIGHTS hands over a memfd, which no other process can open by any
+name (docs/security.md). The session token it returns is then the caller's bearer token on the
+gRPC socket.
+
+Protocol, one exchange per connection, every step under a deadline:
+  client -> daemon   one JSON line: {"v": 1, "token": "<bearer token or empty>"}
+  daemon -> client   one JSON line: {"tenant": ..., "session": ..., "pool_size": N or 0}
+                     with the pool's fd attached (SCM_RIGHTS) when pool_size > 0,
+                     or {"error": "UNAUTHENTICATED", "message": ...}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from .auth import Auth
+from .tenants import Tenant
+
+log = logging.getLogger("kvstore.handoff")
+
+SUFFIX = ".auth"
+MAX_REQUEST = 8192
+DEADLINE_S = 5.0
+_UCRED = struct.Struct("3i")      # pid, uid, gid
+
+PoolFor = Callable[[Tenant], tuple[int, int] | None]   # tenant -> (fd, size) of its own pool
+
+
+def peer_uid(conn: socket.socket) -> int:
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return _UCRED.unpack(raw)[1]
+
+
+class Handoff:
+    """The handshake listener: one thread, one short exchange per connection."""
+
+    def __init__(self, path: str, auth: Auth, pool_for: PoolFor | None = None,
+                 mode: int = 0o666) -> None:
+        self.path = path
+        self.auth = auth
+        self.pool_for = pool_for
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if os.path.exists(path):
+            os.unlink(path)           # the daemon checked the gRPC socket is free already
+        old = os.umask(0o777 & ~mode)
+        try:
+            self._sock.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(path, mode)
+        self._sock.listen(64)
+        self._sock.settimeout(0.5)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvstore-handoff", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            with conn:
+                try:
+                    conn.settimeout(DEADLINE_S)
+                    self._serve(conn)
+                except Exception as exc:   # one bad peer must not end the listener
+                    log.warning("handshake failed: %s", exc)
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        while not buf.endswith(b"\n") and len(buf) <= MAX_REQUEST:
+            chunk = conn.recv(MAX_REQUEST)
+            if not chunk:
+                return
+            buf += chunk
+        try:
+            req = json.loads(buf)
+            token = req.get("token") or ""
+            if not isinstance(token, str):
+                raise ValueError("token must be a string")
+        except (ValueError, AttributeError) as exc:
+            self._send(conn, {"error": "INVALID_ARGUMENT",
+                              "message": f"handshake request is not a JSON object: {exc}"})
+            return
+        uid = peer_uid(conn)
+        tenant = self.auth.by_token(token) if token else self.auth.by_uid(uid)
+        if tenant is None:
+            why = ("the token matches no tenant" if token else
+                   f"no tenant lists uid {uid} in `uids` and no token was given")
+            self._send(conn, {"error": "UNAUTHENTICATED", "message": why})
+            return
+        pool = self.pool_for(tenant) if self.pool_for is not None else None
+        reply = {"tenant": tenant.name, "session": self.auth.new_session(tenant),
+                 "pool_size": pool[1] if pool else 0}
+        self._send(conn, reply, pool[0] if pool else None)
+
+    @staticmethod
+    def _send(conn: socket.socket, reply: dict, fd: int | None = None) -> None:
+        data = (json.dumps(reply) + "\n").encode()
+        if fd is None:
+            conn.sendall(data)
+        else:
+            socket.send_fds(conn, [data], [fd])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        self._thread.join(5)
+        try:
+            Path(self.path).unlink()
+        except FileNotFoundError:
+            pass

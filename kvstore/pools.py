@@ -1,0 +1,144 @@
+"""Per-tenant host pools: which segment a namespace's blocks live in, and what room it has.
+
+Why here and not in movement.py: eviction and allocation only need two answers, "which segment
+does this namespace allocate from" and "which namespaces share that segment" (the victims that
+can make room in it). A tenant with a host quota gets a segment of its own
+(tiers/host_segments.py), so its quota is enforced by construction: it allocates only there and
+evicts only its own blocks, and no other tenant's flood can evict them. Without tenants with a
+host quota every answer is "the one slab, every namespace", exactly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore_client.errors import ResourceExhausted
+
+from tiers.host_segments import SegmentedHost
+
+from .config import ConfigError
+from .tenants import TENANT_KEY, Tenant, load_tenants
+
+
+class TenantPools:
+    """Mixin of Store (uses config, host, namespaces)."""
+
+    tenants: dict[str, Tenant]
+    _segmented: bool
+
+    def _setup_pools(self) -> None:
+        """Called once the shared slab exists: give each tenant with a host quota its segment."""
+        self.tenants = load_tenants(self.config)
+        self._quotas = {tier: {n: t.quota[tier] for n, t in self.tenants.items()
+                               if t.quota.get(tier)} for tier in ("ssd", "remote")}
+        pools = {n: t.quota["host"] for n, t in self.tenants.items() if t.quota.get("host")}
+        self._segmented = bool(pools)
+        if pools and self.config.gpu.enabled:
+            # The GPU tier copies to and from one host array at global offsets; tenant
+            # segments are separate mappings it does not know (docs/security.md).
+            raise ConfigError("tenants with a host_quota (own host pools) and gpu.enabled "
+                              "cannot be combined yet; drop one of them")
+        if pools:
+            self.host = SegmentedHost(self.host, pools)
+
+    def owner(self, ns_id: bytes) -> str | None:
+        info = self.namespaces.get(ns_id)
+        return None if info is None else info.spec.extra.get(TENANT_KEY)
+
+    def _seg(self, ns_id: bytes | None) -> int:
+        if not self._segmented or ns_id is None:
+            return 0
+        return self.host.segment_of_tenant(self.owner(ns_id))
+
+    def _seg_namespaces(self, seg: int) -> set[bytes] | None:
+        """The namespaces allocating from segment `seg` (None: all, when unsegmented)."""
+        if not self._segmented:
+            return None
+        return {ns for ns in list(self.namespaces) if self._seg(ns) == seg}
+
+    def _seg_room(self, seg: int) -> tuple[int, int]:
+        """(capacity, used bytes) of a segment (the whole slab when unsegmented)."""
+        if not self._segmented:
+            return self.host.capacity, self.host.used_bytes
+        return self.host.capacity_of(seg), self.host.used_of(seg)
+
+    def _seg_full(self, seg: int) -> ResourceExhausted:
+        cap, used = self._seg_room(seg)
+        tenant = next(n for n, t in self.tenants.items()
+                      if self.host.segment_of_tenant(n) == seg)
+        return ResourceExhausted(
+            f"tenant {tenant}'s host quota is full: {used} of {cap} bytes are leased or pinned "
+            f"and none of its blocks is evictable; release leases or raise "
+            f"tenants.{tenant}.host_quota")
+
+    def tenant_pool(self, tenant: Tenant) -> tuple[int, int] | None:
+        """(memfd, size) of a tenant's own pool, for the handshake; None without one."""
+        if not self._segmented:
+            return None
+        seg = self.host.segment_of_tenant(tenant.name)
+        return self.host.segment_fd(seg) if seg else None
+
+    def tenant_base(self, tenant: str | None) -> int | None:
+        """Offset of a tenant's own pool in the host offset space (None: it has none)."""
+        if not self._segmented or not tenant:
+            return None
+        seg = self.host.segment_of_tenant(tenant)
+        return self.host.base(seg) if seg else None
+
+    # -- SSD and remote quotas ----------------------------------------------------------------
+    def _owned_ns(self, tenant: str) -> set[bytes]:
+        return {ns for ns in list(self.namespaces) if self.owner(ns) == tenant}
+
+    def _tier_bytes(self, ns_ids: set[bytes], tier: str) -> int:
+        """Raw block bytes those namespaces hold in `tier` (a walk of their blocks)."""
+        total = 0
+        for ns in ns_ids:
+            for g in self.index.namespace_keys(ns):
+                e = self.index.get(g)
+                if e is not None and (e.ssd if tier == "ssd" else e.remote):
+                    total += e.size
+        return total
+
+    def _fit_quota(self, tier: str, entries: Sequence[Any], values: Sequence[Any],
+                   strict: bool) -> tuple[list, list]:
+        """The (entries, values) about to be written to `tier` that fit their tenants' quota
+        for it (locked). A tenant over its SSD quota first evicts its own SSD blocks, never
+        another's; what still does not fit raises ResourceExhausted naming tenant and tier
+        (`strict`: Flush, write-through) or is left out and counted (eviction, where the block
+        is dropped as a miss rather than evicting someone else's)."""
+        caps = self._quotas.get(tier)
+        if not caps:
+            return list(entries), list(values)
+        keep = [True] * len(entries)
+        groups: dict[str, list[int]] = {}
+        for i, e in enumerate(entries):
+            t = self.owner(e.ns_id)
+            if t in caps:
+                groups.setdefault(t, []).append(i)
+        for t, idx in groups.items():
+            cap, own = caps[t], self._owned_ns(t)
+            need = sum(entries[i].size for i in idx)
+            used = self._tier_bytes(own, tier)
+            for _ in range(8):
+                if used + need <= cap or tier != "ssd":
+                    break
+                _, n = self.movement._evict_ssd(used + need - cap, own)
+                if not n:
+                    break
+                used = self._tier_bytes(own, tier)
+            if used + need <= cap:
+                continue
+            if strict:
+                raise ResourceExhausted(
+                    f"tenant {t}'s {tier} quota is full: it holds {used} bytes of its "
+                    f"{cap}-byte {tier} quota and {need} more do not fit after evicting its "
+                    f"own evictable blocks; delete some or raise tenants.{t}.{tier}_quota")
+            for i in idx:
+                if used + entries[i].size <= cap:
+                    used += entries[i].size
+                else:
+                    keep[i] = False
+                    self.counters["tenant_quota_dropped_blocks"] += 1
+        return ([e for e, k in zip(entries, keep, strict=True) if k],
+                [v for v, k in zip(values, keep, strict=True) if k])

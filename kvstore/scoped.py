@@ -1,0 +1,41 @@
+"""Stats as one tenant sees them: its own namespaces' blocks, not the whole daemon's.
+
+Why computed on demand from the index: a non-admin Stats must not reveal other tenants'
+activity (their block counts, hit rates, traffic), and a walk of the caller's own namespaces
+costs only as much as the caller has stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .movement import _aligned
+
+
+def scoped_stats(store: Any, ns_ids: set[bytes]) -> dict:
+    """store.stats()-shaped dict covering only `ns_ids` (capacity: the whole tier's)."""
+    counts = {t: [0, 0] for t in ("host", "ssd", "remote")}
+    with store._lock:
+        for ns in ns_ids:
+            for g in store.index.namespace_keys(ns):
+                e = store.index.get(g)
+                if e is None:
+                    continue
+                if e.host is not None:
+                    counts["host"][0] += 1
+                    counts["host"][1] += _aligned(e.size)
+                if e.ssd:
+                    counts["ssd"][0] += 1
+                    counts["ssd"][1] += e.size
+                if e.remote:
+                    counts["remote"][0] += 1
+                    counts["remote"][1] += e.size
+        caps = {"host": store.host.capacity,
+                "ssd": store.ssd.capacity if store.ssd is not None else None,
+                "remote": store.config.remote.capacity if store.remote is not None else None}
+        leases = sum(1 for lease in store.leases.all() if lease.ns_id in ns_ids)
+    tiers = {t: {"capacity_bytes": caps[t], "used_bytes": b, "blocks": n, "hits": 0,
+                 "misses": 0, "evictions": 0}
+             for t, (n, b) in counts.items() if caps[t] is not None}
+    return {"tiers": tiers, "counters": {}, "namespaces": len(ns_ids), "active_leases": leases,
+            "daemon_id": store.daemon_id}
