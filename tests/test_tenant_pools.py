@@ -67,7 +67,8 @@ CHILD = textwrap.dedent("""
             for seed in range(10, 16):                      # 6 x 1 MiB into a 2 MiB quota
                 assert ns.store(ids(seed, N), kv(seed, N)) == N
             opened = []
-            names = (glob.glob("/dev/shm/*") + glob.glob(f"/proc/{d_pid}/fd/*")
+            # Every segment of the daemon's (other programs' files in /dev/shm are not A's)
+            names = (glob.glob("/dev/shm/kvstore*") + glob.glob(f"/proc/{d_pid}/fd/*")
                      + glob.glob(f"/proc/{a_pid}/fd/*") + glob.glob(f"/proc/{a_pid}/map_files/*")
                      + glob.glob(f"/proc/{d_pid}/map_files/*")
                      + [f"/proc/{a_pid}/mem", f"/proc/{d_pid}/mem"])

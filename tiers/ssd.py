@@ -65,7 +65,8 @@ MAP_SLACK = 64 << 20
 PROGRESS_MIN_ENTRIES = 50_000       # scan_meta shows a progress bar above this many entries
 _SCAN_BATCH = 8192
 ALIGN = 4096
-GROW_STEP = 256 << 20               # the payload file grows (preallocated) this much at a time
+GROW_STEP = 256 << 20               # the payload file grows (preallocated) this much at a time,
+MIN_GROW_STEP = 4 << 20             # or an eighth of the tier's capacity where that is less
 STAGE_BYTES = 32 << 20              # per-thread aligned staging buffer for O_DIRECT writes
 _ADDRESS_LIMIT = 1 << 60
 _MIGRATE_BATCH = 64
@@ -484,7 +485,9 @@ class SSDTier:
         on a filesystem with less room than a step, just `need` (DiskFull when not even that
         fits)."""
         exact = self._file_size + -(-need // ALIGN) * ALIGN
-        new = max(self._file_size + GROW_STEP, exact)
+        # A small tier (tests, a sidecar with little disk) must not pin a whole big step.
+        step = min(GROW_STEP, max(MIN_GROW_STEP, self.capacity // 8 // ALIGN * ALIGN))
+        new = max(self._file_size + step, exact)
         if new > _ADDRESS_LIMIT:
             raise ResourceExhausted(f"SSD payload file at {self._payload_path} cannot grow "
                                     "further")
