@@ -443,7 +443,10 @@ _HEAPS = 9
 _HINT_OF = {"normal": _N, "low": _L, "high": _H}
 
 
-def _roles(tail: bool, hinted: bool) -> tuple[tuple[int, ...], ...]:
+STRICT, SOFT = 1, 2        # hint modes: every "low" goes first / not for blocks already reused
+
+
+def _roles(tail: bool, hinted: int) -> tuple[tuple[int, ...], ...]:
     """Heaps by role for one mode: (evicted first, probation, protected, all but first)."""
     first: list[int] = []
     prob: list[int] = []
@@ -451,8 +454,8 @@ def _roles(tail: bool, hinted: bool) -> tuple[tuple[int, ...], ...]:
     for cls in (_P, _R, _T):
         for hint in (_N, _L, _H):
             h = cls * 3 + hint
-            if hinted and hint == _L and cls != _R:
-                first.append(h)             # a block reused by others outlives a "low" hint
+            if hinted and hint == _L and (hinted == STRICT or cls != _R):
+                first.append(h)             # SOFT: a block already reused outlives "low"
             elif hinted and hint == _H:
                 prot.append(h)
             elif cls == _T and tail:
@@ -502,7 +505,7 @@ class SegmentedPolicy:
     MARGIN_HITS = 4.0                     # ... and in (decayed) sampled hits
 
     def __init__(self, capacity_blocks_hint: int | None = None, shadow: bool = True,
-                 mode: tuple[float | None, bool, bool] = (None, False, False)) -> None:
+                 mode: tuple[float | None, bool, int] = (None, False, 0)) -> None:
         self._hint = capacity_blocks_hint if capacity_blocks_hint and capacity_blocks_hint > 0 \
             else None
         self._leaves = PrefixLeaves(_HEAPS)
@@ -514,13 +517,13 @@ class SegmentedPolicy:
         self._shadows: list[list[Any]] | None = None
         self._sampled_n = 0
         if shadow:
-            self._shadows = [self._new_shadow((share, tail, False))
+            self._shadows = [self._new_shadow((share, tail, 0))
                              for share in self.SHARES for tail in (False, True)]
         self._twins: list[list[Any]] | None = None
         self._twin_n = 0
 
     @staticmethod
-    def _new_shadow(mode: tuple[float | None, bool, bool]) -> list[Any]:
+    def _new_shadow(mode: tuple[float | None, bool, int]) -> list[Any]:
         return [SegmentedPolicy(1, shadow=False, mode=mode), set(), 0.0]
 
     def __len__(self) -> int:
@@ -532,11 +535,11 @@ class SegmentedPolicy:
         return self._hint or max(self._peak, 1)
 
     @property
-    def mode(self) -> tuple[float | None, bool, bool]:
+    def mode(self) -> tuple[float | None, bool, int]:
         """(protected share or None for LRU, tail rule on, hints followed): the order in use."""
         return self._mode
 
-    def _set_mode(self, mode: tuple[float | None, bool, bool]) -> None:
+    def _set_mode(self, mode: tuple[float | None, bool, int]) -> None:
         if mode != self._mode:
             self._mode = mode
             self._roles = _roles(mode[1], mode[2])
@@ -575,17 +578,22 @@ class SegmentedPolicy:
         base = shadows[0]                  # (None, False, False): plain LRU
         best = max(shadows, key=lambda sh: sh[2])
         choice = best if lead(best[2], base[2]) else base
-        blind = self._mode[:2] + (False,)
+        blind = self._mode[:2] + (0,)
         current = next((sh for sh in shadows if sh[0]._mode == blind), None)
         if current is None or (choice is not current and lead(choice[2], current[2])):
             blind = choice[0]._mode
         mode = blind
         if self._twins is not None:
-            tb, th = self._twins
+            tb = self._twins[0]
             tb[0]._set_mode(blind)
-            th[0]._set_mode(blind[:2] + (True,))
-            if lead(th[2], tb[2]) or (self._mode[2] and th[2] > tb[2] * (1 + self.MARGIN / 2)):
-                mode = blind[:2] + (True,)
+            for tw in self._twins[1:]:
+                tw[0]._set_mode(blind[:2] + (tw[0]._mode[2],))
+            now = self._mode[2]
+            th = max(self._twins[1:], key=lambda tw: tw[2])
+            if now and th[0]._mode[2] != now and not lead(th[2], self._twins[now][2]):
+                th = self._twins[now]        # the other hint mode must lead by the margin
+            if lead(th[2], tb[2]) or (now and th[2] > tb[2] * (1 + self.MARGIN / 2)):
+                mode = blind[:2] + (th[0]._mode[2],)
         self._set_mode(mode)
 
     def _twin_access(self, gkey: bytes, parent: bytes | None) -> None:
@@ -610,7 +618,7 @@ class SegmentedPolicy:
         """First hint: both twins start as copies of the cache's current contents in LRU order,
         so they differ only by what the hints do from now on."""
         self._twins = []
-        for hinted in (False, True):
+        for hinted in (0, STRICT, SOFT):
             pol = SegmentedPolicy(self.capacity, shadow=False, mode=self._mode[:2] + (hinted,))
             for gkey, node in self._leaves.ordered():
                 pol.insert(gkey, node[_PARENT], 1)
@@ -648,8 +656,9 @@ class SegmentedPolicy:
         if self._shadows is not None and self._twins is None:
             self._start_twins()
         for g in gkeys:
-            if self._twins is not None and g in self._twins[1][1]:
-                self._twins[1][0].note_retention([g], level)
+            for pol, resident, _ in (self._twins or ())[1:]:
+                if g in resident:
+                    pol.note_retention([g], level)
             node = self._leaves.nodes.get(g)
             if node is not None and node[_SEG] % 3 != hint:
                 self._leaves.update(g, node[_PRIO], node[_SEG] - node[_SEG] % 3 + hint)
@@ -735,7 +744,9 @@ class SegmentedPolicy:
         self._peak = max(int(state["peak"]), len(self._leaves))
         self._ghost.update((k, None) for k in state["ghost"])
         share, tail, hinted = state["mode"]
-        self._set_mode((None if share is None else float(share), bool(tail), bool(hinted)))
+        if hinted not in (0, STRICT, SOFT):
+            raise InvalidArgument(f"policy snapshot has an unknown hint mode {hinted!r}")
+        self._set_mode((None if share is None else float(share), bool(tail), int(hinted)))
         for sh, score in zip(self._shadows or [], state["scores"], strict=False):
             sh[2] = float(score)
 
