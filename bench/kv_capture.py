@@ -254,3 +254,164 @@ def synthetic_kv(num_layers: int = 4, tokens: int = 128, heads: int = 8, head_di
     v = (rng.standard_t(4, size=shape) * 0.5).astype(np.float32)
     q = rng.standard_normal(shape).astype(np.float32)
     return Capture([q], [k], [v], num_layers, heads, head_dim)
+
+
+# ------------------------------------------------ a trained causal LM (kvstore/trained_model.py)
+
+
+@dataclass
+class CausalCapture:
+    """Per prompt: the prefix K/V a store would hold and what the next tokens need to use it.
+
+    kv: [layers, 2, prefix + cont, kv_heads, head_dim] float32 (post-RoPE keys, as cached);
+    q: [layers, cont, q_heads, head_dim] float32 (post-RoPE queries of the continuation);
+    ids: the prompt's token ids (prefix + cont)."""
+
+    kv: list[np.ndarray]
+    q: list[np.ndarray]
+    ids: list[list[int]]
+    prefix: int
+    num_layers: int
+    kv_heads: int
+    q_heads: int
+    head_dim: int
+
+
+def smollm_prompts(tok, n: int = 5, tokens: int = 704) -> list[list[int]]:
+    """`n` real-text prompts of exactly `tokens` tokens: the demo passages from n different
+    starting passages (so every prompt is a different context)."""
+    from kvstore.demo_text import PASSAGES, document
+
+    out = []
+    for i in range(n):
+        ids = tok(document(2 * len(PASSAGES), start=3 * i + 1)).input_ids
+        out.append(list(ids[:tokens]))
+    return out
+
+
+def capture_causal(model, tok, n_prompts: int = 5, prefix: int = 640, cont: int = 64
+                   ) -> CausalCapture:
+    """Run `model` over real prompts of prefix + cont tokens; keep the KV cache (what a store
+    holds) and the continuation's post-RoPE queries (what will read the stored prefix)."""
+    import torch
+    from kvstore_client.hf import cache_to_canonical, full_prefill
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cfg = model.config
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    cap = CausalCapture([], [], [], prefix, cfg.num_hidden_layers, hkv, hq, d)
+    seen: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        def hook(mod, args, kwargs, _out, i=i):
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            q = mod.q_proj(h).view(*h.shape[:-1], -1, d).transpose(1, 2)
+            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+            seen[i] = q[0, :, -cont:].transpose(0, 1).float()          # [cont, Hq, D]
+        hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+    try:
+        for ids in smollm_prompts(tok, n_prompts, prefix + cont):
+            _, cache = full_prefill(model, ids)
+            cap.kv.append(cache_to_canonical(cache, dtype=torch.float32).numpy())
+            cap.q.append(torch.stack([seen[i] for i in range(cap.num_layers)]).numpy())
+            cap.ids.append(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return cap
+
+
+def causal_attention_error(q, k, v, k_hat, v_hat, q_start: int):
+    """Per (layer, query head) relative error of causal attention with GQA.
+
+    q: [L, Hq, Tq, D] at positions q_start..; k, v (+ hats): [L, Hkv, Tk, D]. Query t sees keys
+    0..q_start+t. Returns [L, Hq]."""
+    import torch
+
+    rep = q.shape[1] // k.shape[1]
+    tq, tk = q.shape[2], k.shape[2]
+    mask = torch.arange(tk)[None, :] > (q_start + torch.arange(tq))[:, None]
+    scale = q.shape[-1] ** -0.5
+
+    def attn(kk, vv):
+        kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
+        s = (q @ kk.transpose(-1, -2)) * scale
+        return torch.softmax(s.masked_fill(mask, float("-inf")), -1) @ vv
+
+    a, a_hat = attn(k, v), attn(k_hat, v_hat)
+    num = torch.linalg.vector_norm(a_hat - a, dim=(-2, -1))
+    return num / torch.linalg.vector_norm(a, dim=(-2, -1)).clamp_min(1e-30)
+
+
+@dataclass
+class CausalAccuracy:
+    """Codec figures on a trained causal LM: attention error per (prompt, layer, query head),
+    stored size, and next-token agreement of the continuation run on the decoded prefix."""
+
+    attn_mean: float
+    attn_worst: float
+    size_ratio: float
+    top1: float
+    mean_kl: float
+    worst_where: tuple[int, int]         # (layer, query head) of the worst error
+
+
+def causal_codec_accuracy(cap: CausalCapture, codec: str | None, model=None,
+                          block_tokens: int = 16, dtype: str = "bfloat16", scheme=None,
+                          reference=None) -> CausalAccuracy:
+    """Round-trip the prefix of every prompt through `codec` in `block_tokens` blocks (or
+    through `reference`, a function on one float32 block), then measure the continuation's
+    attention with the real queries against the lossless (dtype-rounded) cache; with `model`,
+    also run the continuation on both caches and compare next-token distributions."""
+    import torch
+    from kvstore_client.hf import canonical_to_cache
+    from kvstore_client.layout import KVLayout
+
+    from tiers import codecs, frame
+
+    layout = KVLayout(cap.num_layers, cap.kv_heads, cap.head_dim, block_tokens, dtype)
+    tdt = codecs.TORCH_DTYPES[dtype]
+    p = cap.prefix
+    errs, stored, raw, top1, kls = [], 0, 0, [], []
+    out = np.empty(layout.block_bytes, np.uint8)
+    for kv, q, ids in zip(cap.kv, cap.q, cap.ids, strict=True):
+        kv = round_to(kv, dtype)
+        rec = kv.copy()
+        for b in range(p // block_tokens):
+            sl = slice(b * block_tokens, (b + 1) * block_tokens)
+            blk = np.ascontiguousarray(kv[:, :, sl])
+            if reference is not None:
+                rec[:, :, sl] = round_to(reference(blk), dtype)
+                continue
+            raw_b = to_dtype_bytes(blk, dtype)
+            payload = codecs.encode(codec, raw_b, layout, scheme)
+            stored += len(frame.frame(codec, layout.block_bytes, payload))
+            raw += layout.block_bytes
+            codecs.decode(codec, payload, layout, out)
+            rec[:, :, sl] = torch.from_numpy(out).view(tdt).float().reshape(layout.block_shape)
+        qq = torch.from_numpy(q).transpose(1, 2)                           # [L, Hq, Tq, D]
+        kk, vv, kh, vh = (torch.from_numpy(np.ascontiguousarray(a)).transpose(1, 2)
+                          for a in (kv[:, 0], kv[:, 1], rec[:, 0], rec[:, 1]))
+        errs.append(causal_attention_error(qq, kk, vv, kh, vh, p))
+        if model is not None:
+            logits = []
+            for src in (kv, rec):
+                cache = canonical_to_cache(torch.from_numpy(src[:, :, :p]), model.config)
+                pos = torch.arange(p, len(ids)).unsqueeze(0)
+                with torch.inference_mode():
+                    o = model(input_ids=torch.tensor([ids[p:]]), past_key_values=cache,
+                              position_ids=pos, use_cache=True)
+                logits.append(o.logits[0].float())
+            lr, lt = torch.log_softmax(logits[0], -1), torch.log_softmax(logits[1], -1)
+            top1.append((lr.argmax(-1) == lt.argmax(-1)).float())
+            kls.append((lr.exp() * (lr - lt)).sum(-1))
+    e = torch.stack(errs)                                                  # [P, L, Hq]
+    worst = int(e.argmax())
+    where = np.unravel_index(worst, tuple(e.shape))
+    return CausalAccuracy(
+        float(e.mean()), float(e.max()), stored / raw if raw else float("nan"),
+        float(torch.cat(top1).mean()) if top1 else float("nan"),
+        float(torch.cat(kls).mean()) if kls else float("nan"),
+        (int(where[1]), int(where[2])))

@@ -7,7 +7,8 @@ longest cached leading run of blocks; afterwards all its blocks are stored), aga
 
     python bench/trace_replay.py [--quick] [--plot PNG] [--through-store] [--policies arc]
                                  TRACE.jsonl
-    python bench/trace_replay.py --synthetic hot-prompts|scan|shifting|conversation
+    python bench/trace_replay.py --synthetic KIND   (hot-prompts, scan, shifting, conversation,
+                                                  chat, agent, short-scan)
 
 Prints a table, then as its last stdout line one JSON object:
 ``hit_lru`` / ``hit_policy`` / ``hit_opt`` (dicts keyed "1k", "2k", "5k", ...: block hit ratio
@@ -16,8 +17,12 @@ at that capacity in blocks; ``hit_NAME`` for each ``--policies NAME``), ``hit_lr
 ``gap_closed_5k`` / ``gap_closed_10k`` = (policy - lru) / (opt - lru), and
 ``policy_refs_per_s`` (block references per second through the default policy).
 ``hit_hinted`` and ``gap_closed_5k_hinted`` / ``gap_closed_10k_hinted``: the default policy
-given the Retain("low") hints an engine that knows which conversations go on would send
-(``session_hints``; read off the trace's future, since the trace has no session ids).
+given the Retain hints an engine that knows which conversations go on would send (engine
+signals mapped by kvstore_client.retention; read off the trace's future, since the trace has
+no session ids); ``hit_lru_hinted``: LRU given the same hints. ``policy_ge_lru_everywhere``:
+the default, blind and hinted, at or above LRU at every capacity; ``hinted_ge_blind_everywhere``:
+hinted at or above blind at every capacity. Capacities: the six standard ones plus 1% and 100%
+of the trace's distinct blocks.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import math
 import os
 import random
 import sys
@@ -39,6 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from kvstore_client.retention import hints as retention_hints  # noqa: E402
 
 from kvstore.policy import make_policy  # noqa: E402
 
@@ -60,7 +68,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
 
 # ------------------------------------------------------------------ synthetic traces
 
-def synthetic(kind: str, n_requests: int = 6000, seed: int = 0) -> Trace:
+def synthetic(kind: str, n_requests: int | None = None, seed: int = 0) -> Trace:
     """Traces with other shapes than the conversation trace, so the policy is not fitted to it.
 
     hot-prompts: a few long shared system prompts, each followed by a random one-shot tail.
@@ -68,6 +76,8 @@ def synthetic(kind: str, n_requests: int = 6000, seed: int = 0) -> Trace:
     shifting: conversations whose popular set changes every phase.
     conversation: multi-turn chats (each turn extends the previous prompt), Zipf-popular.
     """
+    if n_requests is None:
+        n_requests = 1 << 30 if kind in SESSION_SHAPES else 6000
     rng = random.Random(seed)
     next_id = [0]
 
@@ -114,8 +124,58 @@ def synthetic(kind: str, n_requests: int = 6000, seed: int = 0) -> Trace:
                 reqs.append(list(conv))
                 if len(live) > 2000:
                     live.pop(0)
+    elif kind in SESSION_SHAPES:
+        reqs = _sessions(kind, rng, fresh, n_requests)
     else:
         raise ValueError(f"unknown synthetic trace {kind!r}")
+    return reqs
+
+
+# Larger traces in the Mooncake format whose working sets span the bench's capacities (tens of
+# thousands of distinct blocks), each of another shape than the shared trace. A request's last
+# block stands for a partial block: when its session goes on, the next prompt re-keys it.
+SESSION_SHAPES = {
+    # long multi-turn chats: 40 shared system prompts, many turns, heavy-tailed think times
+    "chat": dict(sessions=1500, systems=40, sys_blocks=(4, 16), turns=(2, 10),
+                 turn_blocks=(2, 10), gap=(20, 3000), burst=1, scan=0.0),
+    # agents in bursts: long shared tool prompts, many quick steps (far more reuse)
+    "agent": dict(sessions=900, systems=12, sys_blocks=(10, 30), turns=(4, 16),
+                  turn_blocks=(1, 4), gap=(5, 4000), burst=6, scan=0.0),
+    # many short sessions (1-3 turns) plus one-shot long scans that should not pollute
+    "short-scan": dict(sessions=6000, systems=300, sys_blocks=(6, 30), turns=(1, 3),
+                       turn_blocks=(1, 6), gap=(50, 8000), burst=1, scan=0.1),
+}
+
+
+def _sessions(kind: str, rng: random.Random, fresh: Callable[[int], list[int]],
+              n_requests: int) -> Trace:
+    """Sessions started in arrival order (in bursts of `burst`), each turn re-sent after a
+    log-uniform gap of `gap` requests; with probability `scan`, a request is instead a
+    one-shot scan of 20-80 fresh blocks. `n_requests` caps the trace length."""
+    shape = SESSION_SHAPES[kind]
+    systems = [fresh(rng.randint(*shape["sys_blocks"])) for _ in range(shape["systems"])]
+    weights = [1 / (i + 1) for i in range(len(systems))]
+    lo, hi = shape["gap"]
+    due: list[tuple[float, int, list[int], int]] = []   # (time, seq, prompt, turns left)
+    seq = 0
+    t = 0.0
+    for s_i in range(shape["sessions"]):
+        if s_i % shape["burst"] == 0:
+            t += rng.expovariate(1.0) * shape["burst"] * 2.5
+        prompt = rng.choices(systems, weights)[0] + fresh(rng.randint(*shape["turn_blocks"]))
+        heapq.heappush(due, (t, seq, prompt, rng.randint(*shape["turns"])))
+        seq += 1
+    reqs: Trace = []
+    while due and len(reqs) < n_requests:
+        t, _, prompt, left = heapq.heappop(due)
+        if shape["scan"] and rng.random() < shape["scan"]:
+            reqs.append(fresh(rng.randint(20, 80)))
+        reqs.append(list(prompt))
+        if left > 1:
+            nxt = prompt[:-1] + fresh(rng.randint(*shape["turn_blocks"]) + 1)
+            gap = math.exp(rng.uniform(math.log(lo), math.log(hi)))
+            heapq.heappush(due, (t + gap, seq, nxt, left - 1))
+            seq += 1
     return reqs
 
 
@@ -159,8 +219,24 @@ def session_hints(trace: Trace, nxt: list[list[int]] | None = None) -> list[int]
     return out
 
 
+def session_signals(goes_on: Sequence[int], trace: Trace) -> list[tuple[str, bool]]:
+    """Per request, the engine signal (kvstore_client.retention) an engine that knows its
+    sessions sends after storing it, and whether its last block is partial: the conversation
+    goes on with the whole prompt ("session_continues"), goes on re-keying its last block
+    ("session_continues", partial tail), or is over ("session_closed")."""
+    out = []
+    for n, req in zip(goes_on, trace, strict=True):
+        if n and n == len(req):
+            out.append(("session_continues", False))
+        elif n:
+            out.append(("session_continues", True))
+        else:
+            out.append(("session_closed", False))
+    return out
+
+
 def replay_policy(name: str, requests: Sequence[Sequence[bytes]], capacity: int,
-                  goes_on: Sequence[int] | None = None) -> Result:
+                  signals: Sequence[tuple[str, bool]] | None = None) -> Result:
     """Drive a policy the way the store does, with a set standing in for the block index.
 
     Per request: the hit is the longest resident leading run; the first missing key is
@@ -168,12 +244,14 @@ def replay_policy(name: str, requests: Sequence[Sequence[bytes]], capacity: int,
     are inserted with their parent (put), evicting via pick() until within capacity; then the
     optional ``note_put(keys)`` hook gets the keys that put wrote, in order (as Store.put and
     Store.commit do after publishing). The request's own blocks are pinned while it is
-    processed (its read lease / write in flight). With `goes_on` (per request, from
-    session_hints), the blocks an engine would hint "low" then get the policy's
-    ``note_retention(keys, "low")`` (as Store.retain does).
+    processed (its read lease / write in flight). With `signals` (per request, from
+    session_signals), the request's blocks (its whole prompt: the engine hints what the
+    conversation holds, not only what this turn wrote) then get the Retain levels
+    ``kvstore_client.retention.hints`` maps its signal to, through the policy's
+    ``note_retention(keys, level)`` (as Store.retain does).
     """
     policy = make_policy(name, capacity)
-    note_retention = getattr(policy, "note_retention", None) if goes_on is not None else None
+    note_retention = getattr(policy, "note_retention", None) if signals is not None else None
     note_put = getattr(policy, "note_put", None)
     resident: set[bytes] = set()
     hits = refs = 0
@@ -205,10 +283,10 @@ def replay_policy(name: str, requests: Sequence[Sequence[bytes]], capacity: int,
             parent = key
         if note_put is not None and k < n:
             note_put(req[k:])          # the store: once per put/commit, after its inserts
-        if note_retention is not None and k < n:
-            low = req[max(k, goes_on[i]):]
-            if low:
-                note_retention(low, "low")
+        if note_retention is not None:
+            signal, partial = signals[i]
+            for keys, level in retention_hints(signal, req, partial):
+                note_retention(keys, level)
     return Result(name, capacity, hits, refs, time.perf_counter() - t0)
 
 
@@ -351,15 +429,15 @@ def replay_store(name: str, trace: Trace, capacity: int) -> Result:
 _TRACE: Trace = []
 _KEYS: list[list[bytes]] = []
 _NEXT: list[list[int]] = []
-_GOES_ON: list[int] = []
+_SIGNALS: list[tuple[str, bool]] = []
 
 
 def _init(trace: Trace) -> None:
-    global _TRACE, _KEYS, _NEXT, _GOES_ON
+    global _TRACE, _KEYS, _NEXT, _SIGNALS
     _TRACE = trace
     _KEYS = as_keys(trace)
     _NEXT = next_uses(trace)
-    _GOES_ON = session_hints(trace, _NEXT)
+    _SIGNALS = session_signals(session_hints(trace, _NEXT), trace)
 
 
 def _task(kind: str, cap: int) -> Result:
@@ -370,8 +448,12 @@ def _task(kind: str, cap: int) -> Result:
         r.kind = "policy"
         return r
     if kind == "hinted":
-        r = replay_policy("default", _KEYS, cap, goes_on=_GOES_ON)
+        r = replay_policy("default", _KEYS, cap, signals=_SIGNALS)
         r.kind = "hinted"
+        return r
+    if kind == "lru_hinted":
+        r = replay_policy("lru", _KEYS, cap, signals=_SIGNALS)
+        r.kind = "lru_hinted"
         return r
     if kind == "opt":
         return replay_opt(_TRACE, cap, True, _NEXT)
@@ -391,8 +473,8 @@ def _task(kind: str, cap: int) -> Result:
 def run_all(trace: Trace, capacities: Sequence[int], kinds: Sequence[str], workers: int,
             progress: Callable[[], None] = lambda: None) -> dict[str, dict[int, Result]]:
     """Every (kind, capacity) replay, the slow ones first, in `workers` processes."""
-    weight = {"policy": 4, "hinted": 4, "lru": 2, "store:default": 20, "store:lru": 20,
-              "pol:arc": 4}
+    weight = {"policy": 6, "hinted": 8, "lru": 2, "lru_hinted": 2, "store:default": 20,
+              "store:lru": 20, "pol:arc": 4}
     jobs = sorted(((k, c) for k in kinds for c in capacities),
                   key=lambda kc: -weight.get(kc[0], 1) * (1 + kc[1] / 50000))
     out: dict[str, dict[int, Result]] = {k: {} for k in kinds}
@@ -411,6 +493,13 @@ def run_all(trace: Trace, capacities: Sequence[int], kinds: Sequence[str], worke
     return out
 
 
+def working_set_capacities(trace: Trace) -> list[int]:
+    """1% of the trace's distinct blocks and all of them: the ends of the range the policy
+    must hold LRU's hit ratio over (the standard capacities fill the middle)."""
+    distinct = len({x for r in trace for x in r})
+    return [max(1, distinct // 100), distinct]
+
+
 def gap_closed(policy: float, lru: float, opt: float) -> float | None:
     return round((policy - lru) / (opt - lru), 4) if opt > lru else None
 
@@ -419,7 +508,7 @@ def summarize(res: dict[str, dict[int, Result]], capacities: Sequence[int]) -> d
     def col(kind: str) -> dict[str, float]:
         return {cap_label(c): round(res[kind][c].ratio, 4) for c in capacities if c in res[kind]}
     out: dict = {"hit_lru": col("lru"), "hit_policy": col("policy"), "hit_opt": col("opt")}
-    for extra in ("opt_readme", "lru_plain", "hinted"):
+    for extra in ("opt_readme", "lru_plain", "hinted", "lru_hinted"):
         if extra in res:
             out[f"hit_{extra}"] = col(extra)
     for c in (5000, 10000):
@@ -429,8 +518,14 @@ def summarize(res: dict[str, dict[int, Result]], capacities: Sequence[int]) -> d
         if c in res.get("hinted", {}):
             out[f"gap_closed_{cap_label(c)}_hinted"] = gap_closed(
                 res["hinted"][c].ratio, res["lru"][c].ratio, res["opt"][c].ratio)
+    # "never below LRU, blind or hinted": the default without hints and with them, against LRU
+    # (hit_lru_hinted, LRU given the same hints, is reported beside it)
     out["policy_ge_lru_everywhere"] = all(
-        res["policy"][c].ratio >= res["lru"][c].ratio for c in res["policy"])
+        res[k][c].ratio >= res["lru"][c].ratio for k in ("policy", "hinted") if k in res
+        for c in res[k])
+    if "hinted" in res:
+        out["hinted_ge_blind_everywhere"] = all(
+            res["hinted"][c].ratio >= res["policy"][c].ratio for c in res["hinted"])
     speeds = sorted(r.refs / r.seconds for r in res["policy"].values() if r.seconds > 0)
     out["policy_refs_per_s"] = round(speeds[len(speeds) // 2]) if speeds else None
     for kind in res:
@@ -444,7 +539,8 @@ def summarize(res: dict[str, dict[int, Result]], capacities: Sequence[int]) -> d
 
 
 def table(res: dict[str, dict[int, Result]], capacities: Sequence[int]) -> str:
-    kinds = [k for k in ("lru_plain", "lru", "policy", "hinted", "opt_readme", "opt")
+    kinds = [k for k in ("lru_plain", "lru", "lru_hinted", "policy", "hinted", "opt_readme",
+                         "opt")
              if k in res]
     kinds += [k for k in res if k.startswith(("store:", "pol:"))]
     lines = ["capacity | " + " | ".join(f"{k:>13}" for k in kinds) + " | gap closed"]
@@ -486,7 +582,8 @@ def plot(res: dict[str, dict[int, Result]], capacities: Sequence[int], path: str
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", nargs="?", help="Mooncake-format JSONL trace")
-    ap.add_argument("--synthetic", choices=["hot-prompts", "scan", "shifting", "conversation"],
+    ap.add_argument("--synthetic", choices=["hot-prompts", "scan", "shifting", "conversation",
+                                            *SESSION_SHAPES],
                     help="replay a generated trace instead of a file")
     ap.add_argument("--quick", action="store_true", help="the six standard capacities only")
     ap.add_argument("--capacities", help="comma-separated capacities in blocks")
@@ -503,8 +600,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.capacities:
         caps = sorted(int(c) for c in args.capacities.split(","))
     else:
-        caps = sorted(CAPACITIES + ([] if args.quick else EXTRA_CAPACITIES))
-    kinds = ["lru", "policy", "hinted", "opt", "opt_readme", "lru_plain"]
+        caps = sorted(set(CAPACITIES + ([] if args.quick else EXTRA_CAPACITIES)
+                          + working_set_capacities(trace)))
+    kinds = ["lru", "lru_hinted", "policy", "hinted", "opt", "opt_readme", "lru_plain"]
     kinds += [f"pol:{p}" for p in args.policies.split(",") if p]
     if args.through_store:
         kinds += ["store:lru", "store:default"]

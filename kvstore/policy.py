@@ -180,16 +180,16 @@ class PrefixLeaves:
         return sorted(self.nodes.items(), key=lambda kv: (kv[1][_PRIO], kv[0]))
 
 
-def _pack(state: dict[str, Any]) -> bytes:
-    return msgpack.packb({"v": SNAPSHOT_VERSION, **state}, use_bin_type=True)
+def _pack(state: dict[str, Any], version: int = SNAPSHOT_VERSION) -> bytes:
+    return msgpack.packb({"v": version, **state}, use_bin_type=True)
 
 
-def _unpack(blob: bytes, kind: str) -> dict[str, Any]:
+def _unpack(blob: bytes, kind: str, version: int = SNAPSHOT_VERSION) -> dict[str, Any]:
     try:
         state = msgpack.unpackb(blob, raw=False)
     except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types
         raise InvalidArgument(f"policy snapshot is not valid msgpack: {e}") from None
-    if not isinstance(state, dict) or state.get("v") != SNAPSHOT_VERSION:
+    if not isinstance(state, dict) or state.get("v") != version:
         raise InvalidArgument("policy snapshot has an unknown format version")
     if state.get("kind") != kind:
         raise InvalidArgument(f"policy snapshot is for {state.get('kind')!r}, not {kind!r}")
@@ -436,57 +436,95 @@ class _Duel:
         return self.score > 0
 
 
+# block classes and hints of SegmentedPolicy; heap index = class * 3 + hint
+_P, _R, _T = range(3)                     # probation, protected, put tail
+_N, _L, _H = range(3)                     # hint: normal, low, high
+_HEAPS = 9
+_HINT_OF = {"normal": _N, "low": _L, "high": _H}
+
+
+STRICT, SOFT = 1, 2        # hint modes: every "low" goes first / not for blocks already reused
+
+
+def _roles(tail: bool, hinted: int) -> tuple[tuple[int, ...], ...]:
+    """Heaps by role for one mode: (evicted first, probation, protected, all but first)."""
+    first: list[int] = []
+    prob: list[int] = []
+    prot: list[int] = []
+    for cls in (_P, _R, _T):
+        for hint in (_N, _L, _H):
+            h = cls * 3 + hint
+            if hinted and hint == _L and (hinted == STRICT or cls != _R):
+                first.append(h)             # SOFT: a block already reused outlives "low"
+            elif hinted and hint == _H:
+                prot.append(h)
+            elif cls == _T and tail:
+                first.append(h)
+            elif cls == _R:
+                prot.append(h)
+            else:
+                prob.append(h)
+    return tuple(first), tuple(prob), tuple(prot), tuple(sorted(prob + prot))
+
+
 class SegmentedPolicy:
     """The project's default: segmented LRU over prefix leaves, self-tuned by miniature caches.
 
-    * Segment 0 (probation) holds blocks seen once; segment 1 (protected) blocks hit while
-      resident or written again while still in the ghost history (evicted keys, 2x capacity).
-      Victims are LRU prefix leaves of probation while protected is within its share of the
-      capacity, else of protected.
-    * The protected share is not a constant: five miniature caches (capacity/RATE blocks, fed
-      the 1/RATE spatial sample of keys, as in SHARDS; Waldspurger et al., ATC'17) run plain LRU
-      and the segmented rule with shares 1/2, 3/4, 7/8 and 15/16 (probation halved each step);
-      pick() follows the one with the most recent hits (scores halve every WINDOW shadow
-      capacities of sampled accesses, so the choice tracks phase changes). Plain LRU is one of
-      the candidates, so recency-friendly workloads get recency.
-    * Put tails: with the optional ``note_put(gkeys)`` hook (one call per put, with the keys it
-      wrote in order) the policy learns online how often the last block of a put is reused
-      compared with the other newly written blocks. In a prefix cache the last block of a
-      request usually stands for a partial block, whose key changes when the prompt grows; when
-      tails are observed to be reused at under half the rate of other new blocks, each new
-      tail is put at the eviction end. Nothing about that rate is assumed: on traffic whose
-      tails are reused (full final blocks) they are treated like any block.
-    O(log n) amortized per operation (lazy heaps) plus O(1) shadow work per sampled access.
+    Every resident block has a *class* from what the store saw (probation: written once;
+    protected: hit while resident, or written again while still in the ghost history of
+    evicted keys, 2x capacity; tail: the last block of a put, via ``note_put``) and a *hint*
+    from the engine (normal / low / high, via ``note_retention``). Each (class, hint) pair has
+    its own heap of leaves ordered by recency, so the eviction order is a *mode* applied to
+    that state at pick time, and modes can change without touching the blocks:
+
+    * share: None = plain LRU over every block (exactly ``"lru"``'s order), else the protected
+      segment's share of the capacity (segmented LRU: victims come from probation while
+      protected is within its share).
+    * tail: put tails go to the eviction end (a prompt's last block is usually partial in a
+      prefix cache, and its key changes when the conversation grows).
+    * hint: engine hints reorder ("low" first, "high" as protected); off: hints are ignored.
+
+    The mode is chosen online by miniature caches (Waldspurger et al., ATC'17; SHARDS spatial
+    sampling): one shadow cache per candidate mode, capacity/RATE blocks, fed the 1/RATE
+    sample of keys. pick() follows the best recent scorer (scores halve every WINDOW shadow
+    capacities of sampled accesses), but leaves plain LRU only for a candidate that beats it
+    by a margin, and the blind order only for a hinted one that beats the best blind one by
+    a margin: where the sample cannot tell, the policy keeps LRU's (or the blind) order.
+    The hinted shadows start when the first hint arrives, as copies of the blind ones.
+    O(log n) amortized per operation (lazy heaps) plus O(candidates) shadow work per sampled
+    access.
     """
 
     kind = "default"
+    SNAPSHOT_V = 2
     GHOST_FACTOR = 2                      # history length in capacities (as in ARC)
     SHARES: tuple[float | None, ...] = (None, 0.5, 0.75, 0.875, 0.9375)   # None: plain LRU
     RATE = 16                             # shadow sampling rate (SHARDS-style)
     WINDOW = 4                            # shadow scores halve every WINDOW shadow capacities
-    TAIL_MIN = 16                         # tails observed before the tail rule can engage
+    MARGIN = 0.02                         # relative lead a candidate needs over LRU / blind
+    MARGIN_HITS = 4.0                     # ... and in (decayed) sampled hits
 
-    def __init__(self, capacity_blocks_hint: int | None = None, shadow: bool = True) -> None:
+    def __init__(self, capacity_blocks_hint: int | None = None, shadow: bool = True,
+                 mode: tuple[float | None, bool, int] = (None, False, 0)) -> None:
         self._hint = capacity_blocks_hint if capacity_blocks_hint and capacity_blocks_hint > 0 \
             else None
-        self._leaves = PrefixLeaves(2)
+        self._leaves = PrefixLeaves(_HEAPS)
         self._clock = 0
         self._peak = 0
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
-        self._share: float | None = 0.5
-        # tail learning: recently written keys -> is the last key of its put; decayed counts
-        self._fresh: OrderedDict[bytes, bool] = OrderedDict()
-        self._written = [0.0, 0.0]        # [other new blocks, put tails]
-        self._reused = [0.0, 0.0]
+        self._mode = mode
+        self._roles = _roles(mode[1], mode[2])
         self._shadows: list[list[Any]] | None = None
         self._sampled_n = 0
         if shadow:
-            self._shadows = []
-            for share in self.SHARES:
-                pol: Any = LRUPolicy() if share is None else SegmentedPolicy(1, shadow=False)
-                if share is not None:
-                    pol._share = share
-                self._shadows.append([pol, set(), 0.0])
+            self._shadows = [self._new_shadow((share, tail, 0))
+                             for share in self.SHARES for tail in (False, True)]
+        self._twins: list[list[Any]] | None = None
+        self._twin_n = 0
+
+    @staticmethod
+    def _new_shadow(mode: tuple[float | None, bool, int]) -> list[Any]:
+        return [SegmentedPolicy(1, shadow=False, mode=mode), set(), 0.0]
 
     def __len__(self) -> int:
         return len(self._leaves)
@@ -496,108 +534,162 @@ class SegmentedPolicy:
         """Blocks the tier holds: the hint, else the most ever resident (learned at first pick)."""
         return self._hint or max(self._peak, 1)
 
+    @property
+    def mode(self) -> tuple[float | None, bool, int]:
+        """(protected share or None for LRU, tail rule on, hints followed): the order in use."""
+        return self._mode
+
+    def _set_mode(self, mode: tuple[float | None, bool, int]) -> None:
+        if mode != self._mode:
+            self._mode = mode
+            self._roles = _roles(mode[1], mode[2])
+
     # ---------------------------------------------------------------- shadows
+    @classmethod
+    def _sampled(cls, gkey: bytes) -> bool:
+        return not zlib.crc32(gkey) % cls.RATE
+
     def _shadow(self, gkey: bytes, parent: bytes | None) -> None:
-        if self._shadows is None or zlib.crc32(gkey) % self.RATE:
+        if self._shadows is None or not self._sampled(gkey):
             return
         cap = max(1, self.capacity // self.RATE)
         for sh in self._shadows:
-            pol, resident = sh[0], sh[1]
-            if isinstance(pol, SegmentedPolicy):
-                pol._hint = cap
-            sh[2] += _Duel._one(pol, resident, gkey, parent, cap)
+            sh[0]._hint = cap
+            sh[2] += _Duel._one(sh[0], sh[1], gkey, parent, cap)
         self._sampled_n += 1
         if self._sampled_n >= self.WINDOW * cap:
             self._sampled_n = 0
             for sh in self._shadows:
                 sh[2] /= 2
-        best = max(range(len(self._shadows)), key=lambda i: self._shadows[i][2])
-        if self._shadows[best][2] > 0:
-            self._share = self.SHARES[best]
+        self._choose()
 
-    # ---------------------------------------------------------------- tail learning
-    def _reuse(self, gkey: bytes) -> None:
-        cls = self._fresh.pop(gkey, None)
-        if cls is not None:
-            self._reused[cls] += 1
+    def _choose(self) -> None:
+        """Pick the order to follow. Blind: the best shadow, but plain LRU unless a candidate
+        leads it by the margin, and a new mode only when it leads the current one by the
+        margin too. Then the same order following hints, while its full-size twin leads the
+        blind twin running that blind order (by the margin to start following hints, by half
+        of it to keep following them: ties go to the blind order)."""
+        shadows = self._shadows
+        assert shadows is not None
 
-    def _note_new(self, gkey: bytes) -> None:
-        self._fresh[gkey] = False
-        self._written[0] += 1
-        limit = (1 + self.GHOST_FACTOR) * self.capacity
-        while len(self._fresh) > limit:
-            self._fresh.popitem(last=False)
-        if self._written[0] + self._written[1] > limit:
-            self._written = [w / 2 for w in self._written]
-            self._reused = [r / 2 for r in self._reused]
+        def lead(a: float, b: float) -> bool:
+            return a > b * (1 + self.MARGIN) + self.MARGIN_HITS
 
-    def _tails_cheap(self) -> bool:
-        wn, wt = self._written
-        rn, rt = self._reused
-        return wt >= self.TAIL_MIN and wn > 0 and 2 * rt * wn < rn * wt
+        base = shadows[0]                  # (None, False, False): plain LRU
+        best = max(shadows, key=lambda sh: sh[2])
+        choice = best if lead(best[2], base[2]) else base
+        blind = self._mode[:2] + (0,)
+        current = next((sh for sh in shadows if sh[0]._mode == blind), None)
+        if current is None or (choice is not current and lead(choice[2], current[2])):
+            blind = choice[0]._mode
+        mode = blind
+        if self._twins is not None:
+            tb = self._twins[0]
+            tb[0]._set_mode(blind)
+            for tw in self._twins[1:]:
+                tw[0]._set_mode(blind[:2] + (tw[0]._mode[2],))
+            now = self._mode[2]
+            th = max(self._twins[1:], key=lambda tw: tw[2])
+            if now and th[0]._mode[2] != now and not lead(th[2], self._twins[now][2]):
+                th = self._twins[now]        # the other hint mode must lead by the margin
+            if lead(th[2], tb[2]) or (now and th[2] > tb[2] * (1 + self.MARGIN / 2)):
+                mode = blind[:2] + (th[0]._mode[2],)
+        self._set_mode(mode)
+
+    def _twin_access(self, gkey: bytes, parent: bytes | None) -> None:
+        """Full-size LRU twins, blind and hinted, see every access once hints exist.
+
+        Why full size: a sampled shadow scores every resident sampled key as a hit, which
+        misjudges orders that keep whole conversations (prefix hits need the whole leading
+        run); at full size a resident block's parents are resident too, so the twins count
+        what the real cache would. They cost one more LRU operation each per access."""
+        twins = self._twins
+        assert twins is not None
+        cap = self.capacity
+        for tw in twins:
+            tw[2] += _Duel._one(tw[0], tw[1], gkey, parent, cap)
+        self._twin_n += 1
+        if self._twin_n >= self.WINDOW * cap:
+            self._twin_n = 0
+            for tw in twins:
+                tw[2] /= 2
+
+    def _start_twins(self) -> None:
+        """First hint: both twins start as copies of the cache's current contents in LRU order,
+        so they differ only by what the hints do from now on."""
+        self._twins = []
+        for hinted in (0, STRICT, SOFT):
+            pol = SegmentedPolicy(self.capacity, shadow=False, mode=self._mode[:2] + (hinted,))
+            for gkey, node in self._leaves.ordered():
+                pol.insert(gkey, node[_PARENT], 1)
+            self._twins.append([pol, set(self._leaves.nodes), 0.0])
+        self._twin_n = 0
+
+    # ---------------------------------------------------------------- state changes
+    def _place(self, gkey: bytes, cls: int, hint: int = _N) -> None:
+        self._clock += 1
+        self._leaves.update(gkey, self._clock, cls * 3 + hint)
 
     def note_put(self, gkeys: list[bytes]) -> None:
-        """Optional hook: one put (or commit) wrote `gkeys`, in chain order.
-
-        The store calls it once per put/commit, after the blocks are inserted."""
+        """Optional hook: one put (or commit) wrote `gkeys`, in chain order (the store calls it
+        once per put/commit, after the blocks are inserted). Its last block, if still unused,
+        becomes a tail; whether tails go first is the tuner's choice (the tail rule)."""
         if not gkeys:
             return
         tail = gkeys[-1]
-        if self._fresh.get(tail) is False:
-            self._fresh[tail] = True
-            self._written[0] -= 1
-            self._written[1] += 1
-            node = self._leaves.nodes.get(tail)
-            if node is not None and node[_SEG] == 0 and self._tails_cheap():
-                self._leaves.update(tail, -self._clock, 0)
+        if self._shadows is not None and self._sampled(tail):
+            for pol, resident, _ in self._shadows:
+                if tail in resident:
+                    pol.note_put([tail])
+        for pol, resident, _ in self._twins or ():
+            if tail in resident:
+                pol.note_put([tail])
+        node = self._leaves.nodes.get(tail)
+        if node is not None and node[_SEG] // 3 == _P:
+            self._leaves.update(tail, node[_PRIO], _T * 3 + node[_SEG] % 3)
 
     def note_retention(self, gkeys: list[bytes], level: str) -> None:
-        """Optional hook (Store.retain): the engine's reuse hint. "low" sends the blocks to
-        probation's eviction end, "high" into the protected segment (as if hit)."""
-        if check_retention(level) == "normal":
-            return
+        """Optional hook (Store.retain): the engine's reuse hint. "low" blocks go first and
+        "high" ones are kept as protected *when the hinted order is in use*; the hint is
+        recorded either way, so the shadows can judge whether following hints pays."""
+        hint = _HINT_OF[check_retention(level)]
+        if self._shadows is not None and self._twins is None:
+            self._start_twins()
         for g in gkeys:
-            if self._shadows is not None and not zlib.crc32(g) % self.RATE:
-                # The shadows see the hints too, so the tuner picks what works *with* them.
-                for pol, resident, _ in self._shadows:
-                    if g in resident:
-                        pol.note_retention([g], level)
-            if g in self._leaves:
-                self._clock += 1
-                if level == "high":
-                    self._leaves.update(g, self._clock, 1)
-                else:
-                    self._leaves.update(g, -self._clock, 0)
+            for pol, resident, _ in (self._twins or ())[1:]:
+                if g in resident:
+                    pol.note_retention([g], level)
+            node = self._leaves.nodes.get(g)
+            if node is not None and node[_SEG] % 3 != hint:
+                self._leaves.update(g, node[_PRIO], node[_SEG] - node[_SEG] % 3 + hint)
 
     # ---------------------------------------------------------------- interface
     def record_miss(self, gkey: bytes) -> None:
         """Nothing to do: a key written again while in the ghost history is protected."""
 
     def insert(self, gkey: bytes, parent: bytes | None, size: int) -> None:
-        self._clock += 1
         self._shadow(gkey, parent)
+        if self._twins is not None:
+            self._twin_access(gkey, parent)
         if gkey in self._leaves:
-            self._reuse(gkey)
-            self._leaves.update(gkey, self._clock, 1)
+            self._place(gkey, _R)
             return
+        self._clock += 1
         if gkey in self._ghost:
             del self._ghost[gkey]
-            self._reuse(gkey)
-            seg = 1
+            cls = _R
         else:
-            self._fresh.pop(gkey, None)
-            self._note_new(gkey)
-            seg = 0
-        self._leaves.add(gkey, parent, self._clock, seg)
+            cls = _P
+        self._leaves.add(gkey, parent, self._clock, cls * 3)
         if len(self._leaves) > self._peak:
             self._peak = len(self._leaves)
 
     def touch(self, gkey: bytes) -> None:
         if gkey in self._leaves:
-            self._clock += 1
             self._shadow(gkey, None)
-            self._reuse(gkey)
-            self._leaves.update(gkey, self._clock, 1)
+            if self._twins is not None:
+                self._twin_access(gkey, None)
+            self._place(gkey, _R)          # reused: protected, and any hint is spent
 
     def remove(self, gkey: bytes) -> None:
         if self._leaves.remove(gkey) is None:
@@ -606,41 +698,55 @@ class SegmentedPolicy:
         while len(self._ghost) > self.GHOST_FACTOR * self.capacity:
             self._ghost.popitem(last=False)
 
-    def pick(self, can_evict: Callable[[bytes], bool]) -> bytes | None:
+    def _oldest(self, heaps: tuple[int, ...], can_evict: Callable[[bytes], bool]
+                ) -> bytes | None:
         leaves = self._leaves
-        if self._share is None:
-            a = leaves.peek(0, can_evict)
-            b = leaves.peek(1, can_evict)
-            if a is None or b is None:
-                return a or b
-            return a if leaves.nodes[a][_PRIO] < leaves.nodes[b][_PRIO] else b
-        first = 1 if leaves.sizes[1] > self._share * self.capacity or leaves.sizes[0] == 0 \
-            else 0
-        victim = leaves.peek(first, can_evict)
-        if victim is None:
-            victim = leaves.peek(1 - first, can_evict)
-        return victim
+        best, best_prio = None, None
+        for h in heaps:
+            if not leaves.sizes[h]:
+                continue
+            g = leaves.peek(h, can_evict)
+            if g is not None:
+                prio = leaves.nodes[g][_PRIO]
+                if best_prio is None or prio < best_prio:
+                    best, best_prio = g, prio
+        return best
+
+    def pick(self, can_evict: Callable[[bytes], bool]) -> bytes | None:
+        first, prob, prot, both = self._roles
+        victim = self._oldest(first, can_evict)
+        if victim is not None:
+            return victim
+        share = self._mode[0]
+        if share is None:
+            return self._oldest(both, can_evict)
+        sizes = self._leaves.sizes
+        if sum(sizes[h] for h in prot) > share * self.capacity or not any(sizes[h] for h in prob):
+            order = (prot, prob)
+        else:
+            order = (prob, prot)
+        return self._oldest(order[0], can_evict) or self._oldest(order[1], can_evict)
 
     def snapshot(self) -> bytes:
         nodes = [[k, n[_PARENT], n[_SEG]] for k, n in self._leaves.ordered()]
         return _pack({"kind": self.kind, "nodes": nodes, "peak": self._peak,
-                      "ghost": list(self._ghost), "share": self._share,
-                      "fresh": [[k, v] for k, v in self._fresh.items()],
-                      "written": list(self._written), "reused": list(self._reused),
-                      "scores": [sh[2] for sh in self._shadows or []]})
+                      "ghost": list(self._ghost), "mode": list(self._mode),
+                      "scores": [sh[2] for sh in self._shadows or []]}, self.SNAPSHOT_V)
 
     def restore(self, blob: bytes) -> None:
-        state = _unpack(blob, self.kind)
+        state = _unpack(blob, self.kind, self.SNAPSHOT_V)
         self.__init__(self._hint, shadow=self._shadows is not None)
         for gkey, parent, seg in state["nodes"]:
+            if not isinstance(seg, int) or not 0 <= seg < _HEAPS:
+                raise InvalidArgument(f"policy snapshot has an unknown block class {seg!r}")
             self._clock += 1
-            self._leaves.add(gkey, parent, self._clock, 1 if seg else 0)
+            self._leaves.add(gkey, parent, self._clock, seg)
         self._peak = max(int(state["peak"]), len(self._leaves))
         self._ghost.update((k, None) for k in state["ghost"])
-        self._share = state["share"]
-        self._fresh.update((k, bool(v)) for k, v in state["fresh"])
-        self._written = [float(x) for x in state["written"]]
-        self._reused = [float(x) for x in state["reused"]]
+        share, tail, hinted = state["mode"]
+        if hinted not in (0, STRICT, SOFT):
+            raise InvalidArgument(f"policy snapshot has an unknown hint mode {hinted!r}")
+        self._set_mode((None if share is None else float(share), bool(tail), int(hinted)))
         for sh, score in zip(self._shadows or [], state["scores"], strict=False):
             sh[2] = float(score)
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvstore_client.errors import InvalidArgument
 
-from kvstore.policy import EvictionPolicy, make_policy
+from kvstore.policy import EvictionPolicy, SegmentedPolicy, make_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -225,16 +225,34 @@ def test_harness_lru_matches_the_trace_readme_rule():
     assert 0 < plain <= opt and leaf <= opt
 
 
-@pytest.mark.parametrize("kind", ["hot-prompts", "scan", "shifting", "conversation"])
-def test_default_not_much_worse_than_lru_on_synthetic_traces(kind):
+@pytest.mark.parametrize("kind", ["hot-prompts", "scan", "shifting", "conversation", "chat",
+                                  "agent", "short-scan"])
+def test_default_never_below_lru_blind_or_hinted_on_synthetic_traces(kind):
     tr = _bench()
     trace = tr.synthetic(kind, n_requests=1500, seed=11)
     keys = tr.as_keys(trace)
+    signals = tr.session_signals(tr.session_hints(trace), trace)
     distinct = len({x for r in trace for x in r})
     cap = max(100, distinct // 10)
     lru = tr.replay_policy("lru", keys, cap).ratio
     pol = tr.replay_policy("default", keys, cap).ratio
-    assert pol >= lru - 0.02, (kind, pol, lru)
+    hinted = tr.replay_policy("default", keys, cap, signals=signals).ratio
+    assert pol >= lru and hinted >= pol, (kind, lru, pol, hinted)
+
+
+def test_wrong_hints_cannot_drag_the_default_below_blind():
+    """An engine whose hints are backwards (continuing sessions "low", closed ones "high"):
+    the hinted twin loses, so the policy keeps its blind order."""
+    tr = _bench()
+    trace = tr.synthetic("chat", n_requests=1500, seed=5)
+    keys = tr.as_keys(trace)
+    flip = {"session_closed": "session_continues", "session_continues": "session_closed"}
+    wrong = [(flip[s], False) for s, _ in tr.session_signals(tr.session_hints(trace), trace)]
+    cap = len({x for r in trace for x in r}) // 10
+    pol = tr.replay_policy("default", keys, cap).ratio
+    hinted = tr.replay_policy("default", keys, cap, signals=wrong).ratio
+    lru_wrong = tr.replay_policy("lru", keys, cap, signals=wrong).ratio
+    assert hinted >= pol > lru_wrong
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason="conversation trace not present")
@@ -267,25 +285,28 @@ def _conversations(policy, tails_reused: bool, turns: int = 60) -> None:
             prev = []                        # a new conversation
 
 
-@pytest.mark.parametrize("tails_reused", [False, True])
-def test_default_learns_whether_put_tails_are_worth_keeping(tails_reused):
-    p = make_policy("default", 10_000)
-    _conversations(p, tails_reused)
-    chain(p, [1, 2, 3])
-    p.note_put([k(1), k(2), k(3)])
-    victim = p.pick(lambda g: True)
-    if tails_reused:                         # a tail is a block like any other: LRU order
-        assert victim != k(3)
-    else:                                    # the fresh tail goes first
-        assert victim == k(3)
+def test_tail_mode_sends_put_tails_first_and_lru_mode_does_not():
+    """The tail rule is an order the tuner may pick, not a rewrite of the blocks' recency."""
+    for tail in (False, True):
+        p = SegmentedPolicy(64, shadow=False, mode=(None, tail, False))
+        chain(p, [1, 2, 3])
+        p.note_put([k(1), k(2), k(3)])
+        chain(p, [4, 5])
+        p.note_put([k(4), k(5)])
+        assert drain(p) == ([k(3), k(5), k(2), k(1), k(4)] if tail else
+                            [k(3), k(2), k(1), k(5), k(4)])
 
 
-def test_default_tail_rule_needs_evidence():
-    p = make_policy("default", 64)
-    chain(p, [1, 2, 3])
-    p.note_put([k(1), k(2), k(3)])
-    chain(p, [4, 5])
-    assert p.pick(lambda g: True) == k(3)    # LRU leaf order: no tail statistics yet
+def test_default_starts_in_lru_order():
+    """Where the tuner has no evidence, the default's order is LRU's."""
+    p, q = make_policy("default", 64), make_policy("lru", 64)
+    for pol in (p, q):
+        for c in range(6):
+            chain(pol, [10 * c + j for j in range(3)])
+        pol.touch(k(0))
+    p.note_put([k(50), k(51), k(52)])
+    assert p.mode == (None, False, False)
+    assert drain(p) == drain(q)
     p.note_put([])                           # harmless
 
 
@@ -318,9 +339,17 @@ def test_predictability_replay_is_lru_without_hints_and_gains_from_an_oracle(kin
     assert oracle >= round(lru, 2)
 
 
+def _hinted(name: str, cap: int):
+    """`name`'s policy, the default one fixed in a mode that follows hints (its tuner only
+    follows them where they pay: tested with traces below)."""
+    if name == "default":
+        return SegmentedPolicy(cap, shadow=False, mode=(0.5, False, True))
+    return make_policy(name, cap)
+
+
 @pytest.mark.parametrize("name", POLICIES)
 def test_retention_low_is_evicted_first_high_last(name):
-    p = make_policy(name, 64)
+    p = _hinted(name, 64)
     for c in range(4):
         chain(p, [100 * c, 100 * c + 1])
     p.note_retention([k(201), k(200)], "low")       # a leaf and its parent
@@ -334,12 +363,12 @@ def test_retention_low_is_evicted_first_high_last(name):
 
 @pytest.mark.parametrize("name", POLICIES)
 def test_retention_hint_is_kept_by_snapshots_and_checked(name):
-    p = make_policy(name, 64)
+    p = _hinted(name, 64)
     for c in range(5):
         chain(p, [c])
     p.note_retention([k(3)], "low")
     p.note_retention([k(4)], "normal")              # no change
-    q = make_policy(name, 64)
+    q = _hinted(name, 64)
     q.restore(p.snapshot())
     assert drain(q) == drain(p)
     with pytest.raises(InvalidArgument, match="retention level must be one of low, normal, "
@@ -351,9 +380,10 @@ def test_retention_hint_is_kept_by_snapshots_and_checked(name):
 def test_session_hints_lift_the_default_on_a_slice_of_the_real_trace():
     tr = _bench()
     trace = tr.load_trace(TRACE)[:3000]
-    keys, goes_on = tr.as_keys(trace), tr.session_hints(trace)
+    keys = tr.as_keys(trace)
+    signals = tr.session_signals(tr.session_hints(trace), trace)
     pol = tr.replay_policy("default", keys, 2000).ratio
-    hinted = tr.replay_policy("default", keys, 2000, goes_on=goes_on).ratio
+    hinted = tr.replay_policy("default", keys, 2000, signals=signals).ratio
     assert hinted > pol + 0.01
 
 
