@@ -178,8 +178,8 @@ def tier_key(offload_key: bytes) -> bytes:
 def vllm_python(arg: str) -> str:
     py = arg or os.environ.get("KVSTORE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
     if not Path(py).exists():
-        raise SystemExit(f"the vLLM environment's python {py} does not exist: build .venv-vllm "
-                         "(the README's test setup) or pass --vllm-python")
+        raise SystemExit(f"the vLLM environment's python {py} does not exist: `make vllm-env` "
+                         "builds .venv-vllm; or pass --vllm-python")
     return py
 
 

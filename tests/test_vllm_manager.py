@@ -34,8 +34,8 @@ def _need_vllm() -> Path:
     py = vllm_python()
     if py.exists():
         return py
-    why = (f"the vLLM environment is missing ({py} does not exist); build it with the README's "
-           "test setup (`make test`) or point KVSTORE_VLLM_PYTHON at its python")
+    why = (f"the vLLM environment is missing ({py} does not exist); `make vllm-env` builds it, "
+           "or point KVSTORE_VLLM_PYTHON at its python")
     if os.environ.get("CI"):
         pytest.fail(why)
     pytest.skip(why)
