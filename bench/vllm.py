@@ -176,7 +176,7 @@ def tier_key(offload_key: bytes) -> bytes:
 # -- in the bench's environment: the daemon and the engines ------------------------------------
 
 def vllm_python(arg: str) -> str:
-    py = arg or os.environ.get("KVSTORE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    py = arg or str(ROOT / ".venv-vllm" / "bin" / "python")
     if not Path(py).exists():
         raise SystemExit(f"the vLLM environment's python {py} does not exist: `make vllm-env` "
                          "builds .venv-vllm; or pass --vllm-python")

@@ -24,18 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_DEADLINE_S = 600.0
 
 
-def vllm_python() -> Path:
-    """The vLLM environment's interpreter: $KVSTORE_VLLM_PYTHON or <repo>/.venv-vllm."""
-    env = os.environ.get("KVSTORE_VLLM_PYTHON")
-    return Path(env) if env else ROOT / ".venv-vllm" / "bin" / "python"
-
-
 def _need_vllm() -> Path:
-    py = vllm_python()
+    py = ROOT / ".venv-vllm" / "bin" / "python"
     if py.exists():
         return py
-    why = (f"the vLLM environment is missing ({py} does not exist); `make vllm-env` builds it, "
-           "or point KVSTORE_VLLM_PYTHON at its python")
+    why = f"the vLLM environment is missing ({py} does not exist); `make vllm-env` builds it"
     if os.environ.get("CI"):
         pytest.fail(why)
     pytest.skip(why)
