@@ -61,6 +61,13 @@ WARMUP_TOKENS = 256
 RUN_DEADLINE_S = 600
 
 
+def _unlink_region(mgr: Any) -> None:
+    region = mgr.primary_tier._mmap_region
+    if region._creator:
+        os.unlink(region.mmap_path)
+        region._creator = False
+
+
 # -- in the vLLM environment: the tier's transfers --------------------------------------------
 
 def _tier(address: str) -> tuple[Any, Any, np.ndarray]:
@@ -94,6 +101,9 @@ def _tier(address: str) -> tuple[Any, Any, np.ndarray]:
             is_parallelism_agnostic=False),
         kv_cache_layout="NHD")
     mgr = TieringOffloadingSpec(cfg).get_manager()
+    # Only this process maps the primary tier: drop its name at once, so no exit path
+    # (os._exit, a crash) leaves it in /dev/shm.
+    _unlink_region(mgr)
     view = np.asarray(mgr.primary_tier.get_kv_memoryview()).view(np.uint8)
     return mgr, mgr.secondary_tiers[0], view
 
