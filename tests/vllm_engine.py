@@ -118,7 +118,20 @@ def run(args: argparse.Namespace) -> None:
     with open(args.out, "w") as f:
         json.dump(out, f)
     sys.stdout.flush()
+    _drop_offload_region(t)
     os._exit(0)   # skip vLLM's slow interpreter teardown; the output is written
+
+
+def _drop_offload_region(tier: object) -> None:
+    """Unlink the primary tier's shared-memory file: os._exit skips vLLM's cleanup, which would
+    have, and each engine run left its primary tier (64 MiB and up) in /dev/shm."""
+    spec = getattr(tier, "_offloading_spec", None)
+    path = getattr(getattr(spec, "_scheduler_mmap", None), "mmap_path", None)
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def main() -> None:

@@ -39,6 +39,13 @@ PRIMARY_CHUNKS = 8          # a small primary tier, so a few stores evict it
 STEP_S = 0.01
 
 
+def _unlink_region(mgr: Any) -> None:
+    region = mgr.primary_tier._mmap_region
+    if region._creator:
+        os.unlink(region.mmap_path)
+        region._creator = False
+
+
 class Capture(logging.Handler):
     """Keeps the tier's log records, to count what an operator would see."""
 
@@ -91,6 +98,9 @@ class Engine:
         self.spec_cls = TieringOffloadingSpec
         self.spec = TieringOffloadingSpec(cfg)
         self.mgr = self.spec.get_manager()
+        # Only this process maps the primary tier: drop its name at once, so no exit path
+        # (os._exit, a crash) leaves it in /dev/shm.
+        _unlink_region(self.mgr)
         self.tier = self.mgr.secondary_tiers[0]
         self.view = np.asarray(self.mgr.primary_tier.get_kv_memoryview()).view(np.uint8)
         self.jobs: list[dict[str, Any]] = []
