@@ -16,7 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
+from kvstore_client import connect
 from kvstore_client.layout import KVLayout
 from kvstore_client.sglang import identity
 from kvstore_client.sglang.pages import PageGeometry
@@ -181,7 +184,6 @@ class _Config:
 
 
 def _geo(layout: str = "layer_first", shape: tuple = (2, 4, 16, 2, 64)) -> PageGeometry:
-    import torch
     n = 1
     for s in shape:
         n *= s
@@ -230,3 +232,30 @@ def test_lossy_codec_only_where_the_page_layout_is_declared() -> None:
     plain = identity.namespace_args(_Config(), _geo(), codec="lossless", tenant_salt="")
     assert plain["codec"] == "lossless" and not plain["layout"].kv_axes
     assert plain["hash_scheme"].startswith("external:sglang-")
+
+
+def test_declared_page_layout_is_accepted_and_quantized_by_the_daemon(daemon) -> None:
+    """A layer-first MHA page declared as 2LTHD goes through the daemon's int8 codec: the
+    daemon accepts the declaration, and the page comes back close to (not equal to) the
+    original, with K and V of each head quantized separately."""
+    geo = _geo()
+    args = identity.namespace_args(_Config(model_name="lossy"), geo, codec="int8",
+                                   tenant_salt="")
+    page = torch.randn(geo.shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    src = page.view(torch.int16).numpy().reshape(-1).view(np.uint8)
+    out = np.zeros(geo.nbytes, dtype=np.uint8)
+    with connect(daemon.address) as c:
+        ns = c.namespace(**args)
+        key = identity.fold_key("cd" * 32)
+
+        def fill(base, offsets, first) -> None:
+            base[offsets[0]:offsets[0] + geo.nbytes] = src
+
+        def drain(base, offsets, first) -> None:
+            out[:] = base[offsets[0]:offsets[0] + geo.nbytes]
+        assert ns.store_blocks([key], fill) == 1
+        c.evict("host")                  # the int8 copy on SSD is what a later load reads
+        assert ns.load_blocks([key], drain) == 1
+    back = torch.from_numpy(out.view(np.int16).copy()).view(torch.bfloat16).view(geo.shape)
+    err = (back.float() - page.float()).abs().max().item()
+    assert 0 < err < 0.1 * page.float().abs().max().item()
