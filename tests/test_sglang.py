@@ -86,7 +86,7 @@ def test_pages_cross_processes_byte_equal_and_every_failure_is_a_miss(sgl_daemon
     assert set1["ok"] == [True] * 12 and set2["ok"] == [True] * 8 and set3["ok"] is True
     assert a["stats"]["layer_first"]["pages_set"] == 16
     assert a["storage_metrics"] == {"type": "StorageMetrics", "prefetch_pgs": 0,
-                                    "backup_pgs": 12}
+                                    "backup_pgs": 12 + 4}
 
     b = run(sgl_daemon.address, [
         {"op": "exists", "seed": 1, "pages": 12},
@@ -163,6 +163,7 @@ def test_daemon_killed_mid_batch_is_misses_then_recovers(tmp_path) -> None:
     finally:
         cleanup(d)
     chaos = r["steps"][1]
+    print("chaos:", json.dumps(chaos))            # figures for the record (pytest -s)
     assert chaos["killed_in_call"] is True
     assert chaos["exceptions"] == 0 and chaos["wrong_pages"] == 0
     assert chaos["calls_after_kill"] >= 1 and chaos["failed_pages"] > 0

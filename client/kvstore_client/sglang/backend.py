@@ -265,6 +265,7 @@ class KVStoreHiCache(HiCacheStorage):
             return True
         if not self.writer:
             return True
+        t0 = time.perf_counter()
         try:
             ns, geo = self._guard(), self._geo
             if values is None or len(values) != n:
@@ -281,6 +282,7 @@ class KVStoreHiCache(HiCacheStorage):
             self._count(pages_set_failed=n)
             return False
         self._count(pages_set=n)
+        self._metric("backup", n, time.perf_counter() - t0)
         return True
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
@@ -292,6 +294,7 @@ class KVStoreHiCache(HiCacheStorage):
         n = len(keys)
         if not n:
             return []
+        t0 = time.perf_counter()
         try:
             ns, geo = self._guard(), self._geo
             if target_locations is None:
@@ -312,6 +315,7 @@ class KVStoreHiCache(HiCacheStorage):
             self._count(pages_get_failed=n)
             return [None] * n
         self._count(pages_get=got, pages_get_failed=n - got)
+        self._metric("prefetch", got, time.perf_counter() - t0)
         return list(target_locations[:got]) + [None] * (n - got)
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
