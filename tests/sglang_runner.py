@@ -2,10 +2,10 @@
 
 Runs under the SGLang environment (`.venv-sglang`, `make sglang-env`), never under pytest: the
 tests start it as a subprocess, so every backend instance is a separate process with its own
-host pool, as two SGLang servers on one node are. It builds SGLang's real
-MHATokenToKVPoolHost on CPU, creates the backend through SGLang's StorageBackendFactory exactly
-as `--hicache-storage-backend dynamic` does, runs the steps it is given, and prints one JSON
-object (the steps' results) as its last line.
+host pool, as two SGLang servers on one node are. It builds SGLang's real MHATokenToKVPoolHost
+(or, with --mla, MLATokenToKVPoolHost) on CPU, creates the backend through SGLang's
+StorageBackendFactory exactly as `--hicache-storage-backend dynamic` does, runs the steps it
+is given, and prints one JSON object (the steps' results) as its last line.
 
     python tests/sglang_runner.py --address ADDR --layouts layer_first,page_first --steps JSON
 
@@ -43,9 +43,15 @@ _tv.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 _tv.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 
 # ruff: noqa: E402
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+from sglang.srt.mem_cache.device_pool_info import (
+    KVBufferLayout,
+    KVBuffers,
+    MHABufferInfo,
+    MLABufferInfo,
+)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
@@ -68,13 +74,29 @@ def make_pool(layout: str, layers: int, heads: int, head_dim: int, page: int,
                                 host_token_capacity=capacity_pages * page)
 
 
+def make_mla_pool(layout: str, layers: int, page: int, capacity_pages: int,
+                  dtype: torch.dtype) -> MLATokenToKVPoolHost:
+    """SGLang's own MLA host pool on CPU (latent rank 64 + rope 16 per token and layer)."""
+    lora, rope = 64, 16
+    dev = tuple(torch.zeros(page, 1, lora + rope, dtype=dtype) for _ in range(layers))
+    info = MLABufferInfo(
+        buffers=dev, data_ptrs=torch.tensor([t.data_ptr() for t in dev], dtype=torch.uint64),
+        layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=page,
+        kv_lora_rank=lora, qk_rope_head_dim=rope, kv_cache_dim=lora + rope, dtype=dtype,
+        device=torch.device("cpu"))
+    return MLATokenToKVPoolHost(info, 1.0, 0, page, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=page, start_layer=0, end_layer=layers,
+                                target_layer_num=layers,
+                                host_token_capacity=capacity_pages * page)
+
+
 def make_backend(args: argparse.Namespace, pool: MHATokenToKVPoolHost,
                  layout: str) -> HiCacheStorage:
     extra = {"backend_name": "kvstore", "module_path": "kvstore_client.sglang",
              "class_name": "KVStoreHiCache", "interface_v1": 1, "address": args.address,
              "timeout_s": args.timeout_s, "exists_deadline_s": args.exists_deadline_s}
     cfg = HiCacheStorageConfig(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_rank=0,
-                               pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+                               pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=args.mla,
                                enable_storage_metrics=True,
                                is_page_first_layout=layout == "page_first",
                                model_name=args.model, extra_config=extra)
@@ -386,14 +408,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tp-rank", type=int, default=0)
     ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--mla", action="store_true", help="SGLang's MLA host pool, an MLA model")
     ap.add_argument("--timeout-s", type=float, default=3.0)
     ap.add_argument("--exists-deadline-s", type=float, default=1.0)
     args = ap.parse_args()
     layouts = args.layouts.split(",")
     pairs = {}
     for layout in layouts:
-        pool = make_pool(layout, args.layers, args.heads, args.head_dim, args.page,
-                         args.capacity_pages, getattr(torch, args.dtype))
+        if args.mla:
+            pool = make_mla_pool(layout, args.layers, args.page, args.capacity_pages,
+                                 getattr(torch, args.dtype))
+        else:
+            pool = make_pool(layout, args.layers, args.heads, args.head_dim, args.page,
+                             args.capacity_pages, getattr(torch, args.dtype))
         pairs[layout] = (make_backend(args, pool, layout), pool)
     first = pairs[layouts[0]][0]
     out: dict = {"backend": f"{type(first).__module__}.{type(first).__name__}",

@@ -142,6 +142,28 @@ def test_promote_ahead_from_ssd(sgl_daemon) -> None:
     assert get["ok"] == [True] * 6 and get["equal"] == [True] * 6
 
 
+def test_mla_pages_are_one_copy_for_every_tp_rank(sgl_daemon) -> None:
+    """SGLang's MLA host pool: TP rank 0 (the storage writer) stores, TP rank 1 of the same
+    model, in another process, reads the same pages; rank 1 never writes (its sets are
+    no-ops reported as done, as SGLang expects of MLA replicas)."""
+    mla = ("--mla", "--tp-size", "2")
+    w = run(sgl_daemon.address, [{"op": "set", "seed": 41, "pages": 8}],
+            args=(*mla, "--tp-rank", "0"))
+    assert w["pool"] == "MLATokenToKVPoolHost" and w["steps"][0]["ok"] == [True] * 8
+    r = run(sgl_daemon.address, [
+        {"op": "exists", "seed": 41, "pages": 8},
+        {"op": "get", "seed": 41, "pages": 8},
+        {"op": "set", "seed": 42, "pages": 4},
+        {"op": "exists", "seed": 42, "pages": 4},
+    ], args=(*mla, "--tp-rank", "1"))
+    ex, get, replica_set, replica_ex = r["steps"]
+    assert ex["n"] == 8 and get["ok"] == [True] * 8 and get["equal"] == [True] * 8
+    assert get["digests"] == w["steps"][0]["digests"]
+    assert replica_set["ok"] == [True] * 4 and replica_ex["n"] == 0
+    assert r["stats"]["layer_first"]["engine_layout"].startswith(
+        "sglang-hicache:MLATokenToKVPoolHost:layer_first")
+
+
 def test_daemon_killed_mid_batch_is_misses_then_recovers(tmp_path) -> None:
     """SIGKILL the daemon while a batch is in flight: every call still returns a list of
     bools within its deadline, no page reported loaded holds wrong bytes, and once the daemon
