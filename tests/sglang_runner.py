@@ -248,8 +248,9 @@ def op_chaos(backend, pool, s: dict) -> dict:
         end = time.monotonic() + 30
         while time.monotonic() < end:
             if state["calls"] >= s.get("after_calls", 3) and state["in_call"]:
-                os.kill(s["kill_pid"], signal.SIGKILL)
-                state["killed_in_call"] = state["in_call"]
+                os.kill(s["kill_pid"], signal.SIGKILL)   # a batch is in flight (checked above)
+                state["killed_in_call"] = True
+                state["still_in_call_after_kill"] = state["in_call"]
                 state["killed_at"] = time.monotonic()
                 return
             time.sleep(0.0005)
@@ -318,6 +319,7 @@ def op_chaos(backend, pool, s: dict) -> dict:
             traceback.print_exc()
         time.sleep(0.2)
     return {"killed_in_call": state["killed_in_call"], "calls": state["calls"],
+            "still_in_call_after_kill": state.get("still_in_call_after_kill"),
             "calls_after_kill": len(durations_after),
             "max_call_s_after_kill": max(durations_after, default=0.0),
             "wrong_pages": wrong, "exceptions": errors, "ok_pages": ok_pages,
