@@ -25,7 +25,8 @@ import numpy as np
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from .. import connect
-from ..errors import KVStoreError, Unavailable
+from ..errors import InvalidArgument, KVStoreError, Unavailable
+from ..layout import CODECS
 from . import identity, pages
 
 log = logging.getLogger("kvstore.sglang")
@@ -65,6 +66,9 @@ class KVStoreHiCache(HiCacheStorage):
         if self.timeout_s <= 0 or self.exists_deadline_s <= 0:
             raise ValueError("kvstore: timeout_s and exists_deadline_s must be positive seconds")
         self.codec = str(settings.get("codec", "lossless"))
+        if self.codec not in CODECS:
+            raise ValueError(f"kvstore: unknown codec {self.codec!r} in the extra config; "
+                             f"expected one of {list(CODECS)}")
         self.tenant_salt = str(settings.get("tenant_salt", ""))
         self.model_name = str(settings.get("model_name") or "")
         self.prefetch = bool(settings.get("prefetch", True))
@@ -123,7 +127,12 @@ class KVStoreHiCache(HiCacheStorage):
                 cfg = _Renamed(cfg, self.model_name)
             args = identity.namespace_args(cfg, self._geo, codec=self.codec,
                                            tenant_salt=self.tenant_salt)
-            self._ns = self._client.namespace(**args)
+            try:
+                self._ns = self._client.namespace(**args)
+            except InvalidArgument as e:     # the daemon refuses this namespace: for good
+                self._disabled = f"the daemon refused the namespace: {e}"
+                log.error("kvstore: %s; every storage call is a miss", self._disabled)
+                raise Unavailable(self._disabled) from None
             log.info("kvstore: namespace %s for %s (%s, %d-byte pages, %s)",
                      self._ns.ns_id.hex(), args["model"], self._geo.engine_layout,
                      self._geo.nbytes, args["codec"])
