@@ -50,6 +50,7 @@ from sglang.srt.mem_cache.device_pool_info import (
     MLABufferInfo,
 )
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -417,12 +418,16 @@ def main() -> None:
     layouts = args.layouts.split(",")
     pairs = {}
     for layout in layouts:
-        if args.mla:
-            pool = make_mla_pool(layout, args.layers, args.page, args.capacity_pages,
-                                 getattr(torch, args.dtype))
-        else:
-            pool = make_pool(layout, args.layers, args.heads, args.head_dim, args.page,
-                             args.capacity_pages, getattr(torch, args.dtype))
+        # SGLang sizes host pools against free memory less a 10 GiB reserve for the OS, more
+        # than a shared 24 GiB test machine may have free; these pools are a few MiB, so
+        # give them SGLang's explicit budget instead of its reading of the machine.
+        with host_memory_budget_scope(1 << 30):
+            if args.mla:
+                pool = make_mla_pool(layout, args.layers, args.page, args.capacity_pages,
+                                     getattr(torch, args.dtype))
+            else:
+                pool = make_pool(layout, args.layers, args.heads, args.head_dim, args.page,
+                                 args.capacity_pages, getattr(torch, args.dtype))
         pairs[layout] = (make_backend(args, pool, layout), pool)
     first = pairs[layouts[0]][0]
     out: dict = {"backend": f"{type(first).__module__}.{type(first).__name__}",
