@@ -43,11 +43,14 @@ def sglang_python() -> str:
 
 
 def run(address: str, steps: list[dict], *, layouts: str = "layer_first",
-        args: tuple[str, ...] = (), background: bool = False) -> Any:
+        args: tuple[str, ...] = (), background: bool = False,
+        env_extra: dict[str, str] | None = None) -> Any:
     cmd = [sglang_python(), str(RUNNER), "--address", address, "--layouts", layouts,
            "--steps", json.dumps(steps), *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "client"), str(ROOT)])}
     env.pop("KVSTORE_ADDRESS", None)
+    env.pop("KVSTORE_NO_KERNEL", None)
+    env.update(env_extra or {})
     if background:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env, cwd=ROOT)
@@ -145,7 +148,8 @@ def test_promote_ahead_from_ssd(sgl_daemon) -> None:
 def test_mla_pages_are_one_copy_for_every_tp_rank(sgl_daemon) -> None:
     """SGLang's MLA host pool: TP rank 0 (the storage writer) stores, TP rank 1 of the same
     model, in another process, reads the same pages; rank 1 never writes (its sets are
-    no-ops reported as done, as SGLang expects of MLA replicas)."""
+    no-ops reported as done, as SGLang expects of MLA replicas). The writer copies with the
+    SDK's kernel, the reader with the numpy fallback (no numba): the same bytes either way."""
     mla = ("--mla", "--tp-size", "2")
     w = run(sgl_daemon.address, [{"op": "set", "seed": 41, "pages": 8}],
             args=(*mla, "--tp-rank", "0"))
@@ -155,7 +159,9 @@ def test_mla_pages_are_one_copy_for_every_tp_rank(sgl_daemon) -> None:
         {"op": "get", "seed": 41, "pages": 8},
         {"op": "set", "seed": 42, "pages": 4},
         {"op": "exists", "seed": 42, "pages": 4},
-    ], args=(*mla, "--tp-rank", "1"))
+    ], args=(*mla, "--tp-rank", "1"), env_extra={"KVSTORE_NO_KERNEL": "1"})
+    assert w["stats"]["layer_first"]["copy"] == "kernel"
+    assert r["stats"]["layer_first"]["copy"] == "numpy"
     ex, get, replica_set, replica_ex = r["steps"]
     assert ex["n"] == 8 and get["ok"] == [True] * 8 and get["equal"] == [True] * 8
     assert get["digests"] == w["steps"][0]["digests"]

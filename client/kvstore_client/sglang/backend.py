@@ -7,8 +7,9 @@ that is down, slow, restarting, full or serving a corrupt page makes the call a 
 an outage calls answer misses at once for a growing back-off instead of waiting on a dead socket.
 
 Pages move without a temporary: the zero-copy v1 calls (`"interface_v1": 1`) copy each page
-with one strided copy between SGLang's host pool and the daemon's shared-memory slot;
-loads are checksum-verified per page, and only a verified prefix is reported True.
+with one strided copy between SGLang's host pool and the daemon's shared-memory slot (the
+SDK's kernel copies and checksums in one pass where it applies); loads are checksum-verified
+per page, and only a verified prefix is reported True.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from typing import Any
 import numpy as np
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from .. import connect
+from .. import blockcopy, connect
 from ..errors import InvalidArgument, KVStoreError, Unavailable
 from ..layout import CODECS
+from ..namespace import fused
 from . import identity, pages
 
 log = logging.getLogger("kvstore.sglang")
@@ -75,6 +77,7 @@ class KVStoreHiCache(HiCacheStorage):
         self.mem_pool_host: Any = None
         self._geo: pages.PageGeometry | None = None
         self._views: pages.PageViews | None = None
+        self._plan: Any = None       # the SDK's copy kernel plan for the pool, when it applies
         self._client: Any = None
         self._ns: Any = None
         self._ns_lock = threading.Lock()
@@ -99,6 +102,7 @@ class KVStoreHiCache(HiCacheStorage):
             try:
                 self._geo = pages.geometry(mem_pool_host)
                 self._views = pages.PageViews(mem_pool_host)
+                self._plan = self._views.kernel_plan() if blockcopy.kernel_available() else None
                 self._disabled = None
             except Exception as e:
                 self._geo = None
@@ -175,6 +179,19 @@ class KVStoreHiCache(HiCacheStorage):
             self._metrics[f"{kind}_pgs"].append(n)
             self._metrics[f"{kind}_bandwidth"].append(gb / max(seconds, 1e-9))
 
+    def _fused(self, page_ids: list[int], ns: Any, to_slots: bool) -> Any:
+        """A fill/drain moving whole batches through the SDK's kernel: copy and checksum in one
+        pass over the bytes, split over the SDK's copy threads."""
+        plan, client = self._plan, ns.client
+
+        @fused
+        def move(base: Any, offsets: Sequence[int], first: int) -> Any:
+            sums = np.empty(len(offsets), dtype=np.uint64) if client.verify else None
+            blockcopy.run(plan, base, page_ids[first:first + len(offsets)], offsets, to_slots,
+                          sums, client.copy_threads)
+            return sums
+        return move
+
     @staticmethod
     def _parent(extra_info: Any) -> bytes | None:
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
@@ -225,6 +242,8 @@ class KVStoreHiCache(HiCacheStorage):
                 for j, off in enumerate(offsets):
                     src = views.view(starts[first + j])
                     np.copyto(pages.slot_words(base, off, src), src)
+            if self._plan is not None and all(st % geo.page_size == 0 for st in starts):
+                fill = self._fused([st // geo.page_size for st in starts], ns, True)
             ns.store_blocks([identity.fold_key(k) for k in keys], fill,
                             parent=self._parent(extra_info))
             self._ok()
@@ -256,6 +275,8 @@ class KVStoreHiCache(HiCacheStorage):
                 for j, off in enumerate(offsets):
                     dst = views.view(starts[first + j])
                     np.copyto(dst, pages.slot_words(base, off, dst))
+            if self._plan is not None and all(st % geo.page_size == 0 for st in starts):
+                drain = self._fused([st // geo.page_size for st in starts], ns, False)
             got = ns.load_blocks([identity.fold_key(k) for k in keys], drain)
             self._ok()
         except Exception as e:
@@ -364,6 +385,7 @@ class KVStoreHiCache(HiCacheStorage):
         out["namespace"] = self._ns.ns_id.hex() if self._ns is not None else None
         out["page_bytes"] = self._geo.nbytes if self._geo else 0
         out["engine_layout"] = self._geo.engine_layout if self._geo else ""
+        out["copy"] = "kernel" if self._plan is not None else "numpy"
         return out
 
     def close(self) -> None:

@@ -184,6 +184,27 @@ class PageViews:
             return None
         return fast
 
+    def kernel_plan(self) -> Any:
+        """A blockcopy plan (SDK kernel: copy and checksum in one parallel pass) addressing
+        page j (start token j * page_size) as block j; None where the fast views do not apply.
+
+        A page's rows are its view's leading index combinations in C order, each a contiguous
+        run of the merged trailing axes, which is the flat page's byte order.
+        """
+        if self._fast is None:
+            return None
+        from ..blockcopy import Plan
+        raw, off0, step, shape, strides, dt = self._fast
+        lead, lead_strides = shape[:-1], strides[:-1]
+        rows = np.zeros(1, dtype=np.int64)
+        for n, st in zip(lead, lead_strides, strict=True):
+            rows = (rows[:, None] + np.arange(n, dtype=np.int64)[None, :] * st).reshape(-1)
+        pages = (raw.nbytes - off0) // step
+        if pages <= 0 or strides[-1] != np.dtype(dt).itemsize:
+            return None
+        blk = off0 + np.arange(pages, dtype=np.int64) * step
+        return Plan([raw], raw.ctypes.data, blk, rows, shape[-1] * np.dtype(dt).itemsize)
+
     def view(self, start: int) -> np.ndarray:
         """The page starting at token index `start` (a multiple of the page size)."""
         if self._fast is None or start % self.page_size:
