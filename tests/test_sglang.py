@@ -197,7 +197,8 @@ def test_daemon_killed_mid_batch_is_misses_then_recovers(tmp_path) -> None:
     assert chaos["calls_after_kill"] >= 1 and chaos["failed_pages"] > 0
     assert chaos["max_call_s_after_kill"] < 2 * 2 + 5   # every RPC has a deadline (2 s here)
     assert chaos["recovered"] is True
-    assert r["stats"]["layer_first"]["errors"] > 0
+    st = r["stats"]["layer_first"]
+    assert st["pages_get_failed"] + st["pages_set_failed"] > 0   # counted, not raised
 
 
 # -- identity, without SGLang --------------------------------------------------------------
