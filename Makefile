@@ -18,7 +18,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_VERSION ?= 0.32.0
 
-.PHONY: setup dev serve test lint demo bench redis promtool clean vllm-env lmcache-venv
+.PHONY: setup dev serve test lint demo bench redis promtool clean vllm-env lmcache-venv sglang-env
 
 setup: $(VENV)/.installed
 
@@ -53,6 +53,29 @@ lmcache-venv: .venv-lmcache/.installed
 	echo "torch==2.13.0" > .venv-lmcache/constraints.txt
 	.venv-lmcache/bin/python -m pip install -q --disable-pip-version-check \
 	  -c .venv-lmcache/constraints.txt lmcache==0.5.6
+
+# SGLang for the HiCache backend tests (tests/test_sglang.py), in its own environment: sglang
+# 0.5.23 pins a CUDA torch and CUDA kernels, so it goes in with --no-deps on the CPU torch, plus
+# the modules its HiCache, host-pool and storage-factory imports need (docs/sglang.md).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PIP := $(SGLANG_VENV)/bin/python -m pip --disable-pip-version-check
+SGLANG_DEPS := orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 triton==3.9.0 \
+	packaging==26.4 pillow==13.0.0 starlette==1.10.0 msgspec==0.22.0 pydantic==2.14.4 \
+	pyzmq==27.3.0 tqdm==4.70.1 ipython==9.18.1 aiohttp==3.14.5 numpy==2.4.6 \
+	transformers==5.24.0 dill==0.4.1 apache-tvm-ffi==0.1.15.post2 sentencepiece==0.2.3 \
+	compressed-tensors==0.20.0 gguf==0.19.0
+
+sglang-env: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: client/pyproject.toml
+	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
+	echo "torch==2.13.0" > $(SGLANG_VENV)/constraints.txt
+	$(SGLANG_PIP) install -q torch==2.13.0
+	$(SGLANG_PIP) install -q --no-deps sglang==0.5.23
+	$(SGLANG_PIP) install -q -c $(SGLANG_VENV)/constraints.txt $(SGLANG_DEPS)
+	# The only torchvision wheel is a CUDA build; tests/sglang_runner.py says how it imports.
+	$(SGLANG_PIP) install -q --no-deps torchvision==0.28.0
+	$(SGLANG_PIP) install -q -c $(SGLANG_VENV)/constraints.txt -e ./client
 	touch $@
 
 redis:
@@ -81,7 +104,7 @@ $(VLLM_VENV)/.installed: client/pyproject.toml
 vllm-env: $(VLLM_VENV)/.installed
 
 # What the test suite needs installed before it runs (append prerequisites here).
-TEST_PREREQS := dev redis promtool vllm-env
+TEST_PREREQS := dev redis promtool vllm-env sglang-env
 
 test: $(TEST_PREREQS)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
@@ -93,4 +116,4 @@ demo: dev
 	$(VENV)/bin/kvstore demo $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) data .pytest_cache client/build build
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) data .pytest_cache client/build build
