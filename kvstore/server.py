@@ -664,16 +664,20 @@ class KVStoreServicer:
         return stats_to_proto(scoped_stats(self.store, scope), self.store.daemon_id)
 
     # -- fused calls: one round trip where the protocol allows (issue 19) ---------------------
-    def LookupReserve(self, raw: bytes) -> pb.LookupReserveResponse:
-        """Lookup, then Reserve slots for the missing keys (at most max_slots)."""
-        req = _parse(pb.LookupReserveRequest, raw)
+    def _fused_lookup(self, req: Any) -> tuple[bytes, list[bytes], str, float, Any]:
+        """The checks and the lookup both fused calls start with."""
         ns = check_ns(req.namespace_id)
         self.auth.check_ns(ns)
         keys = check_keys(req.keys)
         tier = check_slot_tier(req.tier, self.gpu_enabled)
         self.auth.check_tier(tier)
         ttl = check_ttl(req.ttl_s, self.max_ttl_s)
-        res = self._lookup(ns, keys)
+        return ns, keys, tier, ttl, self._lookup(ns, keys)
+
+    def LookupReserve(self, raw: bytes) -> pb.LookupReserveResponse:
+        """Lookup, then Reserve slots for the missing keys (at most max_slots)."""
+        req = _parse(pb.LookupReserveRequest, raw)
+        ns, keys, tier, ttl, res = self._fused_lookup(req)
         resp = pb.LookupReserveResponse(
             prefix_blocks=res.prefix_blocks,
             per_tier={str(k): int(v) for k, v in res.per_tier.items()})
@@ -688,13 +692,7 @@ class KVStoreServicer:
     def LookupAcquire(self, raw: bytes) -> pb.LookupAcquireResponse:
         """Lookup, then Acquire the cached prefix under a read lease."""
         req = _parse(pb.LookupAcquireRequest, raw)
-        ns = check_ns(req.namespace_id)
-        self.auth.check_ns(ns)
-        keys = check_keys(req.keys)
-        tier = check_slot_tier(req.tier, self.gpu_enabled)
-        self.auth.check_tier(tier)
-        ttl = check_ttl(req.ttl_s, self.max_ttl_s)
-        res = self._lookup(ns, keys)
+        ns, keys, tier, ttl, res = self._fused_lookup(req)
         resp = pb.LookupAcquireResponse(
             prefix_blocks=res.prefix_blocks,
             per_tier={str(k): int(v) for k, v in res.per_tier.items()})
