@@ -68,6 +68,16 @@ class HostConfig(TierConfig):
     # Check each block's commit checksum before its bytes leave the pool (Get, demotion,
     # write-through). Off only to measure what the check costs (bench/rpc.py).
     verify_reads: bool = True
+    # What Commit hashes of the slots a client filled: "sample" (one block per commit, so a
+    # client writing into a stale mapping is told at once; the reads above catch the rest)
+    # or "all". Without verify_reads, or a client that sends no checksums, it hashes all.
+    commit_check: str = "sample"
+
+    def check(self, name: str) -> None:
+        super().check(name)
+        if self.commit_check not in ("sample", "all"):
+            raise ConfigError(f'{name}.commit_check must be "sample" or "all", got '
+                              f"{self.commit_check!r}")
 
 
 @dataclass

@@ -531,7 +531,7 @@ class TierMovement:
         self.counters["corrupt_host_blocks"] += 1
         e = self.index.get(gkey)
         log.warning("dropping block %s: its host copy no longer matches the checksum taken at "
-                    "commit (found by %s; a client wrote into a committed slot)",
+                    "commit (found by %s; a client wrote into its slot during or after commit)",
                     gkey[-16:].hex(), path)
         if e is None or e.host is None or e.pins or e.moving is not None:
             # Leased, or an eviction victim in flight: the slot cannot be freed under its user.

@@ -78,6 +78,51 @@ def test_commit_with_wrong_checksum_publishes_nothing(tmp_path):
         assert store.host.used_bytes == used
 
 
+def test_commit_into_a_stale_mapping_is_refused_at_once(tmp_path):
+    # A client that wrote into a mapping the daemon no longer uses (a restarted daemon's old
+    # segment) leaves every slot unlike its checksums; the sampled check must catch it on
+    # every try, whichever block it picks.
+    with make_store(tmp_path) as store:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(20), 8)
+        for _ in range(20):
+            lease = store.reserve(ns, 8)
+            sums = [xxhash.xxh3_64_intdigest(kv_block(k)) for k in keys]
+            with pytest.raises(DataLoss, match="stale mapping"):
+                store.commit(lease.id, keys, checksums=sums)
+        assert store.lookup(ns, keys).prefix_blocks == 0
+        assert store.stats()["counters"]["commit_checksum_mismatch"] == 20
+
+
+@pytest.mark.parametrize("commit_check", ["sample", "all"])
+def test_a_torn_block_the_commit_did_not_hash_is_never_served(tmp_path, commit_check):
+    # One torn block among 8: "all" refuses the commit; "sample" may publish it, and then
+    # every read path drops it (counted) instead of serving it.
+    with make_store(tmp_path, commit_check=commit_check) as store:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(21), 8)
+        lease = store.reserve(ns, 8)
+        sums = []
+        for j, (slot, k) in enumerate(zip(lease.slots, keys, strict=True)):
+            data = kv_block(k)
+            sums.append(xxhash.xxh3_64_intdigest(data))
+            view = store.host.view(slot.offset, slot.length)
+            view[:] = np.frombuffer(data, np.uint8)
+            if j == 5:
+                view[100] ^= 0xFF          # torn: the checksum says otherwise
+        try:
+            store.commit(lease.id, keys, checksums=sums)
+        except DataLoss:
+            assert store.lookup(ns, keys).prefix_blocks == 0
+            return
+        assert commit_check == "sample"
+        got = store.get(ns, keys)
+        assert [k for k, _ in got] == keys[:5]
+        assert all(d == kv_block(k) for k, d in got)
+        assert store.stats()["counters"]["corrupt_blocks"] == 1
+        assert store.lookup(ns, keys).prefix_blocks == 5      # dropped, not kept
+
+
 def test_second_process_maps_host_slab_and_reads_committed_block(tmp_path):
     with make_store(tmp_path) as store:
         ns = namespace(store)
