@@ -221,3 +221,28 @@ def test_get_stream_never_sends_a_corrupt_block(daemon) -> None:
         assert ns.store(ids, kv) >= 1
         assert gns.load(ids, out=out) == 3 * 16
         assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_bytes", [32 << 10, 96 << 10, 12_345])
+def test_rows_plan_moves_the_head_of_each_row_of_a_chunk_pool(block_bytes: int) -> None:
+    # vLLM's primary tier: chunks of a 2-D pool, of which the first block_bytes are a block.
+    chunks = np.random.default_rng(3).integers(0, 255, (6, block_bytes + 4096), dtype=np.uint8)
+    plan = blockcopy.rows_plan(chunks, block_bytes)
+    assert plan is not None and plan.block_bytes == block_bytes
+    stride = (block_bytes + 4095) // 4096 * 4096
+    pool = aligned_buffer(3 * stride)
+    picked = [4, 0, 5]
+    sums = np.zeros(3, dtype=np.uint64)
+    blockcopy.run(plan, pool, picked, [0, stride, 2 * stride], True, sums, threads=2)
+    for j, c in enumerate(picked):
+        slot = pool[j * stride:j * stride + block_bytes]
+        assert np.array_equal(slot, chunks[c, :block_bytes])
+        assert int(sums[j]) == xxhash.xxh3_64_intdigest(slot)
+    back = np.zeros_like(chunks)
+    blockcopy.run(blockcopy.rows_plan(back, block_bytes), pool, [1, 2, 3],
+                  [0, stride, 2 * stride], False, None, threads=1)
+    assert np.array_equal(back[1:4, :block_bytes], chunks[picked, :block_bytes])
+    assert not back[:, block_bytes:].any() and not back[0].any()
+    assert blockcopy.rows_plan(chunks[:, ::2], 100) is None        # rows not contiguous
+    assert blockcopy.rows_plan(chunks, chunks.shape[1] + 1) is None  # block past the row

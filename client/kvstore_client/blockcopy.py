@@ -179,6 +179,25 @@ def paged_plan(layers: Sequence[np.ndarray], kv_axis: int, page_axis: int) -> Pl
     return Plan(list(layers), base, eng_blk, eng_row, T * H * D * isz)
 
 
+# Rows of a flat block are fed to the hash right after their copy: small enough that the
+# bytes are still in L1/L2 then (a whole 2 MiB block would be read back from L3 or memory).
+_FLAT_ROW_BYTES = 32 << 10
+
+
+def rows_plan(x: np.ndarray, block_bytes: int) -> Plan | None:
+    """A plan for blocks that are the first `block_bytes` of each row of a 2-D array (an
+    engine's own chunk pool, e.g. vLLM's primary CPU tier): block j is row j."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2 or x.size == 0 or block_bytes <= 0:
+        return None
+    if x.strides[1] != 1 or x.strides[0] < block_bytes or x.shape[1] < block_bytes:
+        return None
+    row = next((r for r in (_FLAT_ROW_BYTES >> i for i in range(10)) if block_bytes % r == 0),
+               block_bytes)
+    eng_blk = np.arange(x.shape[0], dtype=np.int64) * x.strides[0]
+    eng_row = np.arange(0, block_bytes, row, dtype=np.int64)
+    return Plan([x], _addr(x), eng_blk, eng_row, row)
+
+
 def run(plan: Plan, pool: np.ndarray, blocks: Sequence[int] | np.ndarray,
         offsets: Sequence[int], to_slots: bool, sums: np.ndarray | None,
         threads: int) -> None:

@@ -42,8 +42,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from .. import connect
+from .. import blockcopy, connect
 from ..errors import KVStoreError, Unavailable
+from ..namespace import fused
 from . import identity, keyspace
 from .lookups import HIT, MISS, Lookups
 
@@ -111,6 +112,10 @@ class KVStoreTier(SecondaryTierManager):
         arr = np.asarray(primary_kv_view)
         self._chunks = arr.view(np.uint8).reshape(arr.shape[0], -1)
         self.geometry = identity.chunk_geometry(offloading_spec, self._chunks.shape[1])
+        # One pass per byte (copy and checksum fused, on the client's copy threads) where the
+        # compiled kernel is available; numpy copies plus a separate checksum pass otherwise.
+        self._plan = (blockcopy.rows_plan(self._chunks, self.geometry.nbytes)
+                      if blockcopy.kernel_available() else None)
         self._io = ThreadPoolExecutor(max(1, int(io_threads)), thread_name_prefix="kvstore-vllm")
         self._jobs: dict[int, Future] = {}
         self._finished: list[JobResult] = []
@@ -236,13 +241,27 @@ class KVStoreTier(SecondaryTierManager):
             self._finished.append(result)
             self._jobs.pop(job.job_id, None)
 
+    def _mover(self, ns: Any, chunks: list[int], to_slots: bool) -> Any:
+        """A fused fill (to_slots) or drain between the chunks and pool slots, or None."""
+        plan, client = self._plan, ns.client
+        if plan is None:
+            return None
+
+        @fused
+        def move(base: np.ndarray, offsets: Any, first: int) -> np.ndarray | None:
+            sums = np.empty(len(offsets), dtype=np.uint64) if client.verify else None
+            blockcopy.run(plan, base, chunks[first:first + len(offsets)], offsets, to_slots,
+                          sums, client.copy_threads)
+            return sums
+        return move
+
     def _store(self, job: TransferJob, keys: list[bytes], chunks: list[int]) -> JobResult:
         ns, nb, src = self._guard(), self.geometry.nbytes, self._chunks
 
         def fill(base: np.ndarray, offsets: Any, first: int) -> None:
             for j, off in enumerate(offsets):
                 base[off:off + nb] = src[chunks[first + j], :nb]
-        ns.store_blocks(keys, fill)
+        ns.store_blocks(keys, self._mover(ns, chunks, True) or fill)
         self._ok()
         self._lookups.mark_hits(keys)
         self.counters["stored"] += len(keys)
@@ -256,7 +275,7 @@ class KVStoreTier(SecondaryTierManager):
                 dst[chunks[first + j], :nb] = base[off:off + nb]
         # load_blocks verifies each block's checksum and returns the verified prefix only.
         bad_sums = ns.client.counters["checksum_failures"]
-        n = ns.load_blocks(keys, drain)
+        n = ns.load_blocks(keys, self._mover(ns, chunks, False) or drain)
         self._ok()
         self.counters["loaded"] += n
         if n == len(keys):
