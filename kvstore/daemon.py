@@ -288,7 +288,7 @@ class Daemon:
         from .handoff import SUFFIX, Handoff
         from .metrics import Metrics
         from .server import SERVICE, KVStoreServicer, build_server
-        from .tenants import load_tenants
+        from .tenants import load_tenants, quota_overcommit
 
         cfg = self.config
         try:
@@ -296,6 +296,8 @@ class Daemon:
         except ConfigError as e:
             raise StartupError(f"config error: {e}", exit_code=2) from None
         insecure = check_exposure(cfg, tenants)
+        for line in quota_overcommit(cfg, tenants):
+            log.warning("%s", line)
         tls = _tls_credentials(cfg) if cfg.server.tcp else None
         check_data_dir_writable(self.lock.path.parent)    # before LOCK is touched at all
         self.lock.acquire()

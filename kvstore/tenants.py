@@ -130,3 +130,32 @@ def load_tenants(cfg: StoreConfig) -> dict[str, Tenant]:
                     raise ConfigError(f"tenants.{t.name} and tenants.{other} share a {kind}; "
                                       "one credential names one tenant")
     return tenants
+
+
+def quota_overcommit(cfg: StoreConfig, tenants: dict[str, Tenant]) -> list[str]:
+    """One warning per shared tier (ssd, remote) whose quotas cannot keep tenants apart.
+
+    A quota caps what a tenant stores; it keeps tenant A's blocks from being pushed out by
+    tenant B only while every tenant's cap fits the tier together. When a tenant has no cap
+    there, or the caps add up to more than the tier holds, the tier can fill below every cap
+    and then evicts by recency across tenants. The operator may want that (overcommit, as
+    with memory); it is said at start rather than discovered in an incident.
+    """
+    out = []
+    for tier in ("ssd", "remote"):
+        tc = getattr(cfg, tier)
+        if not tenants or not tc.enabled:
+            continue
+        uncapped = sorted(t.name for t in tenants.values() if not t.quota.get(tier))
+        total = sum(t.quota.get(tier, 0) for t in tenants.values())
+        if uncapped:
+            why = f"tenant(s) {', '.join(uncapped)} have no {tier}_quota"
+        elif total > tc.capacity:
+            why = f"the {tier}_quota values add up to {total} bytes, more than {tier}.capacity " \
+                  f"({tc.capacity})"
+        else:
+            continue
+        out.append(f"{tier} quotas do not isolate tenants: {why}, so the {tier} tier can fill "
+                   f"while tenants are under their quotas and then evicts across tenants by "
+                   f"recency (docs/security.md, Quotas)")
+    return out

@@ -384,3 +384,24 @@ def test_gpu_tier_is_admin_only_with_tenants(tmp_path: Path) -> None:
     quota.write_text(f'[tenants.q]\ntoken_sha256 = "{hash_token("q")}"\nhost_quota = "1MiB"\n')
     with pytest.raises(DaemonError, match="cannot be combined yet"):
         start_daemon(tmp_path / "e", {"auth.tokens_file": str(quota), **gpu})
+
+
+def test_quotas_that_cannot_isolate_tenants_are_said_at_start(world, tmp_path: Path) -> None:
+    from kvstore.config import StoreConfig
+    from kvstore.tenants import load_tenants, quota_overcommit
+
+    # The world's tenants have no ssd_quota: the running daemon said so once, naming them.
+    lines = [ln for ln in world.output().splitlines() if "quotas do not isolate" in ln]
+    assert len(lines) == 1 and "ssd" in lines[0] and "team-a" in lines[0], lines
+
+    cfg = StoreConfig(data_dir=str(tmp_path))
+    cfg.ssd.capacity = 10 << 20
+    cfg.tenants = {n: {"token_sha256": hash_token(n), "ssd_quota": q}
+                   for n, q in (("a", "6MiB"), ("b", "4MiB"))}
+    assert quota_overcommit(cfg, load_tenants(cfg)) == []           # 6 + 4 fit 10
+    cfg.tenants["b"]["ssd_quota"] = "5MiB"
+    (warn,) = quota_overcommit(cfg, load_tenants(cfg))
+    assert "add up to 11534336 bytes, more than ssd.capacity (10485760)" in warn
+    cfg.remote.enabled = True                                       # no remote quotas at all
+    assert len(quota_overcommit(cfg, load_tenants(cfg))) == 2
+    assert quota_overcommit(cfg, {}) == []                          # no tenants: one trust domain
