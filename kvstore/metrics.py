@@ -66,6 +66,8 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                   "promotion_duplicates": "Promoted copies dropped because a write stored the "
                                           "block meanwhile",
                   "commit_checksum_mismatch": "Commits refused: slot bytes != sent checksum",
+                  "acquire_cut_host_full": "Acquires that served a shorter prefix because "
+                                           "host could not hold more beside what they pinned",
                   "get_checksum_mismatch": "Get streams cut before a host block whose bytes "
                                            "no longer matched its checksum",
                   "leases_expired": "Leases reaped after their deadline",

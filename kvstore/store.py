@@ -708,7 +708,13 @@ class Store(DeviceMovement, TenantPools):
         pinned: list[Entry] = []
         try:
             while True:
-                got, wait = self._acquire_round(ns_id, keys[len(pinned):], remote_values)
+                try:
+                    got, wait = self._acquire_round(ns_id, keys[len(pinned):], remote_values)
+                except ResourceExhausted:
+                    if not pinned:
+                        raise
+                    self.counters["acquire_cut_host_full"] += 1     # as in _plan_round
+                    break
                 pinned += got
                 if wait is None or not wait.wait(PROMOTION_WAIT_S):
                     break
@@ -791,7 +797,15 @@ class Store(DeviceMovement, TenantPools):
                     continue
                 if e.moving is not None:
                     return chain, e.moving   # another acquire is promoting it
-                p = self.movement._reserve_promotion(e, remote_values, flight)
+                try:
+                    p = self.movement._reserve_promotion(e, remote_values, flight)
+                except ResourceExhausted:
+                    if not chain:
+                        raise
+                    # Host cannot make room beside what this acquire already pins (a prefix
+                    # longer than the pool): the blocks that fit are the answer, not an error.
+                    self.counters["acquire_cut_host_full"] += 1
+                    break
                 if p is None:
                     break
                 chain.append(p)

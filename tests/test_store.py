@@ -316,3 +316,25 @@ def test_retain_low_orders_eviction_and_reaches_every_tier(tmp_path):
         with pytest.raises(NotFound):
             store.retain(b"\x00" * 16, newer, "low")
         assert all(d == kv_block(k) for k, d in store.get(ns, newer))
+
+
+def test_acquire_of_a_prefix_longer_than_host_serves_what_fits(tmp_path):
+    # 300 blocks on SSD, a host pool of ~128: the acquire promotes and pins what host can hold
+    # and answers that prefix, byte-equal, instead of failing the whole load.
+    with make_store(tmp_path, host_capacity=256 << 10) as store:
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(30), 300)
+        for i in range(0, 300, 20):
+            store.put(ns, keys[i:i + 20], [kv_block(k) for k in keys[i:i + 20]],
+                      parent=keys[i - 1] if i else None)
+        store.evict("host")
+        assert store.lookup(ns, keys).per_tier["ssd"] == 300
+        lease = store.acquire(ns, keys)
+        n = len(lease.keys)
+        assert 0 < n < 300 and lease.keys == keys[:n]
+        for k, s in zip(lease.keys, lease.slots, strict=True):
+            assert store.host.view(s.offset, s.length).tobytes() == kv_block(k)
+        assert store.stats()["counters"]["acquire_cut_host_full"] == 1
+        store.release(lease.id)
+        got = store.get(ns, keys[n:])        # the rest is still there for the next call
+        assert got and all(d == kv_block(k) for k, d in got)
