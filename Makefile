@@ -53,6 +53,7 @@ lmcache-venv: .venv-lmcache/.installed
 	echo "torch==2.13.0" > .venv-lmcache/constraints.txt
 	.venv-lmcache/bin/python -m pip install -q --disable-pip-version-check \
 	  -c .venv-lmcache/constraints.txt lmcache==0.5.6
+	touch $@
 
 # SGLang for the HiCache backend tests (tests/test_sglang.py), in its own environment: sglang
 # 0.5.23 pins a CUDA torch and CUDA kernels, so it goes in with --no-deps on the CPU torch, plus
