@@ -170,6 +170,35 @@ def test_mla_pages_are_one_copy_for_every_tp_rank(sgl_daemon) -> None:
         "sglang-hicache:MLATokenToKVPoolHost:layer_first")
 
 
+def test_mha_tp_ranks_keep_their_own_pages_across_processes(sgl_daemon) -> None:
+    """An MHA model's TP ranks hold different heads under the same page hashes: rank 0 and
+    rank 1, each in its own process, store the same prompt; each reads back its own bytes,
+    and a rank of another TP size finds nothing (no false hit across ranks or sizes)."""
+    tp = ("--tp-size", "2")
+    r0 = run(sgl_daemon.address, [{"op": "set", "seed": 51, "pages": 6}],
+             args=(*tp, "--tp-rank", "0"))
+    r1 = run(sgl_daemon.address, [
+        {"op": "exists", "seed": 51, "pages": 6},       # rank 0's pages are not rank 1's
+        {"op": "set", "seed": 52, "pages": 6},          # other bytes, same kind of prompt
+        {"op": "get", "seed": 52, "pages": 6},
+    ], args=(*tp, "--tp-rank", "1"))
+    again0 = run(sgl_daemon.address, [
+        {"op": "get", "seed": 51, "pages": 6},
+        {"op": "exists", "seed": 52, "pages": 6},
+    ], args=(*tp, "--tp-rank", "0"))
+    other_size = run(sgl_daemon.address, [{"op": "exists", "seed": 51, "pages": 6}],
+                     args=("--tp-size", "4", "--tp-rank", "0"))
+    assert r0["steps"][0]["ok"] == [True] * 6
+    ex1, set1, get1 = r1["steps"]
+    assert ex1["n"] == 0
+    assert set1["ok"] == [True] * 6 and get1["ok"] == [True] * 6 and get1["equal"] == [True] * 6
+    get0, ex0 = again0["steps"]
+    assert get0["ok"] == [True] * 6 and get0["equal"] == [True] * 6
+    assert get0["digests"] == r0["steps"][0]["digests"]
+    assert ex0["n"] == 0
+    assert other_size["steps"][0]["n"] == 0
+
+
 def test_daemon_killed_mid_batch_is_misses_then_recovers(tmp_path) -> None:
     """SIGKILL the daemon while a batch is in flight: every call still returns a list of
     bools within its deadline, no page reported loaded holds wrong bytes, and once the daemon
