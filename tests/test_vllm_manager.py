@@ -169,3 +169,15 @@ def test_process_random_hashes_refused_with_one_line(run: dict[str, Any]) -> Non
 def test_runner_reports_vllm_version(run: dict[str, Any]) -> None:
     major, minor = (int(x) for x in run["vllm"].split(".")[:2])
     assert (major, minor) >= (0, 32), run["vllm"]
+
+
+def test_jobs_submitted_together_keep_their_own_results(run: dict[str, Any]) -> None:
+    s = scenario(run, "batched")
+    assert [j["success"] for j in s["stored"]] == [True, True, True], s["stored"]
+    a, b, c = s["loaded"]
+    assert a["success"] and c["success"], s["loaded"]
+    assert not b["success"] and b["successful_keys"] == s["keys"][1][:1]
+    assert s["equal"][0] == [True] * 3 and s["equal"][2] == [True] * 3
+    assert s["equal"][1][0] is True
+    # However the jobs were grouped (that depends on thread timing), every job ran once.
+    assert 1 <= s["tier"]["store_batches"] <= 3 and 2 <= s["tier"]["load_batches"] <= 3

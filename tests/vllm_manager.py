@@ -498,8 +498,52 @@ def sc_process_random(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # The hash-seed scenario re-seeds vLLM's hash chain for the whole process: it runs last.
+def sc_batched(args: argparse.Namespace) -> dict[str, Any]:
+    """Jobs submitted together (as vLLM submits a step's requests) share one store or load;
+    each still gets its own result. A load whose verified prefix ends inside one job fails
+    that job with the keys before the gap, and the jobs after it are loaded all the same."""
+    from kvstore_client.vllm.keyspace import fold_key
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    prompts = [prompt(60 + j, 3) for j in range(3)]
+    e = Engine(args.address, primary_chunks=20)
+    t = e.tier
+    try:
+        def run_jobs(first_chunk: int, promotion: bool, base_id: int) -> list[dict[str, Any]]:
+            jobs = [TransferJob(job_id=base_id + j, keys=keys,
+                                chunk_ids=np.arange(first_chunk + 3 * j, first_chunk + 3 * j + 3),
+                                is_promotion=promotion, req_context=ReqContext(req_id=f"b{j}"))
+                    for j, (keys, _) in enumerate(prompts)]
+            for job in jobs:
+                (t.submit_load if promotion else t.submit_store)(job)
+            end = time.monotonic() + 30
+            while len([j for j in e.jobs if j["job_id"] >= base_id]) < len(jobs) \
+                    and time.monotonic() < end:
+                t.get_finished_jobs()
+                time.sleep(STEP_S)
+            return sorted((j for j in e.jobs if j["job_id"] >= base_id),
+                          key=lambda j: j["job_id"])
+
+        for j, (keys, data) in enumerate(prompts):
+            for i, k in enumerate(keys):
+                e.view[3 * j + i, :CHUNK_BYTES] = np.frombuffer(data[k], np.uint8)
+        stored = run_jobs(0, False, 1000)
+        gap = prompts[1][0][1]                              # the middle job's second chunk
+        t._namespace().delete([fold_key(gap)])
+        e.view[10:19] = 0
+        loaded = run_jobs(10, True, 2000)
+        equal = [[e.view[10 + 3 * j + i, :CHUNK_BYTES].tobytes() == data[k]
+                  for i, k in enumerate(keys)] for j, (keys, data) in enumerate(prompts)]
+        return {"stored": stored, "loaded": loaded, "equal": equal, "tier": t.stats(),
+                "keys": [_hex(keys) for keys, _ in prompts], "exceptions": e.exceptions}
+    finally:
+        e.close()
+
+
 SCENARIOS = {"cascade_promote": sc_cascade_promote, "ssd": sc_ssd, "corrupt": sc_corrupt,
-             "down": sc_down, "hung": sc_hung, "process_random": sc_process_random}
+             "down": sc_down, "hung": sc_hung, "batched": sc_batched,
+             "process_random": sc_process_random}    # last: it reseeds vLLM's hashes
 
 
 def main() -> None:

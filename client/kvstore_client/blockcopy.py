@@ -191,7 +191,9 @@ def rows_plan(x: np.ndarray, block_bytes: int) -> Plan | None:
         return None
     if x.strides[1] != 1 or x.strides[0] < block_bytes or x.shape[1] < block_bytes:
         return None
-    row = next((r for r in (_FLAT_ROW_BYTES >> i for i in range(10)) if block_bytes % r == 0),
+    # A row size that divides the block, down to 4 KiB; else the block is one row (a hash
+    # call per few bytes would cost more than reading a small block back from L2).
+    row = next((r for r in (_FLAT_ROW_BYTES >> i for i in range(4)) if block_bytes % r == 0),
                block_bytes)
     eng_blk = np.arange(x.shape[0], dtype=np.int64) * x.strides[0]
     eng_row = np.arange(0, block_bytes, row, dtype=np.int64)

@@ -72,6 +72,8 @@ _METRICS = {
 
 
 _INSTANCES: weakref.WeakSet = weakref.WeakSet()
+# A queued transfer: (job, folded keys, primary-tier chunk ids, submit time).
+_Queued = tuple[TransferJob, list[bytes], list[int], float]
 
 
 def instances() -> list[KVStoreTier]:
@@ -117,7 +119,8 @@ class KVStoreTier(SecondaryTierManager):
         self._plan = (blockcopy.rows_plan(self._chunks, self.geometry.nbytes)
                       if blockcopy.kernel_available() else None)
         self._io = ThreadPoolExecutor(max(1, int(io_threads)), thread_name_prefix="kvstore-vllm")
-        self._jobs: dict[int, Future] = {}
+        self._jobs: dict[int, Future] = {}      # set when the job's result is out
+        self._queued: dict[Any, list[_Queued]] = {self._store: [], self._load: []}
         self._finished: list[JobResult] = []
         self._lock = threading.Lock()
         self._ns_lock = threading.Lock()
@@ -222,24 +225,39 @@ class KVStoreTier(SecondaryTierManager):
         rid = job.req_context.req_id if job.req_context is not None else None
         if rid is not None:
             self._req_keys.setdefault(rid, []).extend(keys)
+        done: Future = Future()
         with self._lock:
-            self._jobs[job.job_id] = self._io.submit(self._run, job, fn, keys, chunks)
+            self._jobs[job.job_id] = done
+            self._queued[fn].append((job, keys, chunks, time.monotonic()))
+        self._io.submit(self._drain_queue, fn)
 
-    def _run(self, job: TransferJob, fn: Any, keys: list[bytes], chunks: list[int]) -> None:
-        t0 = time.monotonic()
-        try:
-            result = fn(job, keys, chunks)
-        except Exception as e:          # never into vLLM: the whole job failed
-            self._failed(e)
-            result = JobResult(job.job_id, False, successful_keys=() if job.is_promotion
-                               else None)
-            self.counters["load_failed" if job.is_promotion else "store_failed"] += len(keys)
-            if job.is_promotion:
-                self._lookups.hold_misses(keys, self.failed_hold_s)
+    def _drain_queue(self, fn: Any) -> None:
+        """Run every job of this kind queued so far as one batch: vLLM submits a job per
+        request, and each alone would pay its own round trips (Reserve and Commit, Acquire and
+        Release); jobs that queued up while the copy threads were busy share them instead."""
+        with self._lock:
+            batch, self._queued[fn] = self._queued[fn], []
+        while batch:
+            self.counters["load_batches" if batch[0][0].is_promotion else "store_batches"] += 1
+            batch = fn(batch)
+
+    def _finish(self, job: TransferJob, result: JobResult, t0: float) -> None:
         result.transfer_time = time.monotonic() - t0
         with self._lock:
             self._finished.append(result)
-            self._jobs.pop(job.job_id, None)
+            done = self._jobs.pop(job.job_id, None)
+        if done is not None:
+            done.set_result(None)
+
+    def _fail_all(self, batch: list[_Queued], e: Exception) -> None:
+        """The whole batch failed (daemon down, full, ...): never into vLLM, a failed job each."""
+        self._failed(e)
+        for job, keys, _, t0 in batch:
+            self.counters["load_failed" if job.is_promotion else "store_failed"] += len(keys)
+            if job.is_promotion:
+                self._lookups.hold_misses(keys, self.failed_hold_s)
+            self._finish(job, JobResult(job.job_id, False, successful_keys=()
+                                        if job.is_promotion else None), t0)
 
     def _mover(self, ns: Any, chunks: list[int], to_slots: bool) -> Any:
         """A fused fill (to_slots) or drain between the chunks and pool slots, or None."""
@@ -255,37 +273,66 @@ class KVStoreTier(SecondaryTierManager):
             return sums
         return move
 
-    def _store(self, job: TransferJob, keys: list[bytes], chunks: list[int]) -> JobResult:
-        ns, nb, src = self._guard(), self.geometry.nbytes, self._chunks
+    def _store(self, batch: list[_Queued]) -> list[_Queued]:
+        """One store of every chunk in the batch; all its jobs succeed or fail together.
 
-        def fill(base: np.ndarray, offsets: Any, first: int) -> None:
-            for j, off in enumerate(offsets):
-                base[off:off + nb] = src[chunks[first + j], :nb]
-        ns.store_blocks(keys, self._mover(ns, chunks, True) or fill)
-        self._ok()
+        The batch is stored as one chain, so a job's first chunk may be recorded as the child
+        of another request's last: parents only steer eviction order (leaves first), and the
+        tier never knew a job's true parent anyway (vLLM stores a request in several jobs)."""
+        keys = [k for _, ks, _, _ in batch for k in ks]
+        chunks = [c for _, _, cs, _ in batch for c in cs]
+        try:
+            ns, nb, src = self._guard(), self.geometry.nbytes, self._chunks
+
+            def fill(base: np.ndarray, offsets: Any, first: int) -> None:
+                for j, off in enumerate(offsets):
+                    base[off:off + nb] = src[chunks[first + j], :nb]
+            ns.store_blocks(keys, self._mover(ns, chunks, True) or fill)
+            self._ok()
+        except Exception as e:
+            self._fail_all(batch, e)
+            return []
         self._lookups.mark_hits(keys)
         self.counters["stored"] += len(keys)
-        return JobResult(job.job_id, True, transfer_bytes=len(keys) * nb)
+        for job, ks, _, t0 in batch:
+            self._finish(job, JobResult(job.job_id, True, transfer_bytes=len(ks) * nb), t0)
+        return []
 
-    def _load(self, job: TransferJob, keys: list[bytes], chunks: list[int]) -> JobResult:
-        ns, nb, dst = self._guard(), self.geometry.nbytes, self._chunks
+    def _load(self, batch: list[_Queued]) -> list[_Queued]:
+        """One load of every chunk in the batch. It returns the verified prefix: the jobs
+        inside it succeed, the job it ends in fails with the keys that did load, and the jobs
+        after that (other requests, most likely still cached) come back to be tried again."""
+        keys = [k for _, ks, _, _ in batch for k in ks]
+        chunks = [c for _, _, cs, _ in batch for c in cs]
+        try:
+            ns, nb, dst = self._guard(), self.geometry.nbytes, self._chunks
 
-        def drain(base: np.ndarray, offsets: Any, first: int) -> None:
-            for j, off in enumerate(offsets):
-                dst[chunks[first + j], :nb] = base[off:off + nb]
-        # load_blocks verifies each block's checksum and returns the verified prefix only.
-        bad_sums = ns.client.counters["checksum_failures"]
-        n = ns.load_blocks(keys, self._mover(ns, chunks, False) or drain)
-        self._ok()
+            def drain(base: np.ndarray, offsets: Any, first: int) -> None:
+                for j, off in enumerate(offsets):
+                    dst[chunks[first + j], :nb] = base[off:off + nb]
+            # load_blocks verifies each block's checksum and returns the verified prefix only.
+            bad_sums = ns.client.counters["checksum_failures"]
+            n = ns.load_blocks(keys, self._mover(ns, chunks, False) or drain)
+            self._ok()
+        except Exception as e:
+            self._fail_all(batch, e)
+            return []
         self.counters["loaded"] += n
-        if n == len(keys):
-            return JobResult(job.job_id, True, transfer_bytes=n * nb)
-        self.counters["load_failed"] += len(keys) - n
-        if ns.client.counters["checksum_failures"] != bad_sums:
-            self._drop_corrupt(ns, keys[n])
-        self._lookups.hold_misses(keys[n:], self.failed_hold_s)
-        ok = list(job.keys)[:n]
-        return JobResult(job.job_id, False, successful_keys=ok, transfer_bytes=n * nb)
+        at = 0
+        for i, (job, ks, _, t0) in enumerate(batch):
+            if at + len(ks) <= n:
+                self._finish(job, JobResult(job.job_id, True, transfer_bytes=len(ks) * nb), t0)
+                at += len(ks)
+                continue
+            got = n - at
+            self.counters["load_failed"] += len(ks) - got
+            if ns.client.counters["checksum_failures"] != bad_sums:
+                self._drop_corrupt(ns, ks[got])
+            self._lookups.hold_misses(ks[got:], self.failed_hold_s)
+            self._finish(job, JobResult(job.job_id, False, successful_keys=list(job.keys)[:got],
+                                        transfer_bytes=got * nb), t0)
+            return batch[i + 1:]
+        return []
 
     def _drop_corrupt(self, ns: Any, key: bytes) -> None:
         """Delete a block whose bytes failed their checksum, so that no engine is offered it
@@ -384,6 +431,8 @@ class KVStoreTier(SecondaryTierManager):
         return {**self._totals(), "queries": s.queries, "keys_asked": s.keys_asked,
                 "pending": s.pending, "errors": dict(self.counters).get("errors", 0),
                 "corrupt_dropped": dict(self.counters).get("corrupt_dropped", 0),
+                "store_batches": self.counters["store_batches"],
+                "load_batches": self.counters["load_batches"],
                 "last_errors": list(s.errors), "disabled": self._disabled,
                 "namespace": self._ns.ns_id.hex() if self._ns is not None else None}
 
