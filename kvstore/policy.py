@@ -25,6 +25,7 @@ rebuilt when more than half their entries are stale.
 from __future__ import annotations
 
 import heapq
+import math
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
@@ -80,8 +81,19 @@ class PrefixLeaves:
             self._rebuild(node[_SEG])
 
     def _rebuild(self, seg: int) -> None:
-        """Drop stale entries; amortized O(1) per push since half the heap was garbage."""
-        heap = [(n[_PRIO], k) for k, n in self.nodes.items() if n[_SEG] == seg and not n[_CHILDREN]]
+        """Drop stale (and duplicate) entries; amortized O(1) per push since half the heap was
+        garbage. Filters the heap itself rather than scanning every node: with many segments a
+        small one is rebuilt often, and a scan of all nodes would cost O(n) each time. Every
+        leaf of `seg` has an entry (each change that makes or moves a leaf pushes one)."""
+        nodes = self.nodes
+        seen: set[bytes] = set()
+        heap = []
+        for prio, k in self._heaps[seg]:
+            n = nodes.get(k)
+            if n is not None and n[_PRIO] == prio and n[_SEG] == seg and not n[_CHILDREN] \
+                    and k not in seen:
+                seen.add(k)
+                heap.append((prio, k))
         heapq.heapify(heap)
         self._heaps[seg] = heap
 
@@ -484,15 +496,16 @@ class SegmentedPolicy:
       prefix cache, and its key changes when the conversation grows).
     * hint: engine hints reorder ("low" first, "high" as protected); off: hints are ignored.
 
-    The mode is chosen online by miniature caches (Waldspurger et al., ATC'17; SHARDS spatial
-    sampling): one shadow cache per candidate mode, capacity/RATE blocks, fed the 1/RATE
-    sample of keys. pick() follows the best recent scorer (scores halve every WINDOW shadow
-    capacities of sampled accesses), but leaves plain LRU only for a candidate that beats it
-    by a margin, and the blind order only for a hinted one that beats the best blind one by
-    a margin: where the sample cannot tell, the policy keeps LRU's (or the blind) order.
-    The hinted shadows start when the first hint arrives, as copies of the blind ones.
+    The blind mode is chosen online by miniature caches (Waldspurger et al., ATC'17; SHARDS
+    spatial sampling): one shadow cache per candidate mode, capacity/RATE blocks, fed the
+    1/RATE sample of keys. pick() follows the best recent scorer (scores halve every WINDOW
+    shadow capacities of sampled accesses), but leaves plain LRU only for a candidate that
+    beats it by a margin: where the sample cannot tell, the policy keeps LRU's order.
+    Whether to follow hints is judged by three full-size twins (blind, strict, soft) that
+    start at the first hint as copies of the cache: a hint mode is followed once its twin
+    beats the blind twin in a paired test (``_beats``), else the blind order stays.
     O(log n) amortized per operation (lazy heaps) plus O(candidates) shadow work per sampled
-    access.
+    access, and three twin operations per access once hints exist.
     """
 
     kind = "default"
@@ -503,6 +516,7 @@ class SegmentedPolicy:
     WINDOW = 4                            # shadow scores halve every WINDOW shadow capacities
     MARGIN = 0.02                         # relative lead a candidate needs over LRU / blind
     MARGIN_HITS = 4.0                     # ... and in (decayed) sampled hits
+    PAIR_Z = 3.0                          # twins: hints followed when they win at z >= 3
 
     def __init__(self, capacity_blocks_hint: int | None = None, shadow: bool = True,
                  mode: tuple[float | None, bool, int] = (None, False, 0)) -> None:
@@ -521,6 +535,7 @@ class SegmentedPolicy:
                              for share in self.SHARES for tail in (False, True)]
         self._twins: list[list[Any]] | None = None
         self._twin_n = 0
+        self._disc = [[0.0] * 3 for _ in range(3)]   # [i][j]: accesses twin i hit, j missed
 
     @staticmethod
     def _new_shadow(mode: tuple[float | None, bool, int]) -> list[Any]:
@@ -588,13 +603,25 @@ class SegmentedPolicy:
             tb[0]._set_mode(blind)
             for tw in self._twins[1:]:
                 tw[0]._set_mode(blind[:2] + (tw[0]._mode[2],))
+            d = self._disc
             now = self._mode[2]
-            th = max(self._twins[1:], key=lambda tw: tw[2])
-            if now and th[0]._mode[2] != now and not lead(th[2], self._twins[now][2]):
-                th = self._twins[now]        # the other hint mode must lead by the margin
-            if lead(th[2], tb[2]) or (now and th[2] > tb[2] * (1 + self.MARGIN / 2)):
-                mode = blind[:2] + (th[0]._mode[2],)
+            cand = max((STRICT, SOFT), key=lambda i: d[i][0] - d[0][i])
+            if now and cand != now and not self._beats(cand, now):
+                cand = now                   # the other hint mode must win significantly
+            if self._beats(cand, 0) or (cand == now and d[now][0] > d[0][now]):
+                mode = blind[:2] + (cand,)
         self._set_mode(mode)
+
+    def _beats(self, i: int, j: int) -> bool:
+        """Twin i wins over twin j beyond chance (McNemar's paired test).
+
+        Why paired: the twins see the same accesses, so only the accesses one of them hits
+        and the other misses say anything about which order is better; counting just those
+        (decayed like the scores), a real advantage shows after a few dozen of them, while a
+        relative margin on total hits needs thousands when both hit often, and meanwhile the
+        cache keeps the worse order. Ties (no significant difference) go to twin j."""
+        a, b = self._disc[i][j], self._disc[j][i]
+        return a - b > self.PAIR_Z * math.sqrt(a + b) + self.MARGIN_HITS
 
     def _twin_access(self, gkey: bytes, parent: bytes | None) -> None:
         """Full-size LRU twins, blind and hinted, see every access once hints exist.
@@ -606,13 +633,19 @@ class SegmentedPolicy:
         twins = self._twins
         assert twins is not None
         cap = self.capacity
-        for tw in twins:
-            tw[2] += _Duel._one(tw[0], tw[1], gkey, parent, cap)
+        hit = [_Duel._one(tw[0], tw[1], gkey, parent, cap) for tw in twins]
+        if hit[0] != hit[1] or hit[0] != hit[2]:
+            d = self._disc
+            for i in range(3):
+                if hit[i]:
+                    for j in range(3):
+                        if not hit[j]:
+                            d[i][j] += 1.0
         self._twin_n += 1
         if self._twin_n >= self.WINDOW * cap:
             self._twin_n = 0
-            for tw in twins:
-                tw[2] /= 2
+            for row in self._disc:
+                row[:] = [x / 2 for x in row]
 
     def _start_twins(self) -> None:
         """First hint: both twins start as copies of the cache's current contents in LRU order,
@@ -624,6 +657,7 @@ class SegmentedPolicy:
                 pol.insert(gkey, node[_PARENT], 1)
             self._twins.append([pol, set(self._leaves.nodes), 0.0])
         self._twin_n = 0
+        self._disc = [[0.0] * 3 for _ in range(3)]
 
     # ---------------------------------------------------------------- state changes
     def _place(self, gkey: bytes, cls: int, hint: int = _N) -> None:
@@ -655,10 +689,11 @@ class SegmentedPolicy:
         hint = _HINT_OF[check_retention(level)]
         if self._shadows is not None and self._twins is None:
             self._start_twins()
+        for pol, resident, _ in (self._twins or ())[1:]:
+            mine = [g for g in gkeys if g in resident]
+            if mine:
+                pol.note_retention(mine, level)
         for g in gkeys:
-            for pol, resident, _ in (self._twins or ())[1:]:
-                if g in resident:
-                    pol.note_retention([g], level)
             node = self._leaves.nodes.get(g)
             if node is not None and node[_SEG] % 3 != hint:
                 self._leaves.update(g, node[_PRIO], node[_SEG] - node[_SEG] % 3 + hint)
@@ -700,6 +735,31 @@ class SegmentedPolicy:
 
     def _oldest(self, heaps: tuple[int, ...], can_evict: Callable[[bytes], bool]
                 ) -> bytes | None:
+        """Least recent evictable leaf among `heaps`. Fast path: the oldest valid heap top
+        (stale tops are dropped on the way); only when that one is not evictable (pinned,
+        leased) does it search each heap past its unevictable leaves."""
+        leaves = self._leaves
+        nodes, sizes, all_heaps = leaves.nodes, leaves.sizes, leaves._heaps
+        best, best_prio = None, None
+        for h in heaps:
+            if not sizes[h]:
+                continue
+            heap = all_heaps[h]
+            while heap:
+                prio, g = heap[0]
+                n = nodes.get(g)
+                if n is None or n[_CHILDREN] or n[_PRIO] != prio or n[_SEG] != h:
+                    heapq.heappop(heap)
+                    continue
+                if best_prio is None or prio < best_prio:
+                    best, best_prio = g, prio
+                break
+        if best is None or can_evict(best):
+            return best
+        return self._oldest_evictable(heaps, can_evict)
+
+    def _oldest_evictable(self, heaps: tuple[int, ...], can_evict: Callable[[bytes], bool]
+                          ) -> bytes | None:
         leaves = self._leaves
         best, best_prio = None, None
         for h in heaps:
