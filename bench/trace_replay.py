@@ -8,7 +8,7 @@ longest cached leading run of blocks; afterwards all its blocks are stored), aga
     python bench/trace_replay.py [--quick] [--plot PNG] [--through-store] [--policies arc]
                                  TRACE.jsonl
     python bench/trace_replay.py --synthetic KIND   (hot-prompts, scan, shifting, conversation,
-                                                  chat, agent, short-scan)
+                                                  chat, agent, short-scan, rag)
 
 Prints a table, then as its last stdout line one JSON object:
 ``hit_lru`` / ``hit_policy`` / ``hit_opt`` (dicts keyed "1k", "2k", "5k", ...: block hit ratio
@@ -144,6 +144,12 @@ SESSION_SHAPES = {
     # many short sessions (1-3 turns) plus one-shot long scans that should not pollute
     "short-scan": dict(sessions=6000, systems=300, sys_blocks=(6, 30), turns=(1, 3),
                        turn_blocks=(1, 6), gap=(50, 8000), burst=1, scan=0.1),
+    # retrieval: a question (1-3 turns) about one of 600 Zipf-popular documents placed after
+    # one of 6 system prompts, so the shared part sits in the middle of the prompt and the
+    # sessions that close say "low" over documents other sessions will read again
+    "rag": dict(sessions=5000, systems=6, sys_blocks=(2, 8), turns=(1, 3),
+                turn_blocks=(1, 3), gap=(10, 2500), burst=1, scan=0.0,
+                docs=600, doc_blocks=(6, 40)),
 }
 
 
@@ -155,6 +161,10 @@ def _sessions(kind: str, rng: random.Random, fresh: Callable[[int], list[int]],
     shape = SESSION_SHAPES[kind]
     systems = [fresh(rng.randint(*shape["sys_blocks"])) for _ in range(shape["systems"])]
     weights = [1 / (i + 1) for i in range(len(systems))]
+    n_docs = shape.get("docs", 0)
+    doc_len = [rng.randint(*shape["doc_blocks"]) for _ in range(n_docs)]
+    doc_weights = [1 / (i + 1) for i in range(n_docs)]
+    doc_ids: dict[tuple[int, int], list[int]] = {}   # ids are prefix hashes: per system
     lo, hi = shape["gap"]
     due: list[tuple[float, int, list[int], int]] = []   # (time, seq, prompt, turns left)
     seq = 0
@@ -162,7 +172,13 @@ def _sessions(kind: str, rng: random.Random, fresh: Callable[[int], list[int]],
     for s_i in range(shape["sessions"]):
         if s_i % shape["burst"] == 0:
             t += rng.expovariate(1.0) * shape["burst"] * 2.5
-        prompt = rng.choices(systems, weights)[0] + fresh(rng.randint(*shape["turn_blocks"]))
+        if n_docs:
+            si = rng.choices(range(len(systems)), weights)[0]
+            di = rng.choices(range(n_docs), doc_weights)[0]
+            doc = doc_ids.get((si, di)) or doc_ids.setdefault((si, di), fresh(doc_len[di]))
+            prompt = systems[si] + doc + fresh(rng.randint(*shape["turn_blocks"]))
+        else:
+            prompt = rng.choices(systems, weights)[0] + fresh(rng.randint(*shape["turn_blocks"]))
         heapq.heappush(due, (t, seq, prompt, rng.randint(*shape["turns"])))
         seq += 1
     reqs: Trace = []
