@@ -34,7 +34,7 @@ sys.path.insert(0, str(_HERE.parent))
 from kvstore_client import KVLayout, NamespaceSpec  # noqa: E402
 
 from kvstore.config import StoreConfig  # noqa: E402
-from kvstore.index import NS_ID_BYTES, Entry  # noqa: E402
+from kvstore.index import NS_ID_BYTES  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from tiers.slab import ExtentAllocator  # noqa: E402
 
@@ -58,12 +58,14 @@ def store(folder: str, host: int, ssd: int = 1 << 30, bg: bool = True) -> Store:
 def index_blocks(s: Store, ns: bytes, n: int, start: int = 0) -> None:
     """What a warm restart does per SSD block (Store._rebuild), without the disk."""
     policy = s.policies["ssd"]
+    add = s.index.add_cold
+    size = SMALL.block_bytes
     for i in range(start, start + n):
         key = i.to_bytes(16, "big")
         parent = (i - 1).to_bytes(16, "big") if i % 64 else None
-        e = Entry(ns, key, parent, SMALL.block_bytes, i, ssd=True)
-        s.index.add(e)
-        policy.insert(ns + key, e.parent_gkey, e.size)
+        add(ns, key, parent, size, i, ssd=True)
+        policy.insert(ns + key, ns + parent if parent else None, size)
+    policy.compact()
 
 
 def index_figures(folder: str, big_n: int) -> dict:

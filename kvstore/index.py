@@ -3,12 +3,27 @@
 Keyed by global key (namespace id + block key) so one dict serves every namespace and no lookup
 can reach another namespace's block. A key appears once per tier (dedup): an entry records
 residency per tier rather than holding copies.
+
+Why two forms: an SSD tier holds millions of blocks and a Python object per block costs about
+twice the issue's per-block budget (docs/internals.md, "Index"). Every indexed block has a *row*
+in packed arrays (size, checksum, parent, flags, child count) and one dict slot key -> row;
+only blocks with live state (a host or GPU copy, pins, a move in flight) or that were asked
+for recently also have an `Entry` object ("hot"). `get()` hands out the block's Entry,
+creating it from the row on first use, so callers keep reading and changing fields the way
+they always did. A hot entry goes back to packed form ("freezes") only in `_sweep`, and only
+when nothing but the index refers to it (`sys.getrefcount`): an entry held anywhere, in a
+demotion batch, a Promotion, a local variable of a thread waiting for the lock, keeps its
+identity, so code that re-checks `index.get(g) is e` after releasing the lock still sees
+exactly what it would with one object per block. Rows stay fixed while a block is indexed,
+so a policy may key its own arrays by row (kvstore/rowleaves.py).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
-from collections.abc import Iterator
+from array import array
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 NS_ID_BYTES = 16
@@ -34,6 +49,7 @@ class Entry:
     # eviction demoting it to SSD (host copy still there, readable and acquirable). Meanwhile
     # no delete, eviction or other demotion or promotion touches it.
     moving: threading.Event | None = None
+    row: int = -1               # the block's row in the index (set by BlockIndex.add)
 
     @property
     def gkey(self) -> bytes:
@@ -48,89 +64,287 @@ class Entry:
         return self.host is not None or self.ssd or self.remote or self.gpu is not None
 
 
+class _Cold:
+    """What lookup() reads of a block without an Entry: one shared, read-only object per
+    combination of flags (no allocation on the lookup path)."""
+
+    __slots__ = ("ssd", "remote")
+    host = None
+    gpu = None
+    pins = 0
+    gpu_pins = 0
+    moving = None
+
+    def __init__(self, ssd: bool, remote: bool) -> None:
+        self.ssd = ssd
+        self.remote = remote
+
+
+_SSD, _REMOTE = 1, 2
+_COLD = [_Cold(bool(f & _SSD), bool(f & _REMOTE)) for f in range(4)]
+_SWEEP_MIN = 4096               # hot entries beyond those found busy at the last sweep
+
+
+def _refs(hot: dict[bytes, Entry], g: bytes) -> int:
+    """References to hot[g] seen from here; compared with the same call on a probe entry that
+    only a dict holds, so the baseline is this interpreter's own."""
+    e = hot[g]
+    return sys.getrefcount(e)
+
+
+_probe = {b"": Entry(b"", b"", None, 0, 0)}
+_ALONE = _refs(_probe, b"")
+del _probe
+
+
 class BlockIndex:
     def __init__(self) -> None:
-        self._entries: dict[bytes, Entry] = {}
-        self._by_ns: dict[bytes, set[bytes]] = {}
+        self._rows: dict[bytes, int] = {}           # every indexed gkey -> its row
+        self._hot: dict[bytes, Entry] = {}          # gkeys that have an Entry now
+        self._keys: list[bytes | None] = []         # row -> gkey (None: free row)
+        self._parent: list[bytes | None] = []       # row -> parent gkey (packed rows)
+        self._size = array("q")
+        self._sum = array("Q")
+        self._flags = bytearray()
+        self._children = array("i")
+        self._ns = array("H")                       # row -> namespace number
+        self._ns_no: dict[bytes, int] = {}
+        self._ns_ids: list[bytes] = []
+        self._ns_count: list[int] = []
+        self._free = array("i")
+        self._sweep_at = _SWEEP_MIN
         # Parents named by indexed blocks but not indexed themselves: only a key in here can
         # close a cycle of parent links when it arrives, so only then is its ancestry walked.
         self._awaited: dict[bytes, int] = {}
-        # The dict's own method: lookups call it once per key on the hot path.
-        self.get = self._entries.get
+        # Called with a row just before it is freed (a row-keyed policy forgets it).
+        self.on_free: list[Callable[[int], None]] = []
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._rows)
 
     def __contains__(self, gkey: bytes) -> bool:
-        return gkey in self._entries
+        return gkey in self._rows
 
+    # ------------------------------------------------------------------ rows
+    def row(self, gkey: bytes) -> int | None:
+        """The block's row (fixed while it stays indexed), None when not indexed."""
+        return self._rows.get(gkey)
+
+    def key_at(self, row: int) -> bytes:
+        k = self._keys[row]
+        assert k is not None, f"row {row} is free"
+        return k
+
+    def _new_row(self, g: bytes, ns_id: bytes) -> int:
+        n = self._ns_no.get(ns_id)
+        if n is None:
+            n = self._ns_no[ns_id] = len(self._ns_ids)
+            self._ns_ids.append(ns_id)
+            self._ns_count.append(0)
+        self._ns_count[n] += 1
+        if self._free:
+            r = self._free.pop()
+            self._keys[r] = g
+            self._ns[r] = n
+            return r
+        r = len(self._keys)
+        self._keys.append(g)
+        self._parent.append(None)
+        self._size.append(0)
+        self._sum.append(0)
+        self._flags.append(0)
+        self._children.append(0)
+        self._ns.append(n)
+        return r
+
+    def _free_row(self, r: int) -> None:
+        for cb in self.on_free:
+            cb(r)
+        self._ns_count[self._ns[r]] -= 1
+        self._keys[r] = None
+        self._parent[r] = None
+        self._flags[r] = 0
+        self._children[r] = 0
+        self._free.append(r)
+
+    def _canonical(self, g: bytes | None) -> bytes | None:
+        """The index's own key object for `g` when indexed (shared, not copied per child)."""
+        if g is None:
+            return None
+        r = self._rows.get(g)
+        return self._keys[r] if r is not None else g
+
+    # ------------------------------------------------------------------ entries
+    def get(self, gkey: bytes) -> Entry | None:
+        """The block's Entry (the same object for as long as anyone holds it), or None."""
+        e = self._hot.get(gkey)
+        if e is not None:
+            return e
+        r = self._rows.get(gkey)
+        if r is None:
+            return None
+        g = self._keys[r]
+        assert g is not None
+        e = self._thaw(g, r)
+        self._hot[g] = e
+        if len(self._hot) > self._sweep_at:
+            self._sweep()
+        return e
+
+    def peek(self, gkey: bytes) -> Entry | _Cold | None:
+        """Read-only view for hot paths that only read residency (lookup): the Entry if there
+        is one, else a shared object with the block's tier flags. Never change what it returns."""
+        e = self._hot.get(gkey)
+        if e is not None:
+            return e
+        r = self._rows.get(gkey)
+        return None if r is None else _COLD[self._flags[r]]
+
+    def _thaw(self, g: bytes, r: int) -> Entry:
+        pg = self._parent[r]
+        f = self._flags[r]
+        return Entry(g[:NS_ID_BYTES], g[NS_ID_BYTES:], pg[NS_ID_BYTES:] if pg else None,
+                     self._size[r], self._sum[r], ssd=bool(f & _SSD), remote=bool(f & _REMOTE),
+                     children=self._children[r], row=r)
+
+    def _freeze(self, e: Entry) -> None:
+        r = e.row
+        self._parent[r] = self._canonical(e.parent_gkey)
+        self._size[r] = e.size
+        self._sum[r] = e.checksum
+        self._flags[r] = (_SSD if e.ssd else 0) | (_REMOTE if e.remote else 0)
+        self._children[r] = e.children
+
+    def _sweep(self) -> None:
+        """Pack every hot entry that has no live state and that nobody else refers to."""
+        hot = self._hot
+        for g in list(hot):
+            e = hot[g]
+            idle = (e.host is None and e.gpu is None and not e.pins and not e.gpu_pins
+                    and e.moving is None)
+            del e
+            if idle and _refs(hot, g) <= _ALONE:
+                self._freeze(hot.pop(g))
+        self._sweep_at = 2 * len(hot) + _SWEEP_MIN
+
+    def compact(self) -> None:
+        """Pack what can be packed now (after a bulk load, before measuring memory)."""
+        self._sweep()
+
+    # ------------------------------------------------------------------ changes
     def add(self, entry: Entry) -> None:
         g = entry.gkey
+        if g in self._rows:
+            self.discard(g)
         if entry.parent and g in self._awaited and self._reaches(entry.parent_gkey, g):
             entry.parent = None     # a client-given parent that would close a cycle is dropped
-        self._entries[g] = entry
-        self._by_ns.setdefault(entry.ns_id, set()).add(g)
-        self._awaited.pop(g, None)
-        self._link(entry)
+        entry.row = self._new_row(g, entry.ns_id)
+        self._rows[g] = entry.row
+        self._hot[g] = entry
+        entry.children = self._awaited.pop(g, 0)
+        self._link(entry.parent_gkey, 1)
+        if len(self._hot) > self._sweep_at:
+            self._sweep()
 
-    def _link(self, entry: Entry) -> None:
-        p = entry.parent_gkey
+    def add_cold(self, ns_id: bytes, key: bytes, parent: bytes | None, size: int,
+                 checksum: int, ssd: bool = False, remote: bool = False) -> None:
+        """Index a block straight into packed form (warm restart: no Entry per block). Adding
+        parents before children, as `Store._rebuild` does, never walks an ancestry."""
+        g = ns_id + key
+        if g in self._rows:
+            self.discard(g)
+        pg = ns_id + parent if parent else None
+        if pg is not None and g in self._awaited and self._reaches(pg, g):
+            pg = None
+        r = self._new_row(g, ns_id)
+        self._rows[g] = r
+        self._parent[r] = self._canonical(pg)
+        self._size[r] = size
+        self._sum[r] = checksum
+        self._flags[r] = (_SSD if ssd else 0) | (_REMOTE if remote else 0)
+        self._children[r] = self._awaited.pop(g, 0)
+        self._link(pg, 1)
+
+    def _link(self, p: bytes | None, delta: int) -> None:
+        """Count a child in (delta 1) or out (-1) of parent `p`, indexed or awaited."""
         if p is None:
             return
-        if (parent := self._entries.get(p)) is not None:
-            parent.children += 1
-        else:
+        if (e := self._hot.get(p)) is not None:
+            e.children += delta
+        elif (r := self._rows.get(p)) is not None:
+            self._children[r] += delta
+        elif delta > 0:
             self._awaited[p] = self._awaited.get(p, 0) + 1
-
-    def _unlink(self, entry: Entry) -> None:
-        p = entry.parent_gkey
-        if p is None:
-            return
-        if (parent := self._entries.get(p)) is not None:
-            parent.children -= 1
         elif (n := self._awaited.get(p, 0)) > 1:
             self._awaited[p] = n - 1
         else:
             self._awaited.pop(p, None)
 
+    def _parent_of(self, g: bytes) -> bytes | None:
+        e = self._hot.get(g)
+        if e is not None:
+            return e.parent_gkey
+        r = self._rows.get(g)
+        return None if r is None else self._parent[r]
+
     def _reaches(self, start: bytes | None, target: bytes) -> bool:
         """Whether walking parent links up from `start` arrives at `target` (a cycle)."""
         seen = 0
-        while start is not None and seen <= len(self._entries):
+        while start is not None and seen <= len(self._rows):
             if start == target:
                 return True
-            e = self._entries.get(start)
-            start = e.parent_gkey if e is not None else None
+            start = self._parent_of(start)
             seen += 1
         return False
 
     def recount_children(self) -> None:
-        """Child counts after a bulk load in arbitrary order (warm restart)."""
+        """Child counts after a bulk load in arbitrary order."""
         self._awaited.clear()
-        for e in self._entries.values():
+        for e in self._hot.values():
             e.children = 0
-        for e in self._entries.values():
-            self._link(e)
+        for r, g in enumerate(self._keys):
+            if g is not None and g not in self._hot:
+                self._children[r] = 0
+        for g in self._keys:
+            if g is not None:
+                self._link(self._parent_of(g), 1)
 
     def set_parent(self, entry: Entry, parent: bytes | None) -> None:
         """Fill in a parent learned late (a block first seen without one)."""
         if entry.parent or not parent or self._reaches(entry.ns_id + parent, entry.gkey):
             return
         entry.parent = parent
-        self._link(entry)
+        self._link(entry.parent_gkey, 1)
 
     def discard(self, gkey: bytes) -> None:
-        e = self._entries.pop(gkey, None)
+        r = self._rows.pop(gkey, None)
+        if r is None:
+            return
+        e = self._hot.pop(gkey, None)
+        p = e.parent_gkey if e is not None else self._parent[r]
+        self._link(p, -1)
+        self._free_row(r)
         if e is not None:
-            self._unlink(e)
-            keys = self._by_ns.get(e.ns_id)
-            if keys is not None:
-                keys.discard(gkey)
-                if not keys:
-                    del self._by_ns[e.ns_id]
+            e.row = -1
 
+    # ------------------------------------------------------------------ walks
     def namespace_keys(self, ns_id: bytes) -> list[bytes]:
-        return list(self._by_ns.get(ns_id, ()))
+        n = self._ns_no.get(ns_id)
+        if n is None or not self._ns_count[n]:
+            return []
+        ns = self._ns
+        return [g for r, g in enumerate(self._keys) if g is not None and ns[r] == n]
 
     def entries(self) -> Iterator[Entry]:
-        return iter(list(self._entries.values()))
+        """Every block: the hot ones as their Entry, the packed ones as detached copies (read
+        them; change a block only through get())."""
+        hot = list(self._hot.values())
+        cold = [(r, g) for r, g in enumerate(self._keys) if g is not None and g not in self._hot]
+        yield from hot
+        for r, g in cold:
+            yield self._thaw(g, r)
+
+    @property
+    def hot_count(self) -> int:
+        """Blocks that have an Entry object right now."""
+        return len(self._hot)

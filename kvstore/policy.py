@@ -35,6 +35,8 @@ import msgpack
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.layout import check_retention
 
+from .rowleaves import RowLeaves, Rows
+
 SNAPSHOT_VERSION = 1
 
 # node fields (a list per resident block: cheaper than objects on the hot path)
@@ -167,6 +169,19 @@ class PrefixLeaves:
             self._orphans[gkey] = node[_CHILDREN]
         return node
 
+    def top(self, seg: int) -> tuple[Any, bytes] | None:
+        """(priority, key) of the lowest-priority leaf of `seg`, evictable or not; stale heap
+        entries on the way are dropped. None when the segment has no leaf."""
+        heap, nodes = self._heaps[seg], self.nodes
+        while heap:
+            prio, g = heap[0]
+            n = nodes.get(g)
+            if n is None or n[_CHILDREN] or n[_PRIO] != prio or n[_SEG] != seg:
+                heapq.heappop(heap)
+                continue
+            return prio, g
+        return None
+
     def peek(self, seg: int, can_evict: Callable[[bytes], bool]) -> bytes | None:
         """Lowest-priority evictable leaf of `seg`, left in place."""
         heap = self._heaps[seg]
@@ -219,6 +234,9 @@ class LRUPolicy:
 
     def __len__(self) -> int:
         return len(self._leaves)
+
+    def __contains__(self, gkey: bytes) -> bool:
+        return gkey in self._leaves
 
     def insert(self, gkey: bytes, parent: bytes | None, size: int) -> None:
         self._clock += 1
@@ -291,6 +309,9 @@ class AdaptivePolicy:
 
     def __len__(self) -> int:
         return len(self._leaves)
+
+    def __contains__(self, gkey: bytes) -> bool:
+        return gkey in self._leaves
 
     @property
     def capacity(self) -> int:
@@ -513,16 +534,21 @@ class SegmentedPolicy:
     GHOST_FACTOR = 2                      # history length in capacities (as in ARC)
     SHARES: tuple[float | None, ...] = (None, 0.5, 0.75, 0.875, 0.9375)   # None: plain LRU
     RATE = 16                             # shadow sampling rate (SHARDS-style)
+    SHADOW_MAX = 4096                     # blocks per shadow: past it the rate doubles
     WINDOW = 4                            # shadow scores halve every WINDOW shadow capacities
     MARGIN = 0.02                         # relative lead a candidate needs over LRU / blind
     MARGIN_HITS = 4.0                     # ... and in (decayed) sampled hits
     PAIR_Z = 3.0                          # twins: hints followed when they win at z >= 3
 
     def __init__(self, capacity_blocks_hint: int | None = None, shadow: bool = True,
-                 mode: tuple[float | None, bool, int] = (None, False, 0)) -> None:
+                 mode: tuple[float | None, bool, int] = (None, False, 0),
+                 rows: Rows | None = None) -> None:
         self._hint = capacity_blocks_hint if capacity_blocks_hint and capacity_blocks_hint > 0 \
             else None
-        self._leaves = PrefixLeaves(_HEAPS)
+        # rows: the block index, for a tier that holds millions of blocks (SSD): the same
+        # forest and order in packed arrays keyed by index row (kvstore/rowleaves.py).
+        self._rows = rows
+        self._leaves: Any = RowLeaves(rows, _HEAPS) if rows is not None else PrefixLeaves(_HEAPS)
         self._clock = 0
         self._peak = 0
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
@@ -530,6 +556,7 @@ class SegmentedPolicy:
         self._roles = _roles(mode[1], mode[2])
         self._shadows: list[list[Any]] | None = None
         self._sampled_n = 0
+        self._rate = self.RATE
         if shadow:
             self._shadows = [self._new_shadow((share, tail, 0))
                              for share in self.SHARES for tail in (False, True)]
@@ -543,6 +570,15 @@ class SegmentedPolicy:
 
     def __len__(self) -> int:
         return len(self._leaves)
+
+    def __contains__(self, gkey: bytes) -> bool:
+        return gkey in self._leaves
+
+    def compact(self) -> None:
+        """Drop the heaps' stale items now (after a bulk load: parents inserted before their
+        children leave an item per parent behind)."""
+        for seg in range(_HEAPS):
+            self._leaves._rebuild(seg)
 
     @property
     def capacity(self) -> int:
@@ -560,14 +596,37 @@ class SegmentedPolicy:
             self._roles = _roles(mode[1], mode[2])
 
     # ---------------------------------------------------------------- shadows
-    @classmethod
-    def _sampled(cls, gkey: bytes) -> bool:
-        return not zlib.crc32(gkey) % cls.RATE
+    def _sampled(self, gkey: bytes) -> bool:
+        return not zlib.crc32(gkey) % self._rate
+
+    def _resample(self) -> None:
+        """Fixed-size sampling (SHARDS' s_max): once a shadow would hold more than SHADOW_MAX
+        blocks, halve the sample. Why: the shadows' memory then stays constant (a few MB)
+        instead of growing with the tier (10 shadows of capacity/16 cost more than the packed
+        SSD index itself); a sample of thousands still ranks the modes. The rate is a power of
+        two, so the new sample is a subset of the old and the shadows keep their state for
+        it."""
+        rate = self._rate
+        while self.capacity // rate > self.SHADOW_MAX:
+            rate *= 2
+        if rate == self._rate:
+            return
+        self._rate = rate
+        for pol, resident, _ in self._shadows or ():
+            for k in [k for k in resident if zlib.crc32(k) % rate]:
+                resident.discard(k)
+                pol.remove(k)
+                pol._ghost.pop(k, None)
+            pol._ghost = OrderedDict((k, None) for k in pol._ghost if not zlib.crc32(k) % rate)
 
     def _shadow(self, gkey: bytes, parent: bytes | None) -> None:
         if self._shadows is None or not self._sampled(gkey):
             return
-        cap = max(1, self.capacity // self.RATE)
+        if self.capacity // self._rate > self.SHADOW_MAX:
+            self._resample()
+            if not self._sampled(gkey):
+                return
+        cap = max(1, self.capacity // self._rate)
         for sh in self._shadows:
             sh[0]._hint = cap
             sh[2] += _Duel._one(sh[0], sh[1], gkey, parent, cap)
@@ -739,21 +798,14 @@ class SegmentedPolicy:
         (stale tops are dropped on the way); only when that one is not evictable (pinned,
         leased) does it search each heap past its unevictable leaves."""
         leaves = self._leaves
-        nodes, sizes, all_heaps = leaves.nodes, leaves.sizes, leaves._heaps
+        sizes, top = leaves.sizes, leaves.top
         best, best_prio = None, None
         for h in heaps:
             if not sizes[h]:
                 continue
-            heap = all_heaps[h]
-            while heap:
-                prio, g = heap[0]
-                n = nodes.get(g)
-                if n is None or n[_CHILDREN] or n[_PRIO] != prio or n[_SEG] != h:
-                    heapq.heappop(heap)
-                    continue
-                if best_prio is None or prio < best_prio:
-                    best, best_prio = g, prio
-                break
+            t = top(h)
+            if t is not None and (best_prio is None or t[0] < best_prio):
+                best_prio, best = t
         if best is None or can_evict(best):
             return best
         return self._oldest_evictable(heaps, can_evict)
@@ -795,10 +847,15 @@ class SegmentedPolicy:
 
     def restore(self, blob: bytes) -> None:
         state = _unpack(blob, self.kind, self.SNAPSHOT_V)
-        self.__init__(self._hint, shadow=self._shadows is not None)
+        rows = self._rows
+        if rows is not None:
+            rows.on_free.remove(self._leaves._forget)
+        self.__init__(self._hint, shadow=self._shadows is not None, rows=rows)
         for gkey, parent, seg in state["nodes"]:
             if not isinstance(seg, int) or not 0 <= seg < _HEAPS:
                 raise InvalidArgument(f"policy snapshot has an unknown block class {seg!r}")
+            if rows is not None and rows.row(gkey) is None:
+                continue                # no longer stored (the snapshot predates a crash)
             self._clock += 1
             self._leaves.add(gkey, parent, self._clock, seg)
         self._peak = max(int(state["peak"]), len(self._leaves))
@@ -818,10 +875,16 @@ _POLICIES: dict[str, Callable[[int | None], Any]] = {
 }
 
 
-def make_policy(name: str, capacity_blocks_hint: int | None = None) -> EvictionPolicy:
-    """A fresh policy by name: "lru", "default" (the tuned segmented policy) or "arc"."""
+def make_policy(name: str, capacity_blocks_hint: int | None = None,
+                rows: Rows | None = None) -> EvictionPolicy:
+    """A fresh policy by name: "lru", "default" (the tuned segmented policy) or "arc".
+
+    `rows` (the block index): "default" keeps its per-block state in packed arrays keyed by
+    index row, for a tier holding millions of blocks; the order is the same either way."""
     factory = _POLICIES.get(name)
     if factory is None:
         raise InvalidArgument(f"unknown eviction policy {name!r}; choose one of "
                               f"{sorted(_POLICIES)}")
+    if rows is not None and factory is SegmentedPolicy:
+        return SegmentedPolicy(capacity_blocks_hint, rows=rows)
     return factory(capacity_blocks_hint)

@@ -139,7 +139,7 @@ class Store(DeviceMovement, TenantPools):
         try:
             if config.ssd.enabled:
                 self.ssd = SSDTier(str(data / "ssd"), config.ssd.capacity, sync=config.ssd.sync)
-                self.policies["ssd"] = make_policy(config.ssd.policy, None)
+                self.policies["ssd"] = make_policy(config.ssd.policy, None, rows=self.index)
             if config.remote.enabled:
                 from tiers.remote import RemoteTier  # redis only where configured
                 self.remote = RemoteTier(config.remote)
@@ -172,18 +172,25 @@ class Store(DeviceMovement, TenantPools):
             info = self.namespaces.get(gkey[:NS_ID_BYTES])
             if info is not None:
                 records[gkey] = (info.ns_id, msgpack.unpackb(meta))
-        for gkey in _parents_first(records):
+        order = _parents_first(records)
+        add = self.index.add_cold
+        for gkey in order:
             ns_id, m = records[gkey]
-            e = Entry(ns_id, gkey[NS_ID_BYTES:], m.get("p") or None, m["s"], m.get("c", 0),
-                      ssd=True)
-            self.index.add(e)
-            policy.insert(gkey, e.parent_gkey, e.size)
-        self.index.recount_children()
+            add(ns_id, gkey[NS_ID_BYTES:], m.get("p") or None, m["s"], m.get("c", 0), ssd=True)
         if state:
             try:
                 policy.restore(state)
             except Exception as exc:  # an old or damaged snapshot only costs recency
                 log.warning("ignoring the saved SSD eviction state: %s", exc)
+        # Blocks the snapshot does not name (none saved, or written after it: a crash) join
+        # as new; each must be in the policy or it could never be evicted.
+        for gkey in order:
+            if gkey not in policy:
+                ns_id, m = records[gkey]
+                p = m.get("p")
+                policy.insert(gkey, ns_id + p if p else None, m["s"])
+        if (compact := getattr(policy, "compact", None)) is not None:
+            compact()
         if len(self.index):
             log.info("rebuilt the index: %d blocks in %d namespaces from SSD", len(self.index),
                      len(self.namespaces))
@@ -345,7 +352,7 @@ class Store(DeviceMovement, TenantPools):
             self._check_open()
             self._ns(ns_id)
             # Hot path (one call per engine request): plain locals, no per-key tuples.
-            get = self.index.get
+            get = self.index.peek       # read-only: no Entry made for a packed block
             n = h = d = r = gg = 0
             run_h = run_d = run_r = run_g = True
             for k in keys:

@@ -1,0 +1,259 @@
+"""The packed block index (kvstore/index.py) and the row-keyed policy state (kvstore/rowleaves.py).
+
+What must hold: an Entry anyone holds keeps its identity and its changes while the index packs
+the rest; a packed block comes back with exactly the fields it had; rows are reused only after
+the policy forgot them; and the SSD policy over rows picks exactly the victims the
+object-per-block policy picks, for any sequence of operations.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore import index as index_mod
+from kvstore.index import NS_ID_BYTES, BlockIndex, Entry
+from kvstore.policy import SegmentedPolicy, make_policy
+
+from .store_helpers import SMALL, kv_block, make_store, namespace, random_prompt
+
+NS = bytes(range(NS_ID_BYTES))
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def test_held_entry_keeps_identity_and_changes_across_sweeps(monkeypatch):
+    monkeypatch.setattr(index_mod, "_SWEEP_MIN", 8)
+    ix = BlockIndex()
+    for i in range(100):
+        ix.add_cold(NS, key(i), key(i - 1) if i else None, 1000 + i, 7 * i, ssd=True)
+    held = ix.get(NS + key(5))
+    held.remote = True                   # a change made while the caller holds it
+    dropped = ix.get(NS + key(6))
+    dropped.checksum = 12345             # a change to an entry nobody keeps
+    del dropped
+    for i in range(10, 100):             # many gets: sweeps run meanwhile
+        assert ix.get(NS + key(i)).size == 1000 + i
+    ix.compact()
+    assert ix.get(NS + key(5)) is held
+    assert held.remote and held.ssd
+    again = ix.get(NS + key(6))
+    assert again.checksum == 12345 and again.size == 1006 and again.parent == key(5)
+    assert ix.hot_count < 100
+
+
+def test_entries_with_live_state_are_never_packed():
+    ix = BlockIndex()
+    busy = []
+    for i in range(20):
+        e = Entry(NS, key(i), None, 10, i)
+        ix.add(e)
+        if i % 4 == 0:
+            e.host = i * 4096
+        elif i % 4 == 1:
+            e.pins = 1
+        busy.append(i % 4 < 2)
+    del e
+    gc.collect()
+    ix.compact()
+    assert ix.hot_count == sum(busy)
+    for i in range(20):
+        v = ix.peek(NS + key(i))
+        assert (v.host is not None) == (i % 4 == 0)
+        assert v.pins == (1 if i % 4 == 1 else 0)
+
+
+def test_peek_reads_flags_without_making_entries():
+    ix = BlockIndex()
+    ix.add_cold(NS, key(1), None, 10, 1, ssd=True)
+    ix.add_cold(NS, key(2), None, 10, 2, remote=True)
+    ix.add_cold(NS, key(3), None, 10, 3, ssd=True, remote=True)
+    flags = [(v.ssd, v.remote, v.host, v.gpu) for v in (ix.peek(NS + key(i)) for i in (1, 2, 3))]
+    assert flags == [(True, False, None, None), (False, True, None, None), (True, True, None, None)]
+    assert ix.peek(NS + key(4)) is None and ix.get(NS + key(4)) is None
+    assert ix.hot_count == 0
+
+
+def test_child_counts_namespaces_and_row_reuse():
+    ix = BlockIndex()
+    other = b"\xff" * NS_ID_BYTES
+    ix.add_cold(NS, key(2), key(1), 10, 2, ssd=True)          # child before its parent
+    ix.add_cold(NS, key(3), key(1), 10, 3, ssd=True)
+    ix.add_cold(NS, key(1), None, 10, 1, ssd=True)
+    ix.add_cold(other, key(1), None, 10, 9, ssd=True)
+    assert ix.get(NS + key(1)).children == 2
+    assert sorted(ix.namespace_keys(NS)) == [NS + key(i) for i in (1, 2, 3)]
+    assert ix.namespace_keys(other) == [other + key(1)]
+    forgotten = []
+    ix.on_free.append(forgotten.append)
+    r = ix.row(NS + key(2))
+    ix.discard(NS + key(2))
+    assert forgotten == [r] and ix.get(NS + key(1)).children == 1
+    ix.add_cold(NS, key(7), None, 10, 7, ssd=True)
+    assert ix.row(NS + key(7)) == r and ix.key_at(r) == NS + key(7)
+    ix.recount_children()
+    assert ix.get(NS + key(1)).children == 1
+    assert sorted(e.checksum for e in ix.entries()) == [1, 3, 7, 9]
+
+
+def _twin_policies(n_hint: int | None):
+    ix = BlockIndex()
+    return ix, SegmentedPolicy(n_hint, rows=ix), SegmentedPolicy(n_hint)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_row_policy_picks_exactly_what_the_object_policy_picks(seed):
+    rnd = random.Random(seed)
+    ix, rows, objs = _twin_policies(rnd.choice([None, 40]))
+    live: list[int] = []
+    nxt = 0
+    for step in range(600):
+        op = rnd.random()
+        if op < 0.45 or not live:
+            i = nxt
+            nxt += 1
+            parent = rnd.choice([None, rnd.randrange(0, nxt + 5)])
+            if parent == i:
+                parent = None
+            p = NS + key(parent) if parent is not None else None
+            ix.add_cold(NS, key(i), key(parent) if parent is not None else None, 1, i)
+            for pol in (rows, objs):
+                pol.insert(NS + key(i), p, 1)
+            live.append(i)
+        elif op < 0.6:
+            g = NS + key(rnd.choice(live))
+            rows.touch(g)
+            objs.touch(g)
+        elif op < 0.68:
+            gs = [NS + key(i) for i in rnd.sample(live, min(3, len(live)))]
+            rows.note_put(gs)
+            objs.note_put(gs)
+        elif op < 0.72:
+            gs = [NS + key(i) for i in rnd.sample(live, min(4, len(live)))]
+            level = rnd.choice(["low", "high", "normal"])
+            rows.note_retention(gs, level)
+            objs.note_retention(gs, level)
+        elif op < 0.8:                          # delete, possibly under resident children
+            i = live.pop(rnd.randrange(len(live)))
+            rows.remove(NS + key(i))
+            objs.remove(NS + key(i))
+            ix.discard(NS + key(i))
+        else:                                   # evict
+            banned = {NS + key(i) for i in rnd.sample(live, min(2, len(live)))}
+            can = (lambda g, b=banned: g not in b)
+            a, b = rows.pick(can), objs.pick(can)
+            assert a == b, f"step {step}"
+            if a is not None:
+                rows.remove(a)
+                objs.remove(a)
+                ix.discard(a)
+                live.remove(int.from_bytes(a[NS_ID_BYTES:], "big"))
+        assert len(rows) == len(objs) == len(live)
+    assert rows.snapshot() == objs.snapshot()
+    order = []
+    while (v := rows.pick(lambda g: True)) is not None:
+        assert v == objs.pick(lambda g: True)
+        order.append(v)
+        rows.remove(v)
+        objs.remove(v)
+    assert len(order) == len(live)
+
+
+def test_row_policy_restore_skips_blocks_no_longer_indexed():
+    ix, rows, _ = _twin_policies(None)
+    for i in range(10):
+        ix.add_cold(NS, key(i), key(i - 1) if i else None, 1, i)
+        rows.insert(NS + key(i), NS + key(i - 1) if i else None, 1)
+    blob = rows.snapshot()
+    ix.discard(NS + key(9))                 # gone since the snapshot was taken
+    fresh = make_policy("default", None, rows=ix)
+    fresh.restore(blob)
+    assert len(fresh) == 9 and NS + key(9) not in fresh
+    assert fresh.pick(lambda g: True) == NS + key(8)
+
+
+def _fill_ssd(store, ns, rng, n):
+    _, keys = random_prompt(rng, n)
+    store.put(ns, keys, [kv_block(k) for k in keys])
+    store.flush()
+    return keys
+
+
+def test_restart_with_a_stale_policy_snapshot_can_evict_every_block(tmp_path):
+    """A crash leaves the snapshot of the last clean stop: blocks written since must still be
+    evictable, blocks deleted since must not be named by the policy."""
+    from tiers.ssd import SSDTier
+
+    def tier() -> SSDTier:
+        return SSDTier(str(tmp_path / "data" / "ssd"), 64 << 20)
+
+    rng = np.random.default_rng(3)
+    s = make_store(tmp_path)
+    ns = namespace(s)
+    first = _fill_ssd(s, ns, rng, 12)
+    s.close()
+    t = tier()
+    stale = t.get_state("policy.ssd")
+    t.close()
+    assert stale
+    s = make_store(tmp_path)
+    second = _fill_ssd(s, ns, rng, 12)
+    assert s.delete(ns, first[6:]) == 6
+    s.close()
+    t = tier()
+    t.put_state("policy.ssd", stale)        # as if the daemon had crashed after the first stop
+    t.close()
+    s = make_store(tmp_path)
+    try:
+        pol = s.policies["ssd"]
+        on_ssd = [ns + k for k in first[:6] + second]
+        assert len(pol) == len(s.ssd) == len(on_ssd)
+        assert all(g in pol for g in on_ssd)
+        want = first[:6] + second
+        assert s.get(ns, want) == [(k, kv_block(k)) for k in want]
+        s.evict("ssd")
+        assert len(s.ssd) == 0 and len(pol) == 0
+    finally:
+        s.close(flush=False)
+
+
+def test_store_serves_packed_blocks_byte_exact_after_restart(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_mod, "_SWEEP_MIN", 4)
+    rng = np.random.default_rng(4)
+    s = make_store(tmp_path, host_capacity=64 * SMALL.block_bytes)
+    ns = namespace(s)
+    prompts = [_fill_ssd(s, ns, rng, 8) for _ in range(6)]
+    s.close()
+    s = make_store(tmp_path, host_capacity=64 * SMALL.block_bytes)
+    try:
+        assert s.index.hot_count == 0
+        for keys in prompts:
+            assert s.lookup(ns, keys).prefix_blocks == len(keys)
+            assert s.get(ns, keys) == [(k, kv_block(k)) for k in keys]
+        s.evict("host")
+        s.index.compact()
+        assert s.index.hot_count < len(s.index)
+        for keys in prompts:
+            assert s.get(ns, keys) == [(k, kv_block(k)) for k in keys]
+    finally:
+        s.close(flush=False)
+
+
+@pytest.mark.parametrize("n", [3000])
+def test_shadows_stay_bounded_as_the_tier_grows(n, monkeypatch):
+    monkeypatch.setattr(SegmentedPolicy, "SHADOW_MAX", 16)
+    pol = SegmentedPolicy(None)
+    for i in range(n):
+        pol.insert(NS + key(i), None, 1)
+    assert pol._rate > SegmentedPolicy.RATE
+    for sh, resident, _ in pol._shadows:
+        assert len(resident) <= 16 + 1 and len(sh) == len(resident)
+        assert all(pol._sampled(g) for g in resident)
