@@ -135,6 +135,12 @@ class BlockIndex:
         assert k is not None, f"row {row} is free"
         return k
 
+    def parent_key(self, row: int) -> bytes | None:
+        """The parent gkey of the block at `row` (None for a first block)."""
+        g = self._keys[row]
+        e = self._hot.get(g) if g is not None else None
+        return e.parent_gkey if e is not None else self._parent[row]
+
     def _new_row(self, g: bytes, ns_id: bytes) -> int:
         n = self._ns_no.get(ns_id)
         if n is None:
@@ -264,6 +270,56 @@ class BlockIndex:
         self._flags[r] = (_SSD if ssd else 0) | (_REMOTE if remote else 0)
         self._children[r] = self._awaited.pop(g, 0)
         self._link(pg, 1)
+
+    def load_ssd(self, items: list[tuple[bytes, bytes | None, int, int]]) -> None:
+        """Bulk `add_cold(..., ssd=True)` into an empty index (warm restart): `items` are
+        (gkey, parent gkey or None, size, checksum), parents before children. A parent that
+        comes after its child can only close a cycle (parents-first order puts every other
+        parent first) and is dropped, as add() would."""
+        assert not self._rows and not self._keys, "load_ssd() fills an empty index only"
+        n = len(items)
+        keys = [it[0] for it in items]
+        rows = dict(zip(keys, range(n), strict=True))
+        if len(rows) != n:                  # repeated keys: take the careful path
+            for g, pg, size, checksum in items:
+                ns = g[:NS_ID_BYTES]
+                self.add_cold(ns, g[NS_ID_BYTES:], pg[NS_ID_BYTES:] if pg else None, size,
+                              checksum, ssd=True)
+            return
+        parents: list[bytes | None] = []
+        children = array("i", bytes(4 * n))
+        awaited = self._awaited
+        for r, it in enumerate(items):
+            pg = it[1]
+            if pg is not None:
+                p = rows.get(pg)
+                if p is None:
+                    awaited[pg] = awaited.get(pg, 0) + 1
+                elif p < r:
+                    children[p] += 1
+                    pg = keys[p]            # the parent's own key object, not a copy
+                else:
+                    pg = None
+            parents.append(pg)
+        self._rows = rows
+        self._keys = keys
+        self._parent = parents
+        self._size = array("q", [it[2] for it in items])
+        self._sum = array("Q", [it[3] for it in items])
+        self._flags = bytearray([_SSD]) * n
+        self._children = children
+        ns_no, ns_ids, counts = self._ns_no, self._ns_ids, self._ns_count
+        nums = []
+        for g in keys:
+            ns = g[:NS_ID_BYTES]
+            k = ns_no.get(ns)
+            if k is None:
+                k = ns_no[ns] = len(ns_ids)
+                ns_ids.append(ns)
+                counts.append(0)
+            counts[k] += 1
+            nums.append(k)
+        self._ns = array("H", nums)
 
     def _link(self, p: bytes | None, delta: int) -> None:
         """Count a child in (delta 1) or out (-1) of parent `p`, indexed or awaited."""

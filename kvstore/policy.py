@@ -851,13 +851,18 @@ class SegmentedPolicy:
         if rows is not None:
             rows.on_free.remove(self._leaves._forget)
         self.__init__(self._hint, shadow=self._shadows is not None, rows=rows)
-        for gkey, parent, seg in state["nodes"]:
+        for node in state["nodes"]:
+            seg = node[2]
             if not isinstance(seg, int) or not 0 <= seg < _HEAPS:
                 raise InvalidArgument(f"policy snapshot has an unknown block class {seg!r}")
-            if rows is not None and rows.row(gkey) is None:
-                continue                # no longer stored (the snapshot predates a crash)
-            self._clock += 1
-            self._leaves.add(gkey, parent, self._clock, seg)
+        if rows is not None:
+            # Bulk: parents from the index, keys no longer stored (a snapshot older than a
+            # crash) skipped.
+            self._clock = self._leaves.load([(n[0], n[2]) for n in state["nodes"]], 1) - 1
+        else:
+            for gkey, parent, seg in state["nodes"]:
+                self._clock += 1
+                self._leaves.add(gkey, parent, self._clock, seg)
         self._peak = max(int(state["peak"]), len(self._leaves))
         self._ghost.update((k, None) for k in state["ghost"])
         share, tail, hinted = state["mode"]

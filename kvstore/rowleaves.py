@@ -29,6 +29,7 @@ class Rows(Protocol):
 
     def row(self, gkey: bytes) -> int | None: ...
     def key_at(self, row: int) -> bytes: ...
+    def parent_key(self, row: int) -> bytes | None: ...
 
 
 class _Nodes:
@@ -207,6 +208,60 @@ class RowLeaves:
         if not self._nchild[r]:
             self._leafs[seg] += 1
             self._push(r)
+
+    def load(self, nodes: list[tuple[bytes, int]], first_prio: int) -> int:
+        """Bulk add (warm restart) into empty leaves: `nodes` are (gkey, seg) in priority order,
+        priorities first_prio, first_prio + 1, ...; each node's parent is the index's (the
+        policy is always given the index's parent, and the index never holds a cycle), so no
+        ancestry is walked. Keys the index does not hold are skipped. Returns the next
+        priority."""
+        assert not self._n, "load() fills empty leaves only"
+        row = self._rows.row
+        rs = [row(g) for g, _ in nodes]
+        self._grow(max((r for r in rs if r is not None), default=0))
+        inside, prios, segs, sizes = self._in, self._prio, self._seg, self.sizes
+        loaded = []
+        prio = first_prio
+        for r, (_, seg) in zip(rs, nodes, strict=True):
+            if r is None or inside[r]:
+                continue
+            inside[r] = 1
+            prios[r] = prio
+            segs[r] = seg
+            sizes[seg] += 1
+            prio += 1
+            loaded.append(r)
+        self._n = len(loaded)
+        parent_key = self._rows.parent_key
+        first, nxt, prev, prow, nchild = (self._first, self._next, self._prev, self._prow,
+                                          self._nchild)
+        for r in loaded:
+            pg = parent_key(r)
+            if pg is None:
+                continue
+            p = row(pg)
+            if p is not None and p < len(inside) and inside[p]:
+                if p == r:
+                    continue
+                prow[r] = p                 # _link without the leaf count (done below)
+                head = first[p]
+                nxt[r] = head
+                if head >= 0:
+                    prev[head] = r
+                first[p] = r
+                nchild[p] += 1
+            else:
+                self._orphans.setdefault(pg, set()).add(r)
+                self._orphan_of[r] = pg
+        self._leafs = [0] * len(self._heaps)
+        for r in loaded:
+            if not self._nchild[r]:
+                seg = self._seg[r]
+                self._leafs[seg] += 1
+                self._heaps[seg].append(self._prio[r] << _ROW_BITS | r)
+        for heap in self._heaps:
+            heapq.heapify(heap)
+        return prio
 
     def _reaches(self, start: bytes, target: bytes) -> bool:
         """Whether parent links up from `start` arrive at `target` (see PrefixLeaves)."""

@@ -173,10 +173,12 @@ class Store(DeviceMovement, TenantPools):
             if info is not None:
                 records[gkey] = (info.ns_id, msgpack.unpackb(meta))
         order = _parents_first(records)
-        add = self.index.add_cold
+        items = []
         for gkey in order:
             ns_id, m = records[gkey]
-            add(ns_id, gkey[NS_ID_BYTES:], m.get("p") or None, m["s"], m.get("c", 0), ssd=True)
+            p = m.get("p")
+            items.append((gkey, ns_id + p if p else None, m["s"], m.get("c", 0)))
+        self.index.load_ssd(items)
         if state:
             try:
                 policy.restore(state)
@@ -184,11 +186,9 @@ class Store(DeviceMovement, TenantPools):
                 log.warning("ignoring the saved SSD eviction state: %s", exc)
         # Blocks the snapshot does not name (none saved, or written after it: a crash) join
         # as new; each must be in the policy or it could never be evicted.
-        for gkey in order:
+        for gkey, pg, size, _ in items:
             if gkey not in policy:
-                ns_id, m = records[gkey]
-                p = m.get("p")
-                policy.insert(gkey, ns_id + p if p else None, m["s"])
+                policy.insert(gkey, pg, size)
         if (compact := getattr(policy, "compact", None)) is not None:
             compact()
         if len(self.index):

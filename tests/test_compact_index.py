@@ -103,6 +103,27 @@ def test_child_counts_namespaces_and_row_reuse():
     assert sorted(e.checksum for e in ix.entries()) == [1, 3, 7, 9]
 
 
+def test_bulk_load_matches_one_by_one_and_drops_cycle_closers():
+    items = []
+    for i in range(50):
+        parent = NS + key(i - 1) if i % 7 else (NS + key(99) if i == 14 else None)
+        items.append((NS + key(i), parent, 100 + i, i))
+    items.append((NS + key(60), NS + key(61), 1, 60))     # 61 comes later: a cycle closer
+    items.append((NS + key(61), NS + key(60), 1, 61))
+    bulk, one = BlockIndex(), BlockIndex()
+    bulk.load_ssd(items)
+    for g, pg, size, c in items[:50]:
+        one.add_cold(NS, g[NS_ID_BYTES:], pg[NS_ID_BYTES:] if pg else None, size, c, ssd=True)
+    for g, *_ in items[:50]:
+        a, b = bulk.get(g), one.get(g)
+        assert (a.parent, a.size, a.checksum, a.children, a.ssd) == \
+            (b.parent, b.size, b.checksum, b.children, b.ssd)
+    assert bulk.get(NS + key(60)).parent is None
+    assert bulk.get(NS + key(61)).parent == key(60) and bulk.get(NS + key(60)).children == 1
+    assert bulk._awaited == {NS + key(99): 1}
+    assert bulk.namespace_keys(NS) == [g for g, *_ in items]
+
+
 def _twin_policies(n_hint: int | None):
     ix = BlockIndex()
     return ix, SegmentedPolicy(n_hint, rows=ix), SegmentedPolicy(n_hint)
@@ -158,6 +179,10 @@ def test_row_policy_picks_exactly_what_the_object_policy_picks(seed):
                 live.remove(int.from_bytes(a[NS_ID_BYTES:], "big"))
         assert len(rows) == len(objs) == len(live)
     assert rows.snapshot() == objs.snapshot()
+    blob = rows.snapshot()
+    rows, objs = SegmentedPolicy(rows._hint, rows=ix), SegmentedPolicy(objs._hint)
+    rows.restore(blob)                  # bulk load, parents from the index
+    objs.restore(blob)                  # one insert per node, parents from the snapshot
     order = []
     while (v := rows.pick(lambda g: True)) is not None:
         assert v == objs.pick(lambda g: True)
