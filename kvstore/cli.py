@@ -1,10 +1,11 @@
 """The `kvstore` command: `serve` runs the daemon, `status` shows a running one, `demo` demos.
 
-Why `serve` may re-execute itself: glibc reads its MALLOC_* tunables once, at process start.
-Without them every multi-MiB gRPC message is a fresh mmap and a round of page faults (3.5×
-slower for 2 MiB messages, PERF-NOTES). So when a variable is unset, `serve` sets it and
-replaces itself (os.execve: same pid) once, before anything else happens. Values already set
-by the operator are kept; `--no-malloc-tuning` skips the whole step.
+Why `serve` tunes malloc first: without glibc's MALLOC_* settings every multi-MiB gRPC message
+is a fresh mmap and a round of page faults (3.5× slower for 2 MiB messages, PERF-NOTES). glibc
+reads the variables only at exec, so `serve` applies the same four values in-process with
+mallopt(3) before any thread starts (it used to re-execute itself, which cost a second
+interpreter start and import on every start). Values the operator set in the environment are
+left to glibc; `--no-malloc-tuning` skips the whole step.
 
 Config errors and operator mistakes found before start (kvstore/preflight.py: data folder,
 socket path, ports in use, /dev/shm size, conflicting settings) exit with code 2 and one line
@@ -33,7 +34,9 @@ MALLOC_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(256 << 20),     # and keep freed heap for the next message
     "MALLOC_TOP_PAD_": str(64 << 20),             # grow the heap in big steps
 }
-_REEXEC_GUARD = "_KVSTORE_MALLOC_REEXEC"          # not KVSTORE_*: config would read it
+# mallopt(3) parameter numbers (malloc.h) of the variables above.
+_MALLOPT = {"MALLOC_ARENA_MAX": -8, "MALLOC_MMAP_THRESHOLD_": -3,
+            "MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2}
 SMALL_MACHINE_BYTES = 8 << 30
 SMALL_HOST_POOL = 512 << 20
 
@@ -125,15 +128,21 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
     return cfg
 
 
-def tune_malloc(argv: list[str]) -> None:
-    """Re-exec once with MALLOC_* set (glibc reads them only at start); no-op when all set."""
+def tune_malloc() -> dict[str, str]:
+    """Apply MALLOC_ENV with mallopt(3) for each variable the environment does not set; returns
+    what it applied. The values are also put in os.environ, for processes this one starts.
+    Without glibc (no mallopt) nothing is applied."""
+    import ctypes
+
     missing = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
-    if not missing or os.environ.get(_REEXEC_GUARD):
-        return
-    env = dict(os.environ, **missing, **{_REEXEC_GUARD: "1"})
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "kvstore", *argv], env)
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return {}
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    done = {k: v for k, v in missing.items() if mallopt(_MALLOPT[k], int(v)) == 1}
+    os.environ.update(done)
+    return done
 
 
 # -------------------------------------------------------------------------------- commands
@@ -333,7 +342,7 @@ def make_parser() -> argparse.ArgumentParser:
         if action.dest in helps:
             action.help = helps[action.dest]
     serve.add_argument("--no-malloc-tuning", action="store_true",
-                       help="do not set MALLOC_* variables and re-execute")
+                       help="do not apply the MALLOC_* settings (mallopt)")
     serve.set_defaults(func=cmd_serve)
 
     status = sub.add_parser("status", help="show a running daemon's tiers",
@@ -379,8 +388,8 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvstore` script and `python -m kvstore`.
 
-    Only a real command line (argv None) may re-execute for malloc tuning, so calling
-    main([...]) from Python never replaces the caller's process.
+    Only a real command line (argv None) tunes malloc, so calling main([...]) from Python
+    never changes the caller's allocator.
     """
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -388,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(argv[1:])
     args = make_parser().parse_args(argv)
     if from_command_line and args.command == "serve" and not args.no_malloc_tuning:
-        tune_malloc(argv)
+        tune_malloc()
     code = int(args.func(args) or 0)
     if from_command_line and args.command == "serve":
         # The daemon has closed everything it owns (store flushed, LMDB closed, shm unlinked,
