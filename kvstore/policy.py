@@ -35,6 +35,7 @@ import msgpack
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.layout import check_retention
 
+from .ghost import GhostKeys
 from .rowleaves import RowLeaves, Rows
 
 SNAPSHOT_VERSION = 1
@@ -551,7 +552,8 @@ class SegmentedPolicy:
         self._leaves: Any = RowLeaves(rows, _HEAPS) if rows is not None else PrefixLeaves(_HEAPS)
         self._clock = 0
         self._peak = 0
-        self._ghost: OrderedDict[bytes, None] = OrderedDict()
+        # Evicted keys, up to GHOST_FACTOR capacities: as fingerprints for a big tier.
+        self._ghost: Any = GhostKeys() if rows is not None else OrderedDict()
         self._mode = mode
         self._roles = _roles(mode[1], mode[2])
         self._shadows: list[list[Any]] | None = None

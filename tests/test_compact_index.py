@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import random
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -17,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import index as index_mod
+from kvstore.ghost import GhostKeys, fingerprint
 from kvstore.index import NS_ID_BYTES, BlockIndex, Entry
-from kvstore.policy import SegmentedPolicy, make_policy
+from kvstore.policy import SegmentedPolicy, _unpack, make_policy
 
 from .store_helpers import SMALL, kv_block, make_store, namespace, random_prompt
 
@@ -178,7 +180,9 @@ def test_row_policy_picks_exactly_what_the_object_policy_picks(seed):
                 ix.discard(a)
                 live.remove(int.from_bytes(a[NS_ID_BYTES:], "big"))
         assert len(rows) == len(objs) == len(live)
-    assert rows.snapshot() == objs.snapshot()
+    a, b = _unpack(rows.snapshot(), "default", 2), _unpack(objs.snapshot(), "default", 2)
+    assert a.pop("ghost") == [fingerprint(g) for g in b.pop("ghost")]
+    assert a == b
     blob = rows.snapshot()
     rows, objs = SegmentedPolicy(rows._hint, rows=ix), SegmentedPolicy(objs._hint)
     rows.restore(blob)                  # bulk load, parents from the index
@@ -270,6 +274,34 @@ def test_store_serves_packed_blocks_byte_exact_after_restart(tmp_path, monkeypat
             assert s.get(ns, keys) == [(k, kv_block(k)) for k in keys]
     finally:
         s.close(flush=False)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_ghost_keys_behave_like_the_ordered_dict_they_replace(seed):
+    class Often(GhostKeys):
+        RING_SLACK = 8                  # compact the ring and trim its head often
+
+    rnd = random.Random(seed)
+    ghost, model = Often(), OrderedDict()
+    for _ in range(5000):
+        k = key(rnd.randrange(3000))
+        op = rnd.random()
+        if op < 0.5:
+            ghost[k] = None
+            model.setdefault(k, None)
+        elif op < 0.7 and model:
+            if k in model:
+                del ghost[k]
+                del model[k]
+            else:
+                with pytest.raises(KeyError):
+                    del ghost[k]
+        elif op < 0.9 and model:
+            assert ghost.popitem(last=False)[0] == fingerprint(model.popitem(last=False)[0])
+        assert (k in ghost) == (k in model) and len(ghost) == len(model)
+    assert list(ghost) == [fingerprint(k) for k in model]
+    assert all(k in ghost for k in model)
 
 
 @pytest.mark.parametrize("n", [3000])
