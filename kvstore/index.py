@@ -206,6 +206,16 @@ class BlockIndex:
         r = self._rows.get(gkey)
         return None if r is None else _COLD[self._flags[r]]
 
+    def read(self, gkey: bytes) -> Entry | None:
+        """The block's fields for a walk that only reads them (stats, quotas): its Entry, or a
+        detached copy for a packed block, so a walk over every block does not unpack them
+        all. Never change what it returns."""
+        e = self._hot.get(gkey)
+        if e is not None:
+            return e
+        r = self._rows.get(gkey)
+        return None if r is None else self._thaw(gkey, r)
+
     def _thaw(self, g: bytes, r: int) -> Entry:
         pg = self._parent[r]
         f = self._flags[r]
@@ -399,6 +409,26 @@ class BlockIndex:
         yield from hot
         for r, g in cold:
             yield self._thaw(g, r)
+
+    def residency(self) -> Iterator[tuple[bytes, bool, bool, bool, int]]:
+        """(ns_id, host copy, ssd, remote, size) of every block, without making an Entry for
+        the packed ones (per-tenant usage walks every block on each metrics scrape)."""
+        hot = self._hot
+        for e in list(hot.values()):
+            yield e.ns_id, e.host is not None, e.ssd, e.remote, e.size
+        ns_ids, ns, flags, size = self._ns_ids, self._ns, self._flags, self._size
+        for r, g in enumerate(self._keys):
+            if g is not None and g not in hot:
+                f = flags[r]
+                yield ns_ids[ns[r]], False, bool(f & _SSD), bool(f & _REMOTE), size[r]
+
+    def remote_count(self) -> int:
+        """Blocks with a remote copy, counted from the packed flags (Stats calls it)."""
+        flags = self._flags
+        n = flags.count(_REMOTE) + flags.count(_SSD | _REMOTE)
+        for e in self._hot.values():        # a hot row's packed flags may be stale
+            n += bool(e.remote) - bool(flags[e.row] & _REMOTE)
+        return n
 
     @property
     def hot_count(self) -> int:

@@ -95,7 +95,7 @@ class TenantPools:
         total = 0
         for ns in ns_ids:
             for g in self.index.namespace_keys(ns):
-                e = self.index.get(g)
+                e = self.index.read(g)
                 if e is not None and (e.ssd if tier == "ssd" else e.remote):
                     total += e.size
         return total

@@ -18,7 +18,7 @@ def scoped_stats(store: Any, ns_ids: set[bytes]) -> dict:
     with store._lock:
         for ns in ns_ids:
             for g in store.index.namespace_keys(ns):
-                e = store.index.get(g)
+                e = store.index.read(g)
                 if e is None:
                     continue
                 if e.host is not None:

@@ -1072,8 +1072,7 @@ class Store(DeviceMovement, TenantPools):
             # count, so only a daemon with the remote tier walks the index.
             host_blocks = len(self.policies["host"])
             ssd_blocks = len(self.ssd) if self.ssd is not None else 0
-            remote_blocks = (sum(e.remote for e in self.index.entries())
-                             if self.remote is not None else 0)
+            remote_blocks = self.index.remote_count() if self.remote is not None else 0
             if self.gpu:
                 tiers["gpu"], gpu_devices = self.gpu_stats()
             tiers["host"] = {"capacity_bytes": self.host.capacity,

@@ -45,14 +45,14 @@ def tenant_usage(store: Any) -> dict[tuple[str, str], list[int]]:
     with store._lock:
         owners = {ns: info.spec.extra.get(TENANT_KEY) or NONE
                   for ns, info in store.namespaces.items()}
-        for e in store.index.entries():
-            t = owners.get(e.ns_id, NONE)
-            for tier, on, size in (("host", e.host is not None, _aligned(e.size)),
-                                   ("ssd", e.ssd, e.size), ("remote", e.remote, e.size)):
+        for ns_id, on_host, on_ssd, on_remote, size in store.index.residency():
+            t = owners.get(ns_id, NONE)
+            for tier, on, nbytes in (("host", on_host, _aligned(size)),
+                                     ("ssd", on_ssd, size), ("remote", on_remote, size)):
                 if on:
                     row = out.setdefault((t, tier), [0, 0])
                     row[0] += 1
-                    row[1] += size
+                    row[1] += nbytes
     return out
 
 

@@ -126,6 +126,23 @@ def test_bulk_load_matches_one_by_one_and_drops_cycle_closers():
     assert bulk.namespace_keys(NS) == [g for g, *_ in items]
 
 
+def test_read_walks_do_not_unpack_and_count_like_entries():
+    ix = BlockIndex()
+    other = b"\xee" * NS_ID_BYTES
+    for i in range(30):
+        ix.add_cold(NS if i % 3 else other, key(i), None, 10 + i, i, ssd=i % 2 == 0,
+                    remote=i % 5 == 0)
+    e = ix.get(NS + key(1))
+    e.host, e.remote = 4096, True            # hot, and its packed flags are stale now
+    ix.get(NS + key(5)).remote = False       # thawed, changed, dropped: packs back
+    ix.compact()
+    want = {(x.ns_id, x.host is not None, x.ssd, x.remote, x.size) for x in ix.entries()}
+    assert set(ix.residency()) == want and len(want) == 30
+    assert ix.remote_count() == sum(x.remote for x in ix.entries())
+    assert ix.read(NS + key(1)) is e and ix.read(NS + key(2)).size == 12
+    assert ix.hot_count == 1
+
+
 def _twin_policies(n_hint: int | None):
     ix = BlockIndex()
     return ix, SegmentedPolicy(n_hint, rows=ix), SegmentedPolicy(n_hint)
