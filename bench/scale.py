@@ -2,8 +2,11 @@
 
 Figures (issue 14), each a ratio or a size measured in this run:
 - bytes_per_indexed_block: resident memory the daemon gains per block when it rebuilds the
-  index of N SSD-resident blocks (index entry + SSD policy entry, the warm-restart path of
-  kvstore/store.py), at N = 1M. Target <= 300.
+  index of N SSD-resident blocks (packed index row + SSD policy row, the warm-restart path of
+  kvstore/store.py without a policy snapshot), at N = 1M. Target <= 300.
+  Also reported: ghost_bytes_per_block, what the SSD policy's history of evicted keys adds per
+  resident block once it is full (GHOST_FACTOR remembered keys per block, kvstore/ghost.py),
+  and bytes_per_block_steady, the sum.
 - lookup_p50_1m_vs_10k: median Store.lookup latency of a 16-block prompt with 1M blocks
   indexed against 10k. Target <= 1.2.
 - alloc_after_churn_vs_fresh: ExtentAllocator.alloc time after 200k frees of the same size
@@ -88,6 +91,21 @@ def index_figures(folder: str, big_n: int) -> dict:
             "lookup_p50_10k_us": round(small * 1e6, 2), "lookup_p50_big_us": round(big * 1e6, 2)}
 
 
+def ghost_bytes_per_block(n: int = 200_000) -> float:
+    """Memory of the SSD policy's ghost per resident block once full (2 keys per block)."""
+    from kvstore.ghost import GhostKeys
+    from kvstore.policy import SegmentedPolicy
+
+    keys = [i.to_bytes(32, "little") for i in range(n)]
+    gc.collect()
+    before = rss_bytes()
+    g = GhostKeys()
+    for k in keys:
+        g[k] = None
+    gc.collect()
+    return (rss_bytes() - before) / n * SegmentedPolicy.GHOST_FACTOR
+
+
 def lookup_p50(s: Store, ns: bytes, n: int, samples: int = 3000) -> float:
     rng = np.random.default_rng(0)
     starts = rng.integers(0, n - 16, samples)
@@ -157,6 +175,9 @@ def run(quick: bool, folder: str) -> dict:
                "lookup_p50_1m_vs_10k": idx["lookup_p50_big_vs_10k"],
                "alloc_after_churn_vs_fresh": round(alloc_churn(50_000 if quick else 200_000),
                                                    3)}
+        ghost = ghost_bytes_per_block()
+        res.update({"ghost_bytes_per_block": round(ghost, 1),
+                    "bytes_per_block_steady": round(idx["bytes_per_indexed_block"] + ghost, 1)})
         res.update(store_spilling(tmp, quick))
         res.update({"indexed_blocks": big_n, "lookup_p50_10k_us": idx["lookup_p50_10k_us"],
                     "lookup_p50_big_us": idx["lookup_p50_big_us"]})

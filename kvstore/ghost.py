@@ -3,7 +3,7 @@
 Why: SegmentedPolicy remembers up to twice its capacity of evicted keys (a key written again
 while remembered is protected). For an SSD tier of a million blocks an OrderedDict of keys is
 two million key objects and linked dict entries, ~360 bytes per *resident* block, more than
-the packed index itself. This keeps the same FIFO-set behaviour in ~30 bytes per remembered
+the packed index itself. This keeps the same FIFO-set behaviour in ~20 bytes per remembered
 key: an open-addressing table of fingerprints (linear probing, backward-shift deletion) and a
 ring of fingerprints in arrival order. Two keys with the same fingerprint count as one (about
 one remembered key in two billion): a ghost hit only decides whether a block starts protected,
@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 import xxhash
 
 _MIN_SLOTS = 1024
+_POS_MASK = 0xFFFFFFFF          # positions mod 2**32: a ring never spans that many entries
 
 
 def fingerprint(gkey: bytes | int) -> int:
@@ -34,7 +35,7 @@ class GhostKeys:
 
     def __init__(self) -> None:
         self._fp = array("I", bytes(4 * _MIN_SLOTS))    # 0: empty slot
-        self._pos = array("q", bytes(8 * _MIN_SLOTS))   # ring position of the slot's key
+        self._pos = array("I", bytes(4 * _MIN_SLOTS))   # ring position of the slot's key, mod 2**32
         self._n = 0
         self._ring = array("I")
         self._base = 0                                   # ring position of _ring[0]
@@ -76,7 +77,7 @@ class GhostKeys:
         while slots[i]:
             i = (i + 1) & mask
         slots[i] = fp
-        self._pos[i] = pos
+        self._pos[i] = pos & _POS_MASK
 
     def __delitem__(self, gkey: bytes | int) -> None:
         i = self._find(fingerprint(gkey))
@@ -118,7 +119,7 @@ class GhostKeys:
         ring = self._ring
         while self._head < len(ring):
             fp = ring[self._head]
-            p = self._base + self._head
+            p = (self._base + self._head) & _POS_MASK
             self._head += 1
             i = self._find(fp)
             if i >= 0 and self._pos[i] == p:
@@ -135,7 +136,7 @@ class GhostKeys:
         for k in range(self._head, len(self._ring)):
             fp = self._ring[k]
             i = self._find(fp)
-            if i >= 0 and self._pos[i] == self._base + k:
+            if i >= 0 and self._pos[i] == (self._base + k) & _POS_MASK:
                 yield fp
 
     def update(self, items: Iterable[tuple[bytes | int, None]]) -> None:
@@ -145,7 +146,7 @@ class GhostKeys:
     def _resize(self, slots: int) -> None:
         old_fp, old_pos = self._fp, self._pos
         self._fp = array("I", bytes(4 * slots))
-        self._pos = array("q", bytes(8 * slots))
+        self._pos = array("I", bytes(4 * slots))
         for i, fp in enumerate(old_fp):
             if fp:
                 self._insert(fp, old_pos[i])
@@ -157,6 +158,6 @@ class GhostKeys:
         self._ring = array("I", live)
         self._head = 0
         self._fp = array("I", bytes(4 * len(self._fp)))
-        self._pos = array("q", bytes(8 * len(self._pos)))
+        self._pos = array("I", bytes(4 * len(self._pos)))
         for k, fp in enumerate(live):
             self._insert(fp, self._base + k)
