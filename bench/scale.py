@@ -91,19 +91,17 @@ def index_figures(folder: str, big_n: int) -> dict:
             "lookup_p50_10k_us": round(small * 1e6, 2), "lookup_p50_big_us": round(big * 1e6, 2)}
 
 
-def ghost_bytes_per_block(n: int = 200_000) -> float:
-    """Memory of the SSD policy's ghost per resident block once full (2 keys per block)."""
+def ghost_bytes_per_block(blocks: int) -> float:
+    """Memory of the SSD policy's ghost per resident block once full (GHOST_FACTOR keys per
+    block of a `blocks`-block tier). Counted from its arrays (it holds no Python object per
+    key): the RSS delta is blind here, since the pages the index figure freed are reused."""
     from kvstore.ghost import GhostKeys
     from kvstore.policy import SegmentedPolicy
 
-    keys = [i.to_bytes(32, "little") for i in range(n)]
-    gc.collect()
-    before = rss_bytes()
     g = GhostKeys()
-    for k in keys:
-        g[k] = None
-    gc.collect()
-    return (rss_bytes() - before) / n * SegmentedPolicy.GHOST_FACTOR
+    for i in range(SegmentedPolicy.GHOST_FACTOR * blocks):
+        g[i.to_bytes(32, "little")] = None
+    return sum(sys.getsizeof(a) for a in (g._fp, g._pos, g._ring)) / blocks
 
 
 def lookup_p50(s: Store, ns: bytes, n: int, samples: int = 3000) -> float:
@@ -175,7 +173,7 @@ def run(quick: bool, folder: str) -> dict:
                "lookup_p50_1m_vs_10k": idx["lookup_p50_big_vs_10k"],
                "alloc_after_churn_vs_fresh": round(alloc_churn(50_000 if quick else 200_000),
                                                    3)}
-        ghost = ghost_bytes_per_block()
+        ghost = ghost_bytes_per_block(big_n)
         res.update({"ghost_bytes_per_block": round(ghost, 1),
                     "bytes_per_block_steady": round(idx["bytes_per_indexed_block"] + ghost, 1)})
         res.update(store_spilling(tmp, quick))
