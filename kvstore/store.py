@@ -76,8 +76,9 @@ class CommitResult:
     duplicates: int
 
 
-def _parents_first(records: dict[bytes, tuple[bytes, dict]]) -> list[bytes]:
-    """The keys of `records` ordered so every parent comes before its children, in linear time.
+def _parents_first(parents: dict[bytes, bytes | None]) -> list[bytes]:
+    """The keys of `parents` (gkey -> parent gkey or None) ordered so every parent comes before
+    its children, in linear time.
 
     Why: the index and the policies check for parent-link cycles whenever a block arrives that
     indexed children already wait for, walking its ancestors. Loaded in LMDB's key order (random
@@ -87,14 +88,14 @@ def _parents_first(records: dict[bytes, tuple[bytes, dict]]) -> list[bytes]:
     """
     done: set[bytes] = set()
     out: list[bytes] = []
-    for g in records:
+    for g in parents:
+        if g in done:
+            continue
         chain = []
-        while g is not None and g not in done and g in records:
+        while g is not None and g not in done and g in parents:
             chain.append(g)
             done.add(g)
-            ns_id, m = records[g]
-            p = m.get("p")
-            g = ns_id + p if p else None
+            g = parents[g]
         out.extend(reversed(chain))
     return out
 
@@ -167,17 +168,18 @@ class Store(DeviceMovement, TenantPools):
             self.namespaces[ns_id] = NamespaceInfo(ns_id, spec)
         policy = self.policies["ssd"]
         state = self.ssd.get_state("policy.ssd")
-        records = {}
+        parents: dict[bytes, bytes | None] = {}
+        fields: dict[bytes, tuple[int, int]] = {}
+        unpack, known = msgpack.unpackb, self.namespaces
         for gkey, meta, _vsize in self.ssd.scan_meta():
-            info = self.namespaces.get(gkey[:NS_ID_BYTES])
-            if info is not None:
-                records[gkey] = (info.ns_id, msgpack.unpackb(meta))
-        order = _parents_first(records)
-        items = []
-        for gkey in order:
-            ns_id, m = records[gkey]
-            p = m.get("p")
-            items.append((gkey, ns_id + p if p else None, m["s"], m.get("c", 0)))
+            ns_id = gkey[:NS_ID_BYTES]
+            if ns_id in known:
+                m = unpack(meta)
+                p = m.get("p")
+                parents[gkey] = ns_id + p if p else None
+                fields[gkey] = (m["s"], m.get("c", 0))
+        items = [(g, parents[g], *fields[g]) for g in _parents_first(parents)]
+        del parents, fields
         self.index.load_ssd(items)
         if state:
             try:
