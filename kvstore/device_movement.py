@@ -537,7 +537,7 @@ class DeviceMovement:
         """Flush: gpu-only blocks go to SSD, encoded on their device where the codec allows."""
         if self.ssd is None:
             return 0
-        todo = [e for e in self.index.entries()
+        todo = [e for e in self.index.hot_entries()
                 if e.gpu is not None and e.host is None and not e.ssd and e.moving is None]
         for dev in self.gpu:
             mine = [e for e in todo if e.gpu_dev == dev]

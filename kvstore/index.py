@@ -411,6 +411,12 @@ class BlockIndex:
         for r, g in cold:
             yield self._thaw(g, r)
 
+    def hot_entries(self) -> list[Entry]:
+        """The blocks that have an Entry: every block with a host or GPU copy, pins or a move
+        in flight is among them (a packed block has none of those), so a walk for such blocks
+        (flush, GPU write-down) need not look at the packed rows."""
+        return list(self._hot.values())
+
     def residency(self) -> Iterator[tuple[bytes, bool, bool, bool, int]]:
         """(ns_id, host copy, ssd, remote, size) of every block, without making an Entry for
         the packed ones (per-tenant usage walks every block on each metrics scrape)."""

@@ -1018,7 +1018,7 @@ class Store(DeviceMovement, TenantPools):
         """
         if self.ssd is None:
             return 0
-        todo = [e for e in self.index.entries() if e.host is not None and not e.ssd
+        todo = [e for e in self.index.hot_entries() if e.host is not None and not e.ssd
                 and (only is None or e.ns_id in only)]
         start = last = time.monotonic()
         done = nbytes = 0

@@ -140,7 +140,7 @@ def test_read_walks_do_not_unpack_and_count_like_entries():
     assert set(ix.residency()) == want and len(want) == 30
     assert ix.remote_count() == sum(x.remote for x in ix.entries())
     assert ix.read(NS + key(1)) is e and ix.read(NS + key(2)).size == 12
-    assert ix.hot_count == 1
+    assert ix.hot_count == 1 and ix.hot_entries() == [e]
 
 
 def _twin_policies(n_hint: int | None):
