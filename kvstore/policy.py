@@ -540,6 +540,11 @@ class SegmentedPolicy:
     MARGIN = 0.02                         # relative lead a candidate needs over LRU / blind
     MARGIN_HITS = 4.0                     # ... and in (decayed) sampled hits
     PAIR_Z = 3.0                          # twins: hints followed when they win at z >= 3
+    # Twins are full-size copies (three of them): ~1.2 KB per block. Above this many blocks
+    # (an SSD tier of millions) they would cost more memory than the index itself, so a tier
+    # that large drops them and keeps the blind order; hints then never reorder it (never
+    # below blind, by construction).
+    TWIN_MAX_BLOCKS = 1 << 17
 
     def __init__(self, capacity_blocks_hint: int | None = None, shadow: bool = True,
                  mode: tuple[float | None, bool, int] = (None, False, 0),
@@ -694,6 +699,10 @@ class SegmentedPolicy:
         twins = self._twins
         assert twins is not None
         cap = self.capacity
+        if cap > self.TWIN_MAX_BLOCKS:
+            self._twins = None
+            self._set_mode(self._mode[:2] + (0,))
+            return
         hit = [_Duel._one(tw[0], tw[1], gkey, parent, cap) for tw in twins]
         if hit[0] != hit[1] or hit[0] != hit[2]:
             d = self._disc
@@ -748,7 +757,8 @@ class SegmentedPolicy:
         "high" ones are kept as protected *when the hinted order is in use*; the hint is
         recorded either way, so the shadows can judge whether following hints pays."""
         hint = _HINT_OF[check_retention(level)]
-        if self._shadows is not None and self._twins is None:
+        if self._shadows is not None and self._twins is None \
+                and self.capacity <= self.TWIN_MAX_BLOCKS:
             self._start_twins()
         for pol, resident, _ in (self._twins or ())[1:]:
             mine = [g for g in gkeys if g in resident]

@@ -423,3 +423,21 @@ def test_session_hints_read_the_future_of_the_trace():
     # 0 and 1 go on whole (later requests start with them); 2 ends; 3 and 4 go on without
     # their last block (a partial block whose key changes); 5 and 6 end
     assert tr.session_hints(trace) == [3, 4, 0, 2, 4, 0, 0]
+
+
+def test_a_tier_past_the_twin_limit_drops_its_twins_and_keeps_the_blind_order(monkeypatch):
+    """Twins cost ~1.2 KB a block: a tier that grows past TWIN_MAX_BLOCKS (an SSD tier of
+    millions of blocks) drops them and stops following hints, instead of growing them."""
+    monkeypatch.setattr(SegmentedPolicy, "TWIN_MAX_BLOCKS", 64)
+    pol = SegmentedPolicy()
+    keys = [bytes([i]) * 8 for i in range(200)]
+    for k in keys[:50]:
+        pol.insert(k, None, 1)
+    pol.note_retention(keys[:10], "high")
+    assert pol._twins is not None                  # 50 blocks: twins start
+    for k in keys[50:]:
+        pol.insert(k, None, 1)
+    assert pol._twins is None and pol.mode[2] == 0  # 200 blocks: dropped, blind order
+    pol.note_retention(keys[:10], "low")
+    assert pol._twins is None                       # and not rebuilt
+    assert pol.pick(lambda g: True) is not None
