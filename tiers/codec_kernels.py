@@ -160,14 +160,17 @@ def _sqnorm(x, D):  # pragma: no cover - compiled
 def _codes(x, D, cen, inv, scl, tiny, qmax, fp8, cb, off, yrow):  # pragma: no cover
     """Codes of one vector: (x[d] - cen[d]) * inv[d], clamped, into cb[off:off+D]. With tiny
     (subnormal-range) scales 1/scale overflows float32, so it divides by scl[d] instead."""
+    nq = -qmax
     if tiny:
         for d in range(D):
             y = (x[d] - cen[d]) / scl[d]
-            yrow[d] = min(max(y, -qmax), qmax)
+            y = y if y > nq else nq          # compare-selects: they vectorize
+            yrow[d] = y if y < qmax else qmax
     else:
         for d in range(D):
             y = (x[d] - cen[d]) * inv[d]
-            yrow[d] = min(max(y, -qmax), qmax)
+            y = y if y > nq else nq
+            yrow[d] = y if y < qmax else qmax
     if fp8:
         yu = yrow.view(np.uint32)
         for d in range(D):
