@@ -69,6 +69,12 @@ def test_int8_v3_round_trip_bounds(dtype, head_dim):
     assert len(payload) <= 0.56 * layout.block_bytes
 
 
+def test_warm_up_compiles_and_leaves_codecs_working():
+    codecs.warm_up()
+    payload, out = roundtrip("int8", kv_block(SMOL), SMOL)
+    assert payload[0] == 3 and out.any()
+
+
 def test_int8_v3_size_on_a_smollm_shaped_block():
     payload, _ = roundtrip("int8", kv_block(SMOL), SMOL)
     # codes 0.5x + scales; the bench measures 0.546x on SmolLM2's real KV
