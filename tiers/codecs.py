@@ -22,7 +22,7 @@ import numpy as np
 from kvstore_client.errors import DataLoss, InvalidArgument
 from kvstore_client.layout import KVLayout
 
-from . import codec_engine, codec_lossless
+from . import codec_engine, codec_lossless, codec_q3
 from .codec_common import CODEC_IDS, CODEC_NAMES, NonFiniteBlock, check_block
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -65,8 +65,11 @@ def encode(codec: str, block: np.ndarray, layout: KVLayout,
     if codec in LOSSY:
         if layout.engine_native:
             block, layout = codec_engine.to_canonical(check_block(block, layout), layout)
-        q = _quant()
-        return q.encode(block, layout, scheme or q.SCHEMES[codec])
+        if scheme is None and codec in codec_q3.DEFAULT_V3:
+            return codec_q3.encode(block, layout, codec)
+        if scheme is None:
+            scheme = _quant().SCHEMES[codec]
+        return _quant().encode(block, layout, scheme)     # v1/v2 (benchmarks, old readers)
     raise InvalidArgument(f"unknown codec {codec!r}; expected one of {list(CODEC_IDS)}")
 
 
@@ -74,11 +77,13 @@ def encode_tensor(codec: str, t: torch.Tensor, layout: KVLayout,
                   scheme: QuantScheme | None = None) -> bytes | memoryview:
     """Encode a block held in a torch tensor on any device (e.g. a GPU pool slot).
 
-    Lossy codecs quantize on the tensor's device, so only the ~half-size codes and scales cross
-    to the host; raw and lossless copy the block to the host and encode there (zstd is CPU-only).
+    On an accelerator, lossy codecs quantize on the tensor's device (v2 payload, torch), so only
+    the ~half-size codes and scales cross to the host; on the CPU, and for raw and lossless,
+    the block is encoded on the host by the compiled codecs (v3 / lossless v2).
     """
     q = _quant()
-    if codec in LOSSY and not layout.engine_native:
+    if codec in LOSSY and not layout.engine_native and (
+            scheme is not None or t.device.type != "cpu" or codec not in codec_q3.DEFAULT_V3):
         return q.encode_tensor(t, layout, scheme or q.SCHEMES[codec])
     if codec not in CODEC_IDS:
         raise InvalidArgument(f"unknown codec {codec!r}; expected one of {list(CODEC_IDS)}")
@@ -111,12 +116,21 @@ def decode(codec: str, payload, layout: KVLayout, out: np.ndarray) -> None:
         if layout.engine_native:
             check_block(out, layout, "out")
             canon = np.empty(layout.block_bytes, np.uint8)
-            _quant().decode(mv, codec, layout.canonical_layout(), canon)
+            _decode_lossy(mv, codec, layout.canonical_layout(), canon)
             codec_engine.from_canonical(canon, layout, out)
             return
-        _quant().decode(mv, codec, layout, out)
+        _decode_lossy(mv, codec, layout, out)
         return
     raise DataLoss(f"payload uses unknown codec {codec!r}")
+
+
+def _decode_lossy(mv: memoryview, codec: str, layout: KVLayout, out: np.ndarray) -> None:
+    """v3 payloads decode in the compiled codec; v1/v2 (written before it) through torch."""
+    mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    if len(mv) and mv[0] == codec_q3.VERSION:
+        codec_q3.decode(mv, codec, layout, out)
+    else:
+        _quant().decode(mv, codec, layout, out)
 
 
 # ------------------------------------------------------------------ error metrics
@@ -193,6 +207,23 @@ def measure_error(codec: str, block: np.ndarray, layout: KVLayout) -> dict[str, 
     err = attention_error(q, k, v, kh, vh)
     return {"element": relative_error(x, x_hat), "attention_mean": float(err.mean()),
             "attention_max": float(err.max())}
+
+
+def warm_up(names: tuple[str, ...] = ("lossless", "int8")) -> None:
+    """Compile (or load from numba's on-disk cache) the kernels of the compiled codecs.
+
+    Why: the first use in a fresh checkout compiles them: ~1 s for lossless, ~12 s for int8 on
+    this 2-core machine under load. A daemon that calls this on a background thread at start
+    moves that off its first demotion. Runs every dtype path and both payload kinds (bytes
+    and writable buffers are distinct compiled variants)."""
+    for dtype in ("bfloat16", "float32"):
+        layout = KVLayout(1, 1, 8, 2, dtype)
+        block = np.zeros(layout.block_bytes, np.uint8)
+        out = np.empty_like(block)
+        for name in names:
+            payload = bytes(encode(name, block, layout))
+            decode(name, payload, layout, out)
+            decode(name, bytearray(payload), layout, out)
 
 
 def check_codec_name(codec: str) -> str:

@@ -1,0 +1,507 @@
+"""Compiled (numba) kernels of the v3 lossy codecs and the v2 lossless codec.
+
+Why numba: the torch/zstd codecs ran 8+ whole-block passes (0.1-0.5 GB/s on this class of CPU,
+below the SSD's write speed, issue 14). Here each (layer, head) slab of a block is read once,
+transformed and quantized while it sits in L1, and written once. Kernels are `nogil`, so the
+daemon's worker threads encode several blocks at once; they are not numba-parallel (nested
+thread pools under the daemon's own workers oversubscribed the cores, docs/codecs.md).
+`cache=True` keeps the machine code on disk: only the first process compiles (a few seconds).
+
+Imported lazily by codec_q3 / codec_lossless (importing numba costs a fraction of a second).
+Every kernel returns a status (0 = ok) instead of raising, so a malformed payload is DataLoss in
+the caller, never a crash.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_JIT = dict(nogil=True, cache=True, boundscheck=False, error_model="numpy")
+
+# Scales below this make 1/scale overflow float32 (max 3.4e38 = 2**128): divide instead.
+TINY = np.float32(2.0 ** -100)
+
+# Scale exponents: scale = base * 2**(-e/STEPS), e in 0..255 (the v3 payload format).
+STEPS = 32
+
+# Dtype codes of the block's elements.
+BF16, F16, F32 = 0, 1, 2
+
+
+# ------------------------------------------------------------------ scalar helpers
+
+
+@numba.njit(**_JIT)
+def _bf16_round(x, up):  # pragma: no cover - compiled
+    """bf16 bits of float32 x rounded toward +inf (up=True) or -inf (up=False)."""
+    a = np.empty(1, np.float32)
+    a[0] = x
+    u = a.view(np.uint32)[0]
+    hi = np.uint32(u >> np.uint32(16))
+    if (u & np.uint32(0xFFFF)) != 0:
+        neg = (u >> np.uint32(31)) != 0
+        if up != neg:                      # away from zero
+            hi += np.uint32(1)
+    return np.uint16(hi)
+
+
+@numba.njit(**_JIT)
+def _bf16_value(bits):  # pragma: no cover - compiled
+    a = np.empty(1, np.uint32)
+    a[0] = np.uint32(bits) << np.uint32(16)
+    return a.view(np.float32)[0]
+
+
+@numba.njit(**_JIT)
+def _fwht_cols(Y, n, T):  # pragma: no cover - compiled
+    """In-place orthonormal Walsh-Hadamard transform of every column of Y[n, T] (n a power of
+    two; its own inverse). Rows are channels, columns tokens: each butterfly runs over a
+    contiguous row of tokens, so it vectorizes (along a row it did not: 1.9 ns/element).
+    The sizes are taken from Y.shape (as arguments the loops measured 2x slower)."""
+    n, T = Y.shape
+    h = 1
+    while h < n:
+        for i in range(0, n, 2 * h):
+            for j in range(i, i + h):
+                for t in range(T):
+                    a = Y[j, t]
+                    b = Y[j + h, t]
+                    Y[j, t] = a + b
+                    Y[j + h, t] = a - b
+        h *= 2
+    s = np.float32(1.0 / np.sqrt(n))
+    for j in range(n):
+        for t in range(T):
+            Y[j, t] *= s
+
+
+@numba.njit(**_JIT)
+def _rotate(X, Y, D, T):  # pragma: no cover - compiled
+    """X[T, D] <- its rows Hadamard-transformed (through the transposed scratch Y[D, T])."""
+    for t in range(T):
+        for d in range(D):
+            Y[d, t] = X[t, d]
+    _fwht_cols(Y, D, T)
+    for t in range(T):
+        for d in range(D):
+            X[t, d] = Y[d, t]
+
+
+@numba.njit(**_JIT)
+def _load(src16, src32, dt, base, T, HD, D, X):  # pragma: no cover - compiled
+    """X[t, d] = element base + t*HD + d, as float32. False when any is inf/NaN (checked on
+    the exponent bits with an integer max, which vectorizes; a float sum would not)."""
+    T, D = X.shape
+    Xu = X.view(np.uint32)
+    m = np.uint32(0)
+    for t in range(T):
+        o = base + t * HD
+        if dt == BF16:
+            for d in range(D):
+                b = np.uint32(src16[o + d])
+                Xu[t, d] = b << np.uint32(16)
+                m = max(m, b & np.uint32(0x7F80))
+        else:
+            for d in range(D):
+                X[t, d] = src32[o + d]
+            for d in range(D):
+                m = max(m, (Xu[t, d] >> np.uint32(16)) & np.uint32(0x7F80))
+    return m != np.uint32(0x7F80)
+
+
+@numba.njit(**_JIT)
+def _load_rotated(src16, src32, dt, base, T, HD, D, X, Y, sgn):  # pragma: no cover
+    """X[t, :] = Hadamard transform of element vector base + t*HD (through Y[D, T], written
+    transposed straight from the source). False when any element is inf/NaN."""
+    D, T = Y.shape                  # sizes from shapes: LLVM vectorizes those loops better
+    Yu = Y.view(np.uint32)
+    m = np.uint32(0)
+    for t in range(T):
+        o = base + t * HD
+        if dt == BF16:
+            for d in range(D):
+                b = np.uint32(src16[o + d])
+                Yu[d, t] = (b << np.uint32(16)) ^ sgn[d]
+                m = max(m, b & np.uint32(0x7F80))
+        else:
+            for d in range(D):
+                Y[d, t] = src32[o + d]
+                m = max(m, (Yu[d, t] >> np.uint32(16)) & np.uint32(0x7F80))
+                Yu[d, t] ^= sgn[d]
+    if m == np.uint32(0x7F80):
+        return False
+    _fwht_cols(Y, D, T)
+    for t in range(T):
+        for d in range(D):
+            X[t, d] = Y[d, t]
+    return True
+
+
+@numba.njit(**_JIT)
+def _sqnorm(x, D):  # pragma: no cover - compiled
+    """Squared norm with four accumulators (a single one is a 4-cycle dependency chain)."""
+    s0 = np.float32(0.0)
+    s1 = np.float32(0.0)
+    s2 = np.float32(0.0)
+    s3 = np.float32(0.0)
+    n4 = D - D % 4
+    for d in range(0, n4, 4):
+        s0 += x[d] * x[d]
+        s1 += x[d + 1] * x[d + 1]
+        s2 += x[d + 2] * x[d + 2]
+        s3 += x[d + 3] * x[d + 3]
+    for d in range(n4, D):
+        s0 += x[d] * x[d]
+    return (s0 + s1) + (s2 + s3)
+
+
+@numba.njit(**_JIT)
+def _codes(x, D, cen, inv, scl, tiny, qmax, fp8, cb, off, yrow):  # pragma: no cover
+    """Codes of one vector: (x[d] - cen[d]) * inv[d], clamped, into cb[off:off+D]. With tiny
+    (subnormal-range) scales 1/scale overflows float32, so it divides by scl[d] instead."""
+    nq = -qmax
+    if tiny:
+        for d in range(D):
+            y = (x[d] - cen[d]) / scl[d]
+            y = y if y > nq else nq          # compare-selects: they vectorize
+            yrow[d] = y if y < qmax else qmax
+    else:
+        for d in range(D):
+            y = (x[d] - cen[d]) * inv[d]
+            y = y if y > nq else nq
+            yrow[d] = y if y < qmax else qmax
+    if fp8:
+        yu = yrow.view(np.uint32)
+        for d in range(D):
+            b = yu[d]
+            u = b & np.uint32(0x7FFFFFFF)
+            sign = (b >> np.uint32(24)) & np.uint32(0x80)
+            r = u + np.uint32(0x7FFFF) + ((u >> np.uint32(20)) & np.uint32(1))
+            cn = (r >> np.uint32(20)) - np.uint32(120 << 3)
+            cn = min(cn, np.uint32(0x7E))
+            cs = np.uint32(_rint(abs(yrow[d]) * np.float32(512.0)))
+            c = cs if u < np.uint32(0x3C800000) else cn
+            cb[off + d] = np.uint8(c | sign)
+    else:
+        for d in range(D):
+            cb[off + d] = np.uint8(np.int32(_rint(yrow[d])) & 255)
+
+
+@numba.njit(**_JIT)
+def _rint(y):  # pragma: no cover - compiled
+    """Round half to even for |y| < 2**22 (np.rint is an out-of-line call here, 3x slower):
+    adding and subtracting 1.5 * 2**23 leaves the float32 rounded to an integer."""
+    m = np.float32(12582912.0)
+    return (y + m) - m
+
+
+@numba.njit(**_JIT)
+def _exp_of(need, base, thr, cvt):  # pragma: no cover - compiled
+    """Largest e in 0..255 with base * 2**(-e/16) >= need (need <= base), from the float bits
+    (a libm log2 per token and channel cost ~15% of the encode). thr[j] = 2**(j/16)."""
+    if need <= 0:
+        return 255
+    cvt[0] = need / base
+    u = cvt.view(np.uint32)[0]
+    k = np.int32(u >> np.uint32(23)) - 127          # r = m * 2**k, m in [1, 2)
+    cvt.view(np.uint32)[0] = (u & np.uint32(0x7FFFFF)) | np.uint32(0x3F800000)
+    m = cvt[0]
+    c = 0
+    while c < STEPS and thr[c] < m:
+        c += 1
+    e = -STEPS * k - c
+    return min(max(e, 0), 255)
+
+
+@numba.njit(**_JIT)
+def q3_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, exp_lut, sgn, idx12,
+              slab, kidx, kexp, vexp, codes, sinks):  # pragma: no cover - compiled
+    """Quantize one canonical block [L,2,T,H,D] (elements in src16 (bf16 bits) or src32).
+
+    Per (layer, head): vectors optionally Hadamard-rotated over D; keys then get per channel a
+    centre o (on a grid of 255 steps between the slab's smallest and largest centre) and a
+    scale (kexp: 2**(-e/16) below the slab's largest); values one scale per token (vexp).
+    slab[l,h] = bf16 bits of (centre min, centre step, key scale base, value scale base).
+    The key of the (layer, head)'s sink token (squared value norm < sink_ratio**2 x the median)
+    is left out of the key statistics and flagged in sinks[l,t,h] (the caller stores it
+    exactly). Returns 0, or 1 when the block holds inf/NaN.
+    """
+    qmax = np.float32(448.0) if fp8 else np.float32(127.0)
+    X = np.empty((T, D), np.float32)
+    Y = np.empty((D, T), np.float32)
+    Xu = X.view(np.uint32)
+    hi = np.empty(D, np.float32)
+    lo = np.empty(D, np.float32)
+    cen = np.empty(D, np.float32)
+    need = np.empty(D, np.float32)
+    inv = np.empty(D, np.float32)
+    scl = np.empty(D, np.float32)
+    zero = np.zeros(D, np.float32)
+    yrow = np.empty(D, np.float32)
+    vn = np.empty(T, np.float32)
+    srt = np.empty(T, np.float32)
+    sv = np.empty(T, np.float32)
+    cvt = np.empty(1, np.uint32)
+    fcvt = np.empty(1, np.float32)
+    thr = np.empty(STEPS + 1, np.float32)
+    for j in range(STEPS + 1):
+        thr[j] = np.float32(2.0 ** (j / STEPS))
+    HD = H * D
+    for ly in range(L):
+        for h in range(H):
+            # ---- values: norms (for the sink rule), rotation, one scale per token
+            for t in range(T):
+                sinks[ly, t, h] = False
+            vbase = ((ly * 2 + 1) * T * H + h) * D
+            if rot_v:
+                if not _load_rotated(src16, src32, dt, vbase, T, HD, D, X, Y, sgn):
+                    return 1
+            elif not _load(src16, src32, dt, vbase, T, HD, D, X):
+                return 1
+            vmax = np.float32(0.0)
+            for t in range(T):
+                vn[t] = _sqnorm(X[t], D)       # the rotation keeps norms
+            for t in range(T):
+                m = np.uint32(0)
+                for d in range(D):               # max |x| on the bits: vectorizes
+                    m = max(m, Xu[t, d] & np.uint32(0x7FFFFFFF))
+                cvt[0] = m
+                sv[t] = cvt.view(np.float32)[0] / qmax
+                vmax = max(vmax, sv[t])
+            sink = -1
+            if T > 1:
+                srt[:] = vn
+                srt.sort()
+                med = srt[(T - 1) // 2] if T % 2 == 1 else np.float32(0.5) * (
+                    srt[T // 2 - 1] + srt[T // 2])
+                tmin = 0
+                for t in range(1, T):
+                    if vn[t] < vn[tmin]:
+                        tmin = t
+                if vn[tmin] < np.float32(sink_ratio * sink_ratio) * med:
+                    sink = tmin
+            vb_bits = _bf16_round(vmax, True) if vmax > 0 else np.uint16(0x3F80)
+            vb = _bf16_value(vb_bits)
+            for t in range(T):
+                e = _exp_of(sv[t], vb, thr, fcvt)
+                vexp[ly, t, h] = e
+                sc = vb * exp_lut[e]
+                s = np.float32(1.0) / sc
+                for d in range(D):
+                    inv[d] = s
+                    scl[d] = sc
+                _codes(X[t], D, zero, inv, scl, vb < TINY, qmax, fp8, codes, vbase + t * HD,
+                       yrow)
+            # ---- keys: one centre and one scale per channel
+            kbase = ((ly * 2) * T * H + h) * D
+            if rot_k:
+                if not _load_rotated(src16, src32, dt, kbase, T, HD, D, X, Y, sgn):
+                    return 1
+            elif not _load(src16, src32, dt, kbase, T, HD, D, X):
+                return 1
+            for d in range(D):
+                hi[d] = -np.inf
+                lo[d] = np.inf
+            for t in range(T):
+                if t != sink or T == 1:    # the sink stays out of the statistics
+                    for d in range(D):
+                        hi[d] = max(hi[d], X[t, d])
+                        lo[d] = min(lo[d], X[t, d])
+            cmin = np.float32(np.inf)
+            cmax = np.float32(-np.inf)
+            for d in range(D):
+                cen[d] = np.float32(0.5) * hi[d] + np.float32(0.5) * lo[d]
+                cmin = min(cmin, cen[d])
+                cmax = max(cmax, cen[d])
+            cmin_bits = _bf16_round(cmin, False)
+            c0 = _bf16_value(cmin_bits)
+            top = 4095 if idx12 else 255
+            step = (cmax - c0) / np.float32(top) * np.float32(1.01)
+            step_bits = _bf16_round(step, True) if step > 0 else np.uint16(0)
+            st = _bf16_value(step_bits)
+            kmax = np.float32(0.0)
+            for d in range(D):
+                ix = 0
+                if st > 0:
+                    ix = int(_rint((cen[d] - c0) / st))
+                    ix = min(max(ix, 0), top)
+                if not idx12:
+                    kidx[ly, h, d] = ix
+                else:   # two channels in three bytes: both low bytes, then the high nibbles
+                    g = (d >> 1) * 3
+                    kidx[ly, h, g + (d & 1)] = ix & 255
+                    if d & 1:
+                        kidx[ly, h, g + 2] |= np.uint8((ix >> 8) << 4)
+                    else:
+                        kidx[ly, h, g + 2] = np.uint8(ix >> 8)
+                o = c0 + np.float32(ix) * st
+                cen[d] = o
+                need[d] = max(hi[d] - o, o - lo[d]) / qmax
+                kmax = max(kmax, need[d])
+            kb_bits = _bf16_round(kmax, True) if kmax > 0 else np.uint16(0x3F80)
+            kb = _bf16_value(kb_bits)
+            slab[ly, h, 0] = cmin_bits
+            slab[ly, h, 1] = step_bits
+            slab[ly, h, 2] = kb_bits
+            slab[ly, h, 3] = vb_bits
+            slab[ly, h, 4] = 0x3F80          # 1.0: no sink in this (layer, head)
+            if sink >= 0:   # the sink key gets a scale of its own (centre 0)
+                m = np.float32(0.0)
+                for d in range(D):
+                    m = max(m, abs(X[sink, d]))
+                sb_bits = _bf16_round(m / np.float32(127.0), True) if m > 0 else np.uint16(
+                    0x3F80)
+                slab[ly, h, 4] = sb_bits
+                ssc = _bf16_value(sb_bits)
+                for d in range(D):
+                    zero[d] = np.float32(0.0)
+                    scl[d] = ssc
+                    inv[d] = np.float32(1.0) / ssc
+                sinks[ly, sink, h] = True
+                # int8 codes in both codecs: FP8's 3-bit mantissa on the key most queries
+                # attend to moved whole heads (fp8 worst head 0.114 -> see docs/codecs.md)
+                _codes(X[sink], D, zero, inv, scl, ssc < TINY, np.float32(127.0), False,
+                       codes, kbase + sink * HD, yrow)
+            for d in range(D):
+                e = _exp_of(need[d], kb, thr, fcvt)
+                kexp[ly, h, d] = e
+                scl[d] = kb * exp_lut[e]
+                inv[d] = np.float32(1.0) / scl[d]
+            for t in range(T):
+                if t != sink:
+                    _codes(X[t], D, cen, inv, scl, kb < TINY, qmax, fp8, codes,
+                           kbase + t * HD, yrow)
+    return 0
+
+
+@numba.njit(**_JIT)
+def q3_decode(dst16, dst32, dt, L, T, H, D, fp8, rot_k, rot_v, exp_lut, f8_lut, sgn, idx12,
+              slab, kidx, kexp, vexp, codes, sinks):  # pragma: no cover - compiled
+    """Inverse of q3_encode (exact keys are written by the caller afterwards).
+    Returns 0, or 2 when the side info is not finite/positive (a corrupt payload)."""
+    X = np.empty((T, D), np.float32)
+    Y = np.empty((D, T), np.float32)
+    Xu = X.view(np.uint32)
+    sc = np.empty(D, np.float32)
+    cen = np.empty(D, np.float32)
+    lut = np.empty(256, np.float32)
+    for c in range(256):
+        lut[c] = f8_lut[c] if fp8 else np.float32(np.int8(np.uint8(c)))
+    HD = H * D
+    for ly in range(L):
+        for h in range(H):
+            c0 = _bf16_value(slab[ly, h, 0])
+            st = _bf16_value(slab[ly, h, 1])
+            kb = _bf16_value(slab[ly, h, 2])
+            vb = _bf16_value(slab[ly, h, 3])
+            sb = _bf16_value(slab[ly, h, 4])
+            if not (np.isfinite(c0) and np.isfinite(st) and st >= 0 and np.isfinite(kb)
+                    and kb > 0 and np.isfinite(vb) and vb > 0 and np.isfinite(sb) and sb > 0):
+                return 2
+            for d in range(D):
+                if idx12:
+                    g = (d >> 1) * 3
+                    ix = np.int32(kidx[ly, h, g + (d & 1)]) | (
+                        (np.int32(kidx[ly, h, g + 2]) >> (4 * (d & 1)) & 15) << 8)
+                else:
+                    ix = np.int32(kidx[ly, h, d])
+                cen[d] = c0 + np.float32(ix) * st
+                sc[d] = kb * exp_lut[kexp[ly, h, d]]
+            for part in range(2):
+                rotate = rot_v if part else rot_k
+                base = ((ly * 2 + part) * T * H + h) * D
+                Z = Y if rotate else X.T       # [D, T]: rotated through Y, else X
+                for t in range(T):
+                    off = base + t * HD
+                    if part == 0 and sinks[ly, t, h]:         # int8 codes in both codecs
+                        for d in range(D):
+                            Z[d, t] = np.float32(np.int8(codes[off + d])) * sb
+                    elif part == 0:
+                        for d in range(D):
+                            Z[d, t] = cen[d] + lut[codes[off + d]] * sc[d]
+                    else:
+                        s = vb * exp_lut[vexp[ly, t, h]]
+                        for d in range(D):
+                            Z[d, t] = lut[codes[off + d]] * s
+                if rotate:
+                    _fwht_cols(Y, D, T)
+                    Yu = Y.view(np.uint32)
+                    for t in range(T):
+                        for d in range(D):
+                            Xu[t, d] = Yu[d, t] ^ sgn[d]
+                for t in range(T):
+                    off = base + t * HD
+                    if dt == BF16:
+                        for d in range(D):
+                            u = Xu[t, d]
+                            dst16[off + d] = np.uint16((u + np.uint32(0x7FFF) + (
+                                (u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                    else:
+                        for d in range(D):
+                            dst32[off + d] = X[t, d]
+    return 0
+
+
+# ------------------------------------------------------------------ lossless v2
+
+
+@numba.njit(**_JIT)
+def ll_encode(words, itemsize, lut, body, low_off, nib_off, esc_off):  # pragma: no cover
+    """One pass over the elements (little-endian words as uint8 rows [n, itemsize]): the lower
+    bytes go to raw planes at low_off (plane p at low_off + p*n), the top byte becomes a 4-bit
+    code via `lut` at nib_off (element 2i low nibble, 2i+1 high nibble), where code 15 = escape:
+    the byte itself follows in the escape stream at esc_off. Returns the number of escapes."""
+    n = words.shape[0]
+    top = itemsize - 1
+    ne = 0
+    if itemsize == 2:
+        for i in range(n):
+            body[low_off + i] = words[i, 0]
+    else:
+        for i in range(n):
+            for p in range(top):
+                body[low_off + p * n + i] = words[i, p]
+    for i in range(n):
+        b = words[i, top]
+        c = np.uint8(lut[b])
+        if i & 1:
+            body[nib_off + (i >> 1)] |= np.uint8(c << 4)
+        else:
+            body[nib_off + (i >> 1)] = np.uint8(c)
+        if c == 15:
+            body[esc_off + ne] = b
+            ne += 1
+    return ne
+
+
+@numba.njit(**_JIT)
+def ll_decode(body, itemsize, dic, low_off, nib_off, esc_off, n_esc, words):  # pragma: no cover
+    """Inverse of ll_encode. Returns 0, or 3 when the escape stream's length does not match
+    the escape codes (a corrupt payload)."""
+    n = words.shape[0]
+    top = itemsize - 1
+    ne = 0
+    if itemsize == 2:
+        for i in range(n):
+            words[i, 0] = body[low_off + i]
+    else:
+        for i in range(n):
+            for p in range(top):
+                words[i, p] = body[low_off + p * n + i]
+    for i in range(n):
+        c = np.int64(body[nib_off + (i >> 1)])
+        if i & 1:
+            c = c >> 4
+        else:
+            c = c & 15
+        if c == 15:
+            if ne >= n_esc:
+                return 3
+            words[i, top] = body[esc_off + ne]
+            ne += 1
+        else:
+            words[i, top] = dic[c]
+    if ne != n_esc:
+        return 3
+    return 0
