@@ -108,6 +108,9 @@ vllm-env: $(VLLM_VENV)/.installed
 TEST_PREREQS := dev redis promtool vllm-env sglang-env
 
 test: $(TEST_PREREQS)
+	# Compile the numba kernels (codecs, the SDK's block copy) into their on-disk cache once,
+	# rather than inside the first test that happens to use them (and its deadlines).
+	$(PY) -c "import tiers.codecs as c, kvstore_client.blockcopy as b; c.warm_up(); b.kernel_available()"
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 lint: dev

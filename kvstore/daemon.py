@@ -176,6 +176,17 @@ def is_loopback(address: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def _warm_codecs() -> None:
+    """Load the compiled codec kernels (numba: from its on-disk cache, or a compile of several
+    seconds in a fresh checkout) after the daemon is ready, so the first demotion or Evict does
+    not wait for them inside its deadline. Failure only logs: the codecs load on first use."""
+    try:
+        from tiers.codecs import warm_up
+        warm_up()
+    except Exception as e:  # noqa: BLE001 - best effort, off the serving path
+        log.warning("codec warm-up failed (they load on first use instead): %s", e)
+
+
 def check_exposure(cfg: StoreConfig, tenants: dict) -> str | None:
     """Refuse a TCP listener beyond loopback that nobody authenticates; returns the warning
     to log at every start when the operator insisted (auth.insecure_tcp)."""
@@ -360,6 +371,8 @@ class Daemon:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("daemon %s ready (pid %d, data %s)", self.store.daemon_id, os.getpid(),
                  cfg.data_dir)
+        if cfg.ssd.enabled or cfg.remote.enabled:
+            threading.Thread(target=_warm_codecs, name="codec-warm-up", daemon=True).start()
 
     def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
         if signum is not None and self.stop_requested.is_set():
