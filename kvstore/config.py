@@ -85,6 +85,18 @@ class SSDConfig(TierConfig):
     capacity: int = 8 << 30
     sync: bool = False              # fsync every write batch (durable across power loss)
     write_through: bool = False     # also write every committed block to SSD immediately
+    # Lossless namespaces' blocks on demotion: "auto" compresses only while the encoder keeps
+    # up with the disk (kvstore/encode_choice.py), "always" / "never" force it.
+    compress: str = "auto"
+
+    def check(self, name: str) -> None:
+        super().check(name)
+        if self.compress not in COMPRESS_MODES:
+            raise ConfigError(f"{name}.compress must be one of {list(COMPRESS_MODES)}, got "
+                              f"{self.compress!r}")
+
+
+COMPRESS_MODES = ("auto", "always", "never")
 
 
 @dataclass

@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -32,6 +32,7 @@ from kvstore_client.layout import KVLayout
 from tiers import codecs, frame
 from tiers.ssd import DiskFull
 
+from .encode_choice import EncodeChoice
 from .index import Entry
 from .nsinfo import NamespaceInfo
 from .verify import matches
@@ -174,6 +175,7 @@ class TierMovement:
         self._decoders: ThreadPoolExecutor | None = None
         self._remote_fetcher: ThreadPoolExecutor | None = None
         self._encoded = 0               # blocks encoded, to sample one in ERROR_SAMPLE_EVERY
+        self._encode_choice: EncodeChoice | None = None
         # Background demotion: woken when host use passes the low watermark (see _demote_loop).
         self._wake = threading.Condition(store._lock)
         self._demoter: threading.Thread | None = None
@@ -407,26 +409,120 @@ class TierMovement:
         """Phase 2 of an eviction: encode `todo` and write it to SSD without the store lock.
 
         Called and returns with the lock held; releases it for the encode and again for the
-        LMDB write. SSD room is made in between, under the lock, and the bytes being written
+        write. SSD room is made in between, under the lock, and the bytes being written
         count in `_ssd_pending` until they land, so concurrent demotions never overfill SSD.
         Returns (entry, encoded bytes) for each block written.
         """
+        return self._write_ssd(todo, unlocked=True, strict=False)
+
+    def _write_ssd(self, todo: list[Entry], unlocked: bool, strict: bool
+                   ) -> list[tuple[Entry, int]]:
+        """Write host copies to SSD (locked on entry and return; with `unlocked`, the lock is
+        released for the encode and for the write, and the caller has marked `todo` moving).
+
+        Each block is encoded with its namespace's codec where that applies now
+        (kvstore/encode_choice.py: a lossless block is compressed only while compressing does
+        not slow demotion), else stored `raw`: copied from its slot straight into the SSD
+        tier's write buffer, verified and framed there (one copy, hashes while the bytes are
+        in cache), the batch's runs written in parallel on the worker threads. A block whose
+        host copy fails its checksum is dropped and counted, never written. `strict`: a
+        tenant's SSD quota that cannot fit the batch raises (flush), else those blocks are
+        left out (eviction). Returns (entry, stored bytes) for each block written.
+        """
         jobs = self._encode_jobs(todo)
-        with self._unlocked():
-            values, local = self._encode(jobs)
-        self.counters.update(local)
-        todo, values = self._verified(todo, values)
-        todo, values = self._fit_quota("ssd", todo, values, strict=False)
-        need = sum(len(v) for v in values)
+        choice = self.encode_choice
+        plain = [not choice.compress(j[2]) for j in jobs]
+        if any(plain) and choice.probe():
+            job = jobs[plain.index(True)]
+            self._probe_encode(np.array(job[0]), job[1])
+        enc = [i for i, p in enumerate(plain) if not p]
+        values: list = [None] * len(todo)
+        if enc:
+            with self._maybe_unlocked(unlocked):
+                t = time.perf_counter()
+                vals, local = self._encode([jobs[i] for i in enc])
+                dt = time.perf_counter() - t
+            self.counters.update(local)
+            for i, v in zip(enc, vals, strict=True):
+                values[i] = v
+            if all(jobs[i][2] == "lossless" for i in enc):
+                choice.note_encode(sum(todo[i].size for i in enc if values[i] is not None),
+                                   sum(len(v) for v in vals if v is not None), dt,
+                                   one_thread=len(enc) == 1)
+            for i in enc:
+                if values[i] is None:
+                    self._corrupt_host_copy(todo[i].gkey, "demotion")
+        idx = [i for i in range(len(todo)) if plain[i] or values[i] is not None]
+        lengths = [frame.HEADER_BYTES + e.size if p else (len(v) if v is not None else 0)
+                   for e, p, v in zip(todo, plain, values, strict=True)]
+        _, idx = self._fit_quota("ssd", [todo[i] for i in idx], idx, strict=strict)
+        if not idx:
+            return []
+        need = sum(lengths[i] for i in idx)
         self._ssd_room(need)
-        items = [(e.gkey, v, _meta(e)) for e, v in zip(todo, values, strict=True)]
+        items = [(todo[i].gkey, lengths[i], _meta(todo[i])) for i in idx]
+
+        def fill(k: int, dst: memoryview) -> bool:
+            i = idx[k]
+            if not plain[i]:
+                dst[:] = values[i]
+                return True
+            view, checksum = jobs[i][0], jobs[i][4]
+            payload = dst[frame.HEADER_BYTES:]
+            # The copy is what gets checked (the slot is client-writable, kvstore/verify.py).
+            np.copyto(np.frombuffer(payload, np.uint8), view)
+            if not matches(payload, checksum):
+                return False
+            dst[:frame.HEADER_BYTES] = frame.header("raw", len(view), payload)
+            return True
+
         self._ssd_pending += need
         try:
-            with self._unlocked():
-                self.ssd.put_many(items)
+            with self._maybe_unlocked(unlocked):
+                t = time.perf_counter()
+                stored = self.ssd.put_filled(items, fill)
+                choice.note_write(need, time.perf_counter() - t)
         finally:
             self._ssd_pending -= need
-        return [(e, len(v)) for e, v in zip(todo, values, strict=True)]
+        written = []
+        for i, ok in zip(idx, stored, strict=True):
+            e = todo[i]
+            if not ok:
+                self._corrupt_host_copy(e.gkey, "demotion")
+                continue
+            written.append((e, lengths[i]))
+            if plain[i]:
+                self.counters["codec_in_bytes_raw"] += e.size
+                self.counters["codec_out_bytes_raw"] += lengths[i]
+                self.counters["codec_blocks_raw"] += 1
+        return written
+
+    def _probe_encode(self, block: np.ndarray, layout: KVLayout) -> None:
+        """Time one lossless encode of (a copy of) a block on a worker thread, for
+        encode_choice, while the demotion itself goes on storing raw: the probe adds no
+        latency to it. The result is thrown away. Needs no lock (see EncodeChoice)."""
+        choice = self.encode_choice
+
+        def run() -> None:
+            try:
+                t = time.perf_counter()
+                out = codecs.encode("lossless", block, layout)
+                choice.note_encode(block.nbytes, len(out), time.perf_counter() - t,
+                                   one_thread=True)
+            except Exception as exc:    # a measurement only; the next probe tries again
+                log.debug("lossless encode probe failed: %s", exc)
+        self._pool().submit(run)
+
+    @property
+    def encode_choice(self) -> EncodeChoice:
+        """Whether lossless blocks are compressed on their way to SSD (made on first use)."""
+        if self._encode_choice is None:
+            self._encode_choice = EncodeChoice(self.config.ssd.compress,
+                                               min(WORKERS + 1, os.cpu_count() or 1))
+        return self._encode_choice
+
+    def _maybe_unlocked(self, unlocked: bool) -> AbstractContextManager[None]:
+        return self._unlocked() if unlocked else nullcontext()
 
     @contextmanager
     def _unlocked(self) -> Iterator[None]:
@@ -478,13 +574,7 @@ class TierMovement:
             if self.remote is not None and todo:
                 self._demote_to_remote(todo, from_host=True)
             return
-        todo, values = self._verified(todo, self._encode_many(todo))
-        items = list(zip(*self._fit_quota("ssd", todo, values, strict=True), strict=True))
-        if not items:
-            return
-        self._ssd_room(sum(len(v) for _, v in items))
-        self.ssd.put_many([(e.gkey, v, _meta(e)) for e, v in items])
-        self._record_ssd_copies([(e, len(v)) for e, v in items])
+        self._record_ssd_copies(self._write_ssd(todo, unlocked=False, strict=True))
 
     def _record_ssd_copies(self, written: list[tuple[Entry, int]]) -> None:
         """Blocks just written to SSD from host (entry, encoded bytes): index, policy, counters."""
@@ -727,9 +817,14 @@ class TierMovement:
                 self._store._fill_from_gpu(p)
                 return
             if p.ssd:
-                # Decoded straight from the tier's read buffer (one O_DIRECT read, no copy).
+                # Decoded straight from the tier's read buffer (one O_DIRECT read, no copy),
+                # which visit has verified against the record's checksum of the whole value.
+                def from_ssd(mv: memoryview) -> bool:
+                    decode(p, frame.unframe(mv, checked=True))
+                    p.nbytes = len(mv)
+                    return True
                 try:
-                    found = self.ssd.visit(p.entry.gkey, lambda mv: decode(p, mv) or True)
+                    found = self.ssd.visit(p.entry.gkey, from_ssd)
                 except DataLoss as exc:     # the payload fails its checksum: never served
                     p.source, p.error = "ssd", exc
                     return

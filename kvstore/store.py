@@ -1050,7 +1050,7 @@ class Store(DeviceMovement, TenantPools):
         self.ssd.sync()
         if progress is not None and todo:
             dt = time.monotonic() - start
-            progress(f"flushed {done} blocks ({nbytes / 1e9:.2f} GB) in {dt:.1f} s")
+            progress(f"flushed {done} blocks ({nbytes / 1e9:.3f} GB) in {dt:.3f} s")
         return done
 
     # ----------------------------------------------------------------- reporting

@@ -13,8 +13,10 @@ SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=8, dtyp
 
 
 def make_store(tmp_path, host_capacity: int = 1 << 20, ssd_capacity: int = 64 << 20,
-               ssd: bool = True, gpu_capacity: int = 0, **host_kw) -> Store:
-    """gpu_capacity > 0 enables the gpu tier on the CPU device (tiers/device_cpu.py)."""
+               ssd: bool = True, gpu_capacity: int = 0, ssd_compress: str = "auto",
+               **host_kw) -> Store:
+    """gpu_capacity > 0 enables the gpu tier on the CPU device (tiers/device_cpu.py);
+    ssd_compress is config ssd.compress (kvstore/encode_choice.py)."""
     cfg = StoreConfig(data_dir=str(tmp_path / "data"))
     if gpu_capacity:
         cfg.gpu.enabled, cfg.gpu.capacity, cfg.gpu.backend = True, gpu_capacity, "cpu"
@@ -23,6 +25,7 @@ def make_store(tmp_path, host_capacity: int = 1 << 20, ssd_capacity: int = 64 <<
         setattr(cfg.host, k, v)
     cfg.ssd.enabled = ssd
     cfg.ssd.capacity = ssd_capacity
+    cfg.ssd.compress = ssd_compress
     cfg.leases.default_ttl_s = 30
     return Store(cfg)
 

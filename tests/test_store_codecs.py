@@ -83,7 +83,7 @@ def test_lossy_codec_refuses_non_finite_block_and_stores_it_lossless(tmp_path):
 
 def test_lossless_namespace_round_trips_bit_exact_through_ssd(tmp_path):
     rng = np.random.default_rng(2)
-    with make_store(tmp_path) as store:
+    with make_store(tmp_path, ssd_compress="always") as store:
         ns = namespace(store, LAYOUT, codec="lossless")
         _, keys = random_prompt(rng, 4, LAYOUT)
         data = [as_bytes(outlier_kv(rng)) for _ in keys]

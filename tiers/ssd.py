@@ -43,6 +43,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -67,7 +68,10 @@ _SCAN_BATCH = 8192
 ALIGN = 4096
 GROW_STEP = 256 << 20               # the payload file grows (preallocated) this much at a time,
 MIN_GROW_STEP = 4 << 20             # or an eighth of the tier's capacity where that is less
-STAGE_BYTES = 32 << 20              # per-thread aligned staging buffer for O_DIRECT writes
+RUN_BYTES = 8 << 20                 # adjacent extents joined into one write up to this size
+PREFAULT_BUFFERS = 3                # write buffers populated at open (one per writing thread)
+PREFAULT_MIN_CAPACITY = 256 << 20   # ... for a tier at least this big (not the tests' tiny ones)
+MAX_FREE_BUFFERS = 8
 _ADDRESS_LIMIT = 1 << 60
 _MIGRATE_BATCH = 64
 
@@ -156,10 +160,15 @@ class SSDTier:
         self._active: dict[int, int] = {}
         self._pending: deque[tuple[int, int]] = deque()
         self._tls = threading.local()
+        self._stages = _Buffers()
+        self._write_pool: ThreadPoolExecutor | None = None
+        if capacity >= PREFAULT_MIN_CAPACITY:   # warm write buffers for the first demotions
+            threading.Thread(target=self._stages.prefault, args=(PREFAULT_BUFFERS,),
+                             name="kvstore-ssd-prefault", daemon=True).start()
         self._check_format()
         self._payload_path = os.path.join(self.path, "payload.dat")
         self._fd = os.open(self._payload_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        self._dfd = _open_direct(self._payload_path)
+        self._dfd = self._dfd_opened = _open_direct(self._payload_path)
         try:
             self._file_size = os.fstat(self._fd).st_size
             extents, used = self._scan_extents()
@@ -182,15 +191,85 @@ class SSDTier:
 
     def put_many(self, items: list[tuple[bytes, bytes, bytes]]) -> None:
         """Store a batch: payloads written in large aligned runs, then one index commit."""
-        checked = [(_key(k), memoryview(_blob(v, "value")).cast("B"), bytes(_blob(m, "meta")))
-                   for k, v, m in items]
+        values = [memoryview(_blob(v, "value")).cast("B") for _, v, _ in items]
+
+        def fill(i: int, dst: memoryview) -> bool:
+            dst[:] = values[i]
+            return True
+
+        self.put_filled([(k, len(v), m) for (k, _, m), v in zip(items, values, strict=True)],
+                        fill)
+
+    def put_filled(self, items: list[tuple[bytes, int, bytes]],
+                   fill: Callable[[int, memoryview], bool]) -> list[bool]:
+        """Store a batch whose values the caller writes straight into the tier's write buffers.
+
+        items: (key, value length, meta). `fill(i, dst)` writes value i (exactly that many
+        bytes) into `dst` and returns False to leave it out (its source failed a check); it may
+        raise, which stores nothing. Returns, per item, whether it was stored.
+
+        Why: demotion used to build each value as its own object (fresh multi-MiB buffers, a
+        page-fault round each) which put_many then copied again into the O_DIRECT staging
+        buffer. Here each run of adjacent extents (up to RUN_BYTES) is filled on the calling
+        thread into a reused page-aligned buffer, checksummed there while the bytes are in
+        cache, and handed to the tier's writer thread for one pwrite, while the caller fills
+        the next run: copies overlap the disk, and writes reach the disk one at a time (on
+        this kind of disk, concurrent O_DIRECT writes were slower than one after another).
+        Crash order as put_many: every payload is written and synced before the one commit
+        that names them.
+        """
+        checked = [(_key(k), _length(n), bytes(_blob(m, "meta"))) for k, n, m in items]
         if not checked:
-            return
+            return []
         self._check_open()
-        offsets = self._allocate([extent_size(len(v)) for _, v, _ in checked])
+        sizes = [extent_size(n) for _, n, _ in checked]
+        offsets = self._allocate(sizes)
+        sums: list[int | None] = [None] * len(checked)
+
+        def fill_run(run: list[int], stage: mmap.mmap) -> bool:
+            start = offsets[run[0]]
+            with memoryview(stage) as view:
+                for i in run:
+                    pos = offsets[i] - start
+                    with view[pos:pos + checked[i][1]] as dst:
+                        if fill(i, dst):
+                            sums[i] = xxhash.xxh3_64_intdigest(dst)
+            return any(sums[i] is not None for i in run)
+
+        def write_run(run: list[int], stage: mmap.mmap) -> None:
+            try:
+                start = offsets[run[0]]
+                self._pwrite_run(stage, offsets[run[-1]] + sizes[run[-1]] - start, start,
+                                 [(offsets[i] - start, checked[i][1]) for i in run])
+            finally:
+                self._stages.give(stage)
+
         try:
-            self._write_payloads([(off, v) for off, (_, v, _) in zip(offsets, checked,
-                                                                      strict=True)])
+            runs = _runs(offsets, sizes)
+            pending: Future | None = None
+            try:
+                for run in runs:
+                    stage = self._stages.take(offsets[run[-1]] + sizes[run[-1]]
+                                              - offsets[run[0]])
+                    try:
+                        filled = fill_run(run, stage)
+                    except BaseException:
+                        self._stages.give(stage)
+                        raise
+                    if pending is not None:
+                        pending, done = None, pending
+                        done.result()
+                    if not filled:
+                        self._stages.give(stage)
+                    elif len(runs) == 1:
+                        write_run(run, stage)       # nothing to overlap with
+                    else:
+                        pending = self._writer().submit(write_run, run, stage)
+            finally:
+                if pending is not None:             # on an error too: the write ends first
+                    wait([pending])
+            if pending is not None:
+                pending.result()
             if self._sync or self._dfd is not None:
                 os.fdatasync(self._fd)          # payloads durable before the index names them
         except OSError as exc:
@@ -198,28 +277,36 @@ class SSDTier:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFull(self.path, free_bytes(self.path), exc) from None
             raise
+        except BaseException:
+            self._free_now(offsets)
+            raise
+        kept = [s is not None for s in sums]
+        self._free_now([off for off, ok in zip(offsets, kept, strict=True) if not ok])
+        offsets = [off for off, ok in zip(offsets, kept, strict=True) if ok]
+        stored = [(c, s) for c, s in zip(checked, sums, strict=True) if s is not None]
         replaced: list[int] = []
 
         def write(txn: lmdb.Transaction) -> int:
             replaced.clear()
             delta = 0
-            for off, (k, v, m) in zip(offsets, checked, strict=True):
+            for off, ((k, n, m), csum) in zip(offsets, stored, strict=True):
                 old = txn.get(k, db=self._index)
                 if old is not None:
                     old_off, old_len, _ = _REC.unpack_from(old)
                     replaced.append(old_off)
                     delta -= old_len
-                txn.put(k, _REC.pack(off, len(v), xxhash.xxh3_64_intdigest(v)) + m,
-                        db=self._index)
-                delta += len(v)
+                txn.put(k, _REC.pack(off, n, csum) + m, db=self._index)
+                delta += n
             return delta
 
-        try:
-            self._write(write)
-        except BaseException:
-            self._free_now(offsets)
-            raise
+        if stored:
+            try:
+                self._write(write)
+            except BaseException:
+                self._free_now(offsets)
+                raise
         self._free_after_readers(replaced)
+        return kept
 
     def get(self, gkey: bytes) -> bytes | None:
         """The value (a private copy), or None; DataLoss when it fails its checksum."""
@@ -264,7 +351,7 @@ class SSDTier:
         size = extent_size(length)
         buf = getattr(self._tls, "rbuf", None)
         if buf is None or len(buf) < size:
-            buf = self._tls.rbuf = mmap.mmap(-1, max(size, 4 << 20))
+            buf = self._tls.rbuf = _populated(max(size, 4 << 20))
         view = memoryview(buf)
         fd = self._dfd if self._dfd is not None else self._fd
         got = 0
@@ -449,10 +536,12 @@ class SSDTier:
                 self._close_files()
 
     def _close_files(self) -> None:
-        for fd in (self._fd, self._dfd):
+        if self._write_pool is not None:
+            self._write_pool.shutdown(wait=True)
+        for fd in (self._fd, self._dfd_opened):
             if fd is not None:
                 os.close(fd)
-        self._fd = self._dfd = None  # type: ignore[assignment]
+        self._fd = self._dfd = self._dfd_opened = None  # type: ignore[assignment]
         self._env.close()
 
     def __enter__(self) -> SSDTier:
@@ -510,46 +599,32 @@ class SSDTier:
         self._file_size = new
         self._alloc.grow(new)
 
-    def _write_payloads(self, items: list[tuple[int, memoryview]]) -> None:
-        """Write each value at its extent, joining adjacent extents into one large write."""
-        items = sorted(items, key=lambda x: x[0])
-        run: list[tuple[int, memoryview]] = []
-        end = -1
-        for off, v in items:
-            if run and (off != end or end - run[0][0] + extent_size(len(v)) > STAGE_BYTES):
-                self._write_run(run)
-                run = []
-            run.append((off, v))
-            end = off + extent_size(len(v))
-        if run:
-            self._write_run(run)
+    def _writer(self) -> ThreadPoolExecutor:
+        """The one thread that writes filled runs (made on first use)."""
+        with self._alloc_lock:
+            if self._write_pool is None:
+                self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-ssd-write")
+            return self._write_pool
 
-    def _write_run(self, run: list[tuple[int, memoryview]]) -> None:
-        start = run[0][0]
-        total = run[-1][0] + extent_size(len(run[-1][1])) - start
-        if self._dfd is not None and total <= STAGE_BYTES:
-            stage = self._stage()
-            for off, v in run:
-                stage[off - start:off - start + len(v)] = v
+    def _pwrite_run(self, stage: mmap.mmap, total: int, start: int,
+                    values: list[tuple[int, int]]) -> None:
+        """Write a filled run: one O_DIRECT pwrite of the whole aligned run, or, where the
+        filesystem refuses O_DIRECT, each value's bytes with buffered pwrites."""
+        dfd = self._dfd
+        if dfd is not None:
             try:
-                _pwrite_all(self._dfd, memoryview(stage)[:total], start)
+                _pwrite_all(dfd, memoryview(stage)[:total], start)
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 log.warning("O_DIRECT writes fail on %s (%s); using buffered writes",
                             self.path, exc)
-                fd, self._dfd = self._dfd, None
-                os.close(fd)
-        for off, v in run:
-            _pwrite_all(self._fd, v, off)
-
-    def _stage(self) -> mmap.mmap:
-        """A page-aligned buffer per thread (O_DIRECT needs aligned memory), reused."""
-        buf = getattr(self._tls, "stage", None)
-        if buf is None:
-            buf = self._tls.stage = mmap.mmap(-1, STAGE_BYTES)
-        return buf
+                # Not closed here: another thread may be writing through it right now.
+                self._dfd = None
+        with memoryview(stage) as view:
+            for pos, n in values:
+                _pwrite_all(self._fd, view[pos:pos + n], start + pos)
 
     # -- internals: deferred frees ------------------------------------------------------------
     @contextmanager
@@ -727,6 +802,37 @@ class SSDTier:
                 self._gate.notify_all()
 
 
+class _Buffers:
+    """Page-aligned write buffers (O_DIRECT needs aligned memory), shared by the threads that
+    write runs and reused: a fresh multi-MiB buffer page-faults on every use (PERF-NOTES)."""
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> mmap.mmap:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if len(buf) >= nbytes:
+                    return self._free.pop(i)
+        return _populated(max(nbytes, RUN_BYTES))
+
+    def give(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < MAX_FREE_BUFFERS:
+                self._free.append(buf)
+
+    def prefault(self, n: int) -> None:
+        for _ in range(n):
+            self.give(_populated(RUN_BYTES))
+
+
+def _populated(nbytes: int) -> mmap.mmap:
+    """An anonymous mapping with its pages already faulted in (where MAP_POPULATE exists)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, nbytes, flags=flags)
+
+
 def _open_direct(path: str) -> int | None:
     """An O_DIRECT descriptor for the payload file, or None where the filesystem refuses it."""
     flag = getattr(os, "O_DIRECT", 0)
@@ -737,6 +843,22 @@ def _open_direct(path: str) -> int | None:
     except OSError as exc:
         log.info("no O_DIRECT for %s (%s); payloads use buffered writes", path, exc)
         return None
+
+
+def _runs(offsets: list[int], sizes: list[int]) -> list[list[int]]:
+    """Item indexes grouped into runs of adjacent extents, in file order, each at most
+    RUN_BYTES (or one item): one pwrite each, and several runs to spread over threads."""
+    order = sorted(range(len(offsets)), key=offsets.__getitem__)
+    runs: list[list[int]] = []
+    end = start = -1
+    for i in order:
+        if runs and offsets[i] == end and end + sizes[i] - start <= RUN_BYTES:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+            start = offsets[i]
+        end = offsets[i] + sizes[i]
+    return runs
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -754,6 +876,12 @@ def _key(k: object) -> bytes:
     if not 0 < len(k) <= MAX_KEY:
         raise InvalidArgument(f"SSD tier key must be 1..{MAX_KEY} bytes, got {len(k)}")
     return k
+
+
+def _length(n: object) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < _ADDRESS_LIMIT:
+        raise InvalidArgument(f"SSD tier value length must be a byte count, got {n!r}")
+    return n
 
 
 def _blob(v: object, what: str) -> bytes | bytearray | memoryview:
