@@ -17,11 +17,14 @@ Layout of the tier's folder:
                  `_tier`      `used_bytes` (updated in the same transaction as every put and
                               delete, so it is exact after a crash) and `format`
 
-Crash order: a batch's payloads are written (and, with `sync` or O_DIRECT, fdatasync'd) before
-the transaction that points the index at them commits, so a committed record never names an
-extent that was not written; a crash between the two leaves only unreferenced space, which the
-next open counts as free. Every read verifies the value's checksum against its record: a torn
-or stale payload is DataLoss (a miss), never served.
+Crash order: a batch's payloads are written (and, with `sync`, fdatasync'd) before the
+transaction that points the index at them commits, so a committed record never names an extent
+that was not written; a crash between the two leaves only unreferenced space, which the next
+open counts as free. Without `sync` neither the payloads nor LMDB's commits are forced to the
+device per batch (sync() does both, payloads first: the store's Flush and a stop); a power loss
+may then leave a record whose payload did not reach the disk, which its checksum turns into a
+miss. Every read verifies the value's checksum against its record: a torn or stale payload is
+DataLoss (a miss), never served.
 
 Free space: extents come from an ExtentAllocator (tiers/slab.py) rebuilt from the index on
 open. Sizes are rounded to 32 classes per power of two (at most ~3% slack) so a freed extent
@@ -270,7 +273,7 @@ class SSDTier:
                     wait([pending])
             if pending is not None:
                 pending.result()
-            if self._sync or self._dfd is not None:
+            if self._sync:
                 os.fdatasync(self._fd)          # payloads durable before the index names them
         except OSError as exc:
             self._free_now(offsets)
