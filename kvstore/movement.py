@@ -101,6 +101,11 @@ def decode_block(value: bytes | memoryview | tuple, layout: KVLayout, out: np.nd
 
 
 SLAB_ALIGN = 4096
+# An eviction batch: up to this many victims and about this many bytes. Each batch ends with
+# its SSD write and one index commit, so the disk idles briefly between batches: large
+# blocks want few, large batches; small blocks many per batch.
+BATCH_BLOCKS = 64
+BATCH_BYTES = 32 << 20
 REMOTE_CHUNK = 8        # remote blocks fetched per trip when an acquire pipelines its fetches
 
 
@@ -307,7 +312,8 @@ class TierMovement:
 
     def _pick_host_victims(self, nbytes: int | None, planned: int,
                            only: set[bytes] | None = None) -> list[Entry]:
-        """Phase 1 of an eviction (locked): up to 16 victims, taken out of the host policy."""
+        """Phase 1 of an eviction (locked): up to BATCH_BLOCKS victims and about BATCH_BYTES,
+        taken out of the host policy."""
         policy = self.policies["host"]
         lower = self.ssd is not None or self.remote is not None
 
@@ -320,7 +326,9 @@ class TierMovement:
                     and (lower or e.ssd or e.remote or e.gpu is not None or e.children == 0)
                     and (only is None or e.ns_id in only))
         batch: list[Entry] = []
-        while len(batch) < 16 and (nbytes is None or planned < nbytes):
+        first = planned
+        while (len(batch) < BATCH_BLOCKS and planned - first < BATCH_BYTES
+               and (nbytes is None or planned < nbytes)):
             g = policy.pick(can)
             if g is None:
                 break

@@ -146,12 +146,12 @@ def test_flush_covers_blocks_the_background_demoter_is_writing(tmp_path, monkeyp
     while flush waited for earlier ones (those are skipped by flush's own pass)."""
     store = make_store(tmp_path, host_capacity=1 << 20)
     try:
-        put_many = store.ssd.put_many
+        put_filled = store.ssd.put_filled
 
-        def slow(items):                  # a slow disk: batches stay in flight for a while
+        def slow(items, fill):            # a slow disk: batches stay in flight for a while
             time.sleep(0.02)
-            put_many(items)
-        monkeypatch.setattr(store.ssd, "put_many", slow)
+            return put_filled(items, fill)
+        monkeypatch.setattr(store.ssd, "put_filled", slow)
         ns = namespace(store)
         for r in range(4):
             store.evict("host")               # empty, then ~95%: two demoter batches

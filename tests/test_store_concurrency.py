@@ -42,12 +42,12 @@ def slow_fill(monkeypatch):
 def slow_demote(monkeypatch):
     """Widen the window in which evictions demote off the lock (a slow SSD write)."""
     def install(store):
-        put_many = store.ssd.put_many
+        put_filled = store.ssd.put_filled
 
-        def slow(items):
+        def slow(items, fill):
             time.sleep(0.002)
-            put_many(items)
-        monkeypatch.setattr(store.ssd, "put_many", slow)
+            return put_filled(items, fill)
+        monkeypatch.setattr(store.ssd, "put_filled", slow)
     return install
 
 
@@ -375,7 +375,7 @@ def test_close_waits_for_promotions_in_flight(tmp_path, slow_fill):
 
 def test_lock_is_released_while_demoting(tmp_path):
     """While an eviction encodes and writes its victims to SSD, other calls get the lock: a
-    lookup, an acquire of another block and an acquire of a victim all run inside put_many."""
+    lookup, an acquire of another block and an acquire of a victim all run inside put_filled."""
     with make_store(tmp_path) as store:
         ns = namespace(store)
         rng = np.random.default_rng(20)
@@ -386,13 +386,13 @@ def test_lock_is_released_while_demoting(tmp_path):
         store.put(ns, victims, [expected(k) for k in victims])
         entered, done = threading.Event(), threading.Event()
         seen: dict[str, object] = {}
-        put_many = store.ssd.put_many
+        put_filled = store.ssd.put_filled
 
-        def slow_put_many(items):
+        def slow_put_filled(items, fill):
             entered.set()
             seen["others_ran"] = done.wait(10)          # deadline: fail, never hang
-            put_many(items)
-        store.ssd.put_many = slow_put_many
+            return put_filled(items, fill)
+        store.ssd.put_filled = slow_put_filled
 
         def other_caller() -> None:
             entered.wait(10)
@@ -421,7 +421,7 @@ def test_lock_is_released_while_demoting(tmp_path):
         store.release(lease.id)
         store.release(keep.id)
         check_quiet(store)
-        store.ssd.put_many = put_many
+        store.ssd.put_filled = put_filled
         assert store.evict("host")[1] == len(victims) + len(other)
         check_quiet(store)
 
@@ -495,23 +495,26 @@ def test_delete_while_demoting(tmp_path, slow_demote):
         check_quiet(store)
 
 
-def test_demotion_failure_leaves_every_victim_as_it_was(tmp_path):
-    with make_store(tmp_path) as store:
+@pytest.mark.parametrize("compress", ["always", "never"])
+def test_demotion_failure_leaves_every_victim_as_it_was(tmp_path, compress):
+    """With compression the encode and then the write can fail; stored raw, only the write
+    (which copies each block out of its slot itself)."""
+    with make_store(tmp_path, ssd_compress=compress) as store:
         ns = namespace(store)
         keys = random_prompt(np.random.default_rng(23), 12)[1]
         store.put(ns, keys, [expected(k) for k in keys])
-        put_many, encode = store.ssd.put_many, store.movement._encode
+        put_filled, encode = store.ssd.put_filled, store.movement._encode
 
         def broken(*args):
             raise OSError("injected: disk went away")
-        for where in ("put_many", "encode"):
-            if where == "put_many":
-                store.ssd.put_many = broken
+        for where in ("put_filled", "encode") if compress == "always" else ("put_filled",):
+            if where == "put_filled":
+                store.ssd.put_filled = broken
             else:
                 store.movement._encode = broken
             with pytest.raises(OSError, match="injected"):
                 store.evict("host")
-            store.ssd.put_many, store.movement._encode = put_many, encode
+            store.ssd.put_filled, store.movement._encode = put_filled, encode
             for k in keys:
                 e = store.index.get(ns + k)
                 assert e.host is not None and not e.ssd and e.moving is None
@@ -551,19 +554,19 @@ def test_demotion_failures_while_hammered(tmp_path, monkeypatch):
     with make_store(tmp_path, host_capacity=48 * 4096) as store:
         ns = namespace(store)
         prompts = prompts_on_ssd(store, ns)
-        put_many = store.ssd.put_many
+        put_filled = store.ssd.put_filled
         calls = [0]
         count = threading.Lock()
 
-        def flaky(items):
+        def flaky(items, fill):
             with count:
                 calls[0] += 1
                 fail = calls[0] % 3 == 0
             time.sleep(0.001)
             if fail:
                 raise Injected("injected write failure")
-            put_many(items)
-        monkeypatch.setattr(store.ssd, "put_many", flaky)
+            return put_filled(items, fill)
+        monkeypatch.setattr(store.ssd, "put_filled", flaky)
         written: list[list[bytes]] = []
         rng = np.random.default_rng(25)
 
@@ -577,7 +580,7 @@ def test_demotion_failures_while_hammered(tmp_path, monkeypatch):
                       allowed=(Injected,))
         assert seen.get("Injected", 0) > 0
         check_quiet(store)
-        monkeypatch.setattr(store.ssd, "put_many", put_many)
+        monkeypatch.setattr(store.ssd, "put_filled", put_filled)
         for keys in prompts + written:              # everything stored is still whole
             lease = store.acquire(ns, keys)
             assert len(lease.keys) == len(keys), "a block was lost by a failed demotion"
@@ -629,14 +632,14 @@ def test_delete_and_put_of_blocks_being_demoted(tmp_path):
         keys = random_prompt(np.random.default_rng(26), 4)[1]
         store.put(ns, keys, [expected(k) for k in keys])
         entered, done = threading.Event(), threading.Event()
-        put_many = store.ssd.put_many
+        put_filled = store.ssd.put_filled
         got: dict[str, object] = {}
 
-        def slow_put_many(items):
+        def slow_put_filled(items, fill):
             entered.set()
             got["ran"] = done.wait(10)
-            put_many(items)
-        store.ssd.put_many = slow_put_many
+            return put_filled(items, fill)
+        store.ssd.put_filled = slow_put_filled
 
         def meddle() -> None:
             entered.wait(10)
@@ -676,13 +679,13 @@ def test_allocation_waits_for_demotions_in_flight(tmp_path):
         store.put(ns, full, [expected(k) for k in full])
         assert store.host.used_bytes == store.host.capacity
         entered, go = threading.Event(), threading.Event()
-        put_many = store.ssd.put_many
+        put_filled = store.ssd.put_filled
 
-        def held_put_many(items):
+        def held_put_filled(items, fill):
             entered.set()
             assert go.wait(10)
-            put_many(items)
-        store.ssd.put_many = held_put_many
+            return put_filled(items, fill)
+        store.ssd.put_filled = held_put_filled
         evicted: list[tuple[int, int]] = []
         evicting = threading.Thread(target=lambda: evicted.append(store.evict("host")))
         evicting.start()
@@ -701,7 +704,7 @@ def test_allocation_waits_for_demotions_in_flight(tmp_path):
         assert not evicting.is_alive() and not putting.is_alive()
         assert evicted == [(8 * 4096, 8)]
         assert result and result[0].stored == 1
-        store.ssd.put_many = put_many
+        store.ssd.put_filled = put_filled
         check_quiet(store)
         lease = store.acquire(ns, new)
         check_lease(store, ns, new, lease)
