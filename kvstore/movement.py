@@ -269,6 +269,8 @@ class TierMovement:
                 return self.host.alloc(nbytes, seg) if seg else self.host.alloc(nbytes)
             except ResourceExhausted:
                 pass
+            if not seg and self._host_evicting >= _aligned(nbytes) and self._wait_demotions():
+                continue     # batches in flight free enough: no second writer on the disk
             _, _, picked = self._evict_host_batches(_aligned(nbytes), self._seg_namespaces(seg))
             if picked or self._wait_demotions():
                 continue
