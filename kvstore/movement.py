@@ -106,6 +106,7 @@ SLAB_ALIGN = 4096
 # blocks want few, large batches; small blocks many per batch.
 BATCH_BLOCKS = 64
 BATCH_BYTES = 32 << 20
+SSD_READ_CHUNK = 8 << 20     # promotion reads about this many adjacent SSD bytes per task
 REMOTE_CHUNK = 8        # remote blocks fetched per trip when an acquire pipelines its fetches
 
 
@@ -822,31 +823,50 @@ class TierMovement:
                 # leases hand out must be theirs (decoding is deterministic, so it stays valid).
                 p.new_checksum = xxhash.xxh3_64_intdigest(out)
 
-        def one(p: Promotion) -> None:
-            if p.gpu:
-                self._store._fill_from_gpu(p)
-                return
-            if p.ssd:
-                # Decoded straight from the tier's read buffer (one O_DIRECT read, no copy),
-                # which visit has verified against the record's checksum of the whole value.
-                def from_ssd(mv: memoryview) -> bool:
-                    decode(p, frame.unframe(mv, checked=True))
-                    p.nbytes = len(mv)
-                    return True
-                try:
-                    found = self.ssd.visit(p.entry.gkey, from_ssd)
-                except DataLoss as exc:     # the payload fails its checksum: never served
-                    p.source, p.error = "ssd", exc
-                    return
-                if found:
-                    p.source = "ssd"
-                    return
-                p.ssd_missed = True
+        def from_remote(p: Promotion) -> None:
             if p.remote_value is not None:
                 p.source = "remote"
                 decode(p, p.remote_value)
 
-        self._parallel(one, jobs)
+        def from_ssd(chunk: list[Promotion]) -> None:
+            # Decoded straight from the tier's read buffer (adjacent blocks in one O_DIRECT
+            # read, no copy), which has been verified against each record's checksum of the
+            # whole value: the frame's own payload hash would find nothing new.
+            def got(i: int, mv: memoryview) -> None:
+                decode(chunk[i], frame.unframe(mv, checked=True))
+                chunk[i].nbytes = len(mv)
+            found = self.ssd.visit_many([p.entry.gkey for p in chunk], got)
+            for p, f in zip(chunk, found, strict=True):
+                if isinstance(f, DataLoss):     # the payload fails its checksum: never served
+                    p.source, p.error = "ssd", f
+                elif f:
+                    p.source = "ssd"
+                else:
+                    p.ssd_missed = True
+                    from_remote(p)
+
+        def one(task: tuple[str, Any]) -> None:
+            kind, x = task
+            if kind == "ssd":
+                from_ssd(x)
+            elif kind == "gpu":
+                self._store._fill_from_gpu(x)
+            else:
+                from_remote(x)
+
+        tasks: list[tuple[str, Any]] = []
+        chunk: list[Promotion] = []
+        for p in jobs:
+            if p.ssd and not p.gpu:
+                if chunk and sum(q.entry.size for q in chunk) + p.entry.size > SSD_READ_CHUNK:
+                    tasks.append(("ssd", chunk))
+                    chunk = []
+                chunk.append(p)
+            else:
+                tasks.append(("gpu" if p.gpu else "remote", p))
+        if chunk:
+            tasks.append(("ssd", chunk))
+        self._parallel(one, tasks)
 
     def _settle(self, p: Promotion) -> bool:
         """Phase 3 (locked): publish a filled slot as the block's host copy, or give it back.

@@ -224,3 +224,53 @@ def test_flush_writes_raw_blocks_under_the_lock(tmp_path):
             value = store.ssd.get(ns + key)
             codec, raw_len, payload = frame.unframe(value)
             assert codec == "raw" and raw_len == len(d) and bytes(payload) == d
+
+
+# ------------------------------------------------------------------ reads
+
+
+def test_visit_many_reads_runs_and_reports_each_key(ssd, monkeypatch):
+    import tiers.ssd as mod
+    monkeypatch.setattr(mod, "READ_RUN_BYTES", 3 * 64 << 10)   # runs of about three values
+    values = [val(i, 50_000 + 101 * i) for i in range(10)]
+    ssd.put_many([(k(i), v, b"") for i, v in enumerate(values)])
+    ssd.delete(k(4))                                   # a hole in the middle of the file
+    seen: dict[int, bytes] = {}
+    order = [k(9), k(0), k(4), k(5), k(77), *[k(i) for i in (1, 2, 3, 6, 7, 8)]]
+    got = ssd.visit_many(order, lambda i, mv: seen.__setitem__(i, bytes(mv)))
+    assert got == [True, True, False, True, False] + [True] * 6
+    want = {i: values[int.from_bytes(key[16:], "big")] for i, key in enumerate(order)
+            if got[i] is True}
+    assert seen == want
+
+
+def test_visit_many_refuses_a_corrupt_value_and_serves_its_neighbours(tmp_path):
+    import os
+    t = SSDTier(str(tmp_path / "ssd"), capacity=64 * MIB)
+    try:
+        values = [val(i, 40_000) for i in range(3)]
+        t.put_many([(k(i), v, b"") for i, v in enumerate(values)])
+        t.sync()
+        with t._read() as txn:                         # where the middle value lies
+            off = int.from_bytes(txn.get(k(1), db=t._index)[:8], "little")
+        fd = os.open(t.data_files()[0], os.O_RDWR)
+        try:
+            os.pwrite(fd, b"\x00\x01\x02", off + 1000)
+        finally:
+            os.close(fd)
+        seen: dict[int, bytes] = {}
+        got = t.visit_many([k(0), k(1), k(2)], lambda i, mv: seen.__setitem__(i, bytes(mv)))
+        assert got[0] is True and got[2] is True
+        assert isinstance(got[1], DataLoss) and "checksum" in str(got[1])
+        assert seen == {0: values[0], 2: values[2]}
+    finally:
+        t.close()
+
+
+def test_cold_promotion_reads_adjacent_blocks_back_exact(tmp_path):
+    """Through the store: many blocks demoted together come back by coalesced reads."""
+    with make_store(tmp_path, host_capacity=16 * MIB, ssd_compress="never") as store:
+        ns = namespace(store, LAYOUT)
+        data, got = _demote_and_read(store, ns, 40, seed=6)
+        assert [d for _, d in got] == data
+        assert store.stats()["counters"].get("corrupt_blocks", 0) == 0

@@ -75,6 +75,7 @@ RUN_BYTES = 8 << 20                 # adjacent extents joined into one write up 
 PREFAULT_BUFFERS = 3                # write buffers populated at open (one per writing thread)
 PREFAULT_MIN_CAPACITY = 256 << 20   # ... for a tier at least this big (not the tests' tiny ones)
 MAX_FREE_BUFFERS = 8
+READ_RUN_BYTES = 16 << 20           # adjacent extents read with one pread up to this size
 _ADDRESS_LIMIT = 1 << 60
 _MIGRATE_BATCH = 64
 
@@ -349,6 +350,50 @@ class SSDTier:
             raise DataLoss(f"SSD block {k.hex()} fails its checksum (torn or overwritten "
                            "payload)")
         return fn(view)
+
+    def visit_many(self, gkeys: list[bytes], fn: Callable[[int, memoryview], object]
+                   ) -> list[bool | DataLoss]:
+        """fn(i, view) on each verified value (the view is valid only during the call); per
+        key, True when visited, False when missing, or the DataLoss of a value that fails its
+        checksum (fn is not called for it).
+
+        Why: promotion of a prefix reads blocks that demotion wrote next to each other. Here
+        adjacent extents are read with one O_DIRECT pread per run (up to READ_RUN_BYTES):
+        on this kind of disk, 8 MiB reads on two threads ran at 1.6x the rate of 2 MiB reads
+        on three.
+        """
+        keys = [_key(k) for k in gkeys]
+        out: list[bool | DataLoss] = [False] * len(keys)
+        with self._pinned(), self._read() as txn:     # close() waits for the read
+            recs = []
+            for i, k in enumerate(keys):
+                raw = txn.get(k, db=self._index)
+                if raw is not None:
+                    recs.append((*_REC.unpack_from(raw), i))
+            recs.sort()
+            runs: list[list[tuple[int, int, int, int]]] = []
+            end = start = -1
+            for rec in recs:
+                off, length = rec[0], rec[1]
+                if runs and off == end and off + extent_size(length) - start <= READ_RUN_BYTES:
+                    runs[-1].append(rec)
+                else:
+                    runs.append([rec])
+                    start = off
+                end = off + extent_size(length)
+            for run in runs:
+                first = run[0][0]
+                last = run[-1][0] + extent_size(run[-1][1])
+                got = self._read_extent(first, last - first)
+                for off, length, checksum, i in run:
+                    view = got[off - first:off - first + length]
+                    if len(view) != length or xxhash.xxh3_64_intdigest(view) != checksum:
+                        out[i] = DataLoss(f"SSD block {keys[i].hex()} fails its checksum "
+                                          "(torn or overwritten payload)")
+                        continue
+                    fn(i, view)
+                    out[i] = True
+        return out
 
     def _read_extent(self, off: int, length: int) -> memoryview:
         """`length` bytes at `off`, read into this thread's reusable read buffer."""
