@@ -28,7 +28,7 @@ import heapq
 import math
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import msgpack
@@ -49,7 +49,9 @@ class EvictionPolicy(Protocol):
     """The interface the store codes against (docs/internals.md)."""
 
     def insert(self, gkey: bytes, parent: bytes | None, size: int) -> None: ...
+    def insert_many(self, items: Iterable[tuple[bytes, bytes | None, int]]) -> None: ...
     def touch(self, gkey: bytes) -> None: ...
+    def touch_many(self, gkeys: Iterable[bytes]) -> None: ...
     def remove(self, gkey: bytes) -> None: ...
     def record_miss(self, gkey: bytes) -> None: ...
     def pick(self, can_evict: Callable[[bytes], bool]) -> bytes | None: ...
@@ -113,15 +115,19 @@ class PrefixLeaves:
                 pnode[_CHILDREN].add(gkey)
             else:
                 self._orphans.setdefault(parent, set()).add(gkey)
-        adopted = self._orphans.pop(gkey, None)
+        adopted = self._orphans.pop(gkey, None) if self._orphans else None
         if adopted:
             for child in adopted:
                 self.nodes[child][_LINKED] = True
             node[_CHILDREN] = adopted
         self.nodes[gkey] = node
-        self.sizes[seg] += 1
-        if not node[_CHILDREN]:
-            self._push(gkey, node)
+        sizes = self.sizes
+        sizes[seg] += 1
+        if not adopted:                   # a new leaf: _push, inlined
+            heap = self._heaps[seg]
+            heapq.heappush(heap, (prio, gkey))
+            if len(heap) > 64 and len(heap) > 2 * sizes[seg] + 64:
+                self._rebuild(seg)
 
     def _reaches(self, start: bytes, target: bytes) -> bool:
         """Whether parent links up from `start` arrive at `target`. Only walked when a block
@@ -139,12 +145,16 @@ class PrefixLeaves:
 
     def update(self, gkey: bytes, prio: Any, seg: int) -> None:
         node = self.nodes[gkey]
-        self.sizes[node[_SEG]] -= 1
-        self.sizes[seg] += 1
+        sizes = self.sizes
+        sizes[node[_SEG]] -= 1
+        sizes[seg] += 1
         node[_PRIO] = prio
         node[_SEG] = seg
-        if not node[_CHILDREN]:
-            self._push(gkey, node)
+        if not node[_CHILDREN]:           # _push, inlined: the hottest call of every policy
+            heap = self._heaps[seg]
+            heapq.heappush(heap, (prio, gkey))
+            if len(heap) > 64 and len(heap) > 2 * sizes[seg] + 64:
+                self._rebuild(seg)
 
     def remove(self, gkey: bytes) -> list[Any] | None:
         node = self.nodes.pop(gkey, None)
@@ -154,10 +164,15 @@ class PrefixLeaves:
         parent = node[_PARENT]
         if node[_LINKED]:
             pnode = self.nodes[parent]
-            pnode[_CHILDREN].discard(gkey)
-            if not pnode[_CHILDREN]:
+            children = pnode[_CHILDREN]
+            children.discard(gkey)
+            if not children:              # the parent is a leaf again: _push, inlined
                 pnode[_CHILDREN] = None
-                self._push(parent, pnode)
+                seg = pnode[_SEG]
+                heap = self._heaps[seg]
+                heapq.heappush(heap, (pnode[_PRIO], parent))
+                if len(heap) > 64 and len(heap) > 2 * self.sizes[seg] + 64:
+                    self._rebuild(seg)
         elif parent is not None:
             waiting = self._orphans.get(parent)
             if waiting is not None:
@@ -253,6 +268,16 @@ class LRUPolicy:
 
     def remove(self, gkey: bytes) -> None:
         self._leaves.remove(gkey)
+
+    def insert_many(self, items: Iterable[tuple[bytes, bytes | None, int]]) -> None:
+        """insert() for each (gkey, parent, size), in order (the store's batch call)."""
+        for gkey, parent, size in items:
+            self.insert(gkey, parent, size)
+
+    def touch_many(self, gkeys: Iterable[bytes]) -> None:
+        """touch() for each key, in order (the store's batch call)."""
+        for gkey in gkeys:
+            self.touch(gkey)
 
     def record_miss(self, gkey: bytes) -> None:
         """LRU keeps no history."""
@@ -363,6 +388,16 @@ class AdaptivePolicy:
             if self._duel is not None:
                 self._duel.access(gkey, None, self.capacity)
             self._leaves.update(gkey, self._clock, 1)
+
+    def insert_many(self, items: Iterable[tuple[bytes, bytes | None, int]]) -> None:
+        """insert() for each (gkey, parent, size), in order (the store's batch call)."""
+        for gkey, parent, size in items:
+            self.insert(gkey, parent, size)
+
+    def touch_many(self, gkeys: Iterable[bytes]) -> None:
+        """touch() for each key, in order (the store's batch call)."""
+        for gkey in gkeys:
+            self.touch(gkey)
 
     def remove(self, gkey: bytes) -> None:
         node = self._leaves.remove(gkey)
@@ -475,6 +510,80 @@ _P, _R, _T = range(3)                     # probation, protected, put tail
 _N, _L, _H = range(3)                     # hint: normal, low, high
 _HEAPS = 9
 _HINT_OF = {"normal": _N, "low": _L, "high": _H}
+
+
+def _simulate(pol: SegmentedPolicy, resident: set[bytes], gkey: bytes, parent: bytes | None,
+              cap: int) -> int:
+    """One access to a shadow or twin cache of `cap` blocks: 1 on a hit, else 0 after
+    inserting `gkey` and evicting down to `cap` (never `gkey` itself).
+
+    Exactly ``_Duel._one(pol, resident, ...)``, with pol.touch / insert / remove and the
+    common cases of PrefixLeaves.update / add inlined. Why: the tuner runs ten shadows per
+    sampled access and three full-size twins per access once hints exist, so these calls are
+    most of the policy's CPU time on the store's hot path, and most of that was call
+    overhead and checks that are constant for a simulation (`pol` has no shadows or twins of
+    its own, its capacity is its hint, its leaves are a PrefixLeaves). `resident` is the set
+    of keys `pol` holds (kept, as _Duel does, for the callers that walk it).
+    """
+    leaves = pol._leaves
+    nodes, sizes = leaves.nodes, leaves.sizes
+    clock = pol._clock = pol._clock + 1
+    node = nodes.get(gkey)
+    if node is not None:              # hit: touch, i.e. protected and any hint spent
+        seg = _R * 3 + _N
+        sizes[node[_SEG]] -= 1
+        sizes[seg] += 1
+        node[_PRIO] = clock
+        node[_SEG] = seg
+        if not node[_CHILDREN]:
+            heap = leaves._heaps[seg]
+            heapq.heappush(heap, (clock, gkey))
+            if len(heap) > 64 and len(heap) > 2 * sizes[seg] + 64:
+                leaves._rebuild(seg)
+        return 1
+    ghost = pol._ghost
+    if gkey in ghost:                 # insert: back from the ghost history, protected
+        del ghost[gkey]
+        seg = _R * 3
+    else:
+        seg = _P * 3
+    if parent not in resident:
+        parent = None
+    if leaves._orphans:               # children wait for a parent: the general path
+        leaves.add(gkey, parent, clock, seg)
+    else:                             # a new leaf under a resident parent, or a root
+        if parent is not None:
+            pnode = nodes[parent]
+            kids = pnode[_CHILDREN]
+            if kids is None:
+                pnode[_CHILDREN] = {gkey}
+            else:
+                kids.add(gkey)
+        nodes[gkey] = [parent, parent is not None, None, clock, seg]
+        sizes[seg] += 1
+        heap = leaves._heaps[seg]
+        heapq.heappush(heap, (clock, gkey))
+        if len(heap) > 64 and len(heap) > 2 * sizes[seg] + 64:
+            leaves._rebuild(seg)
+    resident.add(gkey)
+    n = len(resident)
+    if n > pol._peak:
+        pol._peak = n
+    if n <= cap:
+        return 0
+    not_new = gkey.__ne__             # can_evict: anything but the block just inserted
+    limit = pol.GHOST_FACTOR * (pol._hint or max(pol._peak, 1))
+    pick = pol.pick
+    while len(resident) > cap:
+        victim = pick(not_new)
+        if victim is None:
+            break
+        resident.discard(victim)
+        leaves.remove(victim)
+        ghost[victim] = None
+        while len(ghost) > limit:
+            ghost.popitem(last=False)
+    return 0
 
 
 STRICT, SOFT = 1, 2        # hint modes: every "low" goes first / not for blocks already reused
@@ -636,7 +745,7 @@ class SegmentedPolicy:
         cap = max(1, self.capacity // self._rate)
         for sh in self._shadows:
             sh[0]._hint = cap
-            sh[2] += _Duel._one(sh[0], sh[1], gkey, parent, cap)
+            sh[2] += _simulate(sh[0], sh[1], gkey, parent, cap)
         self._sampled_n += 1
         if self._sampled_n >= self.WINDOW * cap:
             self._sampled_n = 0
@@ -703,7 +812,10 @@ class SegmentedPolicy:
             self._twins = None
             self._set_mode(self._mode[:2] + (0,))
             return
-        hit = [_Duel._one(tw[0], tw[1], gkey, parent, cap) for tw in twins]
+        t0, t1, t2 = twins
+        hit = (_simulate(t0[0], t0[1], gkey, parent, cap),
+               _simulate(t1[0], t1[1], gkey, parent, cap),
+               _simulate(t2[0], t2[1], gkey, parent, cap))
         if hit[0] != hit[1] or hit[0] != hit[2]:
             d = self._disc
             for i in range(3):
@@ -774,35 +886,62 @@ class SegmentedPolicy:
         """Nothing to do: a key written again while in the ghost history is protected."""
 
     def insert(self, gkey: bytes, parent: bytes | None, size: int) -> None:
-        self._shadow(gkey, parent)
-        if self._twins is not None:
-            self._twin_access(gkey, parent)
-        if gkey in self._leaves:
-            self._place(gkey, _R)
-            return
-        self._clock += 1
-        if gkey in self._ghost:
-            del self._ghost[gkey]
-            cls = _R
-        else:
-            cls = _P
-        self._leaves.add(gkey, parent, self._clock, cls * 3)
-        if len(self._leaves) > self._peak:
-            self._peak = len(self._leaves)
+        self.insert_many(((gkey, parent, size),))
+
+    def insert_many(self, items: Iterable[tuple[bytes, bytes | None, int]]) -> None:
+        """insert() for each (gkey, parent, size), in order.
+
+        Why a batch call: a store commit publishes many blocks at once, and the per-call work
+        (attribute lookups, the shadow and twin checks) is then paid once per batch. Only one
+        key in RATE is fed to the shadows, so the sample test runs here, not in a call."""
+        shadows, sampled = self._shadows, self._sampled
+        leaves, ghost = self._leaves, self._ghost
+        nodes = leaves.nodes
+        for gkey, parent, _size in items:
+            if shadows is not None and sampled(gkey):
+                self._shadow(gkey, parent)
+            if self._twins is not None:   # (not hoisted: a growing tier drops its twins)
+                self._twin_access(gkey, parent)
+            self._clock += 1
+            if gkey in nodes:
+                leaves.update(gkey, self._clock, _R * 3 + _N)     # written again: reused
+                continue
+            if gkey in ghost:
+                del ghost[gkey]
+                seg = _R * 3
+            else:
+                seg = _P * 3
+            leaves.add(gkey, parent, self._clock, seg)
+            if len(leaves) > self._peak:
+                self._peak = len(leaves)
 
     def touch(self, gkey: bytes) -> None:
-        if gkey in self._leaves:
-            self._shadow(gkey, None)
+        self.touch_many((gkey,))
+
+    def touch_many(self, gkeys: Iterable[bytes]) -> None:
+        """touch() for each key, in order (a read lease's blocks): one call per batch, as
+        insert_many."""
+        shadows, sampled = self._shadows, self._sampled
+        leaves = self._leaves
+        nodes = leaves.nodes
+        for gkey in gkeys:
+            if gkey not in nodes:
+                continue
+            if shadows is not None and sampled(gkey):
+                self._shadow(gkey, None)
             if self._twins is not None:
                 self._twin_access(gkey, None)
-            self._place(gkey, _R)          # reused: protected, and any hint is spent
+            self._clock += 1
+            leaves.update(gkey, self._clock, _R * 3 + _N)   # reused: protected, hint spent
 
     def remove(self, gkey: bytes) -> None:
         if self._leaves.remove(gkey) is None:
             return
-        self._ghost[gkey] = None
-        while len(self._ghost) > self.GHOST_FACTOR * self.capacity:
-            self._ghost.popitem(last=False)
+        ghost = self._ghost
+        ghost[gkey] = None
+        limit = self.GHOST_FACTOR * self.capacity
+        while len(ghost) > limit:
+            ghost.popitem(last=False)
 
     def _oldest(self, heaps: tuple[int, ...], can_evict: Callable[[bytes], bool]
                 ) -> bytes | None:
@@ -838,14 +977,19 @@ class SegmentedPolicy:
 
     def pick(self, can_evict: Callable[[bytes], bool]) -> bytes | None:
         first, prob, prot, both = self._roles
-        victim = self._oldest(first, can_evict)
-        if victim is not None:
-            return victim
+        if first:                         # (empty unless the mode sends tails or hints first)
+            victim = self._oldest(first, can_evict)
+            if victim is not None:
+                return victim
         share = self._mode[0]
         if share is None:
             return self._oldest(both, can_evict)
         sizes = self._leaves.sizes
-        if sum(sizes[h] for h in prot) > share * self.capacity or not any(sizes[h] for h in prob):
+        in_prot = 0
+        for h in prot:
+            in_prot += sizes[h]
+        if in_prot > share * (self._hint or max(self._peak, 1)) or \
+                not any([sizes[h] for h in prob]):
             order = (prot, prob)
         else:
             order = (prob, prot)

@@ -533,15 +533,18 @@ class Store(DeviceMovement, TenantPools):
             self.leases.pop(lease_id)
             stored = dups = 0
             published: list[Entry] = []
+            batch: list[tuple[bytes, bytes | None, int]] = []    # host policy inserts, in order
             for i, (k, slot) in enumerate(zip(keys, lease.slots, strict=False)):
                 prev = parent if i == 0 else keys[i - 1]
-                placed, e = self._publish(lease.ns_id, k, prev, slot.offset, slot.length, sums[i])
+                placed, e = self._publish(lease.ns_id, k, prev, slot.offset, slot.length, sums[i],
+                                          batch)
                 if placed:
                     stored += 1
                     published.append(e)
                 else:
                     dups += 1
                     self.host.free(slot.offset)
+            self.policies["host"].insert_many(batch)
             for slot in lease.slots[len(keys):]:
                 self.host.free(slot.offset)
             self.counters["bytes_client_to_host"] += stored * (lease.slots[0].length
@@ -567,12 +570,17 @@ class Store(DeviceMovement, TenantPools):
         return [random.randrange(n)]
 
     def _publish(self, ns_id: bytes, key: bytes, parent: bytes | None, offset: int, size: int,
-                 checksum: int) -> tuple[bool, Entry]:
-        """Make a filled slot the host copy of `key`; False when host already has one (dedup)."""
+                 checksum: int, batch: list | None = None) -> tuple[bool, Entry]:
+        """Make a filled slot the host copy of `key`; False when host already has one (dedup).
+        With `batch`, the host policy's insert is appended there for one insert_many call
+        (the policy's per-call cost is then paid once per commit); the caller makes it."""
         g = ns_id + key
         e = self.index.get(g)
         policy = self.policies["host"]
         if e is not None and e.host is not None:
+            if batch:                        # keep the policy's order of accesses
+                policy.insert_many(batch)
+                batch.clear()
             policy.touch(g)
             self.counters["duplicate_blocks"] += 1
             return False, e
@@ -584,7 +592,10 @@ class Store(DeviceMovement, TenantPools):
                 e.checksum = checksum
             self.index.set_parent(e, parent)
         e.host = offset
-        policy.insert(g, e.parent_gkey, size)
+        if batch is None:
+            policy.insert(g, e.parent_gkey, size)
+        else:
+            batch.append((g, e.parent_gkey, size))
         self.tier_counters["host"]["stored"] += 1
         return True, e
 
@@ -729,10 +740,10 @@ class Store(DeviceMovement, TenantPools):
                     break
             with self._lock:
                 self._check_open()
-                for e in pinned:
-                    self.policies["host"].touch(e.gkey)
-                    if e.ssd:
-                        self.policies["ssd"].touch(e.gkey)
+                # one batch call per policy (the two policies are independent)
+                self.policies["host"].touch_many([e.gkey for e in pinned])
+                if any(e.ssd for e in pinned):
+                    self.policies["ssd"].touch_many([e.gkey for e in pinned if e.ssd])
                 self.counters["acquired_blocks"] += len(pinned)
                 return self.leases.new("read", bytes(ns_id), tier,
                                        [Slot(e.host, e.size) for e in pinned], ttl,
