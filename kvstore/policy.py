@@ -569,21 +569,78 @@ def _simulate(pol: SegmentedPolicy, resident: set[bytes], gkey: bytes, parent: b
     n = len(resident)
     if n > pol._peak:
         pol._peak = n
-    if n <= cap:
-        return 0
-    not_new = gkey.__ne__             # can_evict: anything but the block just inserted
-    limit = pol.GHOST_FACTOR * (pol._hint or max(pol._peak, 1))
-    pick = pol.pick
+    if n > cap:
+        _sim_evict(pol, resident, gkey, cap)
+    return 0
+
+
+def _sim_evict(pol: SegmentedPolicy, resident: set[bytes], gkey: bytes, cap: int) -> None:
+    """Evict from a shadow or twin until it holds `cap` blocks: ``pol.pick(lambda g: g !=
+    gkey)`` then ``pol.remove(victim)``, repeated, with pick's heap search (``_oldest``) and
+    the removal of a leaf inlined; why, see _simulate. Rare cases (the oldest leaf is `gkey`
+    itself, children waiting for an absent parent) take the general methods."""
+    leaves = pol._leaves
+    nodes, sizes, heaps, ghost = leaves.nodes, leaves.sizes, leaves._heaps, pol._ghost
+    capacity = pol._hint or max(pol._peak, 1)
+    limit = pol.GHOST_FACTOR * capacity
+    first, prob, prot, both = pol._roles
+    share = pol._mode[0]
+    heappop, heappush = heapq.heappop, heapq.heappush
     while len(resident) > cap:
-        victim = pick(not_new)
+        if share is None:                 # pick's order of heap groups for this mode
+            groups = (first, both)
+        else:
+            in_prot = 0
+            for h in prot:
+                in_prot += sizes[h]
+            if in_prot > share * capacity or not any([sizes[h] for h in prob]):
+                groups = (first, prot, prob)
+            else:
+                groups = (first, prob, prot)
+        victim = None
+        for group in groups:              # _oldest(group), can_evict inlined
+            best, best_prio = None, None
+            for h in group:
+                if not sizes[h]:
+                    continue
+                heap = heaps[h]
+                while heap:
+                    prio, g = heap[0]
+                    node = nodes.get(g)
+                    if node is None or node[_CHILDREN] or node[_PRIO] != prio or node[_SEG] != h:
+                        heappop(heap)
+                        continue
+                    if best_prio is None or prio < best_prio:
+                        best, best_prio = g, prio
+                    break
+            if best == gkey:
+                best = pol._oldest_evictable(group, gkey.__ne__)
+            if best is not None:
+                victim = best
+                break
         if victim is None:
-            break
+            return
         resident.discard(victim)
-        leaves.remove(victim)
+        if leaves._orphans:
+            leaves.remove(victim)
+        else:                             # a leaf, and no children wait for it
+            node = nodes.pop(victim)
+            sizes[node[_SEG]] -= 1
+            if node[_LINKED]:
+                pnode = nodes[node[_PARENT]]
+                kids = pnode[_CHILDREN]
+                kids.discard(victim)
+                if not kids:              # the parent is a leaf again
+                    pnode[_CHILDREN] = None
+                    seg = pnode[_SEG]
+                    heap = heaps[seg]
+                    heappush(heap, (pnode[_PRIO], node[_PARENT]))
+                    if len(heap) > 64 and len(heap) > 2 * sizes[seg] + 64:
+                        leaves._rebuild(seg)
+                        heaps = leaves._heaps
         ghost[victim] = None
         while len(ghost) > limit:
             ghost.popitem(last=False)
-    return 0
 
 
 STRICT, SOFT = 1, 2        # hint modes: every "low" goes first / not for blocks already reused
@@ -807,7 +864,7 @@ class SegmentedPolicy:
         what the real cache would. They cost one more LRU operation each per access."""
         twins = self._twins
         assert twins is not None
-        cap = self.capacity
+        cap = self._hint or max(self._peak, 1)          # self.capacity
         if cap > self.TWIN_MAX_BLOCKS:
             self._twins = None
             self._set_mode(self._mode[:2] + (0,))
@@ -886,7 +943,26 @@ class SegmentedPolicy:
         """Nothing to do: a key written again while in the ghost history is protected."""
 
     def insert(self, gkey: bytes, parent: bytes | None, size: int) -> None:
-        self.insert_many(((gkey, parent, size),))
+        # The steps of insert_many for one key, written out: a single insert (put, promotion,
+        # the trace replay) should not pay for a batch's setup.
+        if self._shadows is not None and self._sampled(gkey):
+            self._shadow(gkey, parent)
+        if self._twins is not None:
+            self._twin_access(gkey, parent)
+        leaves = self._leaves
+        self._clock += 1
+        if gkey in leaves.nodes:
+            leaves.update(gkey, self._clock, _R * 3 + _N)         # written again: reused
+            return
+        ghost = self._ghost
+        if gkey in ghost:
+            del ghost[gkey]
+            seg = _R * 3
+        else:
+            seg = _P * 3
+        leaves.add(gkey, parent, self._clock, seg)
+        if len(leaves.nodes) > self._peak:
+            self._peak = len(leaves.nodes)
 
     def insert_many(self, items: Iterable[tuple[bytes, bytes | None, int]]) -> None:
         """insert() for each (gkey, parent, size), in order.
@@ -912,11 +988,19 @@ class SegmentedPolicy:
             else:
                 seg = _P * 3
             leaves.add(gkey, parent, self._clock, seg)
-            if len(leaves) > self._peak:
-                self._peak = len(leaves)
+            if len(nodes) > self._peak:
+                self._peak = len(nodes)
 
     def touch(self, gkey: bytes) -> None:
-        self.touch_many((gkey,))
+        leaves = self._leaves
+        if gkey not in leaves.nodes:
+            return
+        if self._shadows is not None and self._sampled(gkey):
+            self._shadow(gkey, None)
+        if self._twins is not None:
+            self._twin_access(gkey, None)
+        self._clock += 1
+        leaves.update(gkey, self._clock, _R * 3 + _N)        # reused: protected, hint spent
 
     def touch_many(self, gkeys: Iterable[bytes]) -> None:
         """touch() for each key, in order (a read lease's blocks): one call per batch, as
