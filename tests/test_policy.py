@@ -441,3 +441,101 @@ def test_a_tier_past_the_twin_limit_drops_its_twins_and_keeps_the_blind_order(mo
     pol.note_retention(keys[:10], "low")
     assert pol._twins is None                       # and not rebuilt
     assert pol.pick(lambda g: True) is not None
+
+
+def _drive(pol, ops, batched: bool) -> list:
+    """Apply a random op sequence (puts of chained keys, reads, hints, deletes) to `pol`,
+    evicting to 40 blocks; returns every victim and the policy's state of choice along the
+    way."""
+    out = []
+    resident: set[bytes] = set()
+    for kind, keys, arg in ops:
+        if kind == "put":
+            items = [(k, keys[i - 1] if i else None, 1) for i, k in enumerate(keys)]
+            if batched:
+                pol.insert_many(items)
+            else:
+                for it in items:
+                    pol.insert(*it)
+            resident.update(keys)
+            if hasattr(pol, "note_put"):
+                pol.note_put(keys)
+            while len(resident) > 40:
+                v = pol.pick(lambda g, keys=keys: g not in keys)
+                out.append(v)
+                if v is None:
+                    break
+                resident.discard(v)
+                pol.remove(v)
+        elif kind == "read":
+            hit = [k for k in keys if k in resident]
+            if batched:
+                pol.touch_many(hit)
+            else:
+                for k in hit:
+                    pol.touch(k)
+        elif kind == "hint" and hasattr(pol, "note_retention"):
+            pol.note_retention([k for k in keys if k in resident], arg)
+        elif kind == "delete":
+            for k in keys:
+                if k in resident:
+                    resident.discard(k)
+                    pol.remove(k)
+        # the mode, and the hint twins' paired counts behind the next mode choice
+        out.append((getattr(pol, "mode", None), repr(getattr(pol, "_disc", None))))
+    return out
+
+
+def _random_ops(seed: int) -> list:
+    rng = random.Random(seed)
+    chains = [[bytes([c, i]) * 8 for i in range(rng.randint(2, 12))] for c in range(60)]
+    ops = []
+    for _ in range(400):
+        chain = rng.choice(chains)[: rng.randint(1, 12)]
+        kind = rng.choices(["put", "read", "hint", "delete"], [6, 4, 2, 1])[0]
+        ops.append((kind, chain, rng.choice(["low", "high", "normal"])))
+    return ops
+
+
+@pytest.mark.parametrize("name", ["lru", "default", "arc"])
+@pytest.mark.parametrize("seed", range(3))
+def test_batch_calls_decide_exactly_as_one_call_per_key(name, seed):
+    """insert_many / touch_many (Store.commit and acquire) are the per-key calls in order:
+    the same victims and the same mode choices."""
+    ops = _random_ops(seed)
+    one = _drive(make_policy(name, 40), ops, batched=False)
+    many = _drive(make_policy(name, 40), ops, batched=True)
+    assert any(isinstance(v, bytes) for v in one)                          # it did evict
+    assert one == many
+
+
+@pytest.mark.parametrize("mode", [(None, False, 0), (0.75, True, 0), (0.5, False, 1),
+                                  (0.875, True, 2)])
+def test_inlined_simulation_matches_the_policy_methods(mode):
+    """The shadows' and twins' inlined access (_simulate) makes the same decisions as the
+    policy's own insert / touch / pick / remove (_Duel._one), hints and tails included."""
+    from kvstore.policy import _Duel, _simulate
+
+    rng = random.Random(7)
+    keys = [bytes([i % 251, i // 251]) * 8 for i in range(300)]
+    a = SegmentedPolicy(32, shadow=False, mode=mode)
+    b = SegmentedPolicy(32, shadow=False, mode=mode)
+    ra: set[bytes] = set()
+    rb: set[bytes] = set()
+    hits = []
+    for step in range(3000):
+        k = keys[min(int(rng.paretovariate(0.8)), len(keys) - 1)]
+        parent = keys[keys.index(k) - 1] if rng.random() < 0.6 else None
+        hits.append((_Duel._one(a, ra, k, parent, 32), _simulate(b, rb, k, parent, 32)))
+        if step % 7 == 0:
+            a.note_put([k])
+            b.note_put([k])
+        if step % 11 == 0:
+            level = rng.choice(["low", "high"])
+            a.note_retention([k], level)
+            b.note_retention([k], level)
+        assert ra == rb == set(a._leaves.nodes) == set(b._leaves.nodes)
+    assert all(x == y for x, y in hits)
+    assert {x for x, _ in hits} == {0, 1}
+    assert a._leaves.ordered() == b._leaves.ordered()
+    assert list(a._ghost) == list(b._ghost)
