@@ -35,8 +35,8 @@ from kvstore_client import KVLayout, NamespaceSpec, block_keys  # noqa: E402
 
 from bench.refs import aligned_buffer, drop_page_cache, memcpy_seconds, odirect_write_read  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
-from tiers.codecs import warm_up  # noqa: E402
 from kvstore.store import Store  # noqa: E402
+from tiers.codecs import warm_up  # noqa: E402
 
 # 16 layers x 2 x 32 tokens x 8 heads x 128 dims x bf16 = 2 MiB, a typical block.
 LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_tokens=32, dtype="bfloat16")
