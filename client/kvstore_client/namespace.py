@@ -188,7 +188,7 @@ class Namespace:
         src = raw_view(kv, self.layout, "kv")
         plan = self._plan(src)
         if plan is not None:
-            fill = self._fused_move(plan, True)
+            fill = self.fused_move(plan, True)
         else:
             def fill(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
                 for j, off in enumerate(offsets):
@@ -218,15 +218,20 @@ class Namespace:
             return None
         return blockcopy.seq_plan(x, self.layout.block_tokens)
 
-    def _fused_move(self, plan: blockcopy.Plan, to_slots: bool) -> Callable:
-        """A fill (to_slots) or drain over `plan`: one pass, checksummed when verifying."""
+    def fused_move(self, plan: blockcopy.Plan, to_slots: bool,
+                   blocks: Sequence[int] | None = None) -> Callable:
+        """A fill (to_slots) or drain over `plan`: one pass, checksummed when verifying.
+
+        Key i of the call moves plan block `blocks[i]` (an engine adapter's chunk or page id),
+        or plan block i without `blocks` (a sequence's token blocks)."""
         client = self.client
 
         @fused
         def move(base: np.ndarray, offsets: Sequence[int], first: int) -> np.ndarray | None:
             sums = np.empty(len(offsets), dtype=np.uint64) if client.verify else None
-            blockcopy.run(plan, base, range(first, first + len(offsets)), offsets, to_slots,
-                          sums, client.copy_threads)
+            ids = (range(first, first + len(offsets)) if blocks is None
+                   else blocks[first:first + len(offsets)])
+            blockcopy.run(plan, base, ids, offsets, to_slots, sums, client.copy_threads)
             return sums
         return move
 
@@ -385,7 +390,7 @@ class Namespace:
         dst = raw_view(out, self.layout, "out")
         plan = self._plan(dst)
         if plan is not None:
-            return self.load_blocks(keys, self._fused_move(plan, False))
+            return self.load_blocks(keys, self.fused_move(plan, False))
 
         def drain(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
             for j, off in enumerate(offsets):
@@ -577,7 +582,7 @@ class Pinned:
         dst = raw_view(out, ns.layout, "out")
         plan = ns._plan(dst)
         if plan is not None:
-            return self.load_blocks(ns._fused_move(plan, False))
+            return self.load_blocks(ns.fused_move(plan, False))
 
         def drain(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
             for j, off in enumerate(offsets):

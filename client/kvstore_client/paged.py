@@ -34,7 +34,7 @@ from . import blockcopy
 from .buffers import _is_tensor, _torch, aligned_buffer, raw_view
 from .errors import InvalidArgument
 from .layout import KVLayout
-from .namespace import Namespace, fused
+from .namespace import Namespace
 
 _INT = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}
 
@@ -238,23 +238,11 @@ class PagedKV:
         pages = self._pages(block_table, len(keys), "store")
         ns = self._ns()
         if self._kplan is not None:
-            return ns.store_blocks(keys, self._fused(ns, pages, True), parent=parent)
+            return ns.store_blocks(keys, ns.fused_move(self._kplan, True, pages), parent=parent)
 
         def fill(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
             self._move(base, offsets, pages[first:first + len(offsets)], True)
         return ns.store_blocks(keys, fill, parent=parent)
-
-    def _fused(self, ns: Namespace, pages: np.ndarray, to_slots: bool) -> Any:
-        """A fill/drain that moves whole batches through the kernel, checksummed in its pass."""
-        client, plan = ns.client, self._kplan
-
-        @fused
-        def move(base: np.ndarray, offsets: Sequence[int], first: int) -> np.ndarray | None:
-            sums = np.empty(len(offsets), dtype=np.uint64) if client.verify else None
-            blockcopy.run(plan, base, pages[first:first + len(offsets)], offsets, to_slots,
-                          sums, client.copy_threads)
-            return sums
-        return move
 
     def store(self, token_ids: Any, block_table: Any) -> int:
         """store_keys for the reference keys of the full blocks of token_ids."""
@@ -270,7 +258,7 @@ class PagedKV:
         pages = self._pages(block_table, n, "load")
         ns = self._ns()
         if self._kplan is not None:
-            return ns.load_blocks(keys[:n], self._fused(ns, pages, False))
+            return ns.load_blocks(keys[:n], ns.fused_move(self._kplan, False, pages))
 
         def drain(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
             self._move(base, offsets, pages[first:first + len(offsets)], False)

@@ -28,7 +28,6 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from .. import blockcopy, connect
 from ..errors import InvalidArgument, KVStoreError, Unavailable
 from ..layout import CODECS
-from ..namespace import fused
 from . import identity, pages
 
 log = logging.getLogger("kvstore.sglang")
@@ -179,19 +178,6 @@ class KVStoreHiCache(HiCacheStorage):
             self._metrics[f"{kind}_pgs"].append(n)
             self._metrics[f"{kind}_bandwidth"].append(gb / max(seconds, 1e-9))
 
-    def _fused(self, page_ids: list[int], ns: Any, to_slots: bool) -> Any:
-        """A fill/drain moving whole batches through the SDK's kernel: copy and checksum in one
-        pass over the bytes, split over the SDK's copy threads."""
-        plan, client = self._plan, ns.client
-
-        @fused
-        def move(base: Any, offsets: Sequence[int], first: int) -> Any:
-            sums = np.empty(len(offsets), dtype=np.uint64) if client.verify else None
-            blockcopy.run(plan, base, page_ids[first:first + len(offsets)], offsets, to_slots,
-                          sums, client.copy_threads)
-            return sums
-        return move
-
     @staticmethod
     def _parent(extra_info: Any) -> bytes | None:
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
@@ -222,6 +208,28 @@ class KVStoreHiCache(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     # -- zero-copy v1 -----------------------------------------------------------------------
+    def _mover(self, ns: Any, host_indices: Any, n: int, to_slots: bool) -> Any:
+        """The fill (to_slots) or drain between the pages at `host_indices` and pool slots:
+        the SDK's one-pass kernel where every page starts on a page boundary of the pool,
+        else numpy copies page by page."""
+        geo, views = self._geo, self._views
+        starts = pages.page_starts(host_indices, n, geo.page_size)
+        if starts is None:
+            raise ValueError(f"{n} keys but {host_indices.numel()} host indices "
+                             f"(page size {geo.page_size})")
+        if self._plan is not None and all(st % geo.page_size == 0 for st in starts):
+            return ns.fused_move(self._plan, to_slots, [st // geo.page_size for st in starts])
+
+        def move(base: Any, offsets: Sequence[int], first: int) -> None:
+            for j, off in enumerate(offsets):
+                page = views.view(starts[first + j])
+                slot = pages.slot_words(base, off, page)
+                if to_slots:
+                    np.copyto(slot, page)
+                else:
+                    np.copyto(page, slot)
+        return move
+
     def batch_set_v1(self, keys: list[str], host_indices: Any,
                      extra_info: Any = None) -> list[bool]:
         """Store the pages at `host_indices` (page_size token indices per key)."""
@@ -232,19 +240,9 @@ class KVStoreHiCache(HiCacheStorage):
             return [True] * n       # an MLA replica: the writer rank stores the same pages
         t0 = time.perf_counter()
         try:
-            ns, geo, views = self._guard(), self._geo, self._views
-            starts = pages.page_starts(host_indices, n, geo.page_size)
-            if starts is None:
-                raise ValueError(f"{n} keys but {host_indices.numel()} host indices "
-                                 f"(page size {geo.page_size})")
-
-            def fill(base: Any, offsets: Sequence[int], first: int) -> None:
-                for j, off in enumerate(offsets):
-                    src = views.view(starts[first + j])
-                    np.copyto(pages.slot_words(base, off, src), src)
-            if self._plan is not None and all(st % geo.page_size == 0 for st in starts):
-                fill = self._fused([st // geo.page_size for st in starts], ns, True)
-            ns.store_blocks([identity.fold_key(k) for k in keys], fill,
+            ns = self._guard()
+            ns.store_blocks([identity.fold_key(k) for k in keys],
+                            self._mover(ns, host_indices, n, True),
                             parent=self._parent(extra_info))
             self._ok()
         except Exception as e:
@@ -265,19 +263,9 @@ class KVStoreHiCache(HiCacheStorage):
             return []
         t0 = time.perf_counter()
         try:
-            ns, geo, views = self._guard(), self._geo, self._views
-            starts = pages.page_starts(host_indices, n, geo.page_size)
-            if starts is None:
-                raise ValueError(f"{n} keys but {host_indices.numel()} host indices "
-                                 f"(page size {geo.page_size})")
-
-            def drain(base: Any, offsets: Sequence[int], first: int) -> None:
-                for j, off in enumerate(offsets):
-                    dst = views.view(starts[first + j])
-                    np.copyto(dst, pages.slot_words(base, off, dst))
-            if self._plan is not None and all(st % geo.page_size == 0 for st in starts):
-                drain = self._fused([st // geo.page_size for st in starts], ns, False)
-            got = ns.load_blocks([identity.fold_key(k) for k in keys], drain)
+            ns = self._guard()
+            got = ns.load_blocks([identity.fold_key(k) for k in keys],
+                                 self._mover(ns, host_indices, n, False))
             self._ok()
         except Exception as e:
             self._failed("batch_get_v1", e)

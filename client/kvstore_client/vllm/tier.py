@@ -44,7 +44,6 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .. import blockcopy, connect
 from ..errors import KVStoreError, Unavailable
-from ..namespace import fused
 from . import identity, keyspace
 from .lookups import HIT, MISS, Lookups
 
@@ -260,17 +259,18 @@ class KVStoreTier(SecondaryTierManager):
                                         if job.is_promotion else None), t0)
 
     def _mover(self, ns: Any, chunks: list[int], to_slots: bool) -> Any:
-        """A fused fill (to_slots) or drain between the chunks and pool slots, or None."""
-        plan, client = self._plan, ns.client
-        if plan is None:
-            return None
+        """The fill (to_slots) or drain between the primary tier's chunks and pool slots: the
+        SDK's one-pass kernel where it is available, numpy copies otherwise."""
+        if self._plan is not None:
+            return ns.fused_move(self._plan, to_slots, chunks)
+        nb, rows = self.geometry.nbytes, self._chunks
 
-        @fused
-        def move(base: np.ndarray, offsets: Any, first: int) -> np.ndarray | None:
-            sums = np.empty(len(offsets), dtype=np.uint64) if client.verify else None
-            blockcopy.run(plan, base, chunks[first:first + len(offsets)], offsets, to_slots,
-                          sums, client.copy_threads)
-            return sums
+        def move(base: np.ndarray, offsets: Any, first: int) -> None:
+            for j, off in enumerate(offsets):
+                if to_slots:
+                    base[off:off + nb] = rows[chunks[first + j], :nb]
+                else:
+                    rows[chunks[first + j], :nb] = base[off:off + nb]
         return move
 
     def _store(self, batch: list[_Queued]) -> list[_Queued]:
@@ -282,12 +282,8 @@ class KVStoreTier(SecondaryTierManager):
         keys = [k for _, ks, _, _ in batch for k in ks]
         chunks = [c for _, _, cs, _ in batch for c in cs]
         try:
-            ns, nb, src = self._guard(), self.geometry.nbytes, self._chunks
-
-            def fill(base: np.ndarray, offsets: Any, first: int) -> None:
-                for j, off in enumerate(offsets):
-                    base[off:off + nb] = src[chunks[first + j], :nb]
-            ns.store_blocks(keys, self._mover(ns, chunks, True) or fill)
+            ns, nb = self._guard(), self.geometry.nbytes
+            ns.store_blocks(keys, self._mover(ns, chunks, True))
             self._ok()
         except Exception as e:
             self._fail_all(batch, e)
@@ -305,14 +301,10 @@ class KVStoreTier(SecondaryTierManager):
         keys = [k for _, ks, _, _ in batch for k in ks]
         chunks = [c for _, _, cs, _ in batch for c in cs]
         try:
-            ns, nb, dst = self._guard(), self.geometry.nbytes, self._chunks
-
-            def drain(base: np.ndarray, offsets: Any, first: int) -> None:
-                for j, off in enumerate(offsets):
-                    dst[chunks[first + j], :nb] = base[off:off + nb]
+            ns, nb = self._guard(), self.geometry.nbytes
             # load_blocks verifies each block's checksum and returns the verified prefix only.
             bad_sums = ns.client.counters["checksum_failures"]
-            n = ns.load_blocks(keys, self._mover(ns, chunks, False) or drain)
+            n = ns.load_blocks(keys, self._mover(ns, chunks, False))
             self._ok()
         except Exception as e:
             self._fail_all(batch, e)
