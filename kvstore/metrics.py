@@ -76,6 +76,11 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                   "reserve_waits": "Reserves that evicted inline because background demotion "
                                    "had not kept host use under the high watermark",
                   "reserve_wait_seconds": "Seconds those Reserves spent making room",
+                  "reserve_ahead": "Write leases a Commit reserved for the client's next store",
+                  "releases_carried": "Leases released by a later call that carried them "
+                                      "(no Release round trip of their own)",
+                  "reserve_ahead_refused": "Reserve-aheads a Commit skipped: no room in the "
+                                           "host pool (the client reserves when it stores)",
                   "stop_flush_dropped_blocks": "Host-only blocks a stop dropped when its flush "
                                                "ran past server.stop_flush_s"}
 # Series that exist from the first scrape at 0, so `increase()` and `rate()` see the first

@@ -27,7 +27,13 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 from kvstore_client._proto import kvstore_pb2 as pb
-from kvstore_client.errors import InvalidArgument, KVStoreError, NotFound, Unavailable
+from kvstore_client.errors import (
+    InvalidArgument,
+    KVStoreError,
+    LeaseExpired,
+    NotFound,
+    Unavailable,
+)
 from kvstore_client.layout import KVLayout, NamespaceSpec
 
 from . import getstream
@@ -45,6 +51,9 @@ MAX_LEASE_ID = 128
 MAX_TEXT = 1024               # model, revision, tenant salt, extra entries
 MAX_EXTRA = 64
 GET_BATCH_BYTES = 4 << 20     # block bytes per Get stream message
+MAX_RESERVE_AHEAD = 1 << 12   # slots one Commit may reserve for the next store
+# RegisterNamespaceResponse.protocol: 2 = Commit.reserve_next/first_slot and release_leases.
+PROTOCOL = 2
 # The largest valid request other than Put: MAX_KEYS keys and checksums, plus small fields.
 MAX_REQUEST_BYTES = MAX_KEYS * (2 + MAX_KEY_BYTES + 11) + (256 << 10)
 TIERS = ("gpu", "host", "ssd", "remote")
@@ -460,6 +469,7 @@ class KVStoreServicer:
                 else self.store.host_info() if shared else {})
         resp = pb.RegisterNamespaceResponse(
             namespace_id=info.ns_id, block_bytes=block_bytes, daemon_id=self.store.daemon_id,
+            protocol=PROTOCOL,
             host_pool=pb.HostPool(kind=str(host.get("kind", "")), name=str(host.get("name", "")),
                                   size=int(host.get("size", 0))))
         for g in self.store.gpu_info() if shared else ():
@@ -505,6 +515,7 @@ class KVStoreServicer:
 
     def Commit(self, raw: bytes) -> pb.CommitResponse:
         req = _parse(pb.CommitRequest, raw)
+        self._release_carried(req.release_leases)
         lease_id = check_lease_id(req.lease_id)
         self.auth.check_lease(lease_id)
         keys = check_keys(req.keys, allow_empty=True, distinct=True)
@@ -512,12 +523,35 @@ class KVStoreServicer:
         if req.checksums and len(req.checksums) != len(keys):
             raise InvalidArgument(f"{len(req.checksums)} checksums for {len(keys)} keys; send "
                                   "one per key or none")
+        lease = self.store.leases._leases.get(lease_id) if req.reserve_next else None
         res = self.store.commit(lease_id, keys, parent=parent,
-                                checksums=list(req.checksums) or None)
-        return pb.CommitResponse(stored=res.stored, duplicates=res.duplicates)
+                                checksums=list(req.checksums) or None,
+                                first_slot=req.first_slot)
+        resp = pb.CommitResponse(stored=res.stored, duplicates=res.duplicates)
+        if lease is not None and lease.tier == "host":
+            self._reserve_ahead(resp, lease.ns_id, req)
+        return resp
+
+    def _reserve_ahead(self, resp: pb.CommitResponse, ns_id: bytes, req: Any) -> None:
+        """The write lease for the client's next store, in this Commit's answer. Why: an
+        engine stores batch after batch, and reserving the next batch's slots here saves that
+        store a round trip. A pool without room answers without one: the client reserves as
+        before, and the commit that just succeeded is not failed by a reservation it only
+        asked for ahead."""
+        n = min(int(req.reserve_next), MAX_RESERVE_AHEAD)
+        ttl = check_ttl(req.next_ttl_s, self.max_ttl_s)
+        try:
+            nxt = self.store.reserve(ns_id, n, tier="host", ttl_s=ttl)
+        except KVStoreError as e:
+            self.store.counters["reserve_ahead_refused"] += 1
+            log.debug("reserve-ahead of %d slots refused: %s", n, e)
+            return
+        self.store.counters["reserve_ahead"] += 1
+        resp.next_lease.CopyFrom(self._lease_out(nxt))
 
     def Acquire(self, raw: bytes) -> pb.AcquireResponse:
         req = _parse(pb.AcquireRequest, raw)
+        self._release_carried(req.release_leases)
         ns = check_ns(req.namespace_id)
         self.auth.check_ns(ns)
         keys = check_keys(req.keys)
@@ -527,6 +561,18 @@ class KVStoreServicer:
         dev = {"device": req.device} if req.HasField("device") else {}
         lease = self.store.acquire(ns, keys, tier=tier, ttl_s=ttl, **dev)
         return pb.AcquireResponse(lease=self._lease_out(lease))
+
+    def _release_carried(self, lease_ids: Iterable[str]) -> None:
+        """Release the leases a call carries (the client's finished loads), as Release would;
+        one it no longer holds (expired, or the daemon restarted) is already free."""
+        for raw_id in lease_ids:
+            lease_id = check_lease_id(raw_id)
+            self.auth.check_lease(lease_id)
+            try:
+                self.store.release(lease_id, missing_ok=True)
+            except LeaseExpired:
+                continue                # reaped at its deadline: its slots are free already
+            self.store.counters["releases_carried"] += 1
 
     def Release(self, raw: bytes) -> pb.ReleaseResponse:
         req = _parse(pb.ReleaseRequest, raw)
@@ -694,6 +740,7 @@ class KVStoreServicer:
     def LookupAcquire(self, raw: bytes) -> pb.LookupAcquireResponse:
         """Lookup, then Acquire the cached prefix under a read lease."""
         req = _parse(pb.LookupAcquireRequest, raw)
+        self._release_carried(req.release_leases)
         ns, keys, tier, ttl, res = self._fused_lookup(req)
         resp = pb.LookupAcquireResponse(
             prefix_blocks=res.prefix_blocks,

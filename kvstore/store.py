@@ -495,7 +495,8 @@ class Store(DeviceMovement, TenantPools):
                                    [Slot(o, size) for o in offsets], ttl)
 
     def commit(self, lease_id: str, keys: Sequence[bytes], parent: bytes | None = None,
-               checksums: Sequence[int] | None = None) -> CommitResult:
+               checksums: Sequence[int] | None = None, first_slot: int = 0) -> CommitResult:
+        """Publish keys[i] from slot first_slot + i of a write lease; free its other slots."""
         keys = self._keys(keys, allow_empty=True)
         parent = self._parent(parent)
         with self._lock:
@@ -504,12 +505,17 @@ class Store(DeviceMovement, TenantPools):
             if lease.kind != "write":
                 raise InvalidArgument(f"lease {lease_id} is a read lease; commit takes the lease "
                                       "Reserve returned")
-            if len(keys) > len(lease.slots):
-                raise InvalidArgument(f"{len(keys)} keys for a lease of {len(lease.slots)} slots")
+            if first_slot and lease.tier == "gpu":
+                raise InvalidArgument("first_slot is for host leases; commit a gpu lease from "
+                                      "its first slot")
+            if first_slot + len(keys) > len(lease.slots):
+                raise InvalidArgument(f"{len(keys)} keys from slot {first_slot} for a lease of "
+                                      f"{len(lease.slots)} slots")
             if checksums and len(checksums) != len(keys):
                 raise InvalidArgument(f"{len(checksums)} checksums for {len(keys)} keys")
+            used = lease.slots[first_slot:first_slot + len(keys)]
             views = ([] if lease.tier == "gpu" else
-                     [self.host.view(s.offset, s.length) for s in lease.slots[:len(keys)]])
+                     [self.host.view(s.offset, s.length) for s in used])
         if lease.tier == "gpu":
             return self._gpu_commit(lease_id, keys, parent, checksums)
         # Hashing (the slow part) runs outside the lock, so one client's commit does not stall
@@ -534,7 +540,7 @@ class Store(DeviceMovement, TenantPools):
             stored = dups = 0
             published: list[Entry] = []
             batch: list[tuple[bytes, bytes | None, int]] = []    # host policy inserts, in order
-            for i, (k, slot) in enumerate(zip(keys, lease.slots, strict=False)):
+            for i, (k, slot) in enumerate(zip(keys, used, strict=True)):
                 prev = parent if i == 0 else keys[i - 1]
                 placed, e = self._publish(lease.ns_id, k, prev, slot.offset, slot.length, sums[i],
                                           batch)
@@ -545,7 +551,7 @@ class Store(DeviceMovement, TenantPools):
                     dups += 1
                     self.host.free(slot.offset)
             self.policies["host"].insert_many(batch)
-            for slot in lease.slots[len(keys):]:
+            for slot in lease.slots[:first_slot] + lease.slots[first_slot + len(keys):]:
                 self.host.free(slot.offset)
             self.counters["bytes_client_to_host"] += stored * (lease.slots[0].length
                                                                if lease.slots else 0)

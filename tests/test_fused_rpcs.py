@@ -159,9 +159,16 @@ def _forward_unary(ch: grpc.Channel, name: str):
 
     def handle(raw: bytes, ctx: grpc.ServicerContext) -> bytes:
         try:
-            return call(raw, timeout=30)
+            out = call(raw, timeout=30)
         except grpc.RpcError as e:
             ctx.abort(e.code(), e.details())
+        if name == "RegisterNamespace":
+            # An older daemon says nothing of its protocol: the SDK must release its leases
+            # with Release calls, not by carrying them on Acquire/Commit (ignored there).
+            resp = pb.RegisterNamespaceResponse.FromString(out)
+            resp.ClearField("protocol")
+            out = resp.SerializeToString()
+        return out
     return handle
 
 
@@ -205,3 +212,5 @@ def test_sdk_falls_back_against_an_older_daemon(old_daemon) -> None:
         assert ns.load(ids, out=out) == len(ids)
         assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
         _pin_and_load(c, c.namespace(lay, model="fused/old/pin"))      # Lookup + Acquire
+        assert not c.leases.carry
+        assert c.stats()["active_leases"] == 0          # every read lease released by itself

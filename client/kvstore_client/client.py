@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 10.0
+# Calls whose answer depends on the releases a client has queued (leases.py): sent after them;
+# those that also count or free reserved slots give the spare write leases back first.
+_AFTER_RELEASES = {"Delete": False, "Flush": False, "Evict": True, "Stats": True}
 DEFAULT_ADDRESS = "data/kvstore.sock"   # `kvstore serve`'s default socket, relative to its cwd
 
 TRANSPORTS = ("auto", "shm", "grpc")
@@ -181,6 +184,8 @@ class Client:
         """
         if self._closed:
             raise KVStoreError("client is closed")
+        if method in _AFTER_RELEASES:
+            self.leases.flush(spares=_AFTER_RELEASES[method])
         first = not self._reached
         if first:
             self._check_address()
@@ -204,6 +209,16 @@ class Client:
                 raise from_rpc_error(e2, method, self.target) from None
         self._reached = True
         return resp
+
+    def call_future(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """Start a unary RPC whose round trip overlaps the caller's work; `future.result()`
+        raises grpc.RpcError (the caller decides what a failure means for it). Only after a
+        daemon has answered once: a first call needs `call()`'s address checks."""
+        if self._closed:
+            raise KVStoreError("client is closed")
+        return getattr(self._stub, method).future(
+            request, timeout=timeout or self.timeout, wait_for_ready=True,
+            metadata=self.metadata)
 
     def _invoke(self, method: str, request: Any, timeout: float | None, wait: bool) -> Any:
         return getattr(self._stub, method)(request, timeout=timeout or self.timeout,
@@ -264,6 +279,24 @@ class Client:
         self.leases.remove(lease_id)
         self._release_quiet(lease_id)
 
+    def call_carrying(self, method: str, request: Any) -> Any:
+        """`call` with the releases of finished leases added to the request (its
+        release_leases field), so they need no round trip of their own (leases.py)."""
+        ids = self.leases.take_pending()
+        if not ids:
+            return self.call(method, request)
+        request.release_leases.extend(ids)
+        try:
+            return self.call(method, request)
+        except BaseException:
+            self.leases.requeue(ids)
+            raise
+
+    def release_later(self, lease_id: str) -> bool:
+        """Release from the lease thread, off the caller's path; True if the lease stayed valid
+        while it was held (kvstore_client/leases.py)."""
+        return self.leases.release_later(lease_id)
+
     @property
     def pool(self) -> _Pool | None:
         return self._pool
@@ -277,6 +310,7 @@ class Client:
         """Take the daemon identity and pool from a RegisterNamespace answer (caller locks)."""
         changed = resp.daemon_id != self.daemon_id
         self.daemon_id = resp.daemon_id
+        self.leases.carry = resp.protocol >= 2     # Acquire and Commit carry releases
         # Device pools, as `kvstore_client.gpu.open_pool` takes them (kvstore_client/device_kv.py)
         self.gpu_pools = [{"kind": g.kind or "cuda_ipc", "device": int(g.device),
                            "handle": bytes(g.ipc_handle), "size": int(g.size),

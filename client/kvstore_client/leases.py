@@ -9,6 +9,15 @@ refuse its result. `close()` releases whatever is still held, so a client that e
 
 Deadlines are kept on the local monotonic clock: the daemon's unix-time deadline is converted to
 "seconds left" on receipt, so clock steps and skew between hosts do not matter.
+
+The same thread takes two round trips off the engine's path:
+- a load's read lease is released after the copy (`release_later`), so the load returns as
+  soon as its bytes are verified: the client's next Acquire or Commit carries the release
+  (`take_pending`), or this thread sends it after `CARRY_WAIT_S`; a call whose answer depends
+  on it (a Delete, an Evict, Stats: `flush`) sends what is still pending first;
+- a spare write lease that a Commit reserved ahead (`keep_spare`) waits here for the next
+  store; one left unused is released after `SPARE_IDLE_S`, so an idle client does not keep
+  pool space from other engines.
 """
 
 from __future__ import annotations
@@ -27,6 +36,11 @@ log = logging.getLogger(__name__)
 RENEW_FRACTION = 0.5
 # Never plan a renewal closer than this to the deadline (an RPC needs time to arrive).
 MIN_MARGIN_S = 0.05
+# A spare write lease not taken by a store within this long is given back.
+SPARE_IDLE_S = 1.0
+# A finished lease waits this long for the client's next Acquire or Commit to carry its release
+# (no round trip of its own); then the thread sends a Release.
+CARRY_WAIT_S = 0.05
 
 
 @dataclass
@@ -57,6 +71,9 @@ class LeaseKeeper:
         self._release = release
         self._held: dict[str, _Held] = {}
         self._lost: set[str] = set()
+        self._pending: list[tuple[str, float]] = []  # (id, when the thread sends it)
+        self.carry = False          # the daemon takes releases carried by other calls
+        self._spares: dict[str, tuple[float, float]] = {}   # id -> (release at, expires at)
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -66,15 +83,96 @@ class LeaseKeeper:
         """Start keeping `lease_id` alive."""
         now = time.monotonic()
         with self._cond:
-            if self._closed:
-                raise KVStoreError("client is closed")
+            self._check_open()
             self._held[lease_id] = _Held(lease_id, now, now + seconds_left(deadline_unix))
             self._lost.discard(lease_id)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvstore-lease-keeper",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            self._wake()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVStoreError("client is closed")
+
+    def _wake(self) -> None:
+        """Start the thread once; tell it the schedule changed (caller holds the lock)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvstore-lease-keeper",
+                                            daemon=True)
+            self._thread.start()
+        self._cond.notify()
+
+    def release_later(self, lease_id: str) -> bool:
+        """Stop tracking and release from the thread; True as `remove`."""
+        with self._cond:
+            ok = self.remove(lease_id)
+            if self._closed:
+                return ok
+            due = time.monotonic() + (CARRY_WAIT_S if self.carry else 0.0)
+            self._pending.append((lease_id, due))
+            self._wake()
+            return ok
+
+    def take_pending(self) -> list[str]:
+        """The finished leases for the next call to carry (empty when the daemon cannot);
+        `requeue` them if that call fails."""
+        if not self.carry:
+            return []
+        with self._cond:
+            if not self._pending:
+                return []
+            ids = [lid for lid, _ in self._pending]
+            self._pending = []
+            return ids
+
+    def requeue(self, lease_ids: list[str]) -> None:
+        if not lease_ids:
+            return
+        now = time.monotonic()
+        with self._cond:
+            if self._closed:
+                return
+            self._pending += [(lid, now) for lid in lease_ids]
+            self._wake()
+
+    def flush(self, spares: bool = False) -> None:
+        """Send the pending releases now (and with `spares`, give the spares back), in the
+        caller's thread: before a call whose answer depends on what this client holds (a
+        Delete skips blocks a read lease still pins; an Evict cannot free reserved slots;
+        Stats counts leases)."""
+        with self._cond:
+            pending = [lid for lid, _ in self._pending]
+            self._pending = []
+            if spares:
+                pending += list(self._spares)
+                self._spares.clear()
+        self._release_all(pending)
+
+    def keep_spare(self, lease_id: str, deadline_unix: float) -> None:
+        """Hold an unused write lease for the next store; release it if none comes."""
+        now = time.monotonic()
+        idle_s = SPARE_IDLE_S
+        life = seconds_left(deadline_unix)
+        with self._cond:
+            if self._closed:
+                self._pending.append((lease_id, now))   # close() has run: give it back below
+            else:
+                self._spares[lease_id] = (now + min(idle_s, life / 2), now + life)
+                self._wake()
+                return
+        self.flush()
+
+    def take_spare(self, lease_id: str, margin_s: float) -> bool:
+        """Claim a spare for a store: False once the thread released it, or when less than
+        `margin_s` of its life is left (the store reserves instead; the spare goes back)."""
+        with self._cond:
+            spare = self._spares.pop(lease_id, None)
+            if spare is None:
+                return False
+            now = time.monotonic()
+            if spare[1] - now >= margin_s:
+                return True
+            self._pending.append((lease_id, now))
+            self._wake()
+            return False
 
     def remove(self, lease_id: str) -> bool:
         """Stop tracking; True if the lease stayed valid the whole time it was held."""
@@ -102,15 +200,32 @@ class LeaseKeeper:
         while True:
             with self._cond:
                 while not self._closed:
-                    due = [h for h in self._held.values() if h.renew_at <= time.monotonic()]
-                    if due:
+                    now = time.monotonic()
+                    due = [h for h in self._held.values() if h.renew_at <= now]
+                    idle = [lid for lid, (at, _) in self._spares.items() if at <= now]
+                    for lid in idle:
+                        del self._spares[lid]
+                    pending = idle + [lid for lid, at in self._pending if at <= now]
+                    if len(pending) > len(idle):
+                        self._pending = [p for p in self._pending if p[1] > now]
+                    if due or pending:
                         break
-                    nxt = min((h.renew_at for h in self._held.values()), default=None)
-                    self._cond.wait(None if nxt is None else max(0.0, nxt - time.monotonic()))
+                    nxt = min([h.renew_at for h in self._held.values()]
+                              + [at for at, _ in self._spares.values()]
+                              + [at for _, at in self._pending], default=None)
+                    self._cond.wait(None if nxt is None else max(0.0, nxt - now))
                 if self._closed:
                     return
+            self._release_all(pending)
             for h in due:
                 self._renew_one(h.lease_id)
+
+    def _release_all(self, lease_ids: list[str]) -> None:
+        for lease_id in lease_ids:
+            try:
+                self._release(lease_id)
+            except Exception as e:  # noqa: BLE001 - the daemon reaps it at the deadline anyway
+                log.debug("kvstore: release of %s failed: %s", lease_id, e)
 
     def _renew_one(self, lease_id: str) -> None:
         sent = time.monotonic()
@@ -144,13 +259,12 @@ class LeaseKeeper:
             if self._closed:
                 return
             self._closed = True
-            held = list(self._held)
+            held = ([lid for lid, _ in self._pending] + list(self._held)
+                    + list(self._spares))
             self._held.clear()
+            self._spares.clear()
+            self._pending = []
             self._cond.notify_all()
-        for lease_id in held:
-            try:
-                self._release(lease_id)
-            except Exception as e:  # noqa: BLE001 - the daemon reaps it at the deadline anyway
-                log.debug("kvstore: release of %s at close failed: %s", lease_id, e)
+        self._release_all(held)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)

@@ -10,6 +10,7 @@ leases and restart handling live in `client.py`.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,11 @@ _PUT_RPC_BYTES = 64 << 20
 # fit below its high watermark) and at most this many slots.
 _RESERVE_POOL_SHARE = 0.25
 _RESERVE_MAX_SLOTS = 1024
+# A store into a lease reserved ahead fills this many bytes at a time from the end of its batch,
+# checking between pieces whether the lookup of the cached prefix has answered.
+_AHEAD_CHUNK_BYTES = 16 << 20
+# A spare lease with less life than this left is given back rather than used.
+_SPARE_MARGIN_S = 0.5
 
 Fill = Callable[[np.ndarray, Sequence[int], int], "np.ndarray | None"]
 """fill(base, offsets, first): write blocks first, first+1, ... into base[offsets[j]:+bb].
@@ -105,9 +111,18 @@ class Namespace:
         self.ns_id = b""
         self.block_bytes = spec.layout.block_bytes
         self._staging: np.ndarray | None = None
+        self._spare: Any | None = None          # write lease a Commit reserved ahead
+        self._spare_lock = threading.Lock()
+        # Whether this namespace's last store found blocks cached. A store into a spare lease
+        # looks up its cached prefix only then: where stores are new blocks (an engine's own
+        # offloads), that lookup would cost a round trip of CPU for nothing; when the guess is
+        # wrong, the store copies blocks the daemon already has, and Commit counts them as
+        # duplicates (slower, never wrong), which turns the lookup back on.
+        self._prefix_seen = True
         self._register()
 
     def _register(self) -> None:
+        self._spare = None          # reserved by a daemon run this (re-)registration replaces
         resp = self.client.register(self.spec)
         if resp.block_bytes and resp.block_bytes != self.layout.block_bytes:
             raise InvalidArgument(f"the daemon sizes this namespace's blocks at "
@@ -282,12 +297,18 @@ class Namespace:
         return self.lookup_keys(keys), None
 
     def _store_shm(self, keys: list[bytes], parent: bytes | None, fill: Fill) -> int:
+        """Steady state, one round trip on the store's path: the previous store's Commit
+        reserved this one's slots (`_store_ahead`). Otherwise LookupReserve, then Commit."""
+        lease = self._take_spare(len(keys))
+        if lease is not None:
+            return self._store_ahead(keys, parent, fill, lease)
         client, bb = self.client, self.block_bytes
         pool = self._current_pool()
         have, lease = self._lookup_reserve(keys)
+        self._prefix_seen = have > 0
         if have >= len(keys):
             if lease is not None:
-                client.release(lease.lease_id)
+                client.release_later(lease.lease_id)
             return 0
         parent = keys[have - 1] if have else (parent or b"")
         stored = 0
@@ -299,32 +320,116 @@ class Namespace:
                 lease = client.call("Reserve", pb.ReserveRequest(
                     namespace_id=self.ns_id, count=n, tier="host",
                     ttl_s=client.lease_ttl_s)).lease
-            lid = lease.lease_id
-            client.leases.add(lid, lease.deadline)
-            committed = False
+            client.leases.add(lease.lease_id, lease.deadline)
             try:
                 offsets = self._check_slots(lease.slots, pool)[:n]
                 n = len(offsets)
                 sums = _fill_checksummed(fill, pool.slab.array, offsets, i, bb, client.verify)
-                if not client.leases.remove(lid):
-                    client.counters["leases_lost"] += 1
-                    raise LeaseExpired(f"write lease {lid} expired during the copy")
-                try:
-                    r = client.call("Commit", pb.CommitRequest(
-                        lease_id=lid, keys=keys[i:i + n], parent=parent, checksums=sums))
-                except DataLoss as e:
-                    # Our bytes did not arrive where the daemon looks: a replaced segment.
-                    committed = True   # the daemon freed the lease already
-                    raise _Stale(str(e)) from None
-                committed = True
-                stored += int(r.stored)
-            finally:
-                if not committed:
-                    client.release(lid)
+            except BaseException:
+                client.release(lease.lease_id)
+                raise
+            last = i + n >= len(keys)
+            stored += self._commit(lease, keys[i:i + n], parent, sums,
+                                   ahead=len(keys) if last else 0)
             lease = None
             parent = keys[i + n - 1]
             i += n
         return stored
+
+    def _store_ahead(self, keys: list[bytes], parent: bytes | None, fill: Fill,
+                     lease: Any) -> int:
+        """Store into a lease reserved ahead, with the lookup of the cached prefix (when one
+        is expected: `_prefix_seen`) in flight meanwhile: blocks are filled from the end of
+        the batch, and filling stops at the prefix once its answer is in. So the store waits
+        on one round trip (its Commit), and a cached prefix is still not copied (except what
+        was filled before the answer came)."""
+        client, bb, n = self.client, self.block_bytes, len(keys)
+        try:
+            pool = self._current_pool()
+            offsets = self._check_slots(lease.slots, pool)[:n]
+            have: int | None = None
+            look = None
+            if self._prefix_seen:
+                look = client.call_future("Lookup", pb.LookupRequest(namespace_id=self.ns_id,
+                                                                     keys=keys))
+            else:
+                have = 0
+            sums = [0] * n if client.verify else []
+            per = max(1, _AHEAD_CHUNK_BYTES // bb)
+            hi = n
+            while hi > (have or 0):
+                if have is None and look.done():
+                    have = _prefix_of(look)
+                    continue
+                lo = max(hi - per, 0) if have is None else have    # answered: the rest at once
+                got = _fill_checksummed(fill, pool.slab.array, offsets[lo:hi], lo, bb,
+                                        client.verify)
+                if sums:
+                    sums[lo:hi] = got
+                hi = lo
+            if have is None:
+                have = _prefix_of(look)
+        except BaseException:
+            client.release(lease.lease_id)
+            raise
+        self._prefix_seen = have > 0
+        if have >= n:                       # all cached: the slots wait for the next store
+            if client.leases.remove(lease.lease_id):
+                self._keep_spare(lease)
+            else:
+                client.release_later(lease.lease_id)
+            return 0
+        return self._commit(lease, keys[have:], keys[have - 1] if have else (parent or b""),
+                            sums[have:], ahead=n, first_slot=have)
+
+    def _commit(self, lease: Any, keys: list[bytes], parent: bytes, sums: list[int], *,
+                ahead: int = 0, first_slot: int = 0) -> int:
+        """Commit a filled write lease; with `ahead`, reserve that many slots for the next
+        store in the same call (kept as the spare). Returns blocks stored."""
+        client, lid = self.client, lease.lease_id
+        if not client.leases.remove(lid):
+            client.counters["leases_lost"] += 1
+            client.release_later(lid)
+            raise LeaseExpired(f"write lease {lid} expired during the copy")
+        ahead = min(ahead, self._reserve_batch())
+        try:
+            r = client.call_carrying("Commit", pb.CommitRequest(
+                lease_id=lid, keys=keys, parent=parent, checksums=sums, first_slot=first_slot,
+                reserve_next=ahead, next_ttl_s=client.lease_ttl_s))
+        except DataLoss as e:
+            # Our bytes did not arrive where the daemon looks: a replaced segment (the daemon
+            # freed the lease already).
+            raise _Stale(str(e)) from None
+        except BaseException:
+            client.release(lid)
+            raise
+        if r.duplicates:
+            self._prefix_seen = True
+        if r.HasField("next_lease") and r.next_lease.slots:
+            self._keep_spare(r.next_lease)
+        return int(r.stored)
+
+    def _keep_spare(self, lease: Any) -> None:
+        self.client.leases.keep_spare(lease.lease_id, lease.deadline)
+        with self._spare_lock:
+            old, self._spare = self._spare, lease
+        if old is not None and self.client.leases.take_spare(old.lease_id, 0.0):
+            self.client.release_later(old.lease_id)
+
+    def _take_spare(self, n: int) -> Any | None:
+        """The write lease a Commit reserved ahead, if it is still held and holds n slots."""
+        with self._spare_lock:
+            lease, self._spare = self._spare, None
+        if lease is None:
+            return None
+        client = self.client
+        if not client.leases.take_spare(lease.lease_id, _SPARE_MARGIN_S):
+            return None
+        if len(lease.slots) < n:
+            client.release_later(lease.lease_id)
+            return None
+        client.leases.add(lease.lease_id, lease.deadline)
+        return lease
 
     def _staging_buffer(self, nbytes: int) -> np.ndarray:
         if self._staging is None or self._staging.nbytes < nbytes:
@@ -422,17 +527,18 @@ class Namespace:
     def _load_shm(self, keys: list[bytes], drain: Drain) -> int:
         client = self.client
         pool = self._current_pool()
-        lease = client.call("Acquire", pb.AcquireRequest(
+        lease = client.call_carrying("Acquire", pb.AcquireRequest(
             namespace_id=self.ns_id, keys=keys, tier="host", ttl_s=client.lease_ttl_s)).lease
         if not lease.slots:
             if lease.lease_id:
-                client.release(lease.lease_id)
+                client.release_later(lease.lease_id)
             return 0
         client.leases.add(lease.lease_id, lease.deadline)
         try:
             return self._drain_lease(lease, keys, pool, drain)
         finally:
-            client.release(lease.lease_id)
+            # Off the load's path: the bytes are copied and verified by now (leases.py).
+            client.release_later(lease.lease_id)
 
     def _drain_lease(self, lease: Any, keys: Sequence[bytes], pool: _Pool, drain: Drain) -> int:
         """Copy a read lease's blocks out through drain, verified; blocks of the good prefix."""
@@ -477,7 +583,7 @@ class Namespace:
         lease, res = None, None
         if client.fused_rpcs:
             try:
-                r = client.call("LookupAcquire", pb.LookupAcquireRequest(**req))
+                r = client.call_carrying("LookupAcquire", pb.LookupAcquireRequest(**req))
                 res = LookupResult(int(r.prefix_blocks), {k: int(v) for k, v in
                                                           r.per_tier.items()})
                 lease = r.lease if r.HasField("lease") else None
@@ -594,7 +700,7 @@ class Pinned:
         """Unpin (idempotent)."""
         lease, self._lease = self._lease, None
         if lease is not None:
-            self.ns.client.release(lease.lease_id)
+            self.ns.client.release_later(lease.lease_id)
 
     def __enter__(self) -> Pinned:
         return self
@@ -647,6 +753,16 @@ def _drain_verified(drain: Drain, base: np.ndarray, offsets: list[int], bb: int,
         if bad.size:
             return c0 + int(bad[0])
     return n
+
+
+def _prefix_of(look: Any) -> int:
+    """The cached prefix from a Lookup future; 0 when it failed (the store then copies every
+    block, and Commit counts the cached ones as duplicates: slower, never wrong)."""
+    try:
+        return int(look.result().prefix_blocks)
+    except grpc.RpcError as e:
+        log.debug("kvstore: lookup before a store failed (%s); storing every block", e)
+        return 0
 
 
 def _chunks(n: int, block_bytes: int) -> Iterator[tuple[int, int]]:

@@ -88,18 +88,20 @@ class RegisterNamespaceRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
 
 class RegisterNamespaceResponse(_message.Message):
-    __slots__ = ("namespace_id", "block_bytes", "host_pool", "gpu_pools", "daemon_id")
+    __slots__ = ("namespace_id", "block_bytes", "host_pool", "gpu_pools", "daemon_id", "protocol")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_POOL_FIELD_NUMBER: _ClassVar[int]
     GPU_POOLS_FIELD_NUMBER: _ClassVar[int]
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     block_bytes: int
     host_pool: HostPool
     gpu_pools: _containers.RepeatedCompositeFieldContainer[GpuPool]
     daemon_id: str
-    def __init__(self, namespace_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., gpu_pools: _Optional[_Iterable[_Union[GpuPool, _Mapping]]] = ..., daemon_id: _Optional[str] = ...) -> None: ...
+    protocol: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., gpu_pools: _Optional[_Iterable[_Union[GpuPool, _Mapping]]] = ..., daemon_id: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace_id", "keys")
@@ -171,38 +173,50 @@ class ReserveResponse(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "keys", "parent", "checksums")
+    __slots__ = ("lease_id", "keys", "parent", "checksums", "reserve_next", "next_ttl_s", "first_slot", "release_leases")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_NEXT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SLOT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    reserve_next: int
+    next_ttl_s: float
+    first_slot: int
+    release_leases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., reserve_next: _Optional[int] = ..., next_ttl_s: _Optional[float] = ..., first_slot: _Optional[int] = ..., release_leases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("stored", "duplicates")
+    __slots__ = ("stored", "duplicates", "next_lease")
     STORED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_LEASE_FIELD_NUMBER: _ClassVar[int]
     stored: int
     duplicates: int
-    def __init__(self, stored: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+    next_lease: Lease
+    def __init__(self, stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., next_lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "tier", "ttl_s", "device")
+    __slots__ = ("namespace_id", "keys", "tier", "ttl_s", "device", "release_leases")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tier: str
     ttl_s: float
     device: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ..., device: _Optional[int] = ...) -> None: ...
+    release_leases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ..., device: _Optional[int] = ..., release_leases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease",)
@@ -429,18 +443,20 @@ class LookupReserveResponse(_message.Message):
     def __init__(self, prefix_blocks: _Optional[int] = ..., per_tier: _Optional[_Mapping[str, int]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class LookupAcquireRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "tier", "ttl_s", "device")
+    __slots__ = ("namespace_id", "keys", "tier", "ttl_s", "device", "release_leases")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tier: str
     ttl_s: float
     device: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ..., device: _Optional[int] = ...) -> None: ...
+    release_leases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., ttl_s: _Optional[float] = ..., device: _Optional[int] = ..., release_leases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LookupAcquireResponse(_message.Message):
     __slots__ = ("prefix_blocks", "per_tier", "lease")
