@@ -251,6 +251,13 @@ class TierMovement:
         target = max(0.0, min(low, high - need))
         self._evict_host(int(used + need - target), self._seg_namespaces(seg))
 
+    def has_room(self, need: int, ns_id: bytes | None = None) -> bool:
+        """Whether `need` more host bytes fit under the high watermark without evicting."""
+        seg = self._seg(ns_id)
+        cap, used = self._seg_room(seg)
+        used -= self._host_evicting if seg == 0 else 0
+        return used + need <= self.config.host.high_watermark * cap
+
     def must_evict_inline(self, need: int) -> bool:
         """Whether making room for `need` more host bytes means evicting on the caller's
         thread now (background demotion has not kept up); a Reserve then waits."""

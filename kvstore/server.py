@@ -535,13 +535,14 @@ class KVStoreServicer:
     def _reserve_ahead(self, resp: pb.CommitResponse, ns_id: bytes, req: Any) -> None:
         """The write lease for the client's next store, in this Commit's answer. Why: an
         engine stores batch after batch, and reserving the next batch's slots here saves that
-        store a round trip. A pool without room answers without one: the client reserves as
-        before, and the commit that just succeeded is not failed by a reservation it only
-        asked for ahead."""
+        store a round trip. It takes only free room (nothing is evicted for a store that may
+        not come); a pool without it answers without one: the client reserves as before, and
+        the commit that just succeeded is not failed by a reservation it only asked for
+        ahead."""
         n = min(int(req.reserve_next), MAX_RESERVE_AHEAD)
         ttl = check_ttl(req.next_ttl_s, self.max_ttl_s)
         try:
-            nxt = self.store.reserve(ns_id, n, tier="host", ttl_s=ttl)
+            nxt = self.store.reserve(ns_id, n, tier="host", ttl_s=ttl, ahead=True)
         except KVStoreError as e:
             self.store.counters["reserve_ahead_refused"] += 1
             log.debug("reserve-ahead of %d slots refused: %s", n, e)

@@ -459,7 +459,10 @@ class Store(DeviceMovement, TenantPools):
     # ----------------------------------------------------------------- write path
 
     def reserve(self, ns_id: bytes, n: int, tier: str = "host",
-                ttl_s: float | None = None, device: int | None = None) -> Lease:
+                ttl_s: float | None = None, device: int | None = None,
+                ahead: bool = False) -> Lease:
+        """A write lease over n slots. `ahead` (a Commit reserving for the client's next
+        store): only from free room, never evicting, since that store may not come."""
         tier = self._tier(tier)
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise InvalidArgument(f"count must be a positive integer, got {n!r}")
@@ -477,6 +480,8 @@ class Store(DeviceMovement, TenantPools):
                     f"{n} blocks of {size} bytes do not fit the host tier "
                     f"({self.host.capacity} bytes); reserve in smaller batches")
             ttl = self.leases.ttl(ttl_s)
+            if ahead and not self.movement.has_room(n * _aligned(size), ns_id):
+                raise ResourceExhausted(f"no free room for {n} slots ahead")
             t0 = time.perf_counter()
             waits = self.movement.must_evict_inline(n * _aligned(size))
             self.movement._host_room(n * _aligned(size), ns_id)

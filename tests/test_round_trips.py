@@ -239,3 +239,43 @@ def test_commit_reserve_ahead_and_first_slot_on_the_wire(daemon) -> None:
         stub.Release(pb.ReleaseRequest(lease_id=nxt.lease_id), timeout=10)
         counters = stub.Stats(pb.StatsRequest(), timeout=10).counters
         assert counters["reserve_ahead_refused"] >= 1 and counters["reserve_ahead"] >= 1
+
+
+def test_reserve_ahead_takes_free_room_only(tmp_path) -> None:
+    """A Commit's reservation for a store that may not come never evicts: in a full pool it is
+    skipped (the next store reserves, evicting as it must) and the commit stands."""
+    d = start_daemon(tmp_path, {"host.capacity": "4MiB"})
+    try:
+        with connect(d.address, transport="shm") as c:
+            ns = c.namespace(LAYOUT, model="rt/full")
+            for r in range(8):                  # 8 x 32 blocks of 16 KiB: twice the pool
+                assert ns.store(prompt(100 + r, 32), make_kv(100 + r, 32)) == 32
+
+            def host() -> dict:
+                with connect(d.address, transport="grpc") as w:
+                    return w.stats()["tiers"]["host"]
+            last = [host()]
+
+            def settled() -> bool:              # background demotion has finished
+                now = host()
+                same = now == last[0]
+                last[0] = now
+                return same
+            assert wait_for(settled)
+            cap = last[0]["capacity_bytes"]
+            with d.channel() as ch:
+                stub = pb_grpc.KVStoreStub(ch)
+                lease = stub.Reserve(pb.ReserveRequest(namespace_id=ns.ns_id, count=1),
+                                     timeout=10).lease
+                assert wait_for(settled)        # the demotion this Reserve may have woken
+                before = last[0]
+                room = 0.95 * cap - before["used_bytes"]
+                assert 0 <= room < 64 * LAYOUT.block_bytes
+                r = stub.Commit(pb.CommitRequest(
+                    lease_id=lease.lease_id, keys=[b"k" * 16], reserve_next=64), timeout=10)
+                assert r.stored == 1 and not r.HasField("next_lease")
+                assert host()["evictions"] == before["evictions"]
+                counters = stub.Stats(pb.StatsRequest(), timeout=10).counters
+                assert counters["reserve_ahead_refused"] >= 1
+    finally:
+        cleanup(d)
