@@ -354,13 +354,10 @@ class Store(DeviceMovement, TenantPools):
             self._check_open()
             self._ns(ns_id)
             # Hot path (one call per engine request): plain locals, no per-key tuples.
-            get = self.index.peek       # read-only: no Entry made for a packed block
             n = h = d = r = gg = 0
             run_h = run_d = run_r = run_g = True
-            for k in keys:
-                e = get(ns_id + k)
-                if e is None:
-                    break
+            # read-only views, no Entry made for a packed block; stops at the first unindexed
+            for e in self.index.peek_run(ns_id, keys):
                 on_h, on_d, on_r, on_g = e.host is not None, e.ssd, e.remote, e.gpu is not None
                 if not (on_h or on_d or on_r or on_g):
                     break
