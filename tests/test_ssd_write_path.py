@@ -99,6 +99,48 @@ def test_batches_of_many_runs_land_whole(ssd, monkeypatch):
     assert [ssd.get(k(i)) for i in range(40)] == [want[i] for i in range(40)]
 
 
+def test_a_failed_write_among_queued_runs_stores_nothing_and_leaves_none_in_flight(
+        ssd, monkeypatch):
+    """Runs are queued behind the one being written; when one write fails, put_filled
+    raises only after every queued write has ended (their extents are freed at once), stores
+    nothing, and the tier takes the same batch again afterwards."""
+    import threading
+
+    import tiers.ssd as mod
+    monkeypatch.setattr(mod, "RUN_BYTES", 64 << 10)
+    real = mod._pwrite_all
+    lock = threading.Lock()
+    state = {"started": 0, "ended": 0, "fail": True}
+
+    def pwrite(fd: int, data: memoryview, offset: int) -> None:
+        with lock:
+            state["started"] += 1
+            n = state["started"]
+        try:
+            time.sleep(0.002)               # let the caller queue the next runs meanwhile
+            if state["fail"] and n == 3:
+                raise OSError(errno.EIO, "Input/output error")
+            real(fd, data, offset)
+        finally:
+            with lock:
+                state["ended"] += 1
+
+    monkeypatch.setattr(mod, "_pwrite_all", pwrite)
+    ssd.put(k(99), val(99, 5000), b"")
+    used = ssd.used_bytes
+    values = [val(i, 60_000) for i in range(12)]
+    items = [(k(i), len(v), b"") for i, v in enumerate(values)]
+    with pytest.raises(OSError, match="Input/output"):
+        ssd.put_filled(items, _fill_from(values))
+    assert state["started"] == state["ended"] > 3
+    assert ssd.used_bytes == used and len(ssd) == 1
+    assert all(ssd.get(k(i)) is None for i in range(12))
+    state["fail"] = False
+    assert ssd.put_filled(items, _fill_from(values)) == [True] * 12
+    assert [ssd.get(k(i)) for i in range(12)] == values
+    assert ssd.used_bytes == used + sum(map(len, values))
+
+
 def test_o_direct_refused_mid_way_falls_back_to_buffered_writes(ssd, monkeypatch):
     import tiers.ssd as mod
     if not ssd.direct_io:
