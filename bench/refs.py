@@ -73,3 +73,49 @@ def odirect_write_read(folder: str, nbytes: int, chunk: int = 8 * MIB) -> tuple[
         os.close(fd)
         os.unlink(path)
     return w, r
+
+
+class DiskRef:
+    """Sequential O_DIRECT write (with fsync) and read of `nbytes` in `folder`, repeatable.
+
+    Why a file kept across calls: a benchmark that repeats its own disk path in rounds writes
+    fresh extents in the first round and rewrites freed ones after (as a daemon in steady
+    state does); this reference does the same (its first call writes a new file, later calls
+    overwrite it), so each round compares like with like. Pair each call with one round of
+    the measured path and take the median of the per-round ratios: this virtual disk's speed
+    moves 2x within seconds, more than any single-sample ratio can absorb."""
+
+    def __init__(self, folder: str, nbytes: int, chunk: int = 8 * MIB) -> None:
+        self.path = os.path.join(folder, ".kvstore-bench-disk-ref")
+        self.buf = aligned_buffer(chunk)
+        self.buf[:] = np.random.default_rng(0).integers(0, 255, chunk, dtype=np.uint8)
+        self.n = max(1, nbytes // chunk)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.close(fd)
+
+    def measure(self) -> tuple[float, float]:
+        """Seconds to write then read the whole file."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_DIRECT)
+        try:
+            t = time.perf_counter()
+            for _ in range(self.n):
+                os.write(fd, self.buf)
+            os.fsync(fd)
+            w = time.perf_counter() - t
+        finally:
+            os.close(fd)
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            t = time.perf_counter()
+            for _ in range(self.n):
+                os.readv(fd, [self.buf])
+            r = time.perf_counter() - t
+        finally:
+            os.close(fd)
+        return w, r
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
