@@ -7,10 +7,11 @@ Figures (issue 2):
   fsync) against a sequential O_DIRECT write of the same bytes.
 - ssd_read_vs_disk: cold promotion (page cache of the payload file dropped; read + decode + verify)
   against a sequential O_DIRECT read.
-  Both are the median of per-round ratios: each round demotes and promotes fresh keys and
-  measures the disk reference right beside it (bench/refs.py DiskRef; the order alternates),
-  because this virtual disk's speed moves 2x within seconds. The first round of each writes
-  fresh extents, later rounds rewrite freed ones, on both sides.
+  Both are the median of per-round ratios (7 rounds with --quick, 11 without): each round
+  demotes and promotes fresh keys and measures the disk reference right beside it
+  (bench/refs.py DiskRef; the order alternates), because this virtual disk's speed moves 2x
+  within seconds. The first round of each writes fresh extents, later rounds rewrite freed
+  ones, on both sides.
 - ssd_tier_write_vs_disk / ssd_tier_read_vs_disk: the same bytes through SSDTier alone (payload
   file + index commit + sync; cold reads through `visit`, as promotion reads), no codec: the
   data path without encoding.
@@ -116,7 +117,7 @@ def run(quick: bool, folder: str) -> dict:
 
         disk = DiskRef(tmp, total)
         ours, ref = [], []
-        for r in range(5 if quick else 9):
+        for r in range(7 if quick else 11):
             if r % 2:                                   # alternate who goes first
                 ref.append(disk.measure())
                 ours.append(ssd_round(r))
