@@ -25,9 +25,10 @@ machine), so the latency of a 16-key lookup grew by half from 10k to 1M blocks. 
 remembers where its most recently indexed child's row is, in the spare bits of its flags
 byte (no extra array: a separately grown array cost ~25 bytes a block of heap holes). A
 chain's rows were indexed together (and rows freed leaf-first come back in order), so the
-next key's row, key object and flags sit next to the last one's in memory. The link is only
-a guess, checked by comparing keys: a stale or missing one (row freed and reused, another
-child indexed since, child more than 31 rows on) costs one dict probe, never a wrong answer.
+next key's row, key object and flags sit next to the last one's in memory (a row without a
+link guesses the next row). The link is only a guess, checked by comparing keys: a stale or
+missing one (row freed and reused, another child indexed since, child more than 31 rows on)
+costs one dict probe, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -228,16 +229,18 @@ class BlockIndex:
     def peek_run(self, ns_id: bytes, keys: Sequence[bytes]) -> list[Entry | _Cold]:
         """`peek()` of each of `keys` in turn, stopping before the first one not indexed.
 
-        Follows each row's last-child link before asking the dict (module docstring: a
-        prompt's chain is found where the previous key was, not by a cache miss per key)."""
+        Tries each row's last-child link (or, without one, the next row) before asking the
+        dict (module docstring: a prompt's chain is found where the previous key was, not by
+        a cache miss per key)."""
         rows, names, flags, hot = self._rows, self._keys, self._flags, self._hot
         out: list[Entry | _Cold] = []
+        end = len(names)
         r = -1
         f = 0
         for k in keys:
             g = ns_id + k
-            c = r + (f >> _LINK_SHIFT)
-            if c > r and names[c] == g:
+            c = r + ((f >> _LINK_SHIFT) or 1)
+            if r >= 0 and c < end and names[c] == g:
                 r = c
             else:
                 r = rows.get(g, -1)

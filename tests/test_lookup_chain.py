@@ -56,18 +56,28 @@ def check_flags(ix: BlockIndex) -> None:
     assert ix.remote_count() == sum(bool(e.remote) for e in ix.entries())
 
 
-def test_a_chain_indexed_in_order_is_walked_by_links():
+def test_a_prompt_is_found_with_one_dict_probe():
+    """Child links (also when two prompts indexed turn about interleave their rows) and
+    consecutive rows (a block without a parent after the one before) find a prompt's keys
+    with one probe."""
     ix = BlockIndex()
     for i in range(200):
         ix.add_cold(NS, key(i), key(i - 1) if i % 50 else None, 10, i, ssd=True)
+    for i in range(1000, 1040):         # two chains, rows interleaved
+        ix.add_cold(NS, key(i), key(i - 1) if i > 1000 else None, 10, i, remote=True)
+        ix.add_cold(NS, key(i + 5000), key(i + 4999) if i > 1000 else None, 10, i, ssd=True)
     ix._rows = CountingDict(ix._rows)
-    CountingDict.gets = 0
-    got = ix.peek_run(NS, [key(i) for i in range(10, 26)])
-    assert len(got) == 16 and all(e.ssd and not e.remote for e in got)
-    assert CountingDict.gets == 1                      # the first key only
-    CountingDict.gets = 0
-    got = ix.peek_run(NS, [key(i) for i in range(45, 61)])  # crosses a chain start at 50
-    assert len(got) == 16 and CountingDict.gets == 2
+    for keys, n in (([key(i) for i in range(10, 26)], 16),
+                    ([key(i) for i in range(45, 61)], 16),      # crosses a chain start
+                    ([key(i) for i in range(190, 206)], 10),    # runs off the end
+                    ([key(i) for i in range(1000, 1030)], 30),
+                    ([key(i) for i in range(6000, 6030)], 30),
+                    ([key(i) for i in range(1005, 1010)] + [key(999_999)], 5)):
+        CountingDict.gets = 0
+        got = ix.peek_run(NS, keys)
+        assert len(got) == n
+        assert CountingDict.gets == 1 + (n < len(keys))     # a miss asks the dict once
+        assert got == expected(ix, NS, keys)
     CountingDict.gets = 0
     assert ix.peek_run(NS2, [key(i) for i in range(10, 26)]) == []
     assert CountingDict.gets == 1
