@@ -94,7 +94,9 @@ class _Cold:
 
 
 # A row's flags byte: tier bits, _HOT, and in bits 3..7 the last child's row minus this row
-# (1..31; 0 = no link), a guess that peek_run checks.
+# (1..31; 0 = no link), a guess that peek_run checks. _HOT is this process's state: anything
+# that saves the flags and loads them back (an index image) must clear it (`f & ~_HOT`);
+# readers treat a _HOT row without an Entry as packed.
 _SSD, _REMOTE = 1, 2
 _HOT = 4                        # the row's block has an Entry in _hot (its fields rule)
 _STATE = 7                      # the bits above; the rest is the child link
@@ -224,7 +226,8 @@ class BlockIndex:
         if r is None:
             return None
         f = self._flags[r]
-        return self._hot[gkey] if f & _HOT else _COLD[f & 3]
+        e = self._hot.get(gkey) if f & _HOT else None
+        return e if e is not None else _COLD[f & 3]
 
     def peek_run(self, ns_id: bytes, keys: Sequence[bytes]) -> list[Entry | _Cold]:
         """`peek()` of each of `keys` in turn, stopping before the first one not indexed.
@@ -247,7 +250,8 @@ class BlockIndex:
                 if r < 0:
                     break
             f = flags[r]
-            out.append(hot[g] if f & _HOT else _COLD[f & 3])
+            e = hot.get(g) if f & _HOT else None
+            out.append(e if e is not None else _COLD[f & 3])
         return out
 
     def read(self, gkey: bytes) -> Entry | None:

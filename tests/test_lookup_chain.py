@@ -208,3 +208,16 @@ def test_store_lookup_after_restart_and_row_reuse(tmp_path):
         assert s.get(ns, b) == [(k, kv_block(k)) for k in b]
     finally:
         s.close(flush=False)
+
+
+def test_a_hot_mark_without_an_entry_reads_as_packed():
+    """Flags loaded back from a saved image may carry a _HOT mark from the process that saved
+    them; with no Entry behind it the row's packed tier flags answer."""
+    ix = BlockIndex()
+    for i in range(4):
+        ix.add_cold(NS, key(i), key(i - 1) if i else None, 10, i, ssd=True, remote=i == 2)
+    for r in range(4):
+        ix._flags[r] |= index_mod._HOT
+    got = ix.peek_run(NS, [key(i) for i in range(4)])
+    assert [(e.ssd, e.remote, e.host) for e in got] == [(True, i == 2, None) for i in range(4)]
+    assert ix.peek(NS + key(2)).remote
