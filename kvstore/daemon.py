@@ -188,6 +188,16 @@ def _warm_codecs() -> None:
         log.warning("codec warm-up failed (they load on first use instead): %s", e)
 
 
+def _warm_get() -> None:
+    """Load Get's copy-and-check kernel (kvstore/getcopy.py) after the daemon is ready, so the
+    first Get does not pay numba's import and cache load (or a compile in a fresh checkout)."""
+    try:
+        from . import getcopy
+        getcopy.warm_up()
+    except Exception as e:  # noqa: BLE001 - best effort, off the serving path
+        log.warning("Get kernel warm-up failed (it loads on first use instead): %s", e)
+
+
 def check_exposure(cfg: StoreConfig, tenants: dict) -> str | None:
     """Refuse a TCP listener beyond loopback that nobody authenticates; returns the warning
     to log at every start when the operator insisted (auth.insecure_tcp)."""
@@ -380,6 +390,7 @@ class Daemon:
         gc.freeze()
         if cfg.ssd.enabled or cfg.remote.enabled:
             threading.Thread(target=_warm_codecs, name="codec-warm-up", daemon=True).start()
+        threading.Thread(target=_warm_get, name="get-warm-up", daemon=True).start()
 
     def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
         if signum is not None and self.stop_requested.is_set():

@@ -36,7 +36,7 @@ from kvstore_client.errors import (
 )
 from kvstore_client.layout import KVLayout, NamespaceSpec
 
-from . import getstream
+from . import getcopy
 from .auth import OPEN, Auth
 from .prefetch import Prefetcher
 from .scoped import scoped_stats
@@ -309,29 +309,6 @@ def _status(code: str) -> grpc.StatusCode:
 # -------------------------------------------------------------------------- the servicer
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _encode_get_response(blocks: list[tuple[bytes, memoryview]]) -> tuple[int, bytes]:
-    """GetResponse wire bytes built by hand: block data is copied once, from the slab views.
-
-    GetResponse { repeated Block blocks = 1; }  Block { bytes key = 1; bytes data = 2; }
-    """
-    parts: list[bytes | memoryview] = []
-    for key, data in blocks:
-        n = data.nbytes
-        inner = 1 + len(_varint(len(key))) + len(key) + 1 + len(_varint(n)) + n
-        parts += [b"\x0a", _varint(inner), b"\x0a", _varint(len(key)), key,
-                  b"\x12", _varint(n), data]
-    return len(blocks), b"".join(parts)
-
-
 class KVStoreServicer:
     """One method per RPC of kvstore.v1.KVStore; each takes the raw request bytes."""
 
@@ -350,7 +327,7 @@ class KVStoreServicer:
         self._prefetcher: Prefetcher | None = None
         self._prefetcher_lock = threading.Lock()
         self._pool_lock = threading.Lock()
-        self._checker: ThreadPoolExecutor | None = None   # Get's checks (kvstore/getstream.py)
+        self._reader: ThreadPoolExecutor | None = None   # Get's read-ahead (getcopy.stream)
 
     def start_shutdown(self) -> None:
         """New calls get UNAVAILABLE from now on; calls already running finish."""
@@ -637,38 +614,30 @@ class KVStoreServicer:
         bb = self._ns_block_bytes(ns)
         per = max(1, GET_BATCH_BYTES // bb) if bb else 1
         sent = False
-        if self.store.config.host.verify_reads:
-            def report(key: bytes) -> None:
-                self.store.corrupt_host_copy(ns, key, "Get")
-            for msg in getstream.verified(self._get_batches(ns, keys, per), self._check_pool(),
-                                          _encode_get_response, report):
-                sent = True
-                yield msg
-        else:
-            for _, msg, _ in self._get_batches(ns, keys, per):
-                sent = True
-                yield msg
+        for msg in self._get_batches(ns, keys, per, self.store.config.host.verify_reads):
+            sent = True
+            yield msg
         if not sent:
             yield pb.GetResponse()
 
-    def _get_batches(self, ns: bytes, keys: list[bytes], per: int
-                     ) -> Iterator[getstream.Batch]:
-        """(blocks, encoded GetResponse, checksums) per batch of the longest cached prefix."""
-        i = 0
-        while i < len(keys):
-            chunk = keys[i:i + per]
-            (n, msg), sums = self.store.read_prefix(ns, chunk, _encode_get_response)
-            if n:
-                yield n, msg, sums
-            if n < len(chunk):
-                break
-            i += n
+    def _get_batches(self, ns: bytes, keys: list[bytes], per: int, check: bool
+                     ) -> Iterator[bytes]:
+        """Encoded GetResponses of the longest cached prefix, each block's copy checked against
+        its commit checksum (kvstore/getcopy.py); a block that fails ends the stream there."""
+        def read(chunk: list[bytes]) -> getcopy.Reply:
+            return self.store.read_prefix(
+                ns, chunk, lambda views, sums: getcopy.encode(views, sums, check))
 
-    def _check_pool(self) -> ThreadPoolExecutor:
+        def report(key: bytes) -> None:
+            self.store.corrupt_host_copy(ns, key, "Get")
+        return getcopy.stream(read, keys, per, report,
+                              self._read_pool() if len(keys) > per else None)
+
+    def _read_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
-            if self._checker is None:
-                self._checker = ThreadPoolExecutor(2, thread_name_prefix="get-check")
-            return self._checker
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(2, thread_name_prefix="get-read")
+            return self._reader
 
     def Delete(self, raw: bytes) -> pb.DeleteResponse:
         req = _parse(pb.DeleteRequest, raw)

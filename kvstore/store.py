@@ -890,15 +890,15 @@ class Store(DeviceMovement, TenantPools):
                         self.movement._corrupt_host_copy(g, "Get")
 
     def read_prefix(self, ns_id: bytes, keys: Sequence[bytes], fn):
-        """(fn(views), checksums): with_prefix without the check, for a caller that checks its
-        copies itself (the Get stream overlaps that with sending) and reports a failure with
-        corrupt_host_copy."""
+        """fn(views, checksums) over the longest cached prefix, under a read lease: with_prefix
+        without the check, for a caller that checks its own copies (Get, kvstore/getcopy.py)
+        and reports a failure with corrupt_host_copy."""
         lease = self.acquire(ns_id, keys, ttl_s=self.config.leases.default_ttl_s)
         try:
-            views = [(k, memoryview(self.host.view(s.offset, s.length)))
+            views = [(k, self.host.view(s.offset, s.length))
                      for k, s in zip(lease.keys, lease.slots, strict=True)]
             self.counters["bytes_host_to_client"] += sum(s.length for s in lease.slots)
-            return fn(views), list(lease.checksums)
+            return fn(views, lease.checksums)
         finally:
             self.release(lease.id, missing_ok=True)
 
