@@ -156,11 +156,13 @@ class Auth:
                                    f"{t.name} may use only the namespaces it registered")
 
     def check_tier(self, tier: str) -> None:
-        """Slots of the gpu tier live in pools shared by every tenant: admins only."""
+        """gpu slots: a tenant with a gpu_quota leases them in its own slabs; the shared slabs
+        are for admins only (every client mapping them could read every tenant's blocks)."""
         t = self.caller
-        if tier == "gpu" and t is not None and not t.admin:
-            raise PermissionDenied(f"tenant {t.name} may not lease gpu slots: the gpu tier is "
-                                   "not partitioned per tenant (docs/security.md); use 'host'")
+        if tier == "gpu" and t is not None and not t.admin and not t.quota.get("gpu"):
+            raise PermissionDenied(f"tenant {t.name} may not lease gpu slots: it has no "
+                                   f"gpu_quota (its own device slabs) and the shared slabs are "
+                                   f"for admins; set tenants.{t.name}.gpu_quota or use 'host'")
 
     def check_lease(self, lease_id: str) -> None:
         t = self.caller

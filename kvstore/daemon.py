@@ -353,7 +353,8 @@ class Daemon:
                 self.metrics.registry.register(TenantCollector(
                     self.store, sorted(tenants), self.servicer.tenant_counters))
                 self.handoff = Handoff(self.socket_path + SUFFIX, self.auth,
-                                       getattr(self.store, "tenant_pool", None))
+                                       getattr(self.store, "tenant_pool", None),
+                                       gpu_for=getattr(self.store, "gpu_segment_fds", None))
             if cfg.server.tcp:
                 self.tcp_address = _bind_tcp(self.server, cfg.server.tcp, tls)
             if cfg.server.metrics:

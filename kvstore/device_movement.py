@@ -28,9 +28,12 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 from kvstore_client.errors import DataLoss, InvalidArgument, ResourceExhausted
 
-from tiers.device import DeviceTier
+from tiers.device import DeviceTier, Item
+from tiers.device_segments import SegmentedDevice
+from tiers.host_segments import SegmentedHost
 
 from .index import Entry
 from .leases import Lease, Slot
@@ -79,6 +82,83 @@ class DeviceMovement:
                **self.tier_counters["gpu"]}
         return agg, per
 
+    # ----------------------------------------------------------------- tenants' segments
+    # A tenant with a gpu_quota has a slab of its own on each device (tiers/device_segments.py):
+    # its namespaces allocate and make room only there, evicting only their own blocks.
+
+    def _gpu_seg(self, dev: int, ns_id: bytes) -> int:
+        """The segment of device `dev` this namespace's blocks live in (0: the shared slab)."""
+        t = self.gpu[dev]
+        return t.segment_of_tenant(self.owner(ns_id)) if isinstance(t, SegmentedDevice) else 0
+
+    def _gpu_room_of(self, dev: int, seg: int) -> tuple[int, int]:
+        """(capacity, used bytes) of a segment of a device (the whole slab when unsegmented)."""
+        t = self.gpu[dev]
+        if isinstance(t, SegmentedDevice):
+            return t.capacity_of(seg), t.used_of(seg)
+        return t.capacity, t.used_bytes
+
+    def _in_seg(self, dev: int, seg: int, offset: int) -> bool:
+        t = self.gpu[dev]
+        return not isinstance(t, SegmentedDevice) or t.segment_of(offset) == seg
+
+    def gpu_segments_of(self, tenant: str | None) -> list[tuple[int, int, dict]]:
+        """(device, base offset, describe()) of a tenant's own slabs, one per device; [] for a
+        tenant without a gpu_quota (or without the gpu tier)."""
+        out = []
+        for dev, t in sorted(self.gpu.items()):
+            if isinstance(t, SegmentedDevice):
+                seg = t.segment_of_tenant(tenant)
+                if seg:
+                    out.append((dev, t.base(seg), t.describe_segment(seg)))
+        return out
+
+    def gpu_segment_fds(self, tenant: str | None) -> list[tuple[int, int, int]]:
+        """(device, fd, size) of a tenant's own CPU-device slabs (memfds), for the handshake."""
+        out = []
+        for dev, t in sorted(self.gpu.items()):
+            if isinstance(t, SegmentedDevice):
+                seg = t.segment_of_tenant(tenant)
+                fd = getattr(t.tier(seg), "fd", None) if seg else None
+                if fd is not None:
+                    out.append((dev, fd, t.capacity_of(seg)))
+        return out
+
+    # A tenant with a host_quota keeps its host copies in its own host segment, a mapping of
+    # its own: a device copies to and from one host array per call, so a batch is split by it.
+
+    def _host_parts(self, items: Sequence[Item]) -> list[tuple[np.ndarray, list[int],
+                                                               list[Item]]]:
+        """(host array, item indexes, items with offsets into that array) per host segment."""
+        if not isinstance(self.host, SegmentedHost):
+            return [(self.host.array, list(range(len(items))), list(items))]
+        parts: dict[int, tuple[np.ndarray, list[int], list[Item]]] = {}
+        for i, (g, h, n) in enumerate(items):
+            arr, base = self.host.array_at(h)
+            part = parts.setdefault(base, (arr, [], []))
+            part[1].append(i)
+            part[2].append((g, h - base, n))
+        return list(parts.values())
+
+    def _to_host_checked(self, t: DeviceTier, items: Sequence[Item]) -> list[int]:
+        """Device -> host copies (host offsets in the host tier's offset space) and the xxh3
+        of each host destination."""
+        sums = [0] * len(items)
+        for arr, idx, local in self._host_parts(items):
+            for i, s in zip(idx, t.copy_to_host_checked(local, arr, DEVICE_WAIT_S),
+                            strict=True):
+                sums[i] = s
+        return sums
+
+    def _from_host_checked(self, t: DeviceTier, items: Sequence[Item]) -> list[int]:
+        """Host -> device copies and the xxh3 of each device destination."""
+        sums = [0] * len(items)
+        for arr, idx, local in self._host_parts(items):
+            for i, s in zip(idx, t.copy_from_host_checked(local, arr, DEVICE_WAIT_S),
+                            strict=True):
+                sums[i] = s
+        return sums
+
     def _count(self, dev: int, key: str, n: int = 1) -> None:
         self.tier_counters["gpu"][key] += n
         self.device_counters[dev][key] += n
@@ -94,16 +174,18 @@ class DeviceMovement:
             size = info.block_bytes
             dev = self._pick_device(device, n * _aligned(size))
             t = self.gpu[dev]
-            if n * _aligned(size) > t.capacity * self.config.gpu.high_watermark:
+            seg = self._gpu_seg(dev, ns_id)
+            cap = self._gpu_room_of(dev, seg)[0]
+            if n * _aligned(size) > cap * self.config.gpu.high_watermark:
                 raise ResourceExhausted(
                     f"{n} blocks of {size} bytes do not fit the gpu tier of device {dev} "
-                    f"({t.capacity} bytes); reserve in smaller batches")
+                    f"({cap} bytes{self._whose(dev, seg)}); reserve in smaller batches")
             ttl = self.leases.ttl(ttl_s)
-            self._gpu_room(dev, n * _aligned(size))
+            self._gpu_room(dev, n * _aligned(size), seg)
             offsets: list[int] = []
             try:
                 for _ in range(n):
-                    offsets.append(self._alloc_gpu(dev, size))
+                    offsets.append(self._alloc_gpu(dev, size, seg))
             except BaseException:
                 for off in offsets:
                     t.free(off)
@@ -218,49 +300,68 @@ class DeviceMovement:
 
     # ----------------------------------------------------------------- room and eviction
 
-    def _gpu_room(self, dev: int, need: int) -> None:
-        """Evict from device `dev` so `need` more bytes fit: past high watermark, down to low."""
+    def _whose(self, dev: int, seg: int) -> str:
         t = self.gpu[dev]
-        cap = t.capacity
+        return (f", tenant {t.tenant_of(seg)}'s gpu quota"
+                if seg and isinstance(t, SegmentedDevice) else "")
+
+    def _gpu_room(self, dev: int, need: int, seg: int = 0) -> None:
+        """Evict from device `dev` (segment `seg`) so `need` more bytes fit: past high
+        watermark, down to low."""
+        cap, used = self._gpu_room_of(dev, seg)
         high, low = self.config.gpu.high_watermark * cap, self.config.gpu.low_watermark * cap
-        if t.used_bytes + need <= high:
+        if used + need <= high:
             return
         target = max(0.0, min(low, high - need))
-        self._evict_gpu(dev, int(t.used_bytes + need - target))
+        self._evict_gpu(dev, int(used + need - target), seg=seg)
 
-    def _alloc_gpu(self, dev: int, nbytes: int) -> int:
-        """A slot on `dev`, demoting victims (possibly releasing the lock) until one fits."""
+    def _alloc_gpu(self, dev: int, nbytes: int, seg: int = 0) -> int:
+        """A slot on `dev` (in segment `seg`), demoting victims (possibly releasing the lock)
+        until one fits."""
         t = self.gpu[dev]
+
+        def alloc() -> int:
+            return t.alloc(nbytes, seg) if isinstance(t, SegmentedDevice) else t.alloc(nbytes)
         for _ in range(64):
             try:
-                return t.alloc(nbytes)
+                return alloc()
             except ResourceExhausted:
                 pass
-            _, blocks = self._evict_gpu(dev, _aligned(nbytes))
+            _, blocks = self._evict_gpu(dev, _aligned(nbytes), seg=seg)
             if not blocks:
                 break
         try:
-            return t.alloc(nbytes)
+            return alloc()
         except ResourceExhausted:
+            cap, used = self._gpu_room_of(dev, seg)
+            if seg and isinstance(t, SegmentedDevice):
+                tenant = t.tenant_of(seg)
+                raise ResourceExhausted(
+                    f"tenant {tenant}'s gpu quota is full on device {dev}: {used} of {cap} "
+                    f"bytes are leased or pinned and none of its blocks is evictable; release "
+                    f"leases or raise tenants.{tenant}.gpu_quota") from None
             raise ResourceExhausted(
-                f"gpu tier of device {dev} full: {t.used_bytes} of {t.capacity} bytes are leased "
+                f"gpu tier of device {dev} full: {used} of {cap} bytes are leased "
                 "or pinned and nothing is evictable (or the host tier cannot take the victims); "
                 "release leases or raise gpu.capacity / host.capacity"
             ) from None
 
-    def evict_gpu(self, nbytes: int | None) -> tuple[int, int]:
-        """Evict across every device (Evict RPC): `nbytes` in all, None for all evictable."""
+    def evict_gpu(self, nbytes: int | None, only: set[bytes] | None = None) -> tuple[int, int]:
+        """Evict across every device (Evict RPC): `nbytes` in all, None for all evictable;
+        with `only`, blocks of those namespaces alone (a tenant's Evict)."""
         freed = blocks = 0
         for dev in sorted(self.gpu):
             want = None if nbytes is None else nbytes - freed
             if want is not None and want <= 0:
                 break
-            f, b = self._evict_gpu(dev, want)
+            f, b = self._evict_gpu(dev, want, only=only)
             freed, blocks = freed + f, blocks + b
         return freed, blocks
 
-    def _evict_gpu(self, dev: int, nbytes: int | None) -> tuple[int, int]:
-        """Demote victims of `dev` until `nbytes` are freed (None: all evictable)."""
+    def _evict_gpu(self, dev: int, nbytes: int | None, seg: int | None = None,
+                   only: set[bytes] | None = None) -> tuple[int, int]:
+        """Demote victims of `dev` until `nbytes` are freed (None: all evictable); with `seg`,
+        only blocks in that segment of the device, with `only`, of those namespaces."""
         freed = blocks = 0
         policy = self._gpu_policy(dev)
 
@@ -269,7 +370,9 @@ class DeviceMovement:
             # policy's: leaves first).
             e = self.index.get(g)
             return (e is not None and e.gpu is not None and e.gpu_dev == dev
-                    and e.gpu_pins == 0 and e.moving is None)
+                    and e.gpu_pins == 0 and e.moving is None
+                    and (seg is None or self._in_seg(dev, seg, e.gpu))
+                    and (only is None or e.ns_id in only))
         while nbytes is None or freed < nbytes:
             batch: list[Entry] = []
             planned = freed
@@ -312,13 +415,13 @@ class DeviceMovement:
         offs: list[int] = []
         try:
             for e in todo:
-                self.movement._host_room(_aligned(e.size))
-                offs.append(self.movement._alloc_host(e.size))
+                self.movement._host_room(_aligned(e.size), e.ns_id)
+                offs.append(self.movement._alloc_host(e.size, e.ns_id))
             items = [(e.gpu, off, e.size) for e, off in zip(todo, offs, strict=True)]
             sums: list[int] = []
             if items:
                 with self.movement._unlocked():
-                    sums = t.copy_to_host_checked(items, self.host.array, DEVICE_WAIT_S)
+                    sums = self._to_host_checked(t, items)
         except BaseException:
             for off in offs:
                 self.host.free(off)
@@ -432,8 +535,8 @@ class DeviceMovement:
         with self._lock:
             size = _aligned(self._ns(ns_id).block_bytes)
             dev = self._pick_device(device, size)
-            return min(n, max(1, int(self.gpu[dev].capacity
-                                     * self.config.gpu.high_watermark) // size))
+            cap = self._gpu_room_of(dev, self._gpu_seg(dev, ns_id))[0]
+            return min(n, max(1, int(cap * self.config.gpu.high_watermark) // size))
 
     def _promote_to_gpu(self, ns_id: bytes, host_lease: Lease, device: int | None,
                         reserved: list[tuple[Entry, int, int]]) -> list[Entry]:
@@ -451,9 +554,10 @@ class DeviceMovement:
                     chain.append((e, None))
                     continue
                 dev = self._pick_device(device, _aligned(e.size))
+                seg = self._gpu_seg(dev, ns_id)
                 try:
-                    self._gpu_room(dev, _aligned(e.size))
-                    off = self._alloc_gpu(dev, e.size)
+                    self._gpu_room(dev, _aligned(e.size), seg)
+                    off = self._alloc_gpu(dev, e.size, seg)
                 except ResourceExhausted:
                     if chain:
                         break           # a shorter prefix is still a hit
@@ -513,7 +617,7 @@ class DeviceMovement:
         sums: dict[int, int] = {}
         for dev, idx in by_dev.items():
             items = [(jobs[i][2], jobs[i][0].host, jobs[i][0].size) for i in idx]
-            got = self.gpu[dev].copy_from_host_checked(items, self.host.array, DEVICE_WAIT_S)
+            got = self._from_host_checked(self.gpu[dev], items)
             sums.update(zip(idx, got, strict=True))
         return [sums[i] for i in range(len(jobs))]
 
@@ -524,8 +628,7 @@ class DeviceMovement:
         the reserved host slot and verify it (no lock; the block is marked moving)."""
         e = p.entry
         t = self.gpu[e.gpu_dev]
-        (got,) = t.copy_to_host_checked([(e.gpu, p.offset, e.size)], self.host.array,
-                                        DEVICE_WAIT_S)
+        (got,) = self._to_host_checked(t, [(e.gpu, p.offset, e.size)])
         p.source = "gpu"
         p.nbytes = e.size
         if p.checksum and got != p.checksum:

@@ -10,8 +10,10 @@ gRPC socket.
 
 Protocol, one exchange per connection, every step under a deadline:
   client -> daemon   one JSON line: {"v": 1, "token": "<bearer token or empty>"}
-  daemon -> client   one JSON line: {"tenant": ..., "session": ..., "pool_size": N or 0}
-                     with the pool's fd attached (SCM_RIGHTS) when pool_size > 0,
+  daemon -> client   one JSON line: {"tenant": ..., "session": ..., "pool_size": N or 0,
+                     "gpu_pools": [{"device": D, "size": N}, ...]}
+                     with fds attached (SCM_RIGHTS): the host pool's first when pool_size > 0,
+                     then one per gpu_pools entry (the tenant's own CPU-device slabs),
                      or {"error": "UNAUTHENTICATED", "message": ...}
 """
 
@@ -37,6 +39,8 @@ DEADLINE_S = 5.0
 _UCRED = struct.Struct("3i")      # pid, uid, gid
 
 PoolFor = Callable[[Tenant], tuple[int, int] | None]   # tenant -> (fd, size) of its own pool
+GpuFor = Callable[[str], list[tuple[int, int, int]]]   # tenant -> [(device, fd, size)]
+MAX_FDS = 17          # the host pool and up to 16 devices' slabs
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -48,10 +52,11 @@ class Handoff:
     """The handshake listener: one thread, one short exchange per connection."""
 
     def __init__(self, path: str, auth: Auth, pool_for: PoolFor | None = None,
-                 mode: int = 0o666) -> None:
+                 mode: int = 0o666, gpu_for: GpuFor | None = None) -> None:
         self.path = path
         self.auth = auth
         self.pool_for = pool_for
+        self.gpu_for = gpu_for
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if os.path.exists(path):
             os.unlink(path)           # the daemon checked the gRPC socket is free already
@@ -108,17 +113,19 @@ class Handoff:
             self._send(conn, {"error": "UNAUTHENTICATED", "message": why})
             return
         pool = self.pool_for(tenant) if self.pool_for is not None else None
+        gpu = (self.gpu_for(tenant.name) if self.gpu_for is not None else [])[:MAX_FDS - 1]
         reply = {"tenant": tenant.name, "session": self.auth.new_session(tenant),
-                 "pool_size": pool[1] if pool else 0}
-        self._send(conn, reply, pool[0] if pool else None)
+                 "pool_size": pool[1] if pool else 0,
+                 "gpu_pools": [{"device": d, "size": n} for d, _, n in gpu]}
+        self._send(conn, reply, ([pool[0]] if pool else []) + [fd for _, fd, _ in gpu])
 
     @staticmethod
-    def _send(conn: socket.socket, reply: dict, fd: int | None = None) -> None:
+    def _send(conn: socket.socket, reply: dict, fds: list[int] | None = None) -> None:
         data = (json.dumps(reply) + "\n").encode()
-        if fd is None:
+        if not fds:
             conn.sendall(data)
         else:
-            socket.send_fds(conn, [data], [fd])
+            socket.send_fds(conn, [data], fds)
 
     def close(self) -> None:
         self._stop.set()

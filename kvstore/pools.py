@@ -15,6 +15,8 @@ from typing import Any
 
 from kvstore_client.errors import ResourceExhausted
 
+from tiers.device import open_tenant_segment
+from tiers.device_segments import SegmentedDevice
 from tiers.host_segments import SegmentedHost
 
 from .config import ConfigError
@@ -34,13 +36,23 @@ class TenantPools:
                                if t.quota.get(tier)} for tier in ("ssd", "remote")}
         pools = {n: t.quota["host"] for n, t in self.tenants.items() if t.quota.get("host")}
         self._segmented = bool(pools)
-        if pools and self.config.gpu.enabled:
-            # The GPU tier copies to and from one host array at global offsets; tenant
-            # segments are separate mappings it does not know (docs/security.md).
-            raise ConfigError("tenants with a host_quota (own host pools) and gpu.enabled "
-                              "cannot be combined yet; drop one of them")
         if pools:
             self.host = SegmentedHost(self.host, pools)
+
+    def _split_gpu(self, prefix: str) -> None:
+        """Called once the device tiers exist: give each tenant with a gpu_quota a slab of its
+        own on every device (tiers/device_segments.py)."""
+        quotas = {n: t.quota["gpu"] for n, t in self.tenants.items() if t.quota.get("gpu")}
+        if not quotas or not self.gpu:
+            return
+        for dev, shared in list(self.gpu.items()):
+            def make(tenant: str, size: int, d: int, kind: str = shared.kind) -> Any:
+                try:
+                    return open_tenant_segment(kind, size, d, f"{prefix}gpu{d}-{tenant}")
+                except Exception as e:
+                    raise ConfigError(f"tenants.{tenant}.gpu_quota: cannot make its slab on "
+                                      f"device {d}: {e}") from e
+            self.gpu[dev] = SegmentedDevice(shared, quotas, make)
 
     def owner(self, ns_id: bytes) -> str | None:
         info = self.namespaces.get(ns_id)

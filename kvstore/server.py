@@ -426,6 +426,11 @@ class KVStoreServicer:
             if base:
                 for slot in msg.slots:
                     slot.offset -= base
+        elif self.auth.enabled and lease.tier == "gpu":
+            bases = {d: b for d, b, _ in self.store.gpu_segments_of(
+                self.store.owner(lease.ns_id))}
+            for slot in msg.slots:
+                slot.offset -= bases.get(slot.device, 0)
         return msg
 
     # -- RPCs ---------------------------------------------------------------------------------
@@ -449,7 +454,9 @@ class KVStoreServicer:
             protocol=PROTOCOL,
             host_pool=pb.HostPool(kind=str(host.get("kind", "")), name=str(host.get("name", "")),
                                   size=int(host.get("size", 0))))
-        for g in self.store.gpu_info() if shared else ():
+        own_gpu = self.store.gpu_segments_of(caller.name) if caller is not None else []
+        for g in (self.store.gpu_info(own_gpu) if own_gpu else
+                  self.store.gpu_info() if shared else ()):
             resp.gpu_pools.add(device=int(g.get("device", 0)),
                                ipc_handle=bytes(g.get("ipc_handle", b"")),
                                size=int(g.get("size", 0)), owner_pid=int(g.get("owner_pid", 0)),

@@ -34,7 +34,6 @@ from kvstore_client.errors import (
     DataLoss,
     InvalidArgument,
     NotFound,
-    PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
@@ -128,6 +127,7 @@ class Store(DeviceMovement, TenantPools):
         self.gpu = (open_device_tiers(config.gpu.capacity, config.gpu.devices,
                                       config.gpu.backend, log, slab_prefix=shm_name + "-")
                     if config.gpu.enabled else {})
+        self._split_gpu(shm_name + "-")  # tenants with a gpu quota get their own slabs
         self.device_counters = {dev: Counter() for dev in self.gpu}
         self.ssd: SSDTier | None = None
         self.remote = None
@@ -1000,10 +1000,7 @@ class Store(DeviceMovement, TenantPools):
             if tier == "host":
                 return self.movement._evict_host(nbytes or None, only)
             if tier == "gpu" and self.gpu:
-                if only is not None:
-                    raise PermissionDenied("evicting the gpu tier is for admin tenants: it is "
-                                           "not partitioned per tenant (docs/security.md)")
-                return self.evict_gpu(nbytes or None)
+                return self.evict_gpu(nbytes or None, only)
             if tier == "ssd":
                 if self.ssd is None:
                     raise Unavailable("the ssd tier is not enabled")
@@ -1077,12 +1074,14 @@ class Store(DeviceMovement, TenantPools):
     def host_info(self) -> dict:
         return self.host.describe()
 
-    def gpu_info(self) -> list[dict]:
-        """GPU pools for RegisterNamespace replies (empty without CUDA or with gpu disabled)."""
+    def gpu_info(self, own: list | None = None) -> list[dict]:
+        """GPU pools for RegisterNamespace replies (empty without CUDA or with gpu disabled):
+        the shared slabs, or a tenant's own (`own`: gpu_segments_of(tenant))."""
+        descs = [d for _, _, d in own] if own else [t.describe() for t in self.gpu.values()]
         return [{"device": d["device"], "ipc_handle": d["handle"], "size": d["size"],
                  "owner_pid": d["pid"], "uuid": d.get("uuid", ""), "name": d.get("name", ""),
                  "kind": d["kind"]}
-                for d in (t.describe() for t in self.gpu.values())]
+                for d in descs]
 
     def stats(self) -> dict:
         with self._lock:

@@ -16,6 +16,7 @@ A tenant table (in the daemon config, or in `auth.tokens_file` to keep secrets a
     host_quota = "2GiB"      # per-tier byte caps; 0 means no cap of its own
     ssd_quota = "16GiB"
     remote_quota = "0"
+    gpu_quota = "4GiB"       # its own slab on every gpu-tier device (0: no gpu slots at all)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 from .config import ConfigError, StoreConfig, parse_size
 
 TENANT_KEY = "kvstore.tenant"       # spec.extra entry naming a namespace's owner (daemon-set)
-QUOTA_TIERS = ("host", "ssd", "remote")
+QUOTA_TIERS = ("host", "ssd", "remote", "gpu")
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 _KEYS = {"token_sha256", "uids", "cert_names", "models", "admin", *(f"{t}_quota"
                                                                      for t in QUOTA_TIERS)}

@@ -201,3 +201,16 @@ def open_device_tiers(capacity: int, devices: Sequence[int], backend: str = "aut
         except KVStoreError as e:      # Unavailable, or ResourceExhausted: slab does not fit
             log.warning("gpu tier on cuda:%s disabled: %s", dev, e)
     return tiers
+
+
+def open_tenant_segment(kind: str, size: int, device: int, name: str) -> DeviceTier:
+    """A tenant's own slab on `device`, of the same kind as the device's shared slab: a memfd
+    (CPU device: it reaches the tenant's clients only as a file descriptor) or a separate CUDA
+    allocation with an IPC handle of its own (handed only to that tenant)."""
+    if kind == "cpu":
+        from .device_cpu import CpuDeviceTier
+
+        return CpuDeviceTier(size, device, slab_name=name, memfd=True)
+    from .gpu import GPUTier  # pragma: no cover - needs a CUDA device
+
+    return GPUTier(size, device, slab_name=name)

@@ -12,6 +12,7 @@ It is what the daemon uses when the operator enables the gpu tier on a machine w
 from __future__ import annotations
 
 import concurrent.futures as cf
+import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 import xxhash
 from kvstore_client.errors import InvalidArgument
-from kvstore_client.gpu import CPU_POOL_KIND, FutureEvent, Transfer
+from kvstore_client.gpu import CPU_MEMFD_KIND, CPU_POOL_KIND, FutureEvent, Transfer
 from kvstore_client.layout import KVLayout
 
 from .device import PAGE, DeviceTier, Item, check_host
@@ -33,14 +34,23 @@ class CpuDeviceTier(DeviceTier):
 
     kind = "cpu"
 
-    def __init__(self, capacity: int, device: int = 0, *, slab_name: str = "") -> None:
+    def __init__(self, capacity: int, device: int = 0, *, slab_name: str = "",
+                 memfd: bool = False) -> None:
+        """memfd: the slab is a memfd with no name (a tenant's own segment, handed to its
+        clients as a file descriptor over the handshake socket) instead of a named segment."""
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < PAGE:
             raise InvalidArgument(f"gpu.capacity must be at least {PAGE} bytes, got {capacity!r}")
         capacity -= capacity % PAGE
         self.capacity = capacity
         self.device = device
         self.slab_name = (slab_name or f"kvstore-cpudev-{os.getpid()}-{device}").lstrip("/")
-        self._shm = _create_fresh(self.slab_name, capacity)
+        self.fd: int | None = None
+        if memfd:
+            self.fd = os.memfd_create(f"kvstore-{self.slab_name}", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, capacity)
+            self._shm: Any = _Memfd(self.fd, capacity)
+        else:
+            self._shm = _create_fresh(self.slab_name, capacity)
         self._array: np.ndarray | None = np.frombuffer(self._shm.buf, dtype=np.uint8,
                                                         count=capacity)
         _prefault(self._array)
@@ -62,6 +72,9 @@ class CpuDeviceTier(DeviceTier):
 
     def describe(self) -> dict:
         self.array  # noqa: B018 - raises when closed
+        if self.fd is not None:     # no name: the fd reaches its tenant over the handshake
+            return {"kind": CPU_MEMFD_KIND, "device": self.device, "handle": b"",
+                    "name": "", "size": self.capacity, "pid": os.getpid()}
         return {"kind": CPU_POOL_KIND, "device": self.device, "handle": b"",
                 "name": self.slab_name, "size": self.capacity, "pid": os.getpid()}
 
@@ -172,6 +185,22 @@ class CpuDeviceTier(DeviceTier):
 
 
 _OPEN: list[Any] = []
+
+
+class _Memfd:
+    """A memfd mapping with the part of SharedMemory's interface close() uses."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.buf = memoryview(self.mm)
+
+    def unlink(self) -> None:
+        os.close(self.fd)           # the memory goes once no client maps it any more
+
+    def close(self) -> None:
+        self.buf.release()
+        self.mm.close()
 
 
 def _wait(after: Any) -> None:

@@ -86,6 +86,13 @@ class SegmentedHost:
         seg = bisect.bisect_right(self._bases, offset) - 1
         return seg, offset - self._bases[seg]
 
+    def array_at(self, offset: int) -> tuple[np.ndarray, int]:
+        """(the whole array of the segment holding `offset`, that segment's base offset): for
+        device copies, which address one host array at a time."""
+        seg, _ = self._locate(offset)
+        arr = self.shared.array if seg == 0 else self._segments[seg - 1].array
+        return arr, self._bases[seg]
+
     # -- HostTier's interface -------------------------------------------------------------------
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         seg, local = self._locate(offset)

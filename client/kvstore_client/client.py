@@ -252,8 +252,8 @@ class Client:
                 self._session = None
                 return
             self._session = handshake(self._auth_path, self._token, self.timeout)
-            if old is not None and old.pool_fd is not None:
-                os.close(old.pool_fd)
+            if old is not None:
+                old.close_fds()
             if not self._token:
                 self.metadata = (("authorization", f"Bearer {self._session.token}"),)
 
@@ -312,9 +312,13 @@ class Client:
         self.daemon_id = resp.daemon_id
         self.leases.carry = resp.protocol >= 2     # Acquire and Commit carry releases
         # Device pools, as `kvstore_client.gpu.open_pool` takes them (kvstore_client/device_kv.py)
+        # A tenant's own CPU-device slabs come as fds from the handshake, not by name.
+        fds = self._session.gpu_fds if self._session is not None else {}
         self.gpu_pools = [{"kind": g.kind or "cuda_ipc", "device": int(g.device),
                            "handle": bytes(g.ipc_handle), "size": int(g.size),
-                           "pid": int(g.owner_pid), "name": g.name} for g in resp.gpu_pools]
+                           "pid": int(g.owner_pid), "name": g.name,
+                           **({"fd": fds[g.device][0]} if g.device in fds else {})}
+                          for g in resp.gpu_pools]
         if self.transport_option == "grpc":
             return
         hp = resp.host_pool
@@ -419,9 +423,8 @@ class Client:
             if self._pool is not None:
                 self._pool.close()
                 self._pool = None
-            if self._session is not None and self._session.pool_fd is not None:
-                os.close(self._session.pool_fd)
-                self._session.pool_fd = None
+            if self._session is not None:
+                self._session.close_fds()
         self._channel.close()
 
     def __enter__(self) -> Client:

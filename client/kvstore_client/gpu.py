@@ -43,6 +43,7 @@ from .errors import Unavailable
 from .paged_copy import PagedCopier, PagedKVCache
 from .pinning import PinnedHost, pin_host
 from .pools import (
+    CPU_MEMFD_KIND,
     CPU_POOL_KIND,
     CUDA_POOL_KIND,
     CpuPool,
@@ -58,7 +59,8 @@ from .pools import (
 from .transfer import FutureEvent, Transfer
 
 __all__ = [
-    "CPU_POOL_KIND", "CUDA_POOL_KIND", "IPC_HANDLE_BYTES", "MAX_RUNS_PER_BLOCK", "CpuPool",
+    "CPU_MEMFD_KIND", "CPU_POOL_KIND", "CUDA_POOL_KIND", "IPC_HANDLE_BYTES", "MAX_RUNS_PER_BLOCK",
+    "CpuPool",
     "CpuPoolDesc", "CudaError", "CudaRuntime", "DevicePool", "FutureEvent", "PagedCopier",
     "PagedKVCache", "PinnedHost", "PoolDesc", "RunPlan", "StaticPlan", "TensorGeom",
     "Transfer", "Unavailable", "check_batch", "check_distinct", "close_all_pools",

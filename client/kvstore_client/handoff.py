@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import InvalidArgument, Unauthenticated, Unavailable
 
 SUFFIX = ".auth"
 MAX_REPLY = 8192
+MAX_FDS = 17          # the host pool and up to 16 devices' slabs
 
 
 @dataclass
@@ -25,6 +26,17 @@ class Session:
     token: str
     pool_fd: int | None       # the tenant's own host pool (memfd), owned by the caller
     pool_size: int
+    # device -> (fd, size): the tenant's own CPU-device slabs (memfds), owned by the caller
+    gpu_fds: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def close_fds(self) -> None:
+        """Close the fds nobody mapped (a fresh handshake hands out new ones)."""
+        fds = [f for f, _ in self.gpu_fds.values()]
+        if self.pool_fd is not None:
+            fds.append(self.pool_fd)
+        self.pool_fd, self.gpu_fds = None, {}
+        for fd in fds:
+            os.close(fd)
 
 
 def handshake_path(socket_path: str) -> str:
@@ -44,7 +56,7 @@ def handshake(path: str, token: str = "", timeout: float = 5.0) -> Session:
         s.sendall((json.dumps({"v": 1, "token": token}) + "\n").encode())
         data, fds = b"", []
         while not data.endswith(b"\n"):
-            msg, got, _flags, _addr = socket.recv_fds(s, MAX_REPLY, 4)
+            msg, got, _flags, _addr = socket.recv_fds(s, MAX_REPLY, MAX_FDS)
             fds += got
             if not msg:
                 break
@@ -64,7 +76,13 @@ def handshake(path: str, token: str = "", timeout: float = 5.0) -> Session:
         raise cls(f"handshake with {path}: {reply.get('message', reply['error'])}")
     size = int(reply.get("pool_size") or 0)
     fd = fds[0] if fds and size else None
-    for extra in fds[1 if fd is not None else 0:]:
+    rest = fds[1 if fd is not None else 0:]
+    gpu: dict[int, tuple[int, int]] = {}
+    for entry in reply.get("gpu_pools") or []:
+        if not rest:
+            break
+        gpu[int(entry["device"])] = (rest.pop(0), int(entry["size"]))
+    for extra in rest:
         os.close(extra)
     return Session(tenant=str(reply["tenant"]), token=str(reply["session"]), pool_fd=fd,
-                   pool_size=size)
+                   pool_size=size, gpu_fds=gpu)

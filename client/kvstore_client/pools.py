@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
 CPU_POOL_KIND = "cpu_shm"
+CPU_MEMFD_KIND = "cpu_memfd"    # a tenant's own CPU-device slab: an fd from the handshake
 CUDA_POOL_KIND = "cuda_ipc"
 
 
@@ -150,26 +151,37 @@ def _local_device_for(desc: PoolDesc, torch: Any) -> int | None:
 
 @dataclass(frozen=True)
 class CpuPoolDesc:
-    """What the CPU device's `describe()` tells a client (validated): a shm segment name."""
+    """What the CPU device's `describe()` tells a client (validated): a shm segment name, or
+    (a tenant's own slab, kind cpu_memfd) the fd the handshake handed over."""
 
     device: int
     name: str
     size: int
     pid: int
+    fd: int | None = None
 
     @classmethod
     def parse(cls, d: dict) -> CpuPoolDesc:
-        if not isinstance(d, dict) or d.get("kind") != CPU_POOL_KIND:
+        if not isinstance(d, dict) or d.get("kind") not in (CPU_POOL_KIND, CPU_MEMFD_KIND):
             raise InvalidArgument(f"not a CPU-device pool description: {d!r:.200}")
         name = d.get("name")
-        if not isinstance(name, str) or not name:
+        fd = d.get("fd")
+        if d["kind"] == CPU_MEMFD_KIND:
+            if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+                raise InvalidArgument("this tenant's own device pool comes as a file descriptor "
+                                      "from the daemon's handshake, and none was received "
+                                      "(connect over the Unix socket)")
+            name = ""
+        elif not isinstance(name, str) or not name:
             raise InvalidArgument("a CPU-device pool needs the name of its shared-memory "
                                   f"segment, got {name!r}")
+        else:
+            fd = None
         for key in ("device", "size", "pid"):
             v = d.get(key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (key == "size" and v == 0):
                 raise InvalidArgument(f"pool {key} must be a non-negative integer, got {v!r}")
-        return cls(d["device"], name, d["size"], d["pid"])
+        return cls(d["device"], name, d["size"], d["pid"], fd)
 
 
 class CpuPool:
@@ -178,16 +190,19 @@ class CpuPool:
     whole slab as 1-D uint8 numpy (zero copy)."""
 
     def __init__(self, desc: CpuPoolDesc) -> None:
-        from .shm import attach
+        from .shm import attach, attach_fd
 
         self.desc = desc
-        self.slab = attach(desc.name, desc.size)
+        if desc.fd is not None:     # the session keeps its fd; the mapping gets a copy
+            self.slab = attach_fd(os.dup(desc.fd), desc.size)
+        else:
+            self.slab = attach(desc.name, desc.size)
         self.array: np.ndarray = self.slab.array
         self.ptr = int(self.array.ctypes.data)
         self.size = desc.size
         self.device = None
         self.local = False
-        self._ino = _shm_ino(desc.name)
+        self._ino = _shm_ino(desc.name) if desc.fd is None else None
 
     @property
     def closed(self) -> bool:
@@ -195,6 +210,8 @@ class CpuPool:
 
     def current(self) -> bool:
         """False once the daemon replaced its segment (a restart): re-open from a new desc."""
+        if self.desc.fd is not None:
+            return not self.closed
         return not self.closed and _shm_ino(self.desc.name) == self._ino
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
@@ -212,6 +229,8 @@ class CpuPool:
 
 
 def _cpu_key(d: CpuPoolDesc) -> bytes:
+    if d.fd is not None:            # one mapping per memfd (its inode), however often handed
+        return b"cpufd:%d" % os.fstat(d.fd).st_ino
     return b"cpu:" + d.name.encode()
 
 
@@ -247,8 +266,8 @@ def open_pool(desc: dict | PoolDesc | CpuPoolDesc, device: int | None = None
     closed first: its memory belongs to a dead daemon.
     """
     global _pools_pid
-    if isinstance(desc, CpuPoolDesc) or (isinstance(desc, dict)
-                                         and desc.get("kind") == CPU_POOL_KIND):
+    if isinstance(desc, CpuPoolDesc) or (isinstance(desc, dict) and desc.get("kind") in
+                                         (CPU_POOL_KIND, CPU_MEMFD_KIND)):
         return _open_cpu_pool(desc if isinstance(desc, CpuPoolDesc)
                               else CpuPoolDesc.parse(desc))
     d = desc if isinstance(desc, PoolDesc) else PoolDesc.parse(desc)
