@@ -163,6 +163,13 @@ def test_tenant_b_cannot_touch_tenant_a(world) -> None:
                     lease_id=lease.lease_id), timeout=10, metadata=m),
                 "Release": lambda: stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id),
                                                 timeout=10, metadata=m),
+                "Locate": lambda: stub.Locate(pb.LocateRequest(namespace_id=foreign, keys=keys,
+                                                               prefetch=True),
+                                              timeout=10, metadata=m),
+                "LookupReserve": lambda: stub.LookupReserve(pb.LookupReserveRequest(
+                    namespace_id=foreign, keys=keys), timeout=10, metadata=m),
+                "LookupAcquire": lambda: stub.LookupAcquire(pb.LookupAcquireRequest(
+                    namespace_id=foreign, keys=keys), timeout=10, metadata=m),
             }
             for name, call in attempts.items():
                 c, msg = code(call)

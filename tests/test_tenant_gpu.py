@@ -345,3 +345,27 @@ def test_segmented_device_splits_batches_by_segment_in_order() -> None:
     finally:
         dev.close()
     assert dev.closed and dev.tier(1).closed
+
+
+def test_a_tenants_device_slab_follows_a_daemon_restart(tmp_path: Path) -> None:
+    # The new daemon run hands out a new memfd; the client must map that one, never keep
+    # copying through the dead run's slab.
+    d = start_daemon(tmp_path, {"gpu.enabled": "true", "gpu.backend": "cpu",
+                                "gpu.capacity": str(4 * BB), "host.capacity": "4MiB",
+                                "auth.tokens_file": str(tenants_file(tmp_path))})
+    try:
+        with connect(d.address, token=TOKENS["a"]) as a:
+            ns = a.namespace(LAYOUT, model="restart")
+            ref = cache(4, seed=7)
+            keys = keys_for(ns, 7, 4)
+            dk = DeviceKV(ns, ref)
+            assert dk.store_keys(keys[:2], [0, 1]) == 2
+            old = dk.pool
+            d.restart()
+            assert dk.store_keys(keys, [0, 1, 2, 3]) >= 2   # after a resync, into the new slab
+            assert dk.pool is not old and not old.current()
+            mine = cache(4, seed=None)
+            assert DeviceKV(ns, mine).load_keys(keys, [0, 1, 2, 3]) == 4
+            assert all(block_bits(mine, i) == block_bits(ref, i) for i in range(4))
+    finally:
+        cleanup(d)

@@ -254,8 +254,15 @@ class Client:
             self._session = handshake(self._auth_path, self._token, self.timeout)
             if old is not None:
                 old.close_fds()
+                # Their fds are closed: the next RegisterNamespace names the new ones.
+                self.gpu_pools = [p for p in self.gpu_pools if "fd" not in p]
             if not self._token:
                 self.metadata = (("authorization", f"Bearer {self._session.token}"),)
+
+    def session_current(self) -> bool:
+        """False when the daemon restarted since the handshake (its fds are of a dead run)."""
+        s, path = self._session, self._auth_path
+        return s is None or path is None or s.current(path)
 
     @property
     def tenant(self) -> str | None:

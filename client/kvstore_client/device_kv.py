@@ -59,10 +59,24 @@ class DeviceKV:
 
     def _fresh(self) -> None:
         """Re-open the pool when the daemon restarted (a new slab under the same name)."""
-        current = getattr(self.pool, "current", None)
-        if self.pool.closed or (current is not None and not current()):
+        if not self._current():
             self.ns.client.resync()
             self._open()
+
+    def _current(self) -> bool:
+        current = getattr(self.pool, "current", None)
+        return (not self.pool.closed and (current is None or current())
+                and self.ns.client.session_current())
+
+    def _stale(self, lease_id: str) -> bool:
+        """True (the lease released) when the call that gave the lease had to start a new
+        session, i.e. met a restarted daemon: its slots are in the new run's slab, which a
+        tenant's own pool (a memfd per run) must be re-opened to reach; the caller retries."""
+        if self._current():
+            return False
+        self.ns.client.release(lease_id)
+        self._fresh()
+        return True
 
     def _offsets(self, slots: Sequence[pb.Slot]) -> list[int]:
         bb = self.ns.block_bytes
@@ -77,7 +91,7 @@ class DeviceKV:
 
     # -- store ------------------------------------------------------------------------------
     def store_keys(self, keys: Sequence[bytes], block_ids: Any, *,
-                   parent: bytes | None = None) -> int:
+                   parent: bytes | None = None, _retry: bool = True) -> int:
         """Store cache blocks block_ids[i] as keys[i] (the ones not cached yet, in any tier)
         into the gpu tier; returns blocks written."""
         keys = list(keys)
@@ -93,6 +107,8 @@ class DeviceKV:
             namespace_id=self.ns.ns_id, count=n, tier="gpu", ttl_s=client.lease_ttl_s,
             device=self.device)).lease
         lid = lease.lease_id
+        if _retry and self._stale(lid):
+            return self.store_keys(keys, block_ids, parent=parent, _retry=False)
         client.leases.add(lid, lease.deadline)
         committed = False
         try:
@@ -111,7 +127,7 @@ class DeviceKV:
                 client.release(lid)
 
     # -- load -------------------------------------------------------------------------------
-    def load_keys(self, keys: Sequence[bytes], block_ids: Any) -> int:
+    def load_keys(self, keys: Sequence[bytes], block_ids: Any, _retry: bool = True) -> int:
         """Gather the cached prefix of keys into cache blocks block_ids[i]; returns blocks
         loaded. Blocks the daemon holds only in host or lower tiers are promoted first."""
         keys = list(keys)
@@ -129,6 +145,8 @@ class DeviceKV:
             if lid:
                 client.release(lid)
             return 0
+        if _retry and self._stale(lid):
+            return self.load_keys(keys, block_ids, _retry=False)
         client.leases.add(lid, lease.deadline)
         try:
             offsets = self._offsets(lease.slots)

@@ -28,6 +28,15 @@ class Session:
     pool_size: int
     # device -> (fd, size): the tenant's own CPU-device slabs (memfds), owned by the caller
     gpu_fds: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # The handshake socket's inode: each daemon run makes a new one, so a changed inode says
+    # the fds above belong to a run that is gone (a token client sees no other sign of it).
+    socket_ino: int | None = None
+
+    def current(self, path: str) -> bool:
+        try:
+            return os.stat(path).st_ino == self.socket_ino
+        except OSError:
+            return False
 
     def close_fds(self) -> None:
         """Close the fds nobody mapped (a fresh handshake hands out new ones)."""
@@ -49,6 +58,7 @@ def handshake(path: str, token: str = "", timeout: float = 5.0) -> Session:
     s.settimeout(timeout)
     try:
         try:
+            ino = os.stat(path).st_ino
             s.connect(path)
         except OSError as e:
             raise Unavailable(f"cannot reach the daemon's handshake socket {path}: "
@@ -85,4 +95,4 @@ def handshake(path: str, token: str = "", timeout: float = 5.0) -> Session:
     for extra in rest:
         os.close(extra)
     return Session(tenant=str(reply["tenant"]), token=str(reply["session"]), pool_fd=fd,
-                   pool_size=size, gpu_fds=gpu)
+                   pool_size=size, gpu_fds=gpu, socket_ino=ino)

@@ -202,7 +202,7 @@ class CpuPool:
         self.size = desc.size
         self.device = None
         self.local = False
-        self._ino = _shm_ino(desc.name) if desc.fd is None else None
+        self._ino = _shm_ino(desc.name) if desc.fd is None else _fd_ino(desc.fd)
 
     @property
     def closed(self) -> bool:
@@ -211,7 +211,9 @@ class CpuPool:
     def current(self) -> bool:
         """False once the daemon replaced its segment (a restart): re-open from a new desc."""
         if self.desc.fd is not None:
-            return not self.closed
+            # The client's session holds the fd while that daemon run lasts; a new session
+            # (daemon restart) closes it, so its number no longer names this memfd.
+            return not self.closed and _fd_ino(self.desc.fd) == self._ino
         return not self.closed and _shm_ino(self.desc.name) == self._ino
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
@@ -234,6 +236,13 @@ def _cpu_key(d: CpuPoolDesc) -> bytes:
     return b"cpu:" + d.name.encode()
 
 
+def _fd_ino(fd: int) -> int | None:
+    try:
+        return os.fstat(fd).st_ino
+    except OSError:
+        return None
+
+
 def _shm_ino(name: str) -> int | None:
     try:
         return os.stat(os.path.join("/dev/shm", name)).st_ino
@@ -246,6 +255,12 @@ def _open_cpu_pool(d: CpuPoolDesc) -> CpuPool:
     with _pools_lock:
         hit = _pools.get(key)
     if isinstance(hit, CpuPool) and hit.current() and hit.size == d.size:
+        return hit
+    if isinstance(hit, CpuPool) and d.fd is not None and not hit.closed and hit.size == d.size:
+        # The same memfd (the key is its inode) through another fd, e.g. a second client of
+        # the tenant: keep the mapping, which others may be copying through, and follow the
+        # fd that is open now.
+        hit.desc, hit._ino = d, _fd_ino(d.fd)
         return hit
     if hit is not None:
         hit.close()
