@@ -57,8 +57,9 @@ class DeviceMovement:
     def _gpu_policy(self, dev: int):
         return self.policies[f"gpu{dev}"]
 
-    def _pick_device(self, device: int | None, need: int) -> int:
-        """The device a request uses: the one asked for, else the one with the most free bytes."""
+    def _pick_device(self, device: int | None, need: int, ns_id: bytes | None = None) -> int:
+        """The device a request uses: the one asked for, else the one with the most free bytes
+        (in the namespace's own segment, for a tenant with its own slabs)."""
         if not self.gpu:
             raise InvalidArgument("the gpu tier is not enabled on this daemon")
         if device is not None and device >= 0:
@@ -66,7 +67,10 @@ class DeviceMovement:
                 raise InvalidArgument(f"gpu device {device} is not one of this daemon's "
                                       f"devices {sorted(self.gpu)}")
             return device
-        return max(self.gpu, key=lambda d: self.gpu[d].capacity - self.gpu[d].used_bytes)
+        def free(d: int) -> int:
+            cap, used = self._gpu_room_of(d, self._gpu_seg(d, ns_id) if ns_id else 0)
+            return cap - used
+        return max(self.gpu, key=free)
 
     def gpu_stats(self) -> tuple[dict, dict]:
         """(aggregate "gpu" tier figures, per-device figures) for Stats (locked)."""
@@ -172,7 +176,7 @@ class DeviceMovement:
             self._reap_locked()
             info = self._ns(ns_id)
             size = info.block_bytes
-            dev = self._pick_device(device, n * _aligned(size))
+            dev = self._pick_device(device, n * _aligned(size), ns_id)
             t = self.gpu[dev]
             seg = self._gpu_seg(dev, ns_id)
             cap = self._gpu_room_of(dev, seg)[0]
@@ -534,7 +538,7 @@ class DeviceMovement:
         watermark): a longer prefix could never be promoted whole, so it is cut up front."""
         with self._lock:
             size = _aligned(self._ns(ns_id).block_bytes)
-            dev = self._pick_device(device, size)
+            dev = self._pick_device(device, size, ns_id)
             cap = self._gpu_room_of(dev, self._gpu_seg(dev, ns_id))[0]
             return min(n, max(1, int(cap * self.config.gpu.high_watermark) // size))
 
@@ -553,7 +557,7 @@ class DeviceMovement:
                 if e.gpu is not None and e.moving is None:
                     chain.append((e, None))
                     continue
-                dev = self._pick_device(device, _aligned(e.size))
+                dev = self._pick_device(device, _aligned(e.size), ns_id)
                 seg = self._gpu_seg(dev, ns_id)
                 try:
                     self._gpu_room(dev, _aligned(e.size), seg)
