@@ -331,6 +331,8 @@ def main() -> None:
     gv, al = result["get_verify"], result["auth_lookup"]
     result["verified_get_vs_unverified"] = round(gv["verified_get_vs_unverified"], 3)
     result["auth_lookup_p50_vs_noauth"] = round(al["auth_lookup_p50_vs_noauth"], 3)
+    cpu_ratio = gv.get("verified_get_cpu_vs_unverified")
+    result["verified_get_cpu_vs_unverified"] = round(cpu_ratio, 3) if cpu_ratio else None
     result["targets_met"] = {
         "lookup_p50_vs_echo": result["lookup_p50_vs_echo"] <= 1.3,
         "lookup_tokens_1k_p50_vs_echo": result["lookup_tokens_1k_p50_vs_echo"] <= 2.0,

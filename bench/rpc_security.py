@@ -7,6 +7,9 @@
                         their calls alternate (which goes first swaps every round), and the
                         figure is the median of each round's ratio, so both sides of a ratio
                         saw the machine's load of the same moment. Target >= 0.9.
+                        Also reported: verified_get_cpu_vs_unverified, the same ratio of the
+                        two daemons' CPU seconds (user + system) over the timed calls: the
+                        check's cost in work done, which the machine's load does not move.
   auth_lookup_p50_vs_noauth   p50 of a 64-key lookup on a daemon with tenants (bearer token on
                         every call, namespace ownership checked) / the same on a daemon with
                         none, interleaved. Target <= 1.05.
@@ -14,14 +17,26 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 
+def _cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far (0 where /proc does not say)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def bench_get_verify(verified: str, unverified: str, nblocks: int, reps: int,
-                     aligned_kv: Callable) -> dict:
+                     aligned_kv: Callable, pids: dict[str, int] | None = None) -> dict:
     """Median Get seconds of the same cached blocks from two daemons, alternating calls, and
     the median of the per-round ratios."""
     import kvstore_client
@@ -35,6 +50,8 @@ def bench_get_verify(verified: str, unverified: str, nblocks: int, reps: int,
     out = aligned_kv(lay, nblocks * T, 6)
     ids = np.random.default_rng(7).integers(0, 50_000, nblocks * T)
     times: dict[str, list[float]] = {"verified": [], "unverified": []}
+    cpu = {"verified": 0.0, "unverified": 0.0}
+    pids = pids or {}
     with kvstore_client.connect(verified, transport="grpc") as cv, \
             kvstore_client.connect(unverified, transport="grpc") as cu:
         pairs = [("verified", cv.namespace(lay, model="bench/getv")),
@@ -43,12 +60,14 @@ def bench_get_verify(verified: str, unverified: str, nblocks: int, reps: int,
             ns.store(ids, kv)
         for r in range(2 * reps + 2):
             for name, ns in pairs if r % 2 else pairs[::-1]:
+                c0 = _cpu_s(pids.get(name))
                 t = time.perf_counter()
                 got = ns.load(ids, out=out)
                 if got != nblocks * T:
                     raise RuntimeError(f"{name}: loaded {got}/{nblocks * T} tokens")
                 if r >= 2:
                     times[name].append(time.perf_counter() - t)
+                    cpu[name] += _cpu_s(pids.get(name)) - c0
         if not torch.equal(out.view(torch.int16), kv.view(torch.int16)):
             raise RuntimeError("Get returned bytes that differ from those stored")
     v, u = statistics.median(times["verified"]), statistics.median(times["unverified"])
@@ -57,7 +76,10 @@ def bench_get_verify(verified: str, unverified: str, nblocks: int, reps: int,
     nbytes = nblocks * lay.block_bytes
     return {"verified_s": v, "unverified_s": u, "verified_gbps": nbytes / v / 1e9,
             "unverified_gbps": nbytes / u / 1e9, "rounds": len(times["verified"]),
-            "ratio_of_medians": u / v, "verified_get_vs_unverified": paired}
+            "ratio_of_medians": u / v, "verified_get_vs_unverified": paired,
+            "verified_cpu_s": cpu["verified"], "unverified_cpu_s": cpu["unverified"],
+            "verified_get_cpu_vs_unverified": (cpu["unverified"] / cpu["verified"]
+                                               if cpu["verified"] else None)}
 
 
 def bench_auth_lookup(noauth: str, auth: str, token: str, rounds: int, per_round: int,
@@ -102,8 +124,9 @@ def run(main_daemon: object, tmp: Path, workers: int, nblocks: int, reps: int, r
     try:
         plain = start_daemon(tmp / "noverify", {**cfg, "host.verify_reads": "false"}, env=env)
         try:
-            out["get_verify"] = bench_get_verify(checked.address, plain.address, nblocks,
-                                                 max(reps, 15), aligned_kv)
+            out["get_verify"] = bench_get_verify(
+                checked.address, plain.address, nblocks, max(reps, 15), aligned_kv,
+                {"verified": checked.proc.pid, "unverified": plain.proc.pid})
         finally:
             cleanup(plain)
     finally:
