@@ -170,6 +170,10 @@ def test_tenant_b_cannot_touch_tenant_a(world) -> None:
                     namespace_id=foreign, keys=keys), timeout=10, metadata=m),
                 "LookupAcquire": lambda: stub.LookupAcquire(pb.LookupAcquireRequest(
                     namespace_id=foreign, keys=keys), timeout=10, metadata=m),
+                # A's lease carried for release in a call on B's own namespace
+                "Acquire.release_leases": lambda: stub.Acquire(pb.AcquireRequest(
+                    namespace_id=ns_b.ns_id, keys=keys, release_leases=[lease.lease_id]),
+                    timeout=10, metadata=m),
             }
             for name, call in attempts.items():
                 c, msg = code(call)
