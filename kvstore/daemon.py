@@ -275,6 +275,23 @@ class ShutdownProgress:
             self._say(f"stopping ({time.monotonic() - self._t0:.0f} s): {what}")
 
 
+class CallCount:
+    """Calls in flight, for the stop's progress line, where no metrics endpoint is configured
+    (so the daemon never loads prometheus_client). Same inc/dec as the metrics' gauge."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def inc(self) -> None:
+        with self._lock:
+            self.value += 1
+
+    def dec(self) -> None:
+        with self._lock:
+            self.value -= 1
+
+
 class Daemon:
     """Owns the lock, store, gRPC server and metrics endpoint of one daemon run."""
 
@@ -296,6 +313,7 @@ class Daemon:
         self.tcp_address: str | None = None
         self.metrics_url: str | None = None
         self._phase: tuple[str, float] = ("starting", time.monotonic())
+        self._calls: Any = None         # calls in flight: CallCount, or the metrics' gauge
         self._demoted_before = 0
 
     def _say(self, line: str) -> None:
@@ -308,7 +326,6 @@ class Daemon:
         from .auth import store_auth
         from .config import ConfigError
         from .handoff import SUFFIX, Handoff
-        from .metrics import Metrics
         from .server import SERVICE, KVStoreServicer, build_server
         from .tenants import load_tenants, quota_overcommit
 
@@ -327,7 +344,10 @@ class Daemon:
             check_socket_free(self.socket_path)
             factory = self._store_factory
             if factory is None:
-                from .store import Store as factory
+                from .store import Store
+
+                def factory(c: StoreConfig) -> Any:
+                    return Store(c, background=False)   # started once SERVING (below)
 
                 _one_torch_thread()
             try:
@@ -338,20 +358,28 @@ class Daemon:
                 if e.errno in FS_ERRNOS:
                     raise _fs_error(Path(cfg.data_dir), e) from None
                 raise StartupError(f"cannot open the store in {cfg.data_dir}: {e}") from None
-            self.metrics = Metrics(self.store)
+            # Prometheus (about as much CPU as a bare gRPC server's whole start) only where an
+            # endpoint can show it; without one, calls in flight are counted for the stop line.
+            if cfg.server.metrics:
+                from .metrics import Metrics
+
+                self.metrics = Metrics(self.store)
+                observe, self._calls = self.metrics.observe, self.metrics.in_flight
+            else:
+                observe, self._calls = None, CallCount()
             self.auth = store_auth(self.store, tenants, mtls=bool(cfg.auth.tls_client_ca_file))
             self.servicer = KVStoreServicer(
                 self.store, max_ttl_s=cfg.leases.max_ttl_s, gpu_enabled=bool(self.store.gpu),
-                observe=self.metrics.observe, in_flight=self.metrics.in_flight,
-                auth=self.auth)
+                observe=observe, in_flight=self._calls, auth=self.auth)
             self.server, self.health = build_server(self.servicer, cfg.server.workers,
                                                     cfg.server.max_message_bytes)
             _bind_unix(self.server, self.socket_path, 0o666 if tenants else 0o600)
             if tenants:
                 from .tenant_metrics import TenantCollector, TenantCounters
                 self.servicer.tenant_counters = TenantCounters()
-                self.metrics.registry.register(TenantCollector(
-                    self.store, sorted(tenants), self.servicer.tenant_counters))
+                if self.metrics is not None:
+                    self.metrics.registry.register(TenantCollector(
+                        self.store, sorted(tenants), self.servicer.tenant_counters))
                 self.handoff = Handoff(self.socket_path + SUFFIX, self.auth,
                                        getattr(self.store, "tenant_pool", None),
                                        gpu_for=getattr(self.store, "gpu_segment_fds", None))
@@ -383,15 +411,25 @@ class Daemon:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("daemon %s ready (pid %d, data %s)", self.store.daemon_id, os.getpid(),
                  cfg.data_dir)
+        threading.Thread(target=self._after_ready, name="kvstore-after-ready",
+                         daemon=True).start()
+
+    def _after_ready(self) -> None:
+        """What the daemon does once it reports SERVING, off the path to it: background
+        threads of the store, freezing the startup objects, loading numpy and the codecs."""
+        start = getattr(self.store, "start_background", None)
+        if start is not None:
+            start()
         # The objects made at startup (modules, a warm restart's index) stay for the daemon's
         # life; frozen, the cyclic GC's full collections no longer walk them. Unfrozen, one
         # took 14-22 ms of CPU (about 40k objects) inside whichever call tripped it: a Reserve
         # or Acquire of 1,024 blocks then cost 20x its usual time (issue 19).
         gc.collect()
         gc.freeze()
-        if cfg.ssd.enabled or cfg.remote.enabled:
-            threading.Thread(target=_warm_codecs, name="codec-warm-up", daemon=True).start()
-        threading.Thread(target=_warm_get, name="get-warm-up", daemon=True).start()
+        import numpy  # noqa: F401 - the first data call would otherwise load it
+        _warm_get()
+        if self.config.ssd.enabled or self.config.remote.enabled:
+            _warm_codecs()
 
     def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
         if signum is not None and self.stop_requested.is_set():
@@ -403,6 +441,8 @@ class Daemon:
             pass
 
     def _in_flight(self) -> int:
+        if isinstance(self._calls, CallCount):
+            return self._calls.value
         if self.metrics is None:
             return 0
         return int(self.metrics.registry.get_sample_value("kvstore_rpcs_in_flight") or 0)

@@ -27,17 +27,25 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
 from kvstore_client.errors import DataLoss, InvalidArgument, ResourceExhausted
+from kvstore_client.lazy import lazy_module
 
-from tiers.device import DeviceTier, Item
-from tiers.device_segments import SegmentedDevice
 from tiers.host_segments import SegmentedHost
 
 from .index import Entry
 from .leases import Lease, Slot
 from .movement import LOSSY, Promotion, _aligned, _meta, encode_block
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from tiers import device_segments as _segs
+    from tiers.device import DeviceTier, Item
+else:   # numpy and the device tiers' modules load with the first device tier, not at start
+    np = lazy_module("numpy", globals(), "np")
+    _segs = lazy_module("tiers.device_segments", globals(), "_segs")
 
 DEVICE_WAIT_S = 60.0        # a device copy that takes longer than this is an error
 VICTIMS_PER_BATCH = 16
@@ -93,25 +101,25 @@ class DeviceMovement:
     def _gpu_seg(self, dev: int, ns_id: bytes) -> int:
         """The segment of device `dev` this namespace's blocks live in (0: the shared slab)."""
         t = self.gpu[dev]
-        return t.segment_of_tenant(self.owner(ns_id)) if isinstance(t, SegmentedDevice) else 0
+        return t.segment_of_tenant(self.owner(ns_id)) if isinstance(t, _segs.SegmentedDevice) else 0
 
     def _gpu_room_of(self, dev: int, seg: int) -> tuple[int, int]:
         """(capacity, used bytes) of a segment of a device (the whole slab when unsegmented)."""
         t = self.gpu[dev]
-        if isinstance(t, SegmentedDevice):
+        if isinstance(t, _segs.SegmentedDevice):
             return t.capacity_of(seg), t.used_of(seg)
         return t.capacity, t.used_bytes
 
     def _in_seg(self, dev: int, seg: int, offset: int) -> bool:
         t = self.gpu[dev]
-        return not isinstance(t, SegmentedDevice) or t.segment_of(offset) == seg
+        return not isinstance(t, _segs.SegmentedDevice) or t.segment_of(offset) == seg
 
     def gpu_segments_of(self, tenant: str | None) -> list[tuple[int, int, dict]]:
         """(device, base offset, describe()) of a tenant's own slabs, one per device; [] for a
         tenant without a gpu_quota (or without the gpu tier)."""
         out = []
         for dev, t in sorted(self.gpu.items()):
-            if isinstance(t, SegmentedDevice):
+            if isinstance(t, _segs.SegmentedDevice):
                 seg = t.segment_of_tenant(tenant)
                 if seg:
                     out.append((dev, t.base(seg), t.describe_segment(seg)))
@@ -121,7 +129,7 @@ class DeviceMovement:
         """(device, fd, size) of a tenant's own CPU-device slabs (memfds), for the handshake."""
         out = []
         for dev, t in sorted(self.gpu.items()):
-            if isinstance(t, SegmentedDevice):
+            if isinstance(t, _segs.SegmentedDevice):
                 seg = t.segment_of_tenant(tenant)
                 fd = getattr(t.tier(seg), "fd", None) if seg else None
                 if fd is not None:
@@ -307,7 +315,7 @@ class DeviceMovement:
     def _whose(self, dev: int, seg: int) -> str:
         t = self.gpu[dev]
         return (f", tenant {t.tenant_of(seg)}'s gpu quota"
-                if seg and isinstance(t, SegmentedDevice) else "")
+                if seg and isinstance(t, _segs.SegmentedDevice) else "")
 
     def _gpu_room(self, dev: int, need: int, seg: int = 0) -> None:
         """Evict from device `dev` (segment `seg`) so `need` more bytes fit: past high
@@ -325,7 +333,7 @@ class DeviceMovement:
         t = self.gpu[dev]
 
         def alloc() -> int:
-            return t.alloc(nbytes, seg) if isinstance(t, SegmentedDevice) else t.alloc(nbytes)
+            return t.alloc(nbytes, seg) if isinstance(t, _segs.SegmentedDevice) else t.alloc(nbytes)
         for _ in range(64):
             try:
                 return alloc()
@@ -338,7 +346,7 @@ class DeviceMovement:
             return alloc()
         except ResourceExhausted:
             cap, used = self._gpu_room_of(dev, seg)
-            if seg and isinstance(t, SegmentedDevice):
+            if seg and isinstance(t, _segs.SegmentedDevice):
                 tenant = t.tenant_of(seg)
                 raise ResourceExhausted(
                     f"tenant {tenant}'s gpu quota is full on device {dev}: {used} of {cap} "

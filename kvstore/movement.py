@@ -21,21 +21,29 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
-import numpy as np
 import xxhash
 from kvstore_client.errors import DataLoss, ResourceExhausted
 from kvstore_client.layout import KVLayout
+from kvstore_client.lazy import lazy_module
 
-from tiers import codecs, frame
+from tiers import frame
 from tiers.ssd import DiskFull
 
 from .encode_choice import EncodeChoice
 from .index import Entry
 from .nsinfo import NamespaceInfo
 from .verify import matches
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from tiers import codecs
+else:   # imported by the first block that moves, not before the daemon is ready
+    np = lazy_module("numpy", globals(), "np")
+    codecs = lazy_module("tiers.codecs", globals(), "codecs")
 
 log = logging.getLogger("kvstore.store")
 T = TypeVar("T")

@@ -15,8 +15,6 @@ from typing import Any
 
 from kvstore_client.errors import ResourceExhausted
 
-from tiers.device import open_tenant_segment
-from tiers.device_segments import SegmentedDevice
 from tiers.host_segments import SegmentedHost
 
 from .config import ConfigError
@@ -45,6 +43,8 @@ class TenantPools:
         quotas = {n: t.quota["gpu"] for n, t in self.tenants.items() if t.quota.get("gpu")}
         if not quotas or not self.gpu:
             return
+        from tiers.device import open_tenant_segment     # (numpy, CUDA: only with gpu quotas)
+        from tiers.device_segments import SegmentedDevice
         for dev, shared in list(self.gpu.items()):
             def make(tenant: str, size: int, d: int, kind: str = shared.kind) -> Any:
                 try:

@@ -28,7 +28,6 @@ from typing import Any
 
 import blake3
 import msgpack
-import numpy as np
 import xxhash
 from kvstore_client.errors import (
     DataLoss,
@@ -37,11 +36,10 @@ from kvstore_client.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvstore_client.gpu import pin_host
 from kvstore_client.hashing import MAX_KEY_BYTES, MIN_KEY_BYTES
 from kvstore_client.layout import NamespaceSpec, check_retention
+from kvstore_client.pinning import pin_host
 
-from tiers.device import open_device_tiers
 from tiers.host import HostTier
 from tiers.ssd import DiskFull, SSDTier
 
@@ -100,7 +98,13 @@ def _parents_first(parents: dict[bytes, bytes | None]) -> list[bytes]:
 
 
 class Store(DeviceMovement, TenantPools):
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, background: bool = True) -> None:
+        """Open every tier and rebuild the index from SSD.
+
+        `background=False` leaves the background threads (slab prefault, SSD write buffers,
+        demoter, lease reaper) to `start_background()`: the daemon starts them once it reports
+        SERVING, so its start does not wait for threads to be scheduled on a busy machine.
+        """
         self.config = config.check()
         self.daemon_id = uuid.uuid4().hex
         self._lock = threading.RLock()
@@ -119,14 +123,17 @@ class Store(DeviceMovement, TenantPools):
         data.mkdir(parents=True, exist_ok=True)
         shm_name = config.host.shm_name or "kvstore-" + blake3.blake3(
             str(data.resolve()).encode()).hexdigest()[:16]
-        self.host = HostTier(config.host.capacity, shm_name=shm_name)
+        self._slab = self.host = HostTier(config.host.capacity, shm_name=shm_name,
+                                          prefault=False)
         self._setup_pools()             # tenants with a host quota get their own segment
         # Page-locked so host<->GPU copies (ours and clients') run at PCIe speed; a no-op
         # without CUDA. It must be unregistered before the slab is unmapped (close order).
-        self._host_pin = pin_host(self.host.array)
-        self.gpu = (open_device_tiers(config.gpu.capacity, config.gpu.devices,
-                                      config.gpu.backend, log, slab_prefix=shm_name + "-")
-                    if config.gpu.enabled else {})
+        self._host_pin = pin_host(self._slab.buffer)
+        self.gpu = {}
+        if config.gpu.enabled:      # (numpy and the CUDA bindings only where configured)
+            from tiers.device import open_device_tiers
+            self.gpu = open_device_tiers(config.gpu.capacity, config.gpu.devices,
+                                         config.gpu.backend, log, slab_prefix=shm_name + "-")
         self._split_gpu(shm_name + "-")  # tenants with a gpu quota get their own slabs
         self.device_counters = {dev: Counter() for dev in self.gpu}
         self.ssd: SSDTier | None = None
@@ -139,7 +146,8 @@ class Store(DeviceMovement, TenantPools):
             **{f"gpu{dev}": make_policy(config.gpu.policy, None) for dev in self.gpu}}
         try:
             if config.ssd.enabled:
-                self.ssd = SSDTier(str(data / "ssd"), config.ssd.capacity, sync=config.ssd.sync)
+                self.ssd = SSDTier(str(data / "ssd"), config.ssd.capacity, sync=config.ssd.sync,
+                                   warm=False)
                 self.policies["ssd"] = make_policy(config.ssd.policy, None, rows=self.index)
             if config.remote.enabled:
                 from tiers.remote import RemoteTier  # redis only where configured
@@ -152,10 +160,22 @@ class Store(DeviceMovement, TenantPools):
                 self.ssd.close()
             raise
         self._stop = threading.Event()
-        self.movement.start_background()
-        self._reaper = threading.Thread(target=self._reap_loop, name="kvstore-reaper",
-                                        daemon=True)
-        self._reaper.start()
+        self._reaper: threading.Thread | None = None
+        if background:
+            self.start_background()
+
+    def start_background(self) -> None:
+        """Start the background work (see __init__); a second call does nothing."""
+        with self._lock:
+            if self._reaper is not None or self._closed:
+                return
+            self._slab.start_prefault()
+            if self.ssd is not None:
+                self.ssd.warm_up()
+            self.movement.start_background()
+            self._reaper = threading.Thread(target=self._reap_loop, name="kvstore-reaper",
+                                            daemon=True)
+            self._reaper.start()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -654,7 +674,7 @@ class Store(DeviceMovement, TenantPools):
                 self.movement._host_room(_aligned(size), ns_id)
                 off = self.movement._alloc_host(size, ns_id)
                 view = self.host.view(off, size)
-                view[:] = np.frombuffer(b, dtype=np.uint8)
+                view[:] = memoryview(b).cast("B")
                 prev = parent if i == 0 else keys[i - 1]
                 placed, e = self._publish(bytes(ns_id), k, prev, off, size,
                                           xxhash.xxh3_64_intdigest(view))

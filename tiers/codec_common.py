@@ -9,11 +9,18 @@ keeps the codec at memory speed.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
-import numpy as np
-import zstandard as zstd
 from kvstore_client.errors import DataLoss, InvalidArgument
 from kvstore_client.layout import KVLayout
+from kvstore_client.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import numpy as np
+    import zstandard as zstd
+else:   # tiers/frame.py needs only the codec ids below: the daemon starts without these two
+    np = lazy_module("numpy", globals(), "np")
+    zstd = lazy_module("zstandard", globals(), "zstd")
 
 # zstd level for every codec, chosen by measurement on real bf16 KV (docs/codecs.md): level 1
 # gives nearly all of the ratio of level 3 at 3x the speed; negative levels skip entropy coding

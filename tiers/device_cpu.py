@@ -53,7 +53,7 @@ class CpuDeviceTier(DeviceTier):
             self._shm = _create_fresh(self.slab_name, capacity)
         self._array: np.ndarray | None = np.frombuffer(self._shm.buf, dtype=np.uint8,
                                                         count=capacity)
-        _prefault(self._array)
+        _prefault(self._shm.buf, capacity)
         self._alloc = ExtentAllocator(capacity, PAGE)
         self._worker: cf.ThreadPoolExecutor | None = cf.ThreadPoolExecutor(
             1, thread_name_prefix=f"kvstore-cpudev{device}")

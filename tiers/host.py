@@ -15,11 +15,17 @@ import os
 import secrets
 import threading
 from multiprocessing import shared_memory
+from typing import TYPE_CHECKING
 
-import numpy as np
 from kvstore_client.errors import InvalidArgument
+from kvstore_client.lazy import lazy_module
 
 from .slab import ExtentAllocator, SlabAllocation
+
+if TYPE_CHECKING:
+    import numpy as np
+else:   # the slab's numpy view is made by the first call that copies a block, after start
+    np = lazy_module("numpy", globals(), "np")
 
 PAGE = 4096
 _PREFAULT_CHUNK = 64 << 20
@@ -37,7 +43,10 @@ class HostTier(SlabAllocation):
 
     name = "host"
 
-    def __init__(self, capacity: int, shm_name: str | None = None) -> None:
+    def __init__(self, capacity: int, shm_name: str | None = None, prefault: bool = True
+                 ) -> None:
+        """`prefault=False`: populate the slab's pages only when `start_prefault()` is called
+        (the daemon does once it is ready)."""
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < PAGE:
             raise InvalidArgument(f"host.capacity must be at least {PAGE} bytes, got {capacity!r}")
         capacity -= capacity % PAGE
@@ -50,10 +59,19 @@ class HostTier(SlabAllocation):
         self.capacity = capacity
         self.shm_name = shm_name
         self._shm = _create_fresh(shm_name, capacity)
-        self._array: np.ndarray | None = np.frombuffer(self._shm.buf, dtype=np.uint8,
-                                                        count=capacity)
-        self._prefaulter = _prefault(self._array)
+        self._array: np.ndarray | None = None       # made on first use (_require_open)
+        self._prefaulter: _Prefaulter | None = None
+        self._prefaulted = False
         self._alloc = ExtentAllocator(capacity, PAGE)
+        if prefault:
+            self.start_prefault()
+
+    def start_prefault(self) -> None:
+        """Make the slab's pages resident, in the background where the kernel can (once)."""
+        if self._prefaulted or self._shm is None:
+            return
+        self._prefaulted = True
+        self._prefaulter = _prefault(self._shm.buf, self.capacity)
 
     # -- access -------------------------------------------------------------------------------
     def view(self, offset: int, nbytes: int) -> np.ndarray:
@@ -68,6 +86,13 @@ class HostTier(SlabAllocation):
     def array(self) -> np.ndarray:
         """The whole slab as 1-D uint8 (for batched gathers/scatters)."""
         return self._require_open()
+
+    @property
+    def buffer(self) -> memoryview:
+        """The whole slab as a buffer (no numpy needed: pinning it at start)."""
+        if self._shm is None:
+            raise InvalidArgument("host tier is closed")
+        return self._shm.buf
 
     def describe(self) -> dict:
         """What a client needs to map the slab: `kvstore_client.shm.attach(name, size)`."""
@@ -98,9 +123,16 @@ class HostTier(SlabAllocation):
         return self._shm is None
 
     def _require_open(self) -> np.ndarray:
-        if self._array is None:
-            raise InvalidArgument("host tier is closed")
-        return self._array
+        arr = self._array
+        if arr is None:
+            shm = self._shm
+            if shm is None:
+                raise InvalidArgument("host tier is closed")
+            arr = np.frombuffer(shm.buf, dtype=np.uint8, count=self.capacity)
+            if self._shm is None:           # closed meanwhile: hand out no view of it
+                raise InvalidArgument("host tier is closed")
+            self._array = arr
+        return arr
 
     def __enter__(self) -> HostTier:
         return self
@@ -166,15 +198,19 @@ def _populate(addr: int, size: int) -> bool:
                                                _MADV_POPULATE_WRITE) == 0
 
 
-def _prefault(arr: np.ndarray) -> _Prefaulter | None:
+def _prefault(buf: memoryview, size: int) -> _Prefaulter | None:
     """Make every page resident (tmpfs allocates on first write) so block copies never fault:
     in the background where the kernel can populate pages (Linux 5.14+), else by writing
     zeros now."""
-    addr = arr.ctypes.data
-    if _populate(addr, min(PAGE, arr.size)):         # one page: is the call supported?
-        t = _Prefaulter(addr, arr.size)
+    probe = ctypes.c_char.from_buffer(buf)
+    addr = ctypes.addressof(probe)
+    del probe                                       # releases its export of the buffer
+    if _populate(addr, min(PAGE, size)):            # one page: is the call supported?
+        t = _Prefaulter(addr, size)
         t.start()
         return t
-    for start in range(0, arr.size, _PREFAULT_CHUNK):
-        arr[start:start + _PREFAULT_CHUNK].fill(0)
+    zeros = bytes(min(_PREFAULT_CHUNK, size))
+    for start in range(0, size, _PREFAULT_CHUNK):
+        n = min(_PREFAULT_CHUNK, size - start)
+        buf[start:start + n] = zeros[:n]
     return None

@@ -17,12 +17,18 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+from typing import TYPE_CHECKING
 
-import numpy as np
 from kvstore_client.errors import InvalidArgument
+from kvstore_client.lazy import lazy_module
 
 from .host import PAGE, HostTier, _prefault
 from .slab import ExtentAllocator
+
+if TYPE_CHECKING:
+    import numpy as np
+else:   # loaded when a tenant segment is made (not for a daemon without tenant pools)
+    np = lazy_module("numpy", globals(), "np")
 
 
 class _Segment:
@@ -32,7 +38,7 @@ class _Segment:
         os.ftruncate(self.fd, size)
         self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.array = np.frombuffer(self.mm, dtype=np.uint8, count=size)
-        _prefault(self.array)
+        _prefault(self.mm, size)
         self.alloc = ExtentAllocator(size, PAGE)
 
 

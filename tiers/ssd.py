@@ -133,7 +133,9 @@ class SSDTier:
 
     name = "ssd"
 
-    def __init__(self, path: str, capacity: int, sync: bool = False) -> None:
+    def __init__(self, path: str, capacity: int, sync: bool = False, warm: bool = True
+                 ) -> None:
+        """`warm=False` leaves starting the writer thread and its buffers to `warm_up()`."""
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise InvalidArgument(f"ssd.capacity must be a positive number of bytes, "
                                   f"got {capacity!r}")
@@ -187,9 +189,13 @@ class SSDTier:
         except BaseException:
             self._close_files()
             raise
-        if capacity >= PREFAULT_MIN_CAPACITY:
-            # The writer thread and warm write buffers ready for the first demotion: under
-            # load, starting a thread and faulting in a buffer cost ~10 ms of its first batch.
+        if warm:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """The writer thread and warm write buffers ready for the first demotion: under load,
+        starting a thread and faulting in a buffer cost ~10 ms of its first batch."""
+        if self.capacity >= PREFAULT_MIN_CAPACITY and not self._closed:
             self._writer().submit(self._stages.prefault, PREFAULT_BUFFERS)
 
     # -- blocks -------------------------------------------------------------------------------

@@ -1,23 +1,29 @@
-"""kvstore SDK: talk to a kvstore daemon from an inference engine."""
+"""kvstore SDK: talk to a kvstore daemon from an inference engine.
 
-from .client import Client, connect
-from .errors import (
-    DataLoss,
-    DeadlineExceeded,
-    InvalidArgument,
-    KVStoreError,
-    LeaseExpired,
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
-    Unimplemented,
-)
-from .hashing import block_keys, chain_key
-from .layout import CODECS, KVLayout, NamespaceSpec
-from .namespace import LookupResult, Namespace, Pinned
-from .paged import PagedKV
+Why the names load on first use (PEP 562): the daemon imports small parts of this package
+(`errors`, `layout`, the generated stubs) before it can report SERVING, and importing a
+submodule runs this file first. Eager imports here pulled numpy, grpc and every client module
+into the daemon's start (about a third of it). `from kvstore_client import connect` works as
+before; it just imports `kvstore_client.client` at that moment.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+# public name -> submodule that defines it
+_WHERE = {
+    "Client": "client", "connect": "client",
+    "DataLoss": "errors", "DeadlineExceeded": "errors", "InvalidArgument": "errors",
+    "KVStoreError": "errors", "LeaseExpired": "errors", "NotFound": "errors",
+    "PermissionDenied": "errors", "ResourceExhausted": "errors", "Unauthenticated": "errors",
+    "Unavailable": "errors", "Unimplemented": "errors",
+    "block_keys": "hashing", "chain_key": "hashing",
+    "CODECS": "layout", "KVLayout": "layout", "NamespaceSpec": "layout",
+    "LookupResult": "namespace", "Namespace": "namespace", "Pinned": "namespace",
+    "PagedKV": "paged",
+}
 
 __all__ = [
     "CODECS", "Client", "DataLoss", "DeadlineExceeded", "InvalidArgument", "KVLayout",
@@ -25,3 +31,37 @@ __all__ = [
     "PagedKV", "PermissionDenied", "Pinned", "ResourceExhausted", "Unauthenticated",
     "Unavailable", "Unimplemented", "block_keys", "chain_key", "connect",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'kvstore_client' has no attribute {name!r}")
+    value = getattr(import_module(f".{where}", __name__), name)
+    globals()[name] = value         # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
+
+if TYPE_CHECKING:   # for type checkers and IDEs: the same names, imported eagerly
+    from .client import Client, connect
+    from .errors import (
+        DataLoss,
+        DeadlineExceeded,
+        InvalidArgument,
+        KVStoreError,
+        LeaseExpired,
+        NotFound,
+        PermissionDenied,
+        ResourceExhausted,
+        Unauthenticated,
+        Unavailable,
+        Unimplemented,
+    )
+    from .hashing import block_keys, chain_key
+    from .layout import CODECS, KVLayout, NamespaceSpec
+    from .namespace import LookupResult, Namespace, Pinned
+    from .paged import PagedKV

@@ -9,11 +9,17 @@ never uses Python's `hash`, which is salted per process.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import blake3
-import numpy as np
 
 from .errors import InvalidArgument
+from .lazy import lazy_module
+
+if TYPE_CHECKING:
+    import numpy as np
+else:   # the daemon imports the key limits below before it is ready; numpy can wait
+    np = lazy_module("numpy", globals(), "np")
 
 DOMAIN = b"kvstore-prefix-v1\x00"
 DEFAULT_KEY_BYTES = 16

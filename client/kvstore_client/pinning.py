@@ -7,9 +7,9 @@ no-op handle with `pinned == False`, so no caller branches on the platform.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from typing import Any
-
-import numpy as np
 
 from .cuda_runtime import (
     _ERR_HOST_ALREADY_REGISTERED,
@@ -23,10 +23,24 @@ from .errors import InvalidArgument, Unavailable
 
 
 def _address_of(buf: Any) -> tuple[int, int]:
-    if isinstance(buf, np.ndarray):
+    """Address and length of `buf`. A writable non-numpy buffer (the daemon's shm slab) is
+    measured with ctypes, so pinning it does not import numpy before the daemon is ready."""
+    np = sys.modules.get("numpy")           # an ndarray exists only if numpy is loaded
+    if np is not None and isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise InvalidArgument("can only pin a contiguous buffer")
         return int(buf.ctypes.data), int(buf.nbytes)
+    view = memoryview(buf)
+    if not view.readonly and view.c_contiguous:
+        with view.cast("B") as flat:
+            if not flat.nbytes:
+                return 0, 0
+            probe = ctypes.c_char.from_buffer(flat)
+            addr = ctypes.addressof(probe)
+            del probe                       # releases its export of the buffer
+            return addr, flat.nbytes
+    import numpy as np
+
     arr = np.frombuffer(buf, dtype=np.uint8)
     return int(arr.ctypes.data), int(arr.nbytes)
 
