@@ -48,6 +48,7 @@ def _one_torch_thread() -> None:
         torch.set_num_threads(1)
 
 LOCK_NAME = "LOCK"
+AFTER_READY_S = 0.2     # the daemon's own warm-up waits this long after SERVING (_after_ready)
 
 
 class StartupError(Exception):
@@ -415,8 +416,18 @@ class Daemon:
                          daemon=True).start()
 
     def _after_ready(self) -> None:
-        """What the daemon does once it reports SERVING, off the path to it: background
-        threads of the store, freezing the startup objects, loading numpy and the codecs."""
+        """What the daemon does once it reports SERVING, off the path to it: the store's
+        background threads, freezing the startup objects, loading numpy and the codecs.
+
+        It waits AFTER_READY_S first (or until a stop): the calls that come right after
+        SERVING (a readiness probe, an engine registering) would otherwise compete with this
+        speculative work for the GIL and the cores. On the shared 2-core machine at load 8,
+        starting it at once delayed the first health check by about 0.15 s. Nothing waits for
+        it: a writer that finds the host pool full evicts inline, a copy into a page not yet
+        prefaulted takes the fault, the first block that moves imports what it needs.
+        """
+        if self.stop_requested.wait(AFTER_READY_S):
+            return
         start = getattr(self.store, "start_background", None)
         if start is not None:
             start()

@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import random
+import secrets
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +43,7 @@ from kvstore_client.pinning import pin_host
 from tiers.host import HostTier
 from tiers.ssd import DiskFull, SSDTier
 
+from . import warm_image
 from .checksums import xxh3_many
 from .config import StoreConfig
 from .device_movement import DeviceMovement
@@ -106,7 +107,7 @@ class Store(DeviceMovement, TenantPools):
         SERVING, so its start does not wait for threads to be scheduled on a busy machine.
         """
         self.config = config.check()
-        self.daemon_id = uuid.uuid4().hex
+        self.daemon_id = secrets.token_hex(16)     # (uuid would import platform: start time)
         self._lock = threading.RLock()
         self._closed = False            # set when close() starts: no new call begins
         self._shut = False              # set when close() has released every resource
@@ -180,12 +181,15 @@ class Store(DeviceMovement, TenantPools):
     # ----------------------------------------------------------------- lifecycle
 
     def _rebuild(self) -> None:
-        """Warm restart: namespaces and SSD residency come back from LMDB's meta records."""
+        """Warm restart: namespaces and SSD residency come back from LMDB's meta records, or
+        from the index image of the last clean stop when LMDB is exactly as it left it."""
         if self.ssd is None:
             return
         for ns_id, blob in self.ssd.namespaces().items():
             spec = NamespaceSpec.from_dict(json.loads(blob))
             self.namespaces[ns_id] = NamespaceInfo(ns_id, spec)
+        if self._load_image():
+            return
         policy = self.policies["ssd"]
         state = self.ssd.get_state("policy.ssd")
         parents: dict[bytes, bytes | None] = {}
@@ -216,6 +220,41 @@ class Store(DeviceMovement, TenantPools):
         if len(self.index):
             log.info("rebuilt the index: %d blocks in %d namespaces from SSD", len(self.index),
                      len(self.namespaces))
+
+    def _load_image(self) -> bool:
+        """Index and SSD policy from the image (kvstore/warm_image.py); False: scan instead."""
+        idx = self.ssd.image_section(warm_image.INDEX)
+        pol = self.ssd.image_section(warm_image.POLICY)
+        if idx is None or pol is None:
+            return False
+        policy = self.policies["ssd"]
+        try:
+            warm_image.load_index(self.index, idx)
+        except warm_image.ImageError as exc:
+            log.warning("ignoring the SSD index image (scanning the index): %s", exc)
+            return False
+        try:
+            warm_image.load_policy(policy, pol, self.index)
+        except warm_image.ImageError as exc:
+            log.warning("ignoring the SSD index image (scanning the index): %s", exc)
+            warm_image.reset_index(self.index)
+            return False
+        for r in warm_image.missing_from_policy(self.index, policy):
+            g = self.index.key_at(r)
+            policy.insert(g, self.index.parent_key(r), self.index.read(g).size)
+        if len(self.index):
+            log.info("loaded the index image: %d blocks in %d namespaces", len(self.index),
+                     len(self.namespaces))
+        return True
+
+    def _ssd_image(self) -> dict[str, bytes] | None:
+        """The store's sections of the index image written at close (None: no image)."""
+        try:
+            return warm_image.dump(self.index, self.policies.get("ssd"),
+                                   set(self.ssd.namespaces()))
+        except Exception:  # noqa: BLE001 - without an image the next start scans
+            log.exception("no index image: building it failed")
+            return None
 
     def close(self, flush: bool = True, flush_budget_s: float | None = None,
               progress: Callable[[str], None] | None = None) -> None:
@@ -250,7 +289,7 @@ class Store(DeviceMovement, TenantPools):
 
     def _release_resources(self) -> None:
         if self.ssd is not None:
-            self.ssd.close()
+            self.ssd.close(image=self._ssd_image())
         if self.remote is not None:
             self.remote.close()
         self.movement.close()

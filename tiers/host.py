@@ -9,13 +9,14 @@ The slab is pre-faulted at start so the first copies into it do not pay page fau
 
 from __future__ import annotations
 
+import _posixshmem
 import ctypes
 import ctypes.util
+import mmap
 import os
 import secrets
 import threading
-from multiprocessing import shared_memory
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.lazy import lazy_module
@@ -58,7 +59,7 @@ class HostTier(SlabAllocation):
                                   f"got {shm_name!r}")
         self.capacity = capacity
         self.shm_name = shm_name
-        self._shm = _create_fresh(shm_name, capacity)
+        self._shm = _create_fresh(shm_name, capacity, track=prefault)
         self._array: np.ndarray | None = None       # made on first use (_require_open)
         self._prefaulter: _Prefaulter | None = None
         self._prefaulted = False
@@ -67,10 +68,12 @@ class HostTier(SlabAllocation):
             self.start_prefault()
 
     def start_prefault(self) -> None:
-        """Make the slab's pages resident, in the background where the kernel can (once)."""
+        """Make the slab's pages resident, in the background where the kernel can (once),
+        and have the resource tracker unlink it should the daemon be killed."""
         if self._prefaulted or self._shm is None:
             return
         self._prefaulted = True
+        self._shm.track()
         self._prefaulter = _prefault(self._shm.buf, self.capacity)
 
     # -- access -------------------------------------------------------------------------------
@@ -141,30 +144,73 @@ class HostTier(SlabAllocation):
         self.close()
 
 
-_OPEN_VIEWS: list[shared_memory.SharedMemory] = []
+_OPEN_VIEWS: list[Any] = []
 
 
-def _create_fresh(name: str, size: int) -> shared_memory.SharedMemory:
+class Segment:
+    """A new POSIX shared-memory segment, made as multiprocessing.shared_memory makes one
+    (same name, mode and mapping), except that Python's resource tracker, which unlinks it
+    should this process be killed, hears of it only at `track()`.
+
+    Why: registering spawns the tracker, a second Python process, on every daemon start (with
+    the multiprocessing import, ~25 ms of CPU beside a start of ~100 ms); the daemon tracks
+    its slab once it is ready. A segment left by a kill before that is replaced by the next
+    start (`_create_fresh`).
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name, self.size = name, size
+        self._path = "/" + name
+        fd = _posixshmem.shm_open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size)
+        except BaseException:
+            _posixshmem.shm_unlink(self._path)
+            raise
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+        self._tracked = False
+
+    def track(self) -> None:
+        if not self._tracked:
+            from multiprocessing import resource_tracker
+
+            resource_tracker.register(self._path, "shared_memory")
+            self._tracked = True
+
+    def close(self) -> None:
+        """Unmap; BufferError while views of `buf` live (as SharedMemory.close)."""
+        self.buf.release()
+        self._mmap.close()
+
+    def unlink(self) -> None:
+        _posixshmem.shm_unlink(self._path)
+        if self._tracked:
+            from multiprocessing import resource_tracker
+
+            resource_tracker.unregister(self._path, "shared_memory")
+            self._tracked = False
+
+
+def _create_fresh(name: str, size: int, track: bool = True) -> Segment:
     """Create segment `name`; a leftover of the same name (crashed daemon) is replaced."""
     try:
-        return shared_memory.SharedMemory(name=name, create=True, size=size)
+        seg = Segment(name, size)
     except FileExistsError:
-        pass
-    _unlink(name)
-    return shared_memory.SharedMemory(name=name, create=True, size=size)
+        _unlink(name)
+        seg = Segment(name, size)
+    if track:
+        seg.track()
+    return seg
 
 
 def _unlink(name: str) -> None:
-    dev = os.path.join("/dev/shm", name)
-    if os.path.isdir("/dev/shm"):
-        try:
-            os.unlink(dev)
-        except FileNotFoundError:
-            pass
-        return
-    old = shared_memory.SharedMemory(name=name)   # registers; unlink() unregisters again
-    old.close()
-    old.unlink()
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        pass
 
 
 class _Prefaulter(threading.Thread):

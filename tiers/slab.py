@@ -12,6 +12,7 @@ page-aligned (PERF-NOTES copy-alignment trap). Not thread-safe: the owner (store
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 
 from kvstore_client.errors import InvalidArgument, ResourceExhausted
@@ -55,6 +56,45 @@ class ExtentAllocator:
             a._used[off] = size
             a.used_bytes += size
             top = off + size
+        a._top = top
+        return a
+
+    def state(self) -> dict:
+        """Everything the allocator knows, as packed arrays (the SSD tier's index image), so a
+        restart rebuilds it with bulk operations instead of a step per extent."""
+        free = [(off, size) for size, bucket in self._by_size.items() for off in bucket]
+        return {"capacity": self.capacity, "align": self.align, "top": self._top,
+                "used_bytes": self.used_bytes,
+                "used_off": array("Q", self._used.keys()).tobytes(),
+                "used_size": array("Q", self._used.values()).tobytes(),
+                "free_off": array("Q", [o for o, _ in free]).tobytes(),
+                "free_size": array("Q", [s for _, s in free]).tobytes()}
+
+    @classmethod
+    def from_state(cls, state: dict) -> ExtentAllocator:
+        """The allocator `state()` described; InvalidArgument if the state is inconsistent."""
+        try:
+            a = cls(int(state["capacity"]), int(state["align"]))
+            arrays = {}
+            for name in ("used_off", "used_size", "free_off", "free_size"):
+                arrays[name] = array("Q")
+                arrays[name].frombytes(state[name])
+            top, used = int(state["top"]), int(state["used_bytes"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"allocator state is malformed: {exc}") from None
+        used_off, used_size = arrays["used_off"], arrays["used_size"]
+        free_off, free_size = arrays["free_off"], arrays["free_size"]
+        if (len(used_off) != len(used_size) or len(free_off) != len(free_size)
+                or sum(used_size) != used or top > a._limit
+                or (used_off and max(used_off) >= top) or (free_off and max(free_off) >= top)):
+            raise InvalidArgument("allocator state does not add up")
+        a._used = dict(zip(used_off, used_size, strict=True))
+        a.used_bytes = used
+        for off, size in zip(free_off, free_size, strict=True):
+            a._add_free(off, size)
+        if len(a._used) != len(used_off) or len(a._free) != len(free_off) \
+                or not a._used.keys().isdisjoint(a._free):
+            raise InvalidArgument("allocator state repeats an extent")
         a._top = top
         return a
 

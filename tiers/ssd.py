@@ -51,10 +51,12 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 import lmdb
+import msgpack
 import xxhash
 from kvstore_client.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable
 
 from .slab import ExtentAllocator
+from .ssd_image import Stamp, read_image, remove_image, write_image
 
 T = TypeVar("T")
 log = logging.getLogger("kvstore.ssd")
@@ -64,6 +66,8 @@ _REC = struct.Struct("<QQQ")        # offset, value length, xxh3-64 of the value
 _SIZE = struct.Struct("<Q")
 _USED_KEY = b"used_bytes"
 _FORMAT_KEY = b"format"
+_IMAGE_KEY = b"image"              # token of the index image written at the last clean stop
+_ALLOC_SECTION = "ssd.alloc"
 MAX_KEY = 511                       # LMDB's compiled-in key size limit
 MAP_SLACK = 64 << 20
 PROGRESS_MIN_ENTRIES = 50_000       # scan_meta shows a progress bar above this many entries
@@ -153,6 +157,7 @@ class SSDTier:
                 max_readers=512, meminit=False)
         except lmdb.Error as exc:
             raise Unavailable(f"cannot open the SSD tier at {self.path}: {exc}") from exc
+        txnid = self._env.info()["last_txnid"]     # before anything here writes (image stamp)
         self._index = self._env.open_db(b"index")
         self._ns = self._env.open_db(b"namespaces")
         self._state = self._env.open_db(b"state")
@@ -177,13 +182,23 @@ class SSDTier:
         self._dfd = self._dfd_opened = _open_direct(self._payload_path)
         try:
             self._file_size = os.fstat(self._fd).st_size
-            extents, used = self._scan_extents()
-            self._alloc = ExtentAllocator.from_extents(
-                max(self._file_size, max((o + s for o, s in extents), default=0)), ALIGN,
-                extents)
+            # The index image of the last clean stop, if LMDB is exactly as it left it
+            # (tiers/ssd_image.py): its sections replace the scans of the index.
+            self._image = None if legacy else self._read_image(txnid)
+            alloc = self._alloc_from_image()
+            if alloc is not None:
+                self._alloc = alloc
+                alloc_used = 0          # LMDB's used_bytes is there whenever blocks are
+            else:
+                self._image = None
+                extents, used = self._scan_extents()
+                self._alloc = ExtentAllocator.from_extents(
+                    max(self._file_size, max((o + s for o, s in extents), default=0)), ALIGN,
+                    extents)
+                alloc_used = used
             with self._env.begin(db=self._tier) as txn:
                 raw = txn.get(_USED_KEY)
-            self.used_bytes = _SIZE.unpack(raw)[0] if raw else used
+            self.used_bytes = _SIZE.unpack(raw)[0] if raw else alloc_used
             if legacy:
                 self._migrate_legacy()
         except BaseException:
@@ -193,10 +208,23 @@ class SSDTier:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """The writer thread and warm write buffers ready for the first demotion: under load,
-        starting a thread and faulting in a buffer cost ~10 ms of its first batch."""
+        """The writer thread, warm write buffers and, for a fresh tier, the payload file's
+        first preallocated step ready for the first demotion (often a stop's flush): under
+        load, starting a thread and faulting in a buffer cost ~10 ms of its first batch, and
+        the fallocate of the first step ~0.1-0.2 s."""
         if self.capacity >= PREFAULT_MIN_CAPACITY and not self._closed:
-            self._writer().submit(self._stages.prefault, PREFAULT_BUFFERS)
+            writer = self._writer()
+            writer.submit(self._stages.prefault, PREFAULT_BUFFERS)
+            writer.submit(self._grow_ahead)
+
+    def _grow_ahead(self) -> None:
+        with self._alloc_lock:
+            if self._closed or self._file_size:
+                return
+            try:
+                self._grow_file(ALIGN)
+            except (OSError, ResourceExhausted) as exc:     # the first write grows it instead
+                log.debug("could not preallocate %s: %s", self._payload_path, exc)
 
     # -- blocks -------------------------------------------------------------------------------
     def put(self, gkey: bytes, value: bytes, meta: bytes) -> None:
@@ -581,7 +609,14 @@ class SSDTier:
         os.fdatasync(self._fd)
         self._env.sync(True)
 
-    def close(self) -> None:
+    def image_section(self, name: str) -> bytes | None:
+        """A section the store saved with `close(image=...)` at the last clean stop, if the
+        image is current (else None: rebuild from `scan_meta`). Each is handed out once."""
+        return None if self._image is None else self._image.pop(name, None)
+
+    def close(self, image: dict[str, bytes] | None = None) -> None:
+        """Sync and close. `image`: the store's sections of an index image to write for the
+        next open (tiers/ssd_image.py); the tier adds its allocator's."""
         if self._closed:
             return
         with self._write_lock, self._gate:
@@ -590,10 +625,58 @@ class SSDTier:
             self._closed = True
             try:
                 os.fdatasync(self._fd)
+                if image is not None:
+                    self._write_image(image)
                 if not self._sync:
                     self._env.sync(True)
             finally:
                 self._close_files()
+
+    def _read_image(self, txnid: int) -> dict[str, bytes] | None:
+        with self._env.begin() as txn:
+            token = txn.get(_IMAGE_KEY, db=self._tier)
+            if token is None:
+                return None
+            raw = txn.get(_USED_KEY, db=self._tier)
+            entries = txn.stat(self._index)["entries"]
+        used = _SIZE.unpack(raw)[0] if raw else 0
+        return read_image(self.path, Stamp(bytes(token), txnid, entries, used))
+
+    def _alloc_from_image(self) -> ExtentAllocator | None:
+        blob = None if self._image is None else self._image.pop(_ALLOC_SECTION, None)
+        if blob is None:
+            return None
+        try:
+            alloc = ExtentAllocator.from_state(msgpack.unpackb(blob))
+        except (InvalidArgument, ValueError, TypeError) as exc:
+            log.warning("ignoring the SSD index image of %s: %s", self.path, exc)
+            return None
+        if alloc.capacity < self._file_size:
+            alloc.grow(self._file_size)
+        return alloc
+
+    def _write_image(self, sections: dict[str, bytes]) -> None:
+        """Commit a fresh token into LMDB, make LMDB durable, then write the image stamped
+        with that token and LMDB's transaction id. Failure only costs the next open a scan."""
+        with self._alloc_lock:
+            self._drain()
+            if self._active or self._pending:    # a reader still holds extents: no image
+                return
+            alloc = msgpack.packb(self._alloc.state())
+        token = os.urandom(16)
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.put(_IMAGE_KEY, token, db=self._tier)
+                raw = txn.get(_USED_KEY, db=self._tier)
+                entries = txn.stat(self._index)["entries"]
+            self._env.sync(True)
+            stamp = Stamp(token, self._env.info()["last_txnid"], entries,
+                          _SIZE.unpack(raw)[0] if raw else 0)
+            write_image(self.path, stamp, {**sections, _ALLOC_SECTION: alloc})
+        except (lmdb.Error, OSError) as exc:
+            log.warning("no index image written for %s (the next start scans the index): %s",
+                        self.path, exc)
+            remove_image(self.path)
 
     def _close_files(self) -> None:
         if self._write_pool is not None:
