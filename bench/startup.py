@@ -13,11 +13,13 @@ Issue 14's ratios, against references measured in the same run:
   ready_vs_bare_grpc    daemon with the default config (TCP and a fixed metrics port off),
                         spawn -> SERVING, against a bare grpcio server process with only the
                         health service on a Unix socket. Target <= 2.
-  restart_100k_vs_bare  the same for a daemon whose SSD tier holds 100k blocks (the index is
-                        rebuilt at start). Target <= 3.
+  restart_100k_vs_bare  the same for a daemon whose SSD tier holds 100k blocks (written and
+                        stopped cleanly by a Store, so the restart reads its index image;
+                        kvstore/warm_image.py). Target <= 3.
   stop_flush_vs_disk    GB/s at which SIGTERM writes a full host pool down to SSD (from the
                         daemon's own "flushed N blocks (X GB) in Y s" line) against a
-                        sequential O_DIRECT write on the same disk. Target >= 0.5.
+                        sequential O_DIRECT write on the same disk right after it; the median
+                        of the runs' ratios (stop_flush_vs_disk_runs). Target >= 0.5.
 
 Usage: python bench/startup.py [--quick] [--runs N] [--host-capacity SIZE] [--dir DIR]. The
 last line of the output is one JSON object.
@@ -227,6 +229,7 @@ def stop_flush_gbps(tmp: Path, pool_bytes: int) -> tuple[float, float, str]:
     """Fill a daemon's host pool over shm, SIGTERM it, read the flush rate from its log."""
     from kvstore_client import KVLayout, connect
 
+    tmp.mkdir(parents=True, exist_ok=True)
     data = tmp / "flush-data"
     sock = str(tmp / "f.sock")
     log = tmp / "flush.log"
@@ -270,15 +273,23 @@ def issue14_figures(quick: bool, folder: str) -> dict:
         fill_ssd(tmp / "warm", n_blocks)
         restart = daemon_start_s(tmp, tmp / "warm", runs, {"ssd.capacity": str(1 << 30)})
         pool = (256 if quick else 1024) << 20
-        flush_gbps, stop_s, line = stop_flush_gbps(tmp, pool)
-        disk_w, _ = odirect_write_read(str(tmp), pool)
+        # Each flush paired with a disk reference right after it, the median of the ratios:
+        # both move 2x from one moment to the next on this shared virtual disk.
+        flushes = []
+        for i in range(runs):
+            gbps, stop_s, line = stop_flush_gbps(tmp / f"flush{i}", pool)
+            disk_w, _ = odirect_write_read(str(tmp), pool)
+            flushes.append((gbps / (pool / disk_w / 1e9), gbps, pool / disk_w / 1e9, stop_s,
+                            line))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    disk_gbps = pool / disk_w / 1e9
+    flushes.sort()
+    flush_ratio, flush_gbps, disk_gbps, stop_s, line = flushes[len(flushes) // 2]
     return {
         "ready_vs_bare_grpc": round(ready / bare, 3),
         "restart_100k_vs_bare": round(restart / bare, 3),
-        "stop_flush_vs_disk": round(flush_gbps / disk_gbps, 3),
+        "stop_flush_vs_disk": round(flush_ratio, 3),
+        "stop_flush_vs_disk_runs": [round(f[0], 3) for f in flushes],
         "bare_grpc_ready_s": round(bare, 3),
         "daemon_ready_s": round(ready, 3),
         "restart_100k_ready_s": round(restart, 3),

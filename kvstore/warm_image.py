@@ -35,6 +35,7 @@ VERSION = 1
 INDEX = "store.index"
 POLICY = "store.policy.ssd"
 _INT_ARRAYS = ("_prio", "_nchild", "_prow", "_first", "_next", "_prev")
+_SSD_BIT = bytes(f & _SSD for f in range(256))   # a flags byte -> 1 if on SSD (other bits off)
 
 
 class ImageError(ValueError):
@@ -260,7 +261,7 @@ def load_policy(policy: SegmentedPolicy, blob: bytes, index: BlockIndex) -> None
             or inside.count(1) != count or len(ghost._fp) != len(ghost._pos) \
             or len(ghost._fp) & (len(ghost._fp) - 1):
         raise ImageError("policy image does not add up")
-    if count and not _subset(inside, index._flags):
+    if count and not _subset(inside, index._flags.translate(_SSD_BIT)):
         raise ImageError("policy image names a block the index image does not hold")
     rows = policy._rows
     rows.on_free.remove(policy._leaves._forget)
@@ -290,6 +291,7 @@ def reset_index(index: BlockIndex) -> None:
 def missing_from_policy(index: BlockIndex, policy: SegmentedPolicy) -> list[int]:
     """Rows of indexed SSD blocks the policy does not hold (none after a consistent stop)."""
     inside = policy._leaves._in
-    if _subset(index._flags, inside):
+    on_ssd = index._flags.translate(_SSD_BIT)
+    if _subset(on_ssd, inside):
         return []
-    return [r for r, f in enumerate(index._flags) if f and (r >= len(inside) or not inside[r])]
+    return [r for r, f in enumerate(on_ssd) if f and (r >= len(inside) or not inside[r])]
