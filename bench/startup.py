@@ -237,6 +237,14 @@ def stop_flush_gbps(tmp: Path, pool_bytes: int) -> tuple[float, float, str]:
     proc, _ = _spawn_until_ready(
         _daemon_argv(data, sock, {"host.capacity": str(cap), "ssd.capacity": str(4 * cap),
                                   "server.stop_flush_s": "600"}), sock, log)
+    # A daemon that has run a while: its codec warm-up (numba loading kernels, 1-2 s of a
+    # core after SERVING) done, so the flush is timed, not the two sharing the cores.
+    end = time.monotonic() + DEADLINE_S
+    while "codec kernels loaded" not in log.read_text(errors="replace"):
+        if time.monotonic() > end or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError(f"no codec warm-up line:\n{log.read_text(errors='replace')}")
+        time.sleep(0.05)
     layout = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_tokens=32,
                       dtype="bfloat16")                        # 2 MiB blocks
     n = max(1, pool_bytes // layout.block_bytes)

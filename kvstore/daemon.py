@@ -178,13 +178,20 @@ def is_loopback(address: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _warm_codecs() -> None:
+def _warm_codecs(stop: threading.Event) -> None:
     """Load the compiled codec kernels (numba: from its on-disk cache, or a compile of several
     seconds in a fresh checkout) after the daemon is ready, so the first demotion or Evict does
-    not wait for them inside its deadline. Failure only logs: the codecs load on first use."""
+    not wait for them inside its deadline. Failure only logs: the codecs load on first use.
+    A stop ends it between codecs: the stop's flush would otherwise share the cores and the
+    GIL with compiles nothing will use."""
     try:
+        t0 = time.monotonic()
         from tiers.codecs import warm_up
-        warm_up()
+        for name in ("lossless", "int8"):
+            if stop.is_set():
+                return
+            warm_up((name,))
+        log.info("codec kernels loaded in %.1f s", time.monotonic() - t0)
     except Exception as e:  # noqa: BLE001 - best effort, off the serving path
         log.warning("codec warm-up failed (they load on first use instead): %s", e)
 
@@ -440,7 +447,7 @@ class Daemon:
         import numpy  # noqa: F401 - the first data call would otherwise load it
         _warm_get()
         if self.config.ssd.enabled or self.config.remote.enabled:
-            _warm_codecs()
+            _warm_codecs(self.stop_requested)
 
     def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
         if signum is not None and self.stop_requested.is_set():

@@ -458,7 +458,9 @@ class TierMovement:
         jobs = self._encode_jobs(todo)
         choice = self.encode_choice
         plain = [not choice.compress(j[2]) for j in jobs]
-        if any(plain) and choice.probe():
+        # No probe in a stop's flush: nothing is left to use what it measures, and its encode
+        # (on a worker, the codec kernels' first load if not yet warm) competed with the flush.
+        if any(plain) and not self._store._closed and choice.probe():
             job = jobs[plain.index(True)]
             self._probe_encode(np.array(job[0]), job[1])
         enc = [i for i, p in enumerate(plain) if not p]
