@@ -31,7 +31,7 @@ from .index import _SSD, NS_ID_BYTES, BlockIndex
 from .policy import SegmentedPolicy
 from .rowleaves import RowLeaves
 
-VERSION = 1
+VERSION = 2
 INDEX = "store.index"
 POLICY = "store.policy.ssd"
 _INT_ARRAYS = ("_prio", "_nchild", "_prow", "_first", "_next", "_prev")
@@ -109,12 +109,8 @@ def _dump_index(index: BlockIndex, kept: bytearray) -> bytes:
     for p in out_prow:
         if p >= 0:
             children[p if pos is None else pos[p]] += 1
-    lens = {len(g) for g in out_keys}
-    uniform = len(lens) == 1
     return msgpack.packb({
-        "v": VERSION, "n": len(keys), "rows": out_rows.tobytes(),
-        "klen": lens.pop() if uniform else -1, "keys": b"".join(out_keys),
-        "lens": b"" if uniform else array("H", map(len, out_keys)).tobytes(),
+        "v": VERSION, "n": len(keys), "rows": out_rows.tobytes(), "keys": out_keys,
         "prow": out_prow.tobytes(), "await": awaited, "size": out_size.tobytes(),
         "children": children.tobytes(),
         "sum": out_sum.tobytes(), "ns": out_ns.tobytes(), "ns_ids": index._ns_ids,
@@ -140,14 +136,9 @@ def load_index(index: BlockIndex, blob: bytes) -> None:
         prow, size, csum, nums, children = (
             _arr("i", m["prow"]), _arr("q", m["size"]), _arr("Q", m["sum"]), _arr("H", m["ns"]),
             _arr("i", m["children"]))
-        blob_keys, klen = m["keys"], int(m["klen"])
-        if klen > 0:
-            gkeys = [blob_keys[i:i + klen] for i in range(0, len(blob_keys), klen)]
-        else:
-            lens, gkeys, pos = _arr("H", m["lens"]), [], 0
-            for ln in lens:
-                gkeys.append(blob_keys[pos:pos + ln])
-                pos += ln
+        gkeys = m["keys"]               # a msgpack list of bin: bytes objects made in C
+        if not isinstance(gkeys, list) or (gkeys and not isinstance(gkeys[0], bytes)):
+            raise ImageError("index image keys are not a list of bytes")
         ns_ids = [bytes(x) for x in m["ns_ids"]]
         awaited_list = [(int(i), bytes(pg)) for i, pg in m["await"]]
     except (ValueError, KeyError, TypeError) as exc:
@@ -159,10 +150,10 @@ def load_index(index: BlockIndex, blob: bytes) -> None:
             or any(len(g) <= NS_ID_BYTES for g in gkeys[:1]) \
             or (count and max(nums) >= len(ns_ids)):
         raise ImageError("index image does not add up")
-    rows = dict(zip(gkeys, kept, strict=True))
+    full = count == n and (not n or (kept[0] == 0 and kept[-1] == n - 1))
+    rows = dict(zip(gkeys, range(count) if full else kept, strict=True))
     if len(rows) != count:
         raise ImageError("index image repeats a key")
-    full = count == n and (not n or (kept[0] == 0 and kept[-1] == n - 1))
     try:
         pk: list[bytes | None] = [gkeys[p] if p >= 0 else None
                                   for p in _rows_to_idx(prow, kept, full)]
