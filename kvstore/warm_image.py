@@ -123,7 +123,7 @@ def _arr(code: str, raw: bytes) -> array:
     return a
 
 
-def load_index(index: BlockIndex, blob: bytes) -> None:
+def load_index(index: BlockIndex, blob: bytes | memoryview) -> None:
     """Fill an empty index from its image section; ImageError (index left empty) if the
     section is not one this build wrote or does not add up."""
     assert not index._rows and not index._keys, "load_index() fills an empty index only"
@@ -221,7 +221,8 @@ def _dump_policy(policy: SegmentedPolicy) -> bytes:
     }, use_bin_type=True)
 
 
-def load_policy(policy: SegmentedPolicy, blob: bytes, index: BlockIndex) -> None:
+def load_policy(policy: SegmentedPolicy, blob: bytes | memoryview, index: BlockIndex
+                ) -> None:
     """Restore `policy` (made over `index`, just loaded from the same image) from its
     section; ImageError if it is not one this build wrote or names rows the index lacks."""
     if not isinstance(policy, SegmentedPolicy) or policy._rows is not index:

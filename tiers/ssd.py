@@ -609,7 +609,7 @@ class SSDTier:
         os.fdatasync(self._fd)
         self._env.sync(True)
 
-    def image_section(self, name: str) -> bytes | None:
+    def image_section(self, name: str) -> bytes | memoryview | None:
         """A section the store saved with `close(image=...)` at the last clean stop, if the
         image is current (else None: rebuild from `scan_meta`). Each is handed out once."""
         return None if self._image is None else self._image.pop(name, None)
@@ -632,7 +632,7 @@ class SSDTier:
             finally:
                 self._close_files()
 
-    def _read_image(self, txnid: int) -> dict[str, bytes] | None:
+    def _read_image(self, txnid: int) -> dict[str, memoryview] | None:
         with self._env.begin() as txn:
             token = txn.get(_IMAGE_KEY, db=self._tier)
             if token is None:

@@ -73,8 +73,9 @@ def write_image(folder: str, stamp: Stamp, sections: dict[str, bytes]) -> None:
         raise
 
 
-def read_image(folder: str, stamp: Stamp) -> dict[str, bytes] | None:
-    """The sections of the image in `folder` if it exists, is whole and matches `stamp`."""
+def read_image(folder: str, stamp: Stamp) -> dict[str, memoryview] | None:
+    """The sections of the image in `folder` if it exists, is whole and matches `stamp`
+    (views into the file's bytes: no copy of a multi-MB image)."""
     try:
         with open(os.path.join(folder, NAME), "rb") as f:
             data = f.read()
@@ -95,7 +96,7 @@ def read_image(folder: str, stamp: Stamp) -> dict[str, bytes] | None:
             return None
         out, pos = {}, 0
         for name, n in meta["sections"]:
-            out[str(name)] = bytes(body[pos:pos + n])
+            out[str(name)] = body[pos:pos + n]
             pos += n
         return out
     except (ValueError, KeyError, TypeError):
