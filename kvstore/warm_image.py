@@ -146,7 +146,7 @@ def load_index(index: BlockIndex, blob: bytes | memoryview) -> None:
     count = len(kept)
     if not (len(gkeys) == len(prow) == len(size) == len(csum) == len(nums) == len(children)
             == count) \
-            or count > n or (count and (max(kept) >= n or min(kept) < 0)) \
+            or count > n or (count and (kept[-1] >= n or kept[0] < 0)) \
             or any(len(g) <= NS_ID_BYTES for g in gkeys[:1]) \
             or (count and max(nums) >= len(ns_ids)):
         raise ImageError("index image does not add up")

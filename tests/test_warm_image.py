@@ -267,8 +267,11 @@ def test_allocator_state_round_trips_and_refuses_nonsense():
     bad = a.state()
     bad["free_off"] = bad["used_off"][:8]            # a free extent that is also allocated
     bad["free_size"] = bad["used_size"][:8]
+    lazy = ExtentAllocator.from_state(bad)          # the used map is built on first use
     with pytest.raises(ValueError):
-        ExtentAllocator.from_state(bad)
+        lazy.alloc(4096)
+    with pytest.raises(ValueError):                 # and refuses every use after, too
+        lazy.free(offs[0])
 
 
 def test_daemon_restarts_from_its_image_and_not_after_kill_9(tmp_path):

@@ -216,6 +216,17 @@ class SSDTier:
             writer = self._writer()
             writer.submit(self._stages.prefault, PREFAULT_BUFFERS)
             writer.submit(self._grow_ahead)
+        if not self._closed:
+            self._writer().submit(self._materialize_alloc)
+
+    def _materialize_alloc(self) -> None:
+        """The allocator an index image left partly unbuilt, built off the start's path."""
+        with self._alloc_lock:
+            try:
+                self._alloc.materialize()
+            except InvalidArgument as exc:      # every write and free will say so as well
+                log.error("the SSD tier's free-space map from the index image of %s is "
+                          "inconsistent: %s", self.path, exc)
 
     def _grow_ahead(self) -> None:
         with self._alloc_lock:
@@ -662,7 +673,11 @@ class SSDTier:
             self._drain()
             if self._active or self._pending:    # a reader still holds extents: no image
                 return
-            alloc = msgpack.packb(self._alloc.state())
+            try:
+                alloc = msgpack.packb(self._alloc.state())
+            except InvalidArgument:             # an inconsistent map: the next open scans
+                remove_image(self.path)
+                return
         token = os.urandom(16)
         try:
             with self._env.begin(write=True) as txn:
