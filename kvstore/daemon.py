@@ -445,7 +445,8 @@ class Daemon:
         gc.collect()
         gc.freeze()
         import numpy  # noqa: F401 - the first data call would otherwise load it
-        _warm_get()
+        if not self.stop_requested.is_set():
+            _warm_get()
         if self.config.ssd.enabled or self.config.remote.enabled:
             _warm_codecs(self.stop_requested)
 

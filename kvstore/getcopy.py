@@ -27,11 +27,16 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
+from kvstore_client.lazy import lazy_module
 
 from .verify import first_mismatch
+
+if TYPE_CHECKING:
+    import numpy as np
+else:   # loaded by the first Get (or the warm-up after SERVING), not at the daemon's start
+    np = lazy_module("numpy", globals(), "np")
 
 # Bytes copied, then hashed, at a time: small enough to stay in L1/L2 between the two.
 CHUNK = 64 << 10
