@@ -27,15 +27,16 @@ from typing import Any
 import msgpack
 
 from .ghost import GhostKeys
-from .index import _SSD, NS_ID_BYTES, BlockIndex
+from .index import _SSD, _STATE, NS_ID_BYTES, BlockIndex
 from .policy import SegmentedPolicy
 from .rowleaves import RowLeaves
 
-VERSION = 2
+VERSION = 3
 INDEX = "store.index"
 POLICY = "store.policy.ssd"
 _INT_ARRAYS = ("_prio", "_nchild", "_prow", "_first", "_next", "_prev")
 _SSD_BIT = bytes(f & _SSD for f in range(256))   # a flags byte -> 1 if on SSD (other bits off)
+_STATE_BITS = bytes(f & _STATE for f in range(256))
 
 
 class ImageError(ValueError):
@@ -81,6 +82,8 @@ def _dump_index(index: BlockIndex, kept: bytearray) -> bytes:
     parent_of, size, csum, ns = index._parent, index._size, index._sum, index._ns
     out_rows, out_keys, out_prow, out_size, out_sum, out_ns = (
         array("i"), [], array("i"), array("q"), array("Q"), array("H"))
+    out_flags = bytearray()          # the SSD bit and the row's child link (lookups follow it)
+    flags = index._flags
     awaited: list[list[Any]] = []
     for r, k in enumerate(kept):
         if not k:
@@ -104,6 +107,7 @@ def _dump_index(index: BlockIndex, kept: bytearray) -> bytes:
         out_size.append(sz)
         out_sum.append(cs)
         out_ns.append(ns[r])
+        out_flags.append(_SSD | (flags[r] & ~_STATE))
     children = array("i", bytes(4 * len(out_rows)))
     pos = {r: i for i, r in enumerate(out_rows)} if len(out_rows) != len(keys) else None
     for p in out_prow:
@@ -114,6 +118,7 @@ def _dump_index(index: BlockIndex, kept: bytearray) -> bytes:
         "prow": out_prow.tobytes(), "await": awaited, "size": out_size.tobytes(),
         "children": children.tobytes(),
         "sum": out_sum.tobytes(), "ns": out_ns.tobytes(), "ns_ids": index._ns_ids,
+        "flags": bytes(out_flags),
     }, use_bin_type=True)
 
 
@@ -140,12 +145,14 @@ def load_index(index: BlockIndex, blob: bytes | memoryview) -> None:
         if not isinstance(gkeys, list) or (gkeys and not isinstance(gkeys[0], bytes)):
             raise ImageError("index image keys are not a list of bytes")
         ns_ids = [bytes(x) for x in m["ns_ids"]]
+        row_flags = bytearray(m["flags"])
         awaited_list = [(int(i), bytes(pg)) for i, pg in m["await"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise ImageError(f"index image is malformed: {exc}") from None
     count = len(kept)
     if not (len(gkeys) == len(prow) == len(size) == len(csum) == len(nums) == len(children)
-            == count) \
+            == len(row_flags) == count) \
+            or row_flags.translate(_STATE_BITS) != bytearray([_SSD]) * count \
             or count > n or (count and (kept[-1] >= n or kept[0] < 0)) \
             or any(len(g) <= NS_ID_BYTES for g in gkeys[:1]) \
             or (count and max(nums) >= len(ns_ids)):
@@ -173,7 +180,7 @@ def load_index(index: BlockIndex, blob: bytes | memoryview) -> None:
     if full:
         keys: list[bytes | None] = gkeys      # type: ignore[assignment]
         parents = pk
-        flags = bytearray([_SSD]) * n
+        flags = row_flags
         free = array("i")
     else:
         keys, parents = [None] * n, [None] * n
@@ -181,7 +188,7 @@ def load_index(index: BlockIndex, blob: bytes | memoryview) -> None:
         sz, cs, ch, ns = (array("q", bytes(8 * n)), array("Q", bytes(8 * n)),
                           array("i", bytes(4 * n)), array("H", bytes(2 * n)))
         for i, r in enumerate(kept):
-            keys[r], parents[r], flags[r] = gkeys[i], pk[i], _SSD
+            keys[r], parents[r], flags[r] = gkeys[i], pk[i], row_flags[i]
             sz[r], cs[r], ch[r], ns[r] = size[i], csum[i], children[i], nums[i]
         size, csum, children, nums = sz, cs, ch, ns
         free = array("i", [r for r in range(n - 1, -1, -1) if keys[r] is None])
