@@ -52,13 +52,12 @@ def test_lossy_codecs_are_bounded_in_the_worst_head(smollm):
     int8 = kc.causal_codec_accuracy(cap, "int8", model)
     fp8 = kc.causal_codec_accuracy(cap, "fp8_e4m3", model)
     per_tensor = kc.causal_codec_accuracy(cap, "fp8_e4m3", model, reference=kc.per_tensor_fp8)
-    # Measured (bench/codecs.py, 5 prompts): int8 v3 worst 0.0106 (v2: 0.021, v1: 0.039),
-    # fp8 0.073 vs per-tensor 0.154. The issue's int8 bound (0.01) is not quite reached.
-    assert int8.attn_worst <= 0.0125 and int8.size_ratio <= 0.55 and int8.top1 == 1.0
-    assert int8.attn_mean <= 0.004
+    # Measured (bench/codecs.py, 5 prompts): int8 v4 worst 0.0078 (v3: 0.0107, v2: 0.021),
+    # fp8 v4 0.065 vs per-tensor 0.154. The issue's bounds, asserted as it states them:
+    assert int8.attn_worst <= 0.01 and int8.size_ratio <= 0.55 and int8.top1 == 1.0
+    assert int8.attn_mean <= 0.003
     assert fp8.attn_worst <= 0.5 * per_tensor.attn_worst
-    # top-1: 126 of 128 on these two prompts (the issue asks >= 0.99: not reached, see the note)
-    assert fp8.size_ratio <= 0.55 and fp8.top1 >= 0.98
+    assert fp8.size_ratio <= 0.55 and fp8.top1 >= 0.99
     assert int8.attn_mean < fp8.attn_mean < per_tensor.attn_mean
 
 

@@ -505,3 +505,436 @@ def ll_decode(body, itemsize, dic, low_off, nib_off, esc_off, n_esc, words):  # 
     if ne != n_esc:
         return 3
     return 0
+
+
+# ------------------------------------------------------------------ lossy v4
+
+
+@numba.njit(**_JIT)
+def _load_rows(src16, src32, dt, base, HD, X):  # pragma: no cover - compiled
+    """X[t, d] = element base + t*HD + d as float32; False when any is inf/NaN."""
+    T, D = X.shape
+    Xu = X.view(np.uint32)
+    m = np.uint32(0)
+    for t in range(T):
+        o = base + t * HD
+        if dt == BF16:
+            for d in range(D):
+                b = np.uint32(src16[o + d])
+                Xu[t, d] = b << np.uint32(16)
+                m = max(m, b & np.uint32(0x7F80))
+        else:
+            for d in range(D):
+                X[t, d] = src32[o + d]
+            for d in range(D):
+                m = max(m, (Xu[t, d] >> np.uint32(16)) & np.uint32(0x7F80))
+    return m != np.uint32(0x7F80)
+
+
+@numba.njit(**_JIT)
+def _transpose(X, Y):  # pragma: no cover - compiled
+    """Y[d, t] = X[t, d] (contiguous stores, strided loads: measured faster than the reverse)."""
+    T, D = X.shape
+    for d in range(D):
+        for t in range(T):
+            Y[d, t] = X[t, d]
+
+
+@numba.njit(**_JIT)
+def _load_cm(src16, src32, dt, base, HD, X, Y):  # pragma: no cover - compiled
+    """Y[d, t] = element base + t*HD + d as float32 (channel-major, as the transform and the
+    v4 code order want it), through the row scratch X[T, D]. False when any is inf/NaN."""
+    if not _load_rows(src16, src32, dt, base, HD, X):
+        return False
+    _transpose(X, Y)
+    return True
+
+
+@numba.njit(**_JIT)
+def _median_sorted(srt):  # pragma: no cover - compiled
+    n = srt.shape[0]
+    srt.sort()
+    if n % 2 == 1:
+        return srt[(n - 1) // 2]
+    return np.float32(0.5) * (srt[n // 2 - 1] + srt[n // 2])
+
+
+MAGIC = np.float32(12582912.0)     # 1.5 * 2**23: y + MAGIC holds round(y) in its low bits
+
+
+@numba.njit(**_JIT)
+def _exp_tab():  # pragma: no cover - compiled
+    """tab[i] = number of thresholds 2**(j/STEPS), j < STEPS, below 1 + i/1024: a lower bound
+    of the step count for any mantissa with top bits i (the thresholds are 2.2% apart, more
+    than 1/1024, so one more comparison finishes it)."""
+    tab = np.empty(1024, np.int32)
+    for i in range(1024):
+        m = 1.0 + i / 1024.0
+        c = 0
+        while c < STEPS and 2.0 ** (c / STEPS) < m:
+            c += 1
+        tab[i] = max(c - 1, 0)
+    return tab
+
+
+@numba.njit(**_JIT)
+def _col_sqnorm(Y, vn):  # pragma: no cover - compiled
+    """vn[t] = squared norm of column t of Y[D, T]. Each of these small helpers takes its sizes
+    from the arrays' shapes: inlined into the big kernel with loop bounds from arguments, the
+    same loops ran 3-5x slower (not vectorized)."""
+    D, T = Y.shape
+    for t in range(T):
+        vn[t] = 0
+    for d in range(D):
+        for t in range(T):
+            vn[t] += Y[d, t] * Y[d, t]
+
+
+@numba.njit(**_JIT)
+def _col_absmax(Yu, am):  # pragma: no cover - compiled
+    """am[t] = bits of max |Y[d, t]| over d (on the float bits: an integer max vectorizes)."""
+    D, T = Yu.shape
+    for t in range(T):
+        am[t] = 0
+    for d in range(D):
+        for t in range(T):
+            am[t] = max(am[t], Yu[d, t] & np.uint32(0x7FFFFFFF))
+
+
+@numba.njit(**_JIT)
+def _col_dev(Y, mu, dev):  # pragma: no cover - compiled
+    """dev[t] = squared distance of column t from the mean column (mu: scratch[D])."""
+    D, T = Y.shape
+    for d in range(D):
+        sm = np.float32(0.0)
+        for t in range(T):
+            sm += Y[d, t]
+        mu[d] = sm / np.float32(T)
+    for t in range(T):
+        dev[t] = 0
+    for d in range(D):
+        m = mu[d]
+        for t in range(T):
+            z = Y[d, t] - m
+            dev[t] += z * z
+
+
+@numba.njit(**_JIT)
+def _row_hilo(Y, ninf, hi, nlo):  # pragma: no cover - compiled
+    """hi[d] = max_t Y[d, t] and nlo[d] = max_t -Y[d, t] over the tokens with ninf[t] == 0
+    (exact tokens carry -inf there and drop out of both maxima)."""
+    D, T = Y.shape
+    for d in range(D):
+        a = np.float32(-np.inf)
+        b = np.float32(-np.inf)
+        for t in range(T):
+            a = max(a, Y[d, t] + ninf[t])
+            b = max(b, ninf[t] - Y[d, t])
+        hi[d] = a
+        nlo[d] = b
+
+
+@numba.njit(**_JIT)
+def _exps(need, base, R, thr, tab, e_out):  # pragma: no cover - compiled
+    """e_out[i] = largest e in 0..255 with base * 2**(-e/STEPS) >= need[i] (need <= base),
+    from the float bits of need/base: exponent, then a table on the top mantissa bits and one
+    comparison (R: float32 scratch of need's size)."""
+    n = need.shape[0]
+    for i in range(n):
+        R[i] = need[i] / base
+    Ru = R.view(np.uint32)
+    for i in range(n):
+        u = Ru[i]
+        if need[i] <= 0 or u == 0:
+            e_out[i] = 255
+            continue
+        k = np.int32(u >> np.uint32(23)) - 127
+        mb = u & np.uint32(0x7FFFFF)
+        Ru[i] = mb | np.uint32(0x3F800000)
+        m = R[i]
+        c = tab[mb >> np.uint32(13)]
+        if thr[c] < m:
+            c += 1
+        if c < STEPS and thr[c] < m:
+            c += 1
+        e = -STEPS * k - c
+        e_out[i] = min(max(e, 0), 255)
+
+
+@numba.njit(**_JIT)
+def _quant_tile(Y, cen, rinv, cinv, rsc, csc, tiny, qmax, fp8, Z, codes, cbase):  # pragma: no cover
+    """Codes of a channel-major tile Y[D, T] into codes[cbase : cbase + D*T]:
+    z = (Y[d, t] - cen[d]) * rinv[d] * cinv[t] (row and column scales; keys use rows, values
+    columns), clamped to +-qmax, rounded to int8 or e4m3fn. With tiny scales (1/scale would
+    overflow float32) it divides by rsc[d] * csc[t] instead."""
+    D, T = Y.shape
+    nq = -qmax
+    for d in range(D):
+        c = cen[d]
+        a = rinv[d]
+        for t in range(T):
+            if tiny:
+                z = (Y[d, t] - c) / (rsc[d] * csc[t])
+            else:
+                z = (Y[d, t] - c) * a * cinv[t]
+            z = z if z > nq else nq            # compare-selects: they vectorize
+            Z[d, t] = z if z < qmax else qmax
+    Zu = Z.view(np.uint32)
+    if fp8:
+        for d in range(D):
+            off = cbase + d * T
+            for t in range(T):
+                b = Zu[d, t]
+                u = b & np.uint32(0x7FFFFFFF)
+                sign = (b >> np.uint32(24)) & np.uint32(0x80)
+                r = u + np.uint32(0x7FFFF) + ((u >> np.uint32(20)) & np.uint32(1))
+                cn = (r >> np.uint32(20)) - np.uint32(120 << 3)
+                cn = min(cn, np.uint32(0x7E))
+                cs = np.uint32(_rint(abs(Z[d, t]) * np.float32(512.0)))
+                cc = cs if u < np.uint32(0x3C800000) else cn
+                codes[off + t] = np.uint8(cc | sign)
+    else:
+        for d in range(D):
+            for t in range(T):
+                Z[d, t] += MAGIC
+            off = cbase + d * T
+            for t in range(T):
+                codes[off + t] = np.uint8(Zu[d, t] & np.uint32(255))
+
+
+@numba.njit(**_JIT)
+def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot, sink_ratio, vsink_ratio, kout_ratio,
+              exp_lut, slab, kidx, kexp, vexp, codes, xk, xv):  # pragma: no cover - compiled
+    """Quantize one canonical block [L,2,T,H,D] into the v4 sections (tiers/codec_q4.py).
+
+    Per (layer, head), channel-major (Y[d, t]): vectors optionally Hadamard-rotated; values
+    one scale per token; keys per channel a centre (8-bit index on a grid between the slab's
+    smallest and largest centre) and a scale. Tokens kept exact (flagged in xk / xv, their raw
+    bytes stored by the caller) stay out of the statistics: the value sink (squared value norm
+    < sink_ratio**2 x the median) has its key and value exact; the key farthest from the
+    channel means, when its distance is > kout_ratio x the median distance, has its key exact.
+    Returns 0, or 1 when the block holds inf/NaN."""
+    qmax = np.float32(448.0) if fp8 else np.float32(127.0)
+    Y = np.empty((D, T), np.float32)
+    Z = np.empty((D, T), np.float32)
+    X = np.empty((T, D), np.float32)
+    Yu = Y.view(np.uint32)
+    hi = np.empty(D, np.float32)
+    lo = np.empty(D, np.float32)
+    cen = np.empty(D, np.float32)
+    need = np.empty(D, np.float32)
+    dinv = np.empty(D, np.float32)
+    dsc = np.empty(D, np.float32)
+    zero_d = np.zeros(D, np.float32)
+    one_d = np.ones(D, np.float32)
+    one_t = np.ones(T, np.float32)
+    am = np.empty(T, np.uint32)
+    vn = np.empty(T, np.float32)
+    dev = np.empty(T, np.float32)
+    srt = np.empty(T, np.float32)
+    tinv = np.empty(T, np.float32)
+    tsc = np.empty(T, np.float32)
+    ninf = np.empty(T, np.float32)          # -inf for exact tokens (left out of max), else 0
+    fcvt = np.empty(1, np.float32)
+    thr = np.empty(STEPS + 1, np.float32)
+    for j in range(STEPS + 1):
+        thr[j] = np.float32(2.0 ** (j / STEPS))
+    tab = _exp_tab()
+    rt = np.empty(T, np.float32)
+    rd = np.empty(D, np.float32)
+    et = np.empty(T, np.int32)
+    ed = np.empty(D, np.int32)
+    HD = H * D
+    DT = D * T
+    for ly in range(L):
+        for h in range(H):
+            for t in range(T):
+                xk[ly, t, h] = False
+                xv[ly, t, h] = False
+            # ---- values: norms (sink rule), rotation, one scale per token
+            if not _load_cm(src16, src32, dt, ((ly * 2 + 1) * T * H + h) * D, HD, X, Y):
+                return 1
+            _col_sqnorm(Y, vn)
+            sink = -1
+            if T > 1:
+                srt[:] = vn
+                med = _median_sorted(srt)
+                tmin = 0
+                for t in range(1, T):
+                    if vn[t] < vn[tmin]:
+                        tmin = t
+                if vn[tmin] < np.float32(sink_ratio * sink_ratio) * med:
+                    sink = tmin
+                    xk[ly, sink, h] = True
+                    xv[ly, sink, h] = vn[tmin] < np.float32(vsink_ratio * vsink_ratio) * med
+            if rot:
+                _fwht_cols(Y, D, T)
+            _col_absmax(Yu, am)
+            vmax = np.float32(0.0)
+            for t in range(T):
+                fcvt.view(np.uint32)[0] = am[t]
+                tsc[t] = fcvt[0] / qmax
+                if t != sink or not xv[ly, t, h]:
+                    vmax = max(vmax, tsc[t])
+            vb_bits = _bf16_round(vmax, True) if vmax > 0 else np.uint16(0x3F80)
+            vb = _bf16_value(vb_bits)
+            for t in range(T):
+                tsc[t] = min(tsc[t], vb)
+            _exps(tsc, vb, rt, thr, tab, et)
+            for t in range(T):
+                vexp[ly, t, h] = et[t]
+                tsc[t] = vb * exp_lut[et[t]]
+                tinv[t] = np.float32(1.0) / tsc[t]
+            _quant_tile(Y, zero_d, one_d, tinv, one_d, tsc, vb < TINY, qmax, fp8, Z, codes,
+                        ((ly * 2 + 1) * H + h) * DT)
+            # ---- keys: the outlier key, then one centre and one scale per channel
+            if not _load_cm(src16, src32, dt, ((ly * 2) * T * H + h) * D, HD, X, Y):
+                return 1
+            if rot:
+                _fwht_cols(Y, D, T)
+            _col_dev(Y, dsc, dev)
+            ninf[:] = 0
+            if sink >= 0:
+                ninf[sink] = -np.inf
+            if T > 2:
+                srt[:] = dev
+                dmed = _median_sorted(srt)
+                tout = -1
+                for t in range(T):
+                    if t != sink and (tout < 0 or dev[t] > dev[tout]):
+                        tout = t
+                if dev[tout] > np.float32(kout_ratio * kout_ratio) * dmed:
+                    xk[ly, tout, h] = True
+                    ninf[tout] = -np.inf
+            cmin = np.float32(np.inf)
+            cmax = np.float32(-np.inf)
+            _row_hilo(Y, ninf, hi, lo)
+            for d in range(D):
+                a = hi[d]
+                b = lo[d]
+                if a == -np.inf:                 # every token exact (T <= 2)
+                    a = np.float32(0.0)
+                    b = np.float32(0.0)
+                hi[d] = a
+                lo[d] = -b
+                cen[d] = np.float32(0.5) * a - np.float32(0.5) * b
+                cmin = min(cmin, cen[d])
+                cmax = max(cmax, cen[d])
+            cmin_bits = _bf16_round(cmin, False)
+            c0 = _bf16_value(cmin_bits)
+            step = (cmax - c0) / np.float32(255.0) * np.float32(1.01)
+            step_bits = _bf16_round(step, True) if step > 0 else np.uint16(0)
+            st = _bf16_value(step_bits)
+            kmax = np.float32(0.0)
+            for d in range(D):
+                ix = 0
+                if st > 0:
+                    ix = int(_rint((cen[d] - c0) / st))
+                    ix = min(max(ix, 0), 255)
+                kidx[ly, h, d] = ix
+                o = c0 + np.float32(ix) * st
+                cen[d] = o
+                need[d] = max(hi[d] - o, o - lo[d]) / qmax
+                kmax = max(kmax, need[d])
+            kb_bits = _bf16_round(kmax, True) if kmax > 0 else np.uint16(0x3F80)
+            kb = _bf16_value(kb_bits)
+            slab[ly, h, 0] = cmin_bits
+            slab[ly, h, 1] = step_bits
+            slab[ly, h, 2] = kb_bits
+            slab[ly, h, 3] = vb_bits
+            _exps(need, kb, rd, thr, tab, ed)
+            for d in range(D):
+                kexp[ly, h, d] = ed[d]
+                dsc[d] = kb * exp_lut[ed[d]]
+                dinv[d] = np.float32(1.0) / dsc[d]
+            _quant_tile(Y, cen, dinv, one_t, dsc, one_t, kb < TINY, qmax, fp8, Z, codes,
+                        ((ly * 2) * H + h) * DT)
+    return 0
+
+
+@numba.njit(**_JIT)
+def _transpose_back(Y, X):  # pragma: no cover - compiled
+    """X[t, d] = Y[d, t] (contiguous stores)."""
+    D, T = Y.shape
+    for t in range(T):
+        for d in range(D):
+            X[t, d] = Y[d, t]
+
+
+@numba.njit(**_JIT)
+def _dequant_tile(codes, cbase, cen, rsc, csc, lut, fp8, Y):  # pragma: no cover - compiled
+    """Y[d, t] = cen[d] + value(codes[cbase + d*T + t]) * rsc[d] * csc[t]; int8 codes convert
+    directly (vectorizes), e4m3fn codes through the 256-entry table."""
+    D, T = Y.shape
+    for d in range(D):
+        off = cbase + d * T
+        c = cen[d]
+        a = rsc[d]
+        if fp8:
+            for t in range(T):
+                Y[d, t] = c + lut[codes[off + t]] * (a * csc[t])
+        else:
+            for t in range(T):
+                Y[d, t] = c + np.float32(np.int8(codes[off + t])) * (a * csc[t])
+
+
+@numba.njit(**_JIT)
+def _store_rows(X, dt, base, HD, dst16, dst32):  # pragma: no cover - compiled
+    """Element base + t*HD + d = X[t, d], rounded to bf16 (nearest even) or as float32."""
+    T, D = X.shape
+    Xu = X.view(np.uint32)
+    for t in range(T):
+        off = base + t * HD
+        if dt == BF16:
+            for d in range(D):
+                u = Xu[t, d]
+                dst16[off + d] = np.uint16((u + np.uint32(0x7FFF) + (
+                    (u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        else:
+            for d in range(D):
+                dst32[off + d] = X[t, d]
+
+
+@numba.njit(**_JIT)
+def q4_decode(dst16, dst32, dt, L, T, H, D, fp8, rot, exp_lut, f8_lut, slab, kidx, kexp, vexp,
+              codes):  # pragma: no cover - compiled
+    """Inverse of q4_encode (exact tokens are written by the caller afterwards).
+    Returns 0, or 2 when the side info is not finite/positive (a corrupt payload)."""
+    Y = np.empty((D, T), np.float32)
+    X = np.empty((T, D), np.float32)
+    cen = np.empty(D, np.float32)
+    dsc = np.empty(D, np.float32)
+    tsc = np.empty(T, np.float32)
+    zero_d = np.zeros(D, np.float32)
+    one_d = np.ones(D, np.float32)
+    one_t = np.ones(T, np.float32)
+    lut = np.empty(256, np.float32)
+    for c in range(256):
+        lut[c] = f8_lut[c] if fp8 else np.float32(np.int8(np.uint8(c)))
+    HD = H * D
+    DT = D * T
+    for ly in range(L):
+        for h in range(H):
+            c0 = _bf16_value(slab[ly, h, 0])
+            st = _bf16_value(slab[ly, h, 1])
+            kb = _bf16_value(slab[ly, h, 2])
+            vb = _bf16_value(slab[ly, h, 3])
+            if not (np.isfinite(c0) and np.isfinite(st) and st >= 0 and np.isfinite(kb)
+                    and kb > 0 and np.isfinite(vb) and vb > 0):
+                return 2
+            for d in range(D):
+                cen[d] = c0 + np.float32(kidx[ly, h, d]) * st
+                dsc[d] = kb * exp_lut[kexp[ly, h, d]]
+            for t in range(T):
+                tsc[t] = vb * exp_lut[vexp[ly, t, h]]
+            for part in range(2):
+                cbase = ((ly * 2 + part) * H + h) * DT
+                if part == 0:
+                    _dequant_tile(codes, cbase, cen, dsc, one_t, lut, fp8, Y)
+                else:
+                    _dequant_tile(codes, cbase, zero_d, one_d, tsc, lut, fp8, Y)
+                if rot:
+                    _fwht_cols(Y, D, T)
+                _transpose_back(Y, X)
+                _store_rows(X, dt, ((ly * 2 + part) * T * H + h) * D, HD, dst16, dst32)
+    return 0

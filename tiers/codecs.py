@@ -22,7 +22,7 @@ import numpy as np
 from kvstore_client.errors import DataLoss, InvalidArgument
 from kvstore_client.layout import KVLayout
 
-from . import codec_engine, codec_lossless, codec_q3
+from . import codec_engine, codec_lossless, codec_q3, codec_q4
 from .codec_common import CODEC_IDS, CODEC_NAMES, NonFiniteBlock, check_block
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -65,8 +65,8 @@ def encode(codec: str, block: np.ndarray, layout: KVLayout,
     if codec in LOSSY:
         if layout.engine_native:
             block, layout = codec_engine.to_canonical(check_block(block, layout), layout)
-        if scheme is None and codec in codec_q3.DEFAULT_V3:
-            return codec_q3.encode(block, layout, codec)
+        if scheme is None:
+            return codec_q4.encode(block, layout, codec)
         if scheme is None:
             scheme = _quant().SCHEMES[codec]
         return _quant().encode(block, layout, scheme)     # v1/v2 (benchmarks, old readers)
@@ -83,7 +83,7 @@ def encode_tensor(codec: str, t: torch.Tensor, layout: KVLayout,
     """
     q = _quant()
     if codec in LOSSY and not layout.engine_native and (
-            scheme is not None or t.device.type != "cpu" or codec not in codec_q3.DEFAULT_V3):
+            scheme is not None or t.device.type != "cpu"):
         return q.encode_tensor(t, layout, scheme or q.SCHEMES[codec])
     if codec not in CODEC_IDS:
         raise InvalidArgument(f"unknown codec {codec!r}; expected one of {list(CODEC_IDS)}")
@@ -125,9 +125,12 @@ def decode(codec: str, payload, layout: KVLayout, out: np.ndarray) -> None:
 
 
 def _decode_lossy(mv: memoryview, codec: str, layout: KVLayout, out: np.ndarray) -> None:
-    """v3 payloads decode in the compiled codec; v1/v2 (written before it) through torch."""
+    """v4 and v3 payloads decode in the compiled codecs; v1/v2 (written before them) through
+    torch."""
     mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-    if len(mv) and mv[0] == codec_q3.VERSION:
+    if len(mv) and mv[0] == codec_q4.VERSION:
+        codec_q4.decode(mv, codec, layout, out)
+    elif len(mv) and mv[0] == codec_q3.VERSION:
         codec_q3.decode(mv, codec, layout, out)
     else:
         _quant().decode(mv, codec, layout, out)
