@@ -559,9 +559,6 @@ def _median_sorted(srt):  # pragma: no cover - compiled
     return np.float32(0.5) * (srt[n // 2 - 1] + srt[n // 2])
 
 
-MAGIC = np.float32(12582912.0)     # 1.5 * 2**23: y + MAGIC holds round(y) in its low bits
-
-
 @numba.njit(**_JIT)
 def _exp_tab():  # pragma: no cover - compiled
     """tab[i] = number of thresholds 2**(j/STEPS), j < STEPS, below 1 + i/1024: a lower bound
@@ -578,26 +575,18 @@ def _exp_tab():  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
-def _col_sqnorm(Y, vn):  # pragma: no cover - compiled
-    """vn[t] = squared norm of column t of Y[D, T]. Each of these small helpers takes its sizes
-    from the arrays' shapes: inlined into the big kernel with loop bounds from arguments, the
-    same loops ran 3-5x slower (not vectorized)."""
+def _col_norm_absmax(Y, Yu, vn, am):  # pragma: no cover - compiled
+    """vn[t] = squared norm of column t, am[t] = bits of its max |Y[d, t]| (on the float bits:
+    an integer max vectorizes), in one pass. Each of these small helpers takes its sizes from
+    the arrays' shapes: inlined into the big kernel with loop bounds from arguments, the same
+    loops ran 3-5x slower (not vectorized)."""
     D, T = Y.shape
     for t in range(T):
         vn[t] = 0
-    for d in range(D):
-        for t in range(T):
-            vn[t] += Y[d, t] * Y[d, t]
-
-
-@numba.njit(**_JIT)
-def _col_absmax(Yu, am):  # pragma: no cover - compiled
-    """am[t] = bits of max |Y[d, t]| over d (on the float bits: an integer max vectorizes)."""
-    D, T = Yu.shape
-    for t in range(T):
         am[t] = 0
     for d in range(D):
         for t in range(T):
+            vn[t] += Y[d, t] * Y[d, t]
             am[t] = max(am[t], Yu[d, t] & np.uint32(0x7FFFFFFF))
 
 
@@ -669,6 +658,17 @@ def _quant_tile(Y, cen, rinv, cinv, rsc, csc, tiny, qmax, fp8, Z, codes, cbase):
     overflow float32) it divides by rsc[d] * csc[t] instead."""
     D, T = Y.shape
     nq = -qmax
+    if not fp8 and not tiny:       # one pass: scale, clamp, round, store (the common case)
+        for d in range(D):
+            c = cen[d]
+            a = rinv[d]
+            off = cbase + d * T
+            for t in range(T):
+                z = (Y[d, t] - c) * a * cinv[t]
+                z = z if z > nq else nq        # compare-selects: they vectorize
+                z = z if z < qmax else qmax
+                codes[off + t] = np.uint8(np.int32(_rint(z)) & 255)
+        return
     for d in range(D):
         c = cen[d]
         a = rinv[d]
@@ -677,7 +677,7 @@ def _quant_tile(Y, cen, rinv, cinv, rsc, csc, tiny, qmax, fp8, Z, codes, cbase):
                 z = (Y[d, t] - c) / (rsc[d] * csc[t])
             else:
                 z = (Y[d, t] - c) * a * cinv[t]
-            z = z if z > nq else nq            # compare-selects: they vectorize
+            z = z if z > nq else nq
             Z[d, t] = z if z < qmax else qmax
     Zu = Z.view(np.uint32)
     if fp8:
@@ -695,11 +695,9 @@ def _quant_tile(Y, cen, rinv, cinv, rsc, csc, tiny, qmax, fp8, Z, codes, cbase):
                 codes[off + t] = np.uint8(cc | sign)
     else:
         for d in range(D):
-            for t in range(T):
-                Z[d, t] += MAGIC
             off = cbase + d * T
             for t in range(T):
-                codes[off + t] = np.uint8(Zu[d, t] & np.uint32(255))
+                codes[off + t] = np.uint8(np.int32(_rint(Z[d, t])) & 255)
 
 
 @numba.njit(**_JIT)
@@ -754,7 +752,9 @@ def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot, sink_ratio, vsink_ratio, k
             # ---- values: norms (sink rule), rotation, one scale per token
             if not _load_cm(src16, src32, dt, ((ly * 2 + 1) * T * H + h) * D, HD, X, Y):
                 return 1
-            _col_sqnorm(Y, vn)
+            if rot:                  # the rotation keeps the norms the sink rule reads
+                _fwht_cols(Y, D, T)
+            _col_norm_absmax(Y, Yu, vn, am)
             sink = -1
             if T > 1:
                 srt[:] = vn
@@ -767,9 +767,6 @@ def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot, sink_ratio, vsink_ratio, k
                     sink = tmin
                     xk[ly, sink, h] = True
                     xv[ly, sink, h] = vn[tmin] < np.float32(vsink_ratio * vsink_ratio) * med
-            if rot:
-                _fwht_cols(Y, D, T)
-            _col_absmax(Yu, am)
             vmax = np.float32(0.0)
             for t in range(T):
                 fcvt.view(np.uint32)[0] = am[t]
