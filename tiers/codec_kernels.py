@@ -1,4 +1,4 @@
-"""Compiled (numba) kernels of the v3 lossy codecs and the v2 lossless codec.
+"""Compiled (numba) kernels of the v3/v4 lossy codecs and the v2 lossless codec.
 
 Why numba: the torch/zstd codecs ran 8+ whole-block passes (0.1-0.5 GB/s on this class of CPU,
 below the SSD's write speed, issue 14). Here each (layer, head) slab of a block is read once,
@@ -7,9 +7,9 @@ daemon's worker threads encode several blocks at once; they are not numba-parall
 thread pools under the daemon's own workers oversubscribed the cores, docs/codecs.md).
 `cache=True` keeps the machine code on disk: only the first process compiles (a few seconds).
 
-Imported lazily by codec_q3 / codec_lossless (importing numba costs a fraction of a second).
-Every kernel returns a status (0 = ok) instead of raising, so a malformed payload is DataLoss in
-the caller, never a crash.
+Imported lazily by codec_q3 / codec_q4 / codec_lossless (importing numba costs a fraction of a
+second). Every kernel returns a status (0 = ok) instead of raising, so a malformed payload is
+DataLoss in the caller, never a crash.
 """
 
 from __future__ import annotations
@@ -58,22 +58,46 @@ def _fwht_cols(Y, n, T):  # pragma: no cover - compiled
     """In-place orthonormal Walsh-Hadamard transform of every column of Y[n, T] (n a power of
     two; its own inverse). Rows are channels, columns tokens: each butterfly runs over a
     contiguous row of tokens, so it vectorizes (along a row it did not: 1.9 ns/element).
+    Stages go two at a time (radix 4: half the passes over Y, the same additions in the same
+    order as one stage at a time, so the same bits), the last one scaling.
     The sizes are taken from Y.shape (as arguments the loops measured 2x slower)."""
     n, T = Y.shape
+    s = np.float32(1.0 / np.sqrt(n))
     h = 1
-    while h < n:
-        for i in range(0, n, 2 * h):
+    while 4 * h <= n:
+        last = 4 * h == n
+        for i in range(0, n, 4 * h):
             for j in range(i, i + h):
                 for t in range(T):
                     a = Y[j, t]
                     b = Y[j + h, t]
-                    Y[j, t] = a + b
-                    Y[j + h, t] = a - b
-        h *= 2
-    s = np.float32(1.0 / np.sqrt(n))
-    for j in range(n):
+                    c = Y[j + 2 * h, t]
+                    d = Y[j + 3 * h, t]
+                    p = a + b
+                    q = a - b
+                    r = c + d
+                    u = c - d
+                    if last:
+                        Y[j, t] = (p + r) * s
+                        Y[j + h, t] = (q + u) * s
+                        Y[j + 2 * h, t] = (p - r) * s
+                        Y[j + 3 * h, t] = (q - u) * s
+                    else:
+                        Y[j, t] = p + r
+                        Y[j + h, t] = q + u
+                        Y[j + 2 * h, t] = p - r
+                        Y[j + 3 * h, t] = q - u
+        h *= 4
+    if h < n:                       # an odd number of stages: one radix-2 stage, scaling
+        for j in range(h):
+            for t in range(T):
+                a = Y[j, t]
+                b = Y[j + h, t]
+                Y[j, t] = (a + b) * s
+                Y[j + h, t] = (a - b) * s
+    elif n == 1:
         for t in range(T):
-            Y[j, t] *= s
+            Y[0, t] *= s
 
 
 @numba.njit(**_JIT)

@@ -1,5 +1,8 @@
 """Lossy payload v3 of `int8` and `fp8_e4m3`: compiled, one pass, no torch, no zstd.
 
+No longer written by default (v4, tiers/codec_q4.py, is); kept so that stored v3 payloads
+decode, and its encoder for the tests that check they do.
+
 Why this scheme (measured on SmolLM2-135M, docs/codecs.md "issue 15"): per (layer, head) of a
 block, every key and value vector is Hadamard-rotated over the head dimension (outlier channels
 are spread over all channels, so one scale fits them); keys then get one centre and one scale
@@ -51,9 +54,6 @@ HEADER_BYTES = _HDR.size
 _DT = {"bfloat16": 0, "float16": 1, "float32": 2}
 # (rotate keys, rotate values) per codec; measured on SmolLM2 (docs/codecs.md)
 ROTATE = {"int8": (True, True), "fp8_e4m3": (True, True)}
-# Codecs whose default payload is v3. FP8 stays on v2 (torch + zstd): v3 FP8 measured a worst
-# head of 0.091 against v2's 0.073 (per-tensor FP8: 0.154), so it would break the 0.5x bound.
-DEFAULT_V3 = ("int8",)
 EXP_STEPS = 32            # scale = base * 2**(-e/32): rounded up by < 2.2%, 8 octaves of range
 EXP_LUT = np.exp2(-np.arange(256, dtype=np.float64) / EXP_STEPS).astype(np.float32)
 

@@ -1,17 +1,20 @@
 """Demotion codecs: how a block is encoded when it moves to a keyed tier (ssd, remote).
 
-`raw` stores the block as is; `lossless` byte-shuffles and zstd-compresses it (bit-exact, keeps
-inf/NaN); `fp8_e4m3` and `int8` quantize with per-channel scales (opt-in per namespace, ~3-4x
-smaller). Each payload starts with its own small version header; tiers/frame.py wraps it with the
-codec id, lengths and a checksum. Formats and measured figures: docs/codecs.md.
+`raw` stores the block as is; `lossless` codes each element's top byte in 4 bits (bit-exact,
+keeps inf/NaN); `fp8_e4m3` and `int8` quantize a Hadamard-rotated block with per-channel key and
+per-token value scales, keeping a few attention-critical tokens exact (payload v4, compiled;
+opt-in per namespace, ~0.54x bf16 bytes). Each payload starts with its own small version
+header; tiers/frame.py wraps it with the codec id, lengths and a checksum. Formats and measured
+figures: docs/codecs.md.
 
 Error policy: a caller passing a wrong-sized block or an unknown codec to `encode` gets
 InvalidArgument (a bug); a stored payload that does not decode gets DataLoss (a miss), never a
 crash. Lossy codecs raise NonFiniteBlock on inf/NaN so the store can fall back to `lossless`.
 
 Why torch loads lazily: importing it costs seconds to tens of seconds on a busy machine, and
-only the lossy codecs and the error metrics need it; a daemon whose namespaces all use `raw` or
-`lossless` never imports it (start and warm restart stay at gRPC-server speed).
+only lossy payloads written before v3 (v1/v2), quantizing on an accelerator and the error
+metrics need it; the compiled codecs (numba, itself imported on first use) do not. A daemon
+never imports either at start (start and warm restart stay at gRPC-server speed).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def encode_tensor(codec: str, t: torch.Tensor, layout: KVLayout,
 
     On an accelerator, lossy codecs quantize on the tensor's device (v2 payload, torch), so only
     the ~half-size codes and scales cross to the host; on the CPU, and for raw and lossless,
-    the block is encoded on the host by the compiled codecs (v3 / lossless v2).
+    the block is encoded on the host by the compiled codecs (v4 / lossless v2).
     """
     q = _quant()
     if codec in LOSSY and not layout.engine_native and (
