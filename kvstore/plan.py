@@ -23,7 +23,7 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "ha
                "int8": 1}
 # Stored bytes / raw bytes, measured on real KV in 16-token blocks (docs/codecs.md, table at
 # the top). The host tier always holds raw blocks; SSD and remote hold the namespace codec's.
-CODEC_RATIOS = {"raw": 1.0, "lossless": 0.77, "fp8_e4m3": 0.50, "int8": 0.55}
+CODEC_RATIOS = {"raw": 1.0, "lossless": 0.77, "fp8_e4m3": 0.55, "int8": 0.55}
 HOST_ALIGN = 4096          # host slab extents (tiers/slab.py)
 
 

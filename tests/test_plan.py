@@ -58,8 +58,8 @@ def test_llama_70b_block_and_tier_fits_by_hand():
     lossless = fits["ssd", "lossless"]
     assert lossless.bytes_per_block == 4_037_018            # ceil(5,242,880 x 0.77)
     assert lossless.blocks == 2127                          # 8 GiB // 4,037,018
-    assert fits["ssd", "fp8_e4m3"].bytes_per_block == 2_621_440
-    assert fits["ssd", "fp8_e4m3"].blocks == 3276           # 8 GiB // 2.5 MiB = 3276.8
+    assert fits["ssd", "fp8_e4m3"].bytes_per_block == 2_883_584   # fp8 v4: the size of int8
+    assert fits["ssd", "fp8_e4m3"].blocks == 2978
     assert fits["ssd", "int8"].bytes_per_block == 2_883_584
     assert fits["ssd", "int8"].blocks == 2978
     assert ("ssd", "raw") not in fits and ("host", "lossless") not in fits
@@ -102,7 +102,7 @@ def test_cli_json_uses_the_configured_tiers(tmp_path, capsys):
     fits = {(t["tier"], t["codec"]): t["blocks"] for t in out["tiers"]}
     assert fits["host", "raw"] == 12                        # 64 MiB // 5 MiB
     assert fits["ssd", "lossless"] == 66                    # 256 MiB // 4,037,018
-    assert fits["ssd", "fp8_e4m3"] == 102
+    assert fits["ssd", "fp8_e4m3"] == 93
     assert fits["ssd", "int8"] == 93
     assert fits["remote", "lossless"] == 265                # 1 GiB // 4,037,018
     rc = main(["plan", str(tmp_path), "--set", "ssd.enabled=false", "--block-tokens", "32"])
