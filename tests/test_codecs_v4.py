@@ -74,7 +74,8 @@ def test_v4_round_trip_bounds_and_exact_tokens(codec, dtype, head_dim):
     payload, out = roundtrip(codec, raw, layout)
     assert payload[0] == codec_q4.VERSION
     rotated = head_dim & (head_dim - 1) == 0
-    assert bool(payload[1] & codec_q4.F_ROT) == rotated
+    assert bool(payload[1] & codec_q4.F_ROT_K) == rotated
+    assert bool(payload[1] & codec_q4.F_ROT_V) == (rotated and codec == "int8")
     x, y = vals(raw, layout), vals(out, layout)
     for j in (0, 1):
         assert codecs.relative_error(x[:, j], y[:, j]) < BOUND[codec]
@@ -175,10 +176,11 @@ def test_corrupt_v4_payloads_are_data_loss():
         struct.pack_into("<H", p, first, pos)
         bad(p, "exact-token positions")
     odd = KVLayout(2, 2, 24, 16, "bfloat16")
-    p = bytearray(codecs.encode("int8", kv_block(odd), odd))
-    p[1] |= codec_q4.F_ROT
-    with pytest.raises(DataLoss, match="power of two"):
-        codecs.decode("int8", bytes(p), odd, np.empty(odd.block_bytes, np.uint8))
+    for bit in (codec_q4.F_ROT_K, codec_q4.F_ROT_V):
+        p = bytearray(codecs.encode("int8", kv_block(odd), odd))
+        p[1] |= bit
+        with pytest.raises(DataLoss, match="power of two"):
+            codecs.decode("int8", bytes(p), odd, np.empty(odd.block_bytes, np.uint8))
 
 
 def test_v4_positions_use_u32_past_65536_tokens_and_heads():

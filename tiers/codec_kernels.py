@@ -725,11 +725,12 @@ def _quant_tile(Y, cen, rinv, cinv, rsc, csc, tiny, qmax, fp8, Z, codes, cbase):
 
 
 @numba.njit(**_JIT)
-def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot, sink_ratio, vsink_ratio, kout_ratio,
+def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink_ratio, kout_ratio,
               exp_lut, slab, kidx, kexp, vexp, codes, xk, xv):  # pragma: no cover - compiled
     """Quantize one canonical block [L,2,T,H,D] into the v4 sections (tiers/codec_q4.py).
 
-    Per (layer, head), channel-major (Y[d, t]): vectors optionally Hadamard-rotated; values
+    Per (layer, head), channel-major (Y[d, t]): keys and values optionally Hadamard-rotated
+    (rot_k, rot_v); values
     one scale per token; keys per channel a centre (8-bit index on a grid between the slab's
     smallest and largest centre) and a scale. Tokens kept exact (flagged in xk / xv, their raw
     bytes stored by the caller) stay out of the statistics: the value sink (squared value norm
@@ -776,7 +777,7 @@ def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot, sink_ratio, vsink_ratio, k
             # ---- values: norms (sink rule), rotation, one scale per token
             if not _load_cm(src16, src32, dt, ((ly * 2 + 1) * T * H + h) * D, HD, X, Y):
                 return 1
-            if rot:                  # the rotation keeps the norms the sink rule reads
+            if rot_v:                # the rotation keeps the norms the sink rule reads
                 _fwht_cols(Y, D, T)
             _col_norm_absmax(Y, Yu, vn, am)
             sink = -1
@@ -811,7 +812,7 @@ def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot, sink_ratio, vsink_ratio, k
             # ---- keys: the outlier key, then one centre and one scale per channel
             if not _load_cm(src16, src32, dt, ((ly * 2) * T * H + h) * D, HD, X, Y):
                 return 1
-            if rot:
+            if rot_k:
                 _fwht_cols(Y, D, T)
             _col_dev(Y, dsc, dev)
             ninf[:] = 0
@@ -917,8 +918,8 @@ def _store_rows(X, dt, base, HD, dst16, dst32):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
-def q4_decode(dst16, dst32, dt, L, T, H, D, fp8, rot, exp_lut, f8_lut, slab, kidx, kexp, vexp,
-              codes):  # pragma: no cover - compiled
+def q4_decode(dst16, dst32, dt, L, T, H, D, fp8, rot_k, rot_v, exp_lut, f8_lut, slab, kidx,
+              kexp, vexp, codes):  # pragma: no cover - compiled
     """Inverse of q4_encode (exact tokens are written by the caller afterwards).
     Returns 0, or 2 when the side info is not finite/positive (a corrupt payload)."""
     Y = np.empty((D, T), np.float32)
@@ -954,7 +955,7 @@ def q4_decode(dst16, dst32, dt, L, T, H, D, fp8, rot, exp_lut, f8_lut, slab, kid
                     _dequant_tile(codes, cbase, cen, dsc, one_t, lut, fp8, Y)
                 else:
                     _dequant_tile(codes, cbase, zero_d, one_d, tsc, lut, fp8, Y)
-                if rot:
+                if rot_v if part else rot_k:
                     _fwht_cols(Y, D, T)
                 _transpose_back(Y, X)
                 _store_rows(X, dt, ((ly * 2 + part) * T * H + h) * D, HD, dst16, dst32)
