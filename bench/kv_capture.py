@@ -249,20 +249,21 @@ class CausalCapture:
     head_dim: int
 
 
-def smollm_prompts(tok, n: int = 5, tokens: int = 704) -> list[list[int]]:
+def smollm_prompts(tok, n: int = 5, tokens: int = 704, first: int = 1) -> list[list[int]]:
     """`n` real-text prompts of exactly `tokens` tokens: the demo passages from n different
-    starting passages (so every prompt is a different context)."""
+    starting passages (so every prompt is a different context). `first` = 2 gives a held-out
+    set: other starting passages than the default's (codec choices were made on `first` = 1)."""
     from kvstore.demo_text import PASSAGES, document
 
     out = []
     for i in range(n):
-        ids = tok(document(2 * len(PASSAGES), start=3 * i + 1)).input_ids
+        ids = tok(document(2 * len(PASSAGES), start=3 * i + first)).input_ids
         out.append(list(ids[:tokens]))
     return out
 
 
-def capture_causal(model, tok, n_prompts: int = 5, prefix: int = 640, cont: int = 64
-                   ) -> CausalCapture:
+def capture_causal(model, tok, n_prompts: int = 5, prefix: int = 640, cont: int = 64,
+                   first: int = 1) -> CausalCapture:
     """Run `model` over real prompts of prefix + cont tokens; keep the KV cache (what a store
     holds) and the continuation's post-RoPE queries (what will read the stored prefix)."""
     import torch
@@ -284,7 +285,7 @@ def capture_causal(model, tok, n_prompts: int = 5, prefix: int = 640, cont: int 
             seen[i] = q[0, :, -cont:].transpose(0, 1).float()          # [cont, Hq, D]
         hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
     try:
-        for ids in smollm_prompts(tok, n_prompts, prefix + cont):
+        for ids in smollm_prompts(tok, n_prompts, prefix + cont, first):
             _, cache = full_prefill(model, ids)
             cap.kv.append(cache_to_canonical(cache, dtype=torch.float32).numpy())
             cap.q.append(torch.stack([seen[i] for i in range(cap.num_layers)]).numpy())
