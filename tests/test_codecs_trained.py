@@ -62,6 +62,20 @@ def test_lossy_codecs_are_bounded_in_the_worst_head(smollm):
 
 
 @pytest.mark.timeout(1200)
+def test_lossy_codecs_hold_their_bounds_on_held_out_prompts(smollm):
+    """The v4 thresholds were chosen on the bench's prompts; these 2 start at other passages.
+    Measured on 5 such prompts: int8 worst 0.0078, fp8 0.45x per-tensor, top-1 1.0 / 0.9906."""
+    model, _ = smollm
+    _, tok = trained_model.load()
+    cap = kc.capture_causal(model, tok, n_prompts=2, first=2)
+    int8 = kc.causal_codec_accuracy(cap, "int8", model)
+    fp8 = kc.causal_codec_accuracy(cap, "fp8_e4m3")
+    per_tensor = kc.causal_codec_accuracy(cap, "fp8_e4m3", reference=kc.per_tensor_fp8)
+    assert int8.attn_worst <= 0.01 and int8.size_ratio <= 0.55 and int8.top1 == 1.0
+    assert fp8.attn_worst <= 0.5 * per_tensor.attn_worst and fp8.size_ratio <= 0.55
+
+
+@pytest.mark.timeout(1200)
 def test_sink_keys_are_kept_exact_and_cut_the_worst_head(smollm):
     model, cap = smollm
     v2 = codec_quant.QuantScheme("int8", v_group=codec_quant.TOKEN)      # the v2 scheme
