@@ -10,14 +10,12 @@ The slab is pre-faulted at start so the first copies into it do not pay page fau
 from __future__ import annotations
 
 import _posixshmem
-import ctypes
-import ctypes.util
 import mmap
 import os
 import secrets
-import threading
 from typing import TYPE_CHECKING, Any
 
+from kvstore_client import prefault
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.lazy import lazy_module
 
@@ -29,14 +27,7 @@ else:   # the slab's numpy view is made by the first call that copies a block, a
     np = lazy_module("numpy", globals(), "np")
 
 PAGE = 4096
-_PREFAULT_CHUNK = 64 << 20
-_MADV_POPULATE_WRITE = 23           # linux/mman.h, Linux 5.14+; older kernels: EINVAL
-try:
-    _libc: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6",
-                                            use_errno=True)
-    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-except OSError:  # pragma: no cover - no libc to call: prefault by writing
-    _libc = None
+_PREFAULT_CHUNK = prefault.CHUNK
 
 
 class HostTier(SlabAllocation):
@@ -61,7 +52,7 @@ class HostTier(SlabAllocation):
         self.shm_name = shm_name
         self._shm = _create_fresh(shm_name, capacity, track=prefault)
         self._array: np.ndarray | None = None       # made on first use (_require_open)
-        self._prefaulter: _Prefaulter | None = None
+        self._prefaulter: prefault.Prefaulter | None = None
         self._prefaulted = False
         self._alloc = ExtentAllocator(capacity, PAGE)
         if prefault:
@@ -213,47 +204,12 @@ def _unlink(name: str) -> None:
         pass
 
 
-class _Prefaulter(threading.Thread):
-    """Populates the slab's pages in the background with madvise(MADV_POPULATE_WRITE).
-
-    Why in the background: writing zeros over a 1 GiB slab took 0.8 s, most of a daemon's
-    start. POPULATE_WRITE allocates the pages without touching their contents, so it is safe
-    while clients already copy blocks in; a copy that runs ahead of it just takes the faults.
-    """
-
-    def __init__(self, addr: int, size: int) -> None:
-        super().__init__(name="kvstore-prefault", daemon=True)
-        self._addr, self._size = addr, size
-        self._stopped = threading.Event()
-
-    def run(self) -> None:
-        for start in range(0, self._size, _PREFAULT_CHUNK):
-            if self._stopped.is_set():
-                return
-            _populate(self._addr + start, min(_PREFAULT_CHUNK, self._size - start))
-
-    def stop(self) -> None:
-        """Stop before the slab is unmapped (a chunk takes tens of milliseconds)."""
-        self._stopped.set()
-        if self.is_alive():
-            self.join()
-
-
-def _populate(addr: int, size: int) -> bool:
-    return _libc is not None and _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size),
-                                               _MADV_POPULATE_WRITE) == 0
-
-
-def _prefault(buf: memoryview, size: int) -> _Prefaulter | None:
+def _prefault(buf: memoryview, size: int) -> prefault.Prefaulter | None:
     """Make every page resident (tmpfs allocates on first write) so block copies never fault:
     in the background where the kernel can populate pages (Linux 5.14+), else by writing
     zeros now."""
-    probe = ctypes.c_char.from_buffer(buf)
-    addr = ctypes.addressof(probe)
-    del probe                                       # releases its export of the buffer
-    if _populate(addr, min(PAGE, size)):            # one page: is the call supported?
-        t = _Prefaulter(addr, size)
-        t.start()
+    t = prefault.start(buf, size)
+    if t is not None:
         return t
     zeros = bytes(min(_PREFAULT_CHUNK, size))
     for start in range(0, size, _PREFAULT_CHUNK):

@@ -82,13 +82,16 @@ class _Pool:
     """The mapped host pool, with the segment identity to notice a restarted daemon."""
 
     def __init__(self, name: str, size: int, fd: int | None = None) -> None:
-        from . import shm  # only clients that map the pool need it
+        from . import prefault, shm  # only clients that map the pool need them
         self.name, self.size = name, size
         self.fd_backed = fd is not None
         # A tenant's own pool comes as a memfd from the handshake; it has no name to stat, and
         # a restart shows as a new daemon_id or unknown namespace instead.
         self.slab = shm.attach_fd(fd, size) if fd is not None else shm.attach(name, size)
         self.ino = None if self.fd_backed else self._ino()
+        # Take this process's page faults on the pool now, in the background, not in the
+        # engine's first copies into each slot (kvstore_client/prefault.py).
+        self._prefaulter = prefault.start(self.slab._mmap, size) if size else None
 
     def _ino(self) -> tuple[int, int] | None:
         try:
@@ -102,6 +105,8 @@ class _Pool:
         return self.fd_backed or not os.path.isdir("/dev/shm") or self._ino() == self.ino
 
     def close(self) -> None:
+        if self._prefaulter is not None:
+            self._prefaulter.stop()         # before the mapping goes
         self.slab.close()
 
 
