@@ -188,7 +188,7 @@ def store_auth(store: Any, tenants: dict[str, Tenant], mtls: bool = False) -> Au
         return None if info is None else info.spec.extra.get(TENANT_KEY, "")
 
     def lease_ns(lease_id: str) -> bytes | None:
-        lease = store.leases._leases.get(lease_id)
+        lease = store.leases.find(lease_id)
         return None if lease is None else lease.ns_id
 
     def namespaces() -> list[tuple[bytes, str | None]]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvstore_client.errors import DataLoss, InvalidArgument, ResourceExhausted
@@ -155,19 +155,17 @@ class DeviceMovement:
     def _to_host_checked(self, t: DeviceTier, items: Sequence[Item]) -> list[int]:
         """Device -> host copies (host offsets in the host tier's offset space) and the xxh3
         of each host destination."""
-        sums = [0] * len(items)
-        for arr, idx, local in self._host_parts(items):
-            for i, s in zip(idx, t.copy_to_host_checked(local, arr, DEVICE_WAIT_S),
-                            strict=True):
-                sums[i] = s
-        return sums
+        return self._host_checked(items, t.copy_to_host_checked)
 
     def _from_host_checked(self, t: DeviceTier, items: Sequence[Item]) -> list[int]:
         """Host -> device copies and the xxh3 of each device destination."""
+        return self._host_checked(items, t.copy_from_host_checked)
+
+    def _host_checked(self, items: Sequence[Item], copy: Callable) -> list[int]:
+        """Run a checked device copy per host segment; the checksums in `items` order."""
         sums = [0] * len(items)
         for arr, idx, local in self._host_parts(items):
-            for i, s in zip(idx, t.copy_from_host_checked(local, arr, DEVICE_WAIT_S),
-                            strict=True):
+            for i, s in zip(idx, copy(local, arr, DEVICE_WAIT_S), strict=True):
                 sums[i] = s
         return sums
 

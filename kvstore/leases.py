@@ -84,6 +84,11 @@ class LeaseTable:
                                "acquire again")
         return lease
 
+    def find(self, lease_id: str) -> Lease | None:
+        """The lease if held (expired or not), else None: for a caller that only needs to
+        know whose it is, and lets the call that acts on it raise."""
+        return self._leases.get(lease_id)
+
     def get(self, lease_id: str) -> Lease:
         return self._live(lease_id)
 

@@ -239,7 +239,21 @@ def _unpack(blob: bytes, kind: str, version: int = SNAPSHOT_VERSION) -> dict[str
     return state
 
 
-class LRUPolicy:
+class _OneByOne:
+    """The store's batch calls as a loop, for policies with nothing to gain from a batch."""
+
+    def insert_many(self, items: Iterable[tuple[bytes, bytes | None, int]]) -> None:
+        """insert() for each (gkey, parent, size), in order (the store's batch call)."""
+        for gkey, parent, size in items:
+            self.insert(gkey, parent, size)
+
+    def touch_many(self, gkeys: Iterable[bytes]) -> None:
+        """touch() for each key, in order (the store's batch call)."""
+        for gkey in gkeys:
+            self.touch(gkey)
+
+
+class LRUPolicy(_OneByOne):
     """Prefix leaves first, least recently used first among leaves."""
 
     kind = "lru"
@@ -269,16 +283,6 @@ class LRUPolicy:
     def remove(self, gkey: bytes) -> None:
         self._leaves.remove(gkey)
 
-    def insert_many(self, items: Iterable[tuple[bytes, bytes | None, int]]) -> None:
-        """insert() for each (gkey, parent, size), in order (the store's batch call)."""
-        for gkey, parent, size in items:
-            self.insert(gkey, parent, size)
-
-    def touch_many(self, gkeys: Iterable[bytes]) -> None:
-        """touch() for each key, in order (the store's batch call)."""
-        for gkey in gkeys:
-            self.touch(gkey)
-
     def record_miss(self, gkey: bytes) -> None:
         """LRU keeps no history."""
 
@@ -306,7 +310,7 @@ class LRUPolicy:
             self.insert(gkey, parent, 0)
 
 
-class AdaptivePolicy:
+class AdaptivePolicy(_OneByOne):
     """ARC over prefix leaves (``"arc"``; the default before the segmented policy).
 
     Segment 0 (T1) holds blocks seen once since they entered the history, segment 1 (T2) blocks
@@ -388,16 +392,6 @@ class AdaptivePolicy:
             if self._duel is not None:
                 self._duel.access(gkey, None, self.capacity)
             self._leaves.update(gkey, self._clock, 1)
-
-    def insert_many(self, items: Iterable[tuple[bytes, bytes | None, int]]) -> None:
-        """insert() for each (gkey, parent, size), in order (the store's batch call)."""
-        for gkey, parent, size in items:
-            self.insert(gkey, parent, size)
-
-    def touch_many(self, gkeys: Iterable[bytes]) -> None:
-        """touch() for each key, in order (the store's batch call)."""
-        for gkey in gkeys:
-            self.touch(gkey)
 
     def remove(self, gkey: bytes) -> None:
         node = self._leaves.remove(gkey)

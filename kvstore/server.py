@@ -507,7 +507,7 @@ class KVStoreServicer:
         if req.checksums and len(req.checksums) != len(keys):
             raise InvalidArgument(f"{len(req.checksums)} checksums for {len(keys)} keys; send "
                                   "one per key or none")
-        lease = self.store.leases._leases.get(lease_id) if req.reserve_next else None
+        lease = self.store.leases.find(lease_id) if req.reserve_next else None
         res = self.store.commit(lease_id, keys, parent=parent,
                                 checksums=list(req.checksums) or None,
                                 first_slot=req.first_slot)

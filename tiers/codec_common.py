@@ -39,6 +39,13 @@ _tls = threading.local()
 TORCH_THREADS: int | None = None
 
 
+def kernels():
+    """The compiled codec kernels (tiers/codec_kernels.py), imported on first use: numba is
+    a heavy import that a daemon with no codec work never pays."""
+    from . import codec_kernels
+    return codec_kernels
+
+
 class NonFiniteBlock(ValueError):
     """A lossy codec refuses a block holding inf or NaN (the caller stores it losslessly).
 

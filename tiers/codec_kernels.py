@@ -113,28 +113,6 @@ def _rotate(X, Y, D, T):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
-def _load(src16, src32, dt, base, T, HD, D, X):  # pragma: no cover - compiled
-    """X[t, d] = element base + t*HD + d, as float32. False when any is inf/NaN (checked on
-    the exponent bits with an integer max, which vectorizes; a float sum would not)."""
-    T, D = X.shape
-    Xu = X.view(np.uint32)
-    m = np.uint32(0)
-    for t in range(T):
-        o = base + t * HD
-        if dt == BF16:
-            for d in range(D):
-                b = np.uint32(src16[o + d])
-                Xu[t, d] = b << np.uint32(16)
-                m = max(m, b & np.uint32(0x7F80))
-        else:
-            for d in range(D):
-                X[t, d] = src32[o + d]
-            for d in range(D):
-                m = max(m, (Xu[t, d] >> np.uint32(16)) & np.uint32(0x7F80))
-    return m != np.uint32(0x7F80)
-
-
-@numba.njit(**_JIT)
 def _load_rotated(src16, src32, dt, base, T, HD, D, X, Y, sgn):  # pragma: no cover
     """X[t, :] = Hadamard transform of element vector base + t*HD (through Y[D, T], written
     transposed straight from the source). False when any element is inf/NaN."""
@@ -281,7 +259,7 @@ def q3_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, exp_l
             if rot_v:
                 if not _load_rotated(src16, src32, dt, vbase, T, HD, D, X, Y, sgn):
                     return 1
-            elif not _load(src16, src32, dt, vbase, T, HD, D, X):
+            elif not _load_rows(src16, src32, dt, vbase, HD, X):
                 return 1
             vmax = np.float32(0.0)
             for t in range(T):
@@ -322,7 +300,7 @@ def q3_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, exp_l
             if rot_k:
                 if not _load_rotated(src16, src32, dt, kbase, T, HD, D, X, Y, sgn):
                     return 1
-            elif not _load(src16, src32, dt, kbase, T, HD, D, X):
+            elif not _load_rows(src16, src32, dt, kbase, HD, X):
                 return 1
             for d in range(D):
                 hi[d] = -np.inf

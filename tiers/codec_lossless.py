@@ -23,6 +23,7 @@ from kvstore_client.errors import DataLoss
 from kvstore_client.layout import KVLayout
 
 from .codec_common import cctx, check_block, scratch, zstd_decompress_into
+from .codec_common import kernels as _kernels
 
 VERSION = 2
 F_ZSTD = 1                 # v1: planes are one zstd frame
@@ -31,16 +32,6 @@ _HDR = struct.Struct("<BBBB")
 _V2 = struct.Struct("<BBBB16sI")    # + dictionary (15 top bytes, 1 pad), escape count
 SAMPLE = 16                # top-byte histogram from every 16th element
 STORE_RAW_ABOVE = 0.97     # keep the block as is unless the payload is < 97% of it
-_k = None
-
-
-def _kernels():
-    global _k
-    if _k is None:
-        from . import codec_kernels
-
-        _k = codec_kernels
-    return _k
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 

@@ -42,6 +42,7 @@ from kvstore_client.errors import DataLoss
 from kvstore_client.layout import KVLayout
 
 from .codec_common import NonFiniteBlock, check_block, scratch
+from .codec_common import kernels as _kernels
 
 VERSION = 3
 F_SINKS = 4               # a bitmap of sink keys (quantized with a scale of their own) follows
@@ -71,16 +72,6 @@ F8_LUT = _f8_lut()
 # a parameter). None: QuaRot-style random signs measured worse on SmolLM2 (int8 worst head
 # 0.0152 vs 0.0106), so v3 fixes them at zero.
 SIGNS = np.zeros(256, np.uint32)
-_k = None
-
-
-def _kernels():
-    global _k
-    if _k is None:
-        from . import codec_kernels
-
-        _k = codec_kernels
-    return _k
 
 
 def idx12(layout: KVLayout) -> bool:

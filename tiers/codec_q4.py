@@ -49,6 +49,7 @@ from kvstore_client.errors import DataLoss
 from kvstore_client.layout import KVLayout
 
 from .codec_common import NonFiniteBlock, check_block, scratch
+from .codec_common import kernels as _kernels
 from .codec_q3 import EXP_LUT, F8_LUT, rotates
 
 VERSION = 4
@@ -70,16 +71,6 @@ _HDR = struct.Struct("<BBBBI")
 HEADER_BYTES = _HDR.size
 _DT = {"bfloat16": 0, "float16": 1, "float32": 2}
 _NP = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
-_k = None
-
-
-def _kernels():
-    global _k
-    if _k is None:
-        from . import codec_kernels
-
-        _k = codec_kernels
-    return _k
 
 
 def side_bytes(layout: KVLayout) -> int:
