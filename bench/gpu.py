@@ -131,13 +131,13 @@ def main() -> int:
     from bench import gpu_tier
 
     tier_blocks = 48 if args.quick else args.blocks
-    tier = gpu_tier.run(LAYOUT, tier_blocks, 5 if args.quick else 9)
-    tier["targets"] = {"gpu_tier_gather_vs_memcpy": 0.5, "gpu_demote_vs_memcpy": 0.5}
-    print(f"cpu device: gather {tier['gpu_tier_gather_GBps']} GB/s, demote "
-          f"{tier['gpu_demote_GBps']}, promote {tier['gpu_promote_GBps']} vs memcpy "
-          f"{tier['memcpy_GBps']}", file=sys.stderr)
+    cpu_dev = gpu_tier.run(LAYOUT, tier_blocks, 5 if args.quick else 9)
+    cpu_dev["targets"] = {"gpu_tier_gather_vs_memcpy": 0.5, "gpu_demote_vs_memcpy": 0.5}
+    print(f"cpu device: gather {cpu_dev['gpu_tier_gather_GBps']} GB/s, demote "
+          f"{cpu_dev['gpu_demote_GBps']}, promote {cpu_dev['gpu_promote_GBps']} vs memcpy "
+          f"{cpu_dev['memcpy_GBps']}", file=sys.stderr)
     if not cg.cuda_available():
-        print(json.dumps({**tier, "cuda": "skipped: no CUDA device"}))
+        print(json.dumps({**cpu_dev, "cuda": "skipped: no CUDA device"}))
         return 0
     import torch
 
@@ -216,9 +216,9 @@ def main() -> int:
         "h2d_GBps": gbps(t_h2d), "d2h_GBps": gbps(t_d2h),
         "pinned_h2d_GBps": gbps(r_h2d), "pinned_d2h_GBps": gbps(r_d2h),
         "targets": {"ipc_gather_vs_d2d": 0.8, "h2d_vs_pinned": 0.8, "d2h_vs_pinned": 0.8,
-                    **tier.pop("targets")},
+                    **cpu_dev.pop("targets")},
     }
-    out = {**tier, **out}
+    out = {**cpu_dev, **out}
     print(f"{out['device']}: gather {out['ipc_gather_GBps']} GB/s ({out['ipc_gather_method']}) "
           f"vs d2d {out['d2d_GBps']}; h2d {out['h2d_GBps']} vs {out['pinned_h2d_GBps']}; "
           f"d2h {out['d2h_GBps']} vs {out['pinned_d2h_GBps']}", file=sys.stderr)

@@ -187,9 +187,10 @@ def open_device_tiers(capacity: int, devices: Sequence[int], backend: str = "aut
     if not use_cuda:
         from .device_cpu import CpuDeviceTier
 
-        log.warning("gpu tier: no CUDA device on this machine; using the CPU device (a "
-                    "shared-memory slab stands in for device memory) on devices %s",
-                    list(devices))
+        why = ("gpu.backend=cpu" if backend == "cpu"
+               else "no CUDA device on this machine")
+        log.warning("gpu tier: %s; using the CPU device (a shared-memory slab stands in for "
+                    "device memory) on devices %s", why, list(devices))
         for dev in devices:
             tiers[dev] = CpuDeviceTier(capacity, dev, slab_name=f"{slab_prefix}gpu{dev}")
         return tiers
