@@ -106,6 +106,16 @@ class Auth:
                 return tenant
         return None
 
+    def by_bearer(self, token: str) -> Tenant | None:
+        """The tenant a bearer token stands for: a configured token or a handshake session."""
+        h = hashlib.sha256(token.encode()).hexdigest()
+        return self._by_hash.get(h) or self._sessions.get(h)
+
+    def bind(self, tenant: Tenant | None) -> None:
+        """Make `tenant` this thread's caller (the lane: identified once per connection)."""
+        if self.enabled:
+            self._local.tenant = tenant
+
     def by_uid(self, uid: int) -> Tenant | None:
         return self._by_uid.get(uid)
 

@@ -145,6 +145,7 @@ class ServerConfig:
     max_message_bytes: int = 256 << 20
     shutdown_grace_s: float = 10.0  # on SIGTERM: how long in-flight calls may take to finish
     stop_flush_s: float = 60.0      # on SIGTERM: how long writing host blocks to SSD may take
+    lane: bool = True               # the fast lane beside the Unix socket (kvstore/lane.py)
 
     def check(self) -> None:
         for key in ("tcp", "metrics"):

@@ -316,6 +316,7 @@ class Daemon:
         self.servicer: Any = None
         self.auth: Any = None
         self.handoff: Any = None
+        self.lane: Any = None
         self.metrics: Any = None
         self.socket_path = os.path.abspath(config.socket_path)
         self.tcp_address: str | None = None
@@ -382,6 +383,13 @@ class Daemon:
             self.server, self.health = build_server(self.servicer, cfg.server.workers,
                                                     cfg.server.max_message_bytes)
             _bind_unix(self.server, self.socket_path, 0o666 if tenants else 0o600)
+            if cfg.server.lane:
+                from kvstore_client.lane_wire import lane_path
+
+                from .lane import Lane
+
+                self.lane = Lane(lane_path(self.socket_path), self.servicer,
+                                 0o666 if tenants else 0o600)
             if tenants:
                 from .tenant_metrics import TenantCollector, TenantCounters
                 self.servicer.tenant_counters = TenantCounters()
@@ -514,6 +522,9 @@ class Daemon:
         self._say("stopped")
 
     def _teardown(self, close_metrics: bool = True) -> None:
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None
         if self.handoff is not None:
             self.handoff.close()
             self.handoff = None

@@ -81,6 +81,8 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                                       "(no Release round trip of their own)",
                   "reserve_ahead_refused": "Reserve-aheads a Commit skipped: no room in the "
                                            "host pool (the client reserves when it stores)",
+                  "lane_calls": "Calls served over the fast lane (<socket>.lane) instead of "
+                                "gRPC",
                   "stop_flush_dropped_blocks": "Host-only blocks a stop dropped when its flush "
                                                "ran past server.stop_flush_s"}
 # Series that exist from the first scrape at 0, so `increase()` and `rate()` see the first

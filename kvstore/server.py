@@ -378,6 +378,23 @@ class KVStoreServicer:
             return resp
         return handler
 
+    def lane_call(self, method: str, raw: bytes, tenant: Any) -> tuple[str, bytes]:
+        """One call from the fast lane (kvstore/lane.py): as `unary`, with the caller known
+        from the connection's hello; returns (status code, response or error message)."""
+        t0, entered = time.perf_counter(), False
+        try:
+            self._enter()
+            entered = True
+            self.auth.bind(tenant)
+            body = getattr(self, method)(raw).SerializeToString()
+            self.store.counters["lane_calls"] += 1
+        except Exception as exc:
+            code, msg = self._failure(method, exc)
+            self._done(method, code, t0, entered)
+            return code, msg.encode()
+        self._done(method, "OK", t0, entered)
+        return "OK", body
+
     def server_stream(self, method: str, fn: Callable[[bytes], Iterator[Message]]) -> Callable:
         """Like `unary` for a generator; an error after some messages ends the stream with it."""
         def handler(raw: bytes, context: grpc.ServicerContext) -> Iterator[Message]:

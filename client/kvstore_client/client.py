@@ -36,6 +36,8 @@ from .errors import (
 )
 from .handoff import Session, handshake, handshake_path
 from .hashing import DEFAULT_KEY_BYTES, ExtraKey
+from .lane import LaneClient, NotSent, available
+from .lane_wire import METHOD_ID, lane_path
 from .layout import KVLayout, NamespaceSpec
 from .leases import LeaseKeeper
 from .namespace import Namespace
@@ -117,7 +119,8 @@ class Client:
                  timeout: float = DEFAULT_TIMEOUT_S, verify: bool = True,
                  lease_ttl_s: float = 0.0, copy_threads: int = 0, token: str | None = None,
                  tls_ca_file: str | None = None, tls_cert_file: str | None = None,
-                 tls_key_file: str | None = None, tls_server_name: str | None = None) -> None:
+                 tls_key_file: str | None = None, tls_server_name: str | None = None,
+                 lane: bool = True) -> None:
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if not timeout or timeout <= 0:
@@ -163,6 +166,12 @@ class Client:
                            if self.target.startswith("unix:") else None)
         self._session: Session | None = None
         self._session_checked = False
+        # The fast lane (lane.py), opened at the first RegisterNamespace answer when the
+        # daemon has one; lane=False keeps every call on gRPC.
+        self._lane_path = (lane_path(self.target[len("unix:"):])
+                           if lane and transport != "grpc" and self.target.startswith("unix:")
+                           else None)
+        self._lane: LaneClient | None = None
         self._stub = pbg.KVStoreStub(self._channel)
         self._put = self._channel.stream_unary(
             "/kvstore.v1.KVStore/Put", request_serializer=lambda b: b,
@@ -196,6 +205,13 @@ class Client:
             self._check_address()
         if not self._session_checked:
             self.ensure_session()
+        lane = self._lane
+        if lane is not None and method in METHOD_ID:
+            try:
+                body = lane.call(method, request.SerializeToString(), timeout or self.timeout)
+                return _RESPONSE[method].FromString(body)
+            except NotSent:
+                pass                        # not sent: over gRPC below
         try:
             resp = self._invoke(method, request, timeout, wait=not first)
         except grpc.RpcError as e:
@@ -323,6 +339,13 @@ class Client:
         changed = resp.daemon_id != self.daemon_id
         self.daemon_id = resp.daemon_id
         self.leases.carry = resp.protocol >= 2     # Acquire and Commit carry releases
+        if self._lane_path is not None and (changed or self._lane is None):
+            if self._lane is not None:
+                self._lane.close()
+            self._lane = None
+            if available(self._lane_path):
+                token = self._token or (self._session.token if self._session else "")
+                self._lane = LaneClient(self._lane_path, token, self.timeout)
         # Device pools, as `kvstore_client.gpu.open_pool` takes them (kvstore_client/device_kv.py)
         # A tenant's own CPU-device slabs come as fds from the handshake, not by name.
         fds = self._session.gpu_fds if self._session is not None else {}
@@ -437,6 +460,8 @@ class Client:
                 self._pool = None
             if self._session is not None:
                 self._session.close_fds()
+            if self._lane is not None:
+                self._lane.close()
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -444,6 +469,10 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# The response message of each call the lane carries.
+_RESPONSE = {m: getattr(pb, f"{m}Response") for m in METHOD_ID}
 
 
 def tls_credentials(ca_file: str | None, cert_file: str | None, key_file: str | None
@@ -467,7 +496,8 @@ def connect(address: str | None = None, *, transport: str = "auto",
             timeout: float = DEFAULT_TIMEOUT_S, verify: bool = True,
             lease_ttl_s: float = 0.0, copy_threads: int = 0, token: str | None = None,
             tls_ca_file: str | None = None, tls_cert_file: str | None = None,
-            tls_key_file: str | None = None, tls_server_name: str | None = None) -> Client:
+            tls_key_file: str | None = None, tls_server_name: str | None = None,
+            lane: bool = True) -> Client:
     """Connect to a kvstore daemon.
 
     address: a Unix socket path, "unix:///path", or "host:port"; None: $KVSTORE_ADDRESS,
@@ -485,6 +515,8 @@ def connect(address: str | None = None, *, transport: str = "auto",
     tls_ca_file / tls_cert_file / tls_key_file: TLS over TCP (the CA that signed the daemon's
         certificate), and mTLS (this client's certificate and key); tls_server_name overrides
         the name checked in the daemon's certificate.
+    lane: on a Unix socket, send the hot unary calls of stores and loads over the daemon's
+        fast lane (`<socket>.lane`, a tenth of gRPC's per-call cost) when it has one.
     The connection is lazy: the first namespace() call talks to the daemon.
     """
     if address is None:
@@ -492,6 +524,6 @@ def connect(address: str | None = None, *, transport: str = "auto",
     return Client(address, transport=transport, timeout=timeout, verify=verify,
                   lease_ttl_s=lease_ttl_s, copy_threads=copy_threads, token=token,
                   tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file,
-                  tls_key_file=tls_key_file, tls_server_name=tls_server_name)
+                  tls_key_file=tls_key_file, tls_server_name=tls_server_name, lane=lane)
 
 

@@ -1,0 +1,133 @@
+"""The SDK's side of the fast lane (why and wire format: lane_wire.py).
+
+A small pool of connections: a call takes an idle one (or opens one), so threads never wait on
+each other's calls. A connection whose daemon went away is found at the call's send (a Unix
+socket reports a closed peer at once), before the request left: the call then goes over gRPC
+instead and the pool is dropped. Once the request is out, a lost connection is an Unavailable
+error (the daemon may or may not have served it), a late answer a DeadlineExceeded error, and
+that connection is closed (an answer must never reach the wrong call).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import stat
+import threading
+import time
+
+from .errors import from_code
+from .lane_wire import CODES, HEADER, METHOD_ID, VERSION, recv_exact, recv_line
+
+log = logging.getLogger(__name__)
+
+MAX_IDLE = 8                  # idle connections kept per client
+# An idle connection older than this is closed rather than used: the daemon closes its end
+# after 300 s idle (kvstore/lane.py), and a request sent as it does so would be lost in flight.
+IDLE_S = 60.0
+
+
+class NotSent(Exception):
+    """The request did not leave: the caller may send it another way."""
+
+
+class LaneClient:
+    def __init__(self, path: str, token: str, timeout: float) -> None:
+        self.path = path
+        self.token = token
+        self.timeout = timeout
+        self._idle: list[tuple[socket.socket, float]] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self.broken = False
+
+    def call(self, method: str, raw: bytes, timeout: float) -> bytes:
+        """The response bytes of `method`; errors as the SDK's exceptions; NotSent when the
+        request could not be sent (no lane, or the daemon behind it is gone)."""
+        sock = self._take()
+        try:
+            sock.settimeout(timeout)
+            sock.sendall(HEADER.pack(len(raw), METHOD_ID[method]) + raw)
+        except OSError as e:
+            sock.close()
+            self.drop()
+            raise NotSent(str(e)) from None
+        try:
+            n, code = HEADER.unpack(recv_exact(sock, HEADER.size))
+            body = recv_exact(sock, n)
+        except TimeoutError:
+            sock.close()
+            raise from_code("DEADLINE_EXCEEDED", f"{method} over the lane {self.path} did not "
+                            f"finish within its deadline ({timeout:g} s)") from None
+        except (EOFError, OSError) as e:
+            sock.close()
+            self.drop()
+            raise from_code("UNAVAILABLE", f"{method}: the daemon at {self.path} closed the "
+                            f"lane during the call ({e}); it may or may not have served it"
+                            ) from None
+        self._give(sock)
+        if code:
+            name = CODES[code] if code < len(CODES) else "UNKNOWN"
+            raise from_code(name, f"{method}: {body.decode(errors='replace')}")
+        return body
+
+    def _take(self) -> socket.socket:
+        if self.broken:
+            raise NotSent("lane disabled")
+        with self._lock:
+            if self._pid != os.getpid():         # a forked child: the parent's sockets
+                self._idle, self._pid = [], os.getpid()
+            now = time.monotonic()
+            while self._idle:
+                sock, since = self._idle.pop()
+                if now - since < IDLE_S:
+                    return sock
+                sock.close()
+        return self._open()
+
+    def _give(self, sock: socket.socket) -> None:
+        with self._lock:
+            if len(self._idle) < MAX_IDLE and self._pid == os.getpid():
+                self._idle.append((sock, time.monotonic()))
+                return
+        sock.close()
+
+    def _open(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self.path)
+            sock.sendall((json.dumps({"v": VERSION, "token": self.token}) + "\n").encode())
+            reply = json.loads(recv_line(sock))
+        except (OSError, EOFError, ValueError) as e:
+            sock.close()
+            raise NotSent(f"cannot open the lane {self.path}: {e}") from None
+        if not isinstance(reply, dict) or reply.get("ok") is not True:
+            sock.close()
+            # Refused (no room for another connection, or a token it does not take): the
+            # client stays on gRPC, which says the same things per call where they apply.
+            self.broken = True
+            log.info("kvstore: lane %s refused: %s", self.path, reply)
+            raise NotSent(f"lane refused: {reply}")
+        return sock
+
+    def drop(self) -> None:
+        """Close the idle connections (the daemon behind them went away)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock, _ in idle:
+            sock.close()
+
+    def close(self) -> None:
+        self.broken = True
+        self.drop()
+
+
+def available(path: str) -> bool:
+    """Whether a daemon's lane socket is there (a daemon before the lane has none)."""
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
