@@ -706,6 +706,7 @@ class SegmentedPolicy:
     # that large drops them and keeps the blind order; hints then never reorder it (never
     # below blind, by construction).
     TWIN_MAX_BLOCKS = 1 << 17
+    PENDING_MAX = 1 << 14                 # deferred accesses fed inline past this many
 
     def __init__(self, capacity_blocks_hint: int | None = None, shadow: bool = True,
                  mode: tuple[float | None, bool, int] = (None, False, 0),
@@ -731,6 +732,9 @@ class SegmentedPolicy:
         self._twins: list[list[Any]] | None = None
         self._twin_n = 0
         self._disc = [[0.0] * 3 for _ in range(3)]   # [i][j]: accesses twin i hit, j missed
+        # Deferred tuning (defer_tuning): the accesses the shadows and twins have yet to see,
+        # in order, each with the capacity it saw; (None, tail, 0) stands for a note_put.
+        self._pending: list[tuple[bytes | None, bytes | None, int]] | None = None
 
     @staticmethod
     def _new_shadow(mode: tuple[float | None, bool, int]) -> list[Any]:
@@ -756,7 +760,39 @@ class SegmentedPolicy:
     @property
     def mode(self) -> tuple[float | None, bool, int]:
         """(protected share or None for LRU, tail rule on, hints followed): the order in use."""
+        if self._pending:
+            self.tune()
         return self._mode
+
+    def defer_tuning(self) -> None:
+        """Feed the shadows and twins later (`tune`), not on the call that inserts or touches.
+
+        Why: their simulations are about a third of the daemon's work for a store's Commit,
+        and nothing they decide is needed until the next eviction. Every reader of what they
+        decide (pick, the mode, a snapshot, a hint) first feeds them everything pending, in
+        order and with the capacity each access saw, so the cache evicts exactly as it would
+        have; the store feeds them in the background meanwhile (Store._tune_policy)."""
+        if self._pending is None:
+            self._pending = []
+
+    def tune(self, limit: int | None = None) -> int:
+        """Feed the shadows and twins up to `limit` pending accesses; returns how many are
+        left."""
+        pending = self._pending
+        if not pending:
+            return 0
+        n = len(pending) if limit is None else min(limit, len(pending))
+        batch = pending[:n]
+        del pending[:n]
+        for gkey, parent, cap in batch:
+            if gkey is None:
+                self._put_tail_shadows(parent)            # type: ignore[arg-type]
+                continue
+            if self._shadows is not None and self._sampled(gkey):
+                self._shadow(gkey, parent, cap)
+            if self._twins is not None:
+                self._twin_access(gkey, parent, cap)
+        return len(pending)
 
     def _set_mode(self, mode: tuple[float | None, bool, int]) -> None:
         if mode != self._mode:
@@ -767,7 +803,7 @@ class SegmentedPolicy:
     def _sampled(self, gkey: bytes) -> bool:
         return not zlib.crc32(gkey) % self._rate
 
-    def _resample(self) -> None:
+    def _resample(self, capacity: int = 0) -> None:
         """Fixed-size sampling (SHARDS' s_max): once a shadow would hold more than SHADOW_MAX
         blocks, halve the sample. Why: the shadows' memory then stays constant (a few MB)
         instead of growing with the tier (10 shadows of capacity/16 cost more than the packed
@@ -775,7 +811,8 @@ class SegmentedPolicy:
         two, so the new sample is a subset of the old and the shadows keep their state for
         it."""
         rate = self._rate
-        while self.capacity // rate > self.SHADOW_MAX:
+        capacity = capacity or self.capacity
+        while capacity // rate > self.SHADOW_MAX:
             rate *= 2
         if rate == self._rate:
             return
@@ -787,14 +824,15 @@ class SegmentedPolicy:
                 pol._ghost.pop(k, None)
             pol._ghost = OrderedDict((k, None) for k in pol._ghost if not zlib.crc32(k) % rate)
 
-    def _shadow(self, gkey: bytes, parent: bytes | None) -> None:
+    def _shadow(self, gkey: bytes, parent: bytes | None, capacity: int = 0) -> None:
         if self._shadows is None or not self._sampled(gkey):
             return
-        if self.capacity // self._rate > self.SHADOW_MAX:
-            self._resample()
+        capacity = capacity or self.capacity
+        if capacity // self._rate > self.SHADOW_MAX:
+            self._resample(capacity)
             if not self._sampled(gkey):
                 return
-        cap = max(1, self.capacity // self._rate)
+        cap = max(1, capacity // self._rate)
         for sh in self._shadows:
             sh[0]._hint = cap
             sh[2] += _simulate(sh[0], sh[1], gkey, parent, cap)
@@ -868,7 +906,7 @@ class SegmentedPolicy:
         a, b = self._disc[i][j], self._disc[j][i]
         return a - b > self.PAIR_Z * math.sqrt(a + b) + self.MARGIN_HITS
 
-    def _twin_access(self, gkey: bytes, parent: bytes | None) -> None:
+    def _twin_access(self, gkey: bytes, parent: bytes | None, cap: int = 0) -> None:
         """Full-size LRU twins, blind and hinted, see every access once hints exist.
 
         Why full size: a sampled shadow scores every resident sampled key as a hit, which
@@ -877,7 +915,7 @@ class SegmentedPolicy:
         what the real cache would. They cost one more LRU operation each per access."""
         twins = self._twins
         assert twins is not None
-        cap = self._hint or max(self._peak, 1)          # self.capacity
+        cap = cap or self._hint or max(self._peak, 1)   # self.capacity
         if cap > self.TWIN_MAX_BLOCKS:
             self._twins = None
             self._set_mode(self._mode[:2] + (0,))
@@ -923,6 +961,15 @@ class SegmentedPolicy:
         if not gkeys:
             return
         tail = gkeys[-1]
+        if self._pending is None:
+            self._put_tail_shadows(tail)
+        elif (self._shadows is not None and self._sampled(tail)) or self._twins is not None:
+            self._pending.append((None, tail, 0))
+        node = self._leaves.nodes.get(tail)
+        if node is not None and node[_SEG] // 3 == _P:
+            self._leaves.update(tail, node[_PRIO], _T * 3 + node[_SEG] % 3)
+
+    def _put_tail_shadows(self, tail: bytes) -> None:
         if self._shadows is not None and self._sampled(tail):
             for pol, resident, _ in self._shadows:
                 if tail in resident:
@@ -930,15 +977,14 @@ class SegmentedPolicy:
         for pol, resident, _ in self._twins or ():
             if tail in resident:
                 pol.note_put([tail])
-        node = self._leaves.nodes.get(tail)
-        if node is not None and node[_SEG] // 3 == _P:
-            self._leaves.update(tail, node[_PRIO], _T * 3 + node[_SEG] % 3)
 
     def note_retention(self, gkeys: list[bytes], level: str) -> None:
         """Optional hook (Store.retain): the engine's reuse hint. "low" blocks go first and
         "high" ones are kept as protected *when the hinted order is in use*; the hint is
         recorded either way, so the shadows can judge whether following hints pays."""
         hint = _HINT_OF[check_retention(level)]
+        if self._pending:
+            self.tune()
         if self._shadows is not None and self._twins is None \
                 and self.capacity <= self.TWIN_MAX_BLOCKS:
             self._start_twins()
@@ -958,10 +1004,13 @@ class SegmentedPolicy:
     def insert(self, gkey: bytes, parent: bytes | None, size: int) -> None:
         # The steps of insert_many for one key, written out: a single insert (put, promotion,
         # the trace replay) should not pay for a batch's setup.
-        if self._shadows is not None and self._sampled(gkey):
-            self._shadow(gkey, parent)
-        if self._twins is not None:
-            self._twin_access(gkey, parent)
+        if self._pending is not None:
+            self._defer(gkey, parent)
+        else:
+            if self._shadows is not None and self._sampled(gkey):
+                self._shadow(gkey, parent)
+            if self._twins is not None:
+                self._twin_access(gkey, parent)
         leaves = self._leaves
         self._clock += 1
         if gkey in leaves.nodes:
@@ -986,11 +1035,16 @@ class SegmentedPolicy:
         shadows, sampled = self._shadows, self._sampled
         leaves, ghost = self._leaves, self._ghost
         nodes = leaves.nodes
+        pending = self._pending
         for gkey, parent, _size in items:
-            if shadows is not None and sampled(gkey):
-                self._shadow(gkey, parent)
-            if self._twins is not None:   # (not hoisted: a growing tier drops its twins)
-                self._twin_access(gkey, parent)
+            if pending is not None:
+                if (shadows is not None and sampled(gkey)) or self._twins is not None:
+                    pending.append((gkey, parent, self._hint or max(self._peak, 1)))
+            else:
+                if shadows is not None and sampled(gkey):
+                    self._shadow(gkey, parent)
+                if self._twins is not None:   # (not hoisted: a growing tier drops its twins)
+                    self._twin_access(gkey, parent)
             self._clock += 1
             if gkey in nodes:
                 leaves.update(gkey, self._clock, _R * 3 + _N)     # written again: reused
@@ -1003,15 +1057,20 @@ class SegmentedPolicy:
             leaves.add(gkey, parent, self._clock, seg)
             if len(nodes) > self._peak:
                 self._peak = len(nodes)
+        if pending is not None and len(pending) > self.PENDING_MAX:
+            self.tune()
 
     def touch(self, gkey: bytes) -> None:
         leaves = self._leaves
         if gkey not in leaves.nodes:
             return
-        if self._shadows is not None and self._sampled(gkey):
-            self._shadow(gkey, None)
-        if self._twins is not None:
-            self._twin_access(gkey, None)
+        if self._pending is not None:
+            self._defer(gkey, None)
+        else:
+            if self._shadows is not None and self._sampled(gkey):
+                self._shadow(gkey, None)
+            if self._twins is not None:
+                self._twin_access(gkey, None)
         self._clock += 1
         leaves.update(gkey, self._clock, _R * 3 + _N)        # reused: protected, hint spent
 
@@ -1021,15 +1080,30 @@ class SegmentedPolicy:
         shadows, sampled = self._shadows, self._sampled
         leaves = self._leaves
         nodes = leaves.nodes
+        pending = self._pending
         for gkey in gkeys:
             if gkey not in nodes:
                 continue
-            if shadows is not None and sampled(gkey):
-                self._shadow(gkey, None)
-            if self._twins is not None:
-                self._twin_access(gkey, None)
+            if pending is not None:
+                if (shadows is not None and sampled(gkey)) or self._twins is not None:
+                    pending.append((gkey, None, self._hint or max(self._peak, 1)))
+            else:
+                if shadows is not None and sampled(gkey):
+                    self._shadow(gkey, None)
+                if self._twins is not None:
+                    self._twin_access(gkey, None)
             self._clock += 1
             leaves.update(gkey, self._clock, _R * 3 + _N)   # reused: protected, hint spent
+        if pending is not None and len(pending) > self.PENDING_MAX:
+            self.tune()
+
+    def _defer(self, gkey: bytes, parent: bytes | None) -> None:
+        pending = self._pending
+        assert pending is not None
+        if (self._shadows is not None and self._sampled(gkey)) or self._twins is not None:
+            pending.append((gkey, parent, self._hint or max(self._peak, 1)))
+            if len(pending) > self.PENDING_MAX:
+                self.tune()
 
     def remove(self, gkey: bytes) -> None:
         if self._leaves.remove(gkey) is None:
@@ -1073,6 +1147,8 @@ class SegmentedPolicy:
         return best
 
     def pick(self, can_evict: Callable[[bytes], bool]) -> bytes | None:
+        if self._pending:
+            self.tune()
         first, prob, prot, both = self._roles
         if first:                         # (empty unless the mode sends tails or hints first)
             victim = self._oldest(first, can_evict)
@@ -1093,6 +1169,8 @@ class SegmentedPolicy:
         return self._oldest(order[0], can_evict) or self._oldest(order[1], can_evict)
 
     def snapshot(self) -> bytes:
+        if self._pending:
+            self.tune()
         nodes = [[k, n[_PARENT], n[_SEG]] for k, n in self._leaves.ordered()]
         return _pack({"kind": self.kind, "nodes": nodes, "peak": self._peak,
                       "ghost": list(self._ghost), "mode": list(self._mode),
@@ -1103,7 +1181,10 @@ class SegmentedPolicy:
         rows = self._rows
         if rows is not None:
             rows.on_free.remove(self._leaves._forget)
+        deferred = self._pending is not None
         self.__init__(self._hint, shadow=self._shadows is not None, rows=rows)
+        if deferred:
+            self.defer_tuning()
         for node in state["nodes"]:
             seg = node[2]
             if not isinstance(seg, int) or not 0 <= seg < _HEAPS:

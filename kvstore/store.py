@@ -60,6 +60,7 @@ log = logging.getLogger("kvstore.store")
 MAX_KEYS_PER_CALL = 1 << 16
 PROMOTION_WAIT_S = 60.0     # an acquire waits this long for another's promotion of its block
 TIERS = ("gpu", "host", "ssd", "remote")
+TUNE_SLICE = 256            # deferred policy-tuning accesses fed per hold of the store lock
 
 
 @dataclass
@@ -145,6 +146,11 @@ class Store(DeviceMovement, TenantPools):
             # capacity in blocks from peak residency.
             "host": make_policy(config.host.policy, None),
             **{f"gpu{dev}": make_policy(config.gpu.policy, None) for dev in self.gpu}}
+        # The host policy's self-tuning runs off the Commit path (SegmentedPolicy.defer_tuning;
+        # fed by the reaper thread, and by any eviction first).
+        defer = getattr(self.policies["host"], "defer_tuning", None)
+        if defer is not None:
+            defer()
         try:
             if config.ssd.enabled:
                 self.ssd = SSDTier(str(data / "ssd"), config.ssd.capacity, sync=config.ssd.sync,
@@ -317,8 +323,20 @@ class Store(DeviceMovement, TenantPools):
                 with self._lock:
                     if not self._closed:
                         self._reap_locked()
+                self._tune_policy()
             except Exception:  # the reaper must outlive any single bad lease
                 log.exception("lease reaper")
+
+    def _tune_policy(self) -> None:
+        """Feed the host policy's tuning what commits and loads deferred, a slice per lock hold
+        so no call waits long behind it."""
+        tune = getattr(self.policies["host"], "tune", None)
+        if tune is None:
+            return
+        while not self._stop.is_set():
+            with self._lock:
+                if self._closed or not tune(TUNE_SLICE):
+                    return
 
     def _reap_locked(self) -> None:
         for lease in self.leases.reap():

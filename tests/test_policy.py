@@ -485,7 +485,7 @@ def test_a_tier_past_the_twin_limit_drops_its_twins_and_keeps_the_blind_order(mo
     assert pol.pick(lambda g: True) is not None
 
 
-def _drive(pol, ops, batched: bool) -> list:
+def _drive(pol, ops, batched: bool, record: bool = True) -> list:
     """Apply a random op sequence (puts of chained keys, reads, hints, deletes) to `pol`,
     evicting to 40 blocks; returns every victim and the policy's state of choice along the
     way."""
@@ -524,7 +524,10 @@ def _drive(pol, ops, batched: bool) -> list:
                     resident.discard(k)
                     pol.remove(k)
         # the mode, and the hint twins' paired counts behind the next mode choice
-        out.append((getattr(pol, "mode", None), repr(getattr(pol, "_disc", None))))
+        if record:
+            out.append((getattr(pol, "mode", None), repr(getattr(pol, "_disc", None))))
+    out.append((getattr(pol, "mode", None), repr(getattr(pol, "_disc", None)),
+                [sh[2] for sh in getattr(pol, "_shadows", None) or []]))
     return out
 
 
@@ -549,6 +552,39 @@ def test_batch_calls_decide_exactly_as_one_call_per_key(name, seed):
     many = _drive(make_policy(name, 40), ops, batched=True)
     assert any(isinstance(v, bytes) for v in one)                          # it did evict
     assert one == many
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_deferred_tuning_decides_exactly_as_tuning_inline(seed):
+    """The store defers the default policy's shadow and twin simulations off the Commit path
+    (defer_tuning); every victim, the final mode, the twins' counts and the shadows' scores
+    are what inline tuning gives, including with hints (twins) and a long pending queue."""
+    ops = _random_ops(seed) * 3
+    inline = _drive(SegmentedPolicy(40), ops, batched=True, record=False)
+    deferred = SegmentedPolicy(40)
+    deferred.defer_tuning()
+    got = _drive(deferred, ops, batched=True, record=False)
+    assert any(isinstance(v, bytes) for v in inline)
+    assert got == inline
+    # A store without a capacity hint: each access is simulated at the capacity it saw.
+    unhinted = SegmentedPolicy(None)
+    unhinted.defer_tuning()
+    assert _drive(unhinted, ops, batched=False, record=False) == \
+        _drive(SegmentedPolicy(None), ops, batched=False, record=False)
+
+
+def test_deferred_tuning_is_fed_in_slices_and_bounded(monkeypatch):
+    monkeypatch.setattr(SegmentedPolicy, "PENDING_MAX", 100)
+    pol = SegmentedPolicy(1000)
+    pol.defer_tuning()
+    pol.note_retention([], "high")                     # twins: every access is deferred
+    chain(pol, list(range(90)))
+    assert len(pol._pending) == 90
+    assert pol.tune(40) == 50 and len(pol._pending) == 50
+    chain(pol, list(range(1000, 1060)))                # past PENDING_MAX: fed inline
+    assert len(pol._pending) <= 100
+    assert pol.mode == pol._mode                       # a reader feeds everything first
+    assert pol._pending == []
 
 
 @pytest.mark.parametrize("mode", [(None, False, 0), (0.75, True, 0), (0.5, False, 1),
