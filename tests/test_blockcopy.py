@@ -57,6 +57,45 @@ def test_gather_and_scatter_match_numpy_and_xxhash(L: int, H: int, D: int, T: in
 
 
 @needs_kernel
+@pytest.mark.parametrize("L,H,D,T", [(4, 2, 64, 16), (2, 8, 128, 16), (3, 1, 64, 8),
+                                     (1, 1, 512, 1)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_one_pass_xxh3_kernel_is_xxhash_bit_for_bit(L: int, H: int, D: int, T: int,
+                                                    threads: int) -> None:
+    """Rows of whole 1 KiB XXH3 blocks take the kernel that runs XXH3 inside the copy
+    (move_blocks_x3): the same bytes and the xxhash library's digest, both ways, on 1, 2 and
+    many XXH3 blocks per block, and the same answers as the two-pass kernel."""
+    n = 7
+    x = _seq(L, n * T, H, D, seed=L * 7 + D)
+    plan = blockcopy.seq_plan(x, T)
+    bb = plan.block_bytes
+    pool = aligned_buffer(n * bb + 4096)
+    offsets = [(n - 1 - j) * bb for j in range(n)]
+    blocks = [3, 0, 6, 1, 5, 2, 4]
+    assert blockcopy._fused_hash_fits(plan, plan.eng_blk[blocks], np.array(offsets),
+                                      blockcopy._addr(pool), True)
+    sums = np.zeros(n, dtype=np.uint64)
+    blockcopy.run(plan, pool, blocks, offsets, True, sums, threads)
+    for j, i in enumerate(blocks):
+        want = _block(x, i, T)
+        assert bytes(pool[offsets[j]:offsets[j] + bb]) == want
+        assert int(sums[j]) == xxhash.xxh3_64_intdigest(want)
+    y = np.zeros_like(x)
+    back = np.zeros(n, dtype=np.uint64)
+    blockcopy.run(blockcopy.seq_plan(y, T), pool, blocks, offsets, False, back, threads)
+    assert np.array_equal(y, x) and np.array_equal(back, sums)
+    # A destination off the 32-byte grid takes the two-pass kernel: the same answers.
+    raw = np.zeros(x.nbytes + 8, dtype=np.uint8)
+    z = raw[8:].view(np.int16).reshape(x.shape)
+    zplan = blockcopy.seq_plan(z, T)
+    assert not blockcopy._fused_hash_fits(zplan, zplan.eng_blk[blocks], np.array(offsets),
+                                          blockcopy._addr(pool), False)
+    again = np.zeros(n, dtype=np.uint64)
+    blockcopy.run(zplan, pool, blocks, offsets, False, again, threads)
+    assert np.array_equal(z, x) and np.array_equal(again, sums)
+
+
+@needs_kernel
 def test_checksums_are_of_the_slot_bytes_whichever_way_they_move() -> None:
     x = _seq(2, 32, 2, 16, seed=3)
     plan = blockcopy.seq_plan(x, 16)

@@ -54,6 +54,18 @@ def _build() -> Any:
         return _kernel
 
 
+def _fused_hash_fits(plan: Plan, eng_blk: np.ndarray, slot_off: np.ndarray, pool: int,
+                     to_slots: bool) -> bool:
+    """Whether the one-pass copy + XXH3 kernel takes this batch: rows a whole number of
+    XXH3's 1 KiB blocks, destinations 32-byte aligned (streaming stores)."""
+    if plan.row_bytes % 1024 or os.environ.get("KVSTORE_NO_FUSED_HASH"):
+        return False
+    if to_slots:
+        return (pool + int(slot_off.min())) % 32 == 0 and not (slot_off % 32).any()
+    eng = plan.base + eng_blk[:, None] + plan.eng_row[None, :]
+    return not (eng % 32).any()
+
+
 def kernel_available() -> bool:
     """True when the compiled kernel can run (numba importable, not disabled)."""
     return _build() is not None
@@ -226,8 +238,15 @@ def run(plan: Plan, pool: np.ndarray, blocks: Sequence[int] | np.ndarray,
         raise ValueError("sums must be a uint64 array with one entry per block")
     eng_blk = plan.eng_blk[idx]
     out = sums if sums is not None else np.empty(0, dtype=np.uint64)
-    args = (plan.base, _addr(pool), eng_blk, plan.eng_row, slot_off, plan.row_bytes, to_slots,
-            sums is not None, out)
+    if sums is not None and _fused_hash_fits(plan, eng_blk, slot_off, _addr(pool), to_slots):
+        from . import _blockcopy_kernel as k
+
+        args = (plan.base, _addr(pool), eng_blk, plan.eng_row, slot_off, plan.row_bytes,
+                to_slots, out, k._SEC, k._LAST, k._MERGE, k._INIT)
+        kern = k.move_blocks_x3
+    else:
+        args = (plan.base, _addr(pool), eng_blk, plan.eng_row, slot_off, plan.row_bytes,
+                to_slots, sums is not None, out)
     w = max(1, min(threads, n, (n * bb) // _MIN_BYTES_PER_THREAD))
     if w == 1:
         rcs = [kern(*args, 0, n)]
