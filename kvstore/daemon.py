@@ -388,8 +388,12 @@ class Daemon:
 
                 from .lane import Lane
 
-                self.lane = Lane(lane_path(self.socket_path), self.servicer,
-                                 0o666 if tenants else 0o600)
+                try:
+                    self.lane = Lane(lane_path(self.socket_path), self.servicer,
+                                     0o666 if tenants else 0o600)
+                except OSError as e:     # e.g. a socket path too long for the suffix
+                    log.warning("fast lane off (%s: %s); clients use gRPC for every call",
+                                lane_path(self.socket_path), e)
             if tenants:
                 from .tenant_metrics import TenantCollector, TenantCounters
                 self.servicer.tenant_counters = TenantCounters()

@@ -83,6 +83,22 @@ def test_lane_off_keeps_every_call_on_grpc(daemon) -> None:
         assert counter(daemon, "lane_calls") == before
 
 
+def test_a_daemon_without_the_lane_is_served_over_grpc(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, {"server.lane": "false"})
+    try:
+        assert not Path(lane_path(d.socket)).exists()
+        with connect(d.address) as c:
+            ns = c.namespace(LAYOUT, model="nolane")
+            ids, kv = prompt(50, 4), make_kv(50, 4)
+            assert ns.store(ids, kv) == 4
+            out = torch.zeros_like(kv)
+            assert ns.load(ids, out=out) == 4 * T and torch.equal(bits(out), bits(kv))
+            assert c._lane is None
+            assert c.stats()["counters"].get("lane_calls", 0) == 0
+    finally:
+        cleanup(d)
+
+
 def test_errors_are_the_same_as_over_grpc(daemon) -> None:
     with connect(daemon.address) as lane, connect(daemon.address, lane=False) as plain:
         errors = []
