@@ -49,8 +49,8 @@ from kvstore_client.errors import DataLoss
 from kvstore_client.layout import KVLayout
 
 from .codec_common import NonFiniteBlock, check_block, scratch
-from .codec_common import kernels as _kernels
-from .codec_q3 import EXP_LUT, F8_LUT, rotates
+from .codec_common import kernels4 as _kernels
+from .codec_q3 import EXP_LUT, rotates
 
 VERSION = 4
 F_XK = 1                  # exact keys: bitmap + raw bytes
@@ -213,7 +213,7 @@ def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray) -> None
         dst16 = np.empty(0, np.uint16)
         dst32 = scratch("q4_out32", layout.block_elements * 4).view(np.float32)
     st = _kernels().q4_decode(dst16, dst32, dt, L, T, H, D, kind == "fp8_e4m3", rk, rv, EXP_LUT,
-                              F8_LUT, slab, kidx, kexp, vexp, codes)
+                              slab, kidx, kexp, vexp, codes)
     if st:
         raise DataLoss(f"{kind} payload has non-finite or non-positive scales")
     if dt == 1:
