@@ -30,6 +30,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .codec_kernels import (
@@ -40,13 +41,12 @@ from .codec_kernels import (
     _bf16_value,
     _exp_tab,
     _exps,
-    _fwht_cols,
     _median_sorted,
     _rint,
 )
 
 _JIT = dict(nogil=True, cache=True, boundscheck=False, error_model="numpy")
-_JIT_FAST = dict(_JIT, fastmath={"reassoc", "nsz", "nnan", "ninf"})
+_JIT_SUM = dict(_JIT, fastmath={"reassoc"})
 
 _I32_MIN = -(1 << 31)
 _I32_MAX = (1 << 31) - 1
@@ -88,7 +88,251 @@ def _unkey(k):  # pragma: no cover - compiled
     return _u2f(np.uint32(i & np.int64(0xFFFFFFFF)))
 
 
+# ------------------------------------------------------------------ 8 x 8 transposing moves
+# The tile is worked channel-major, the block is token-major: every tile crosses a transpose.
+# Element by element (strided loads or stores) that cost ~0.2 ns per element, the largest item
+# of the encode; these move 8 x 8 blocks through vector registers (8 loads, 24 shuffles,
+# 8 stores), written as LLVM IR because numba has no way to spell a shuffle.
+
+
+def _transpose8(builder, rows):
+    """The 8 x 8 transpose of eight <8 x T> vectors (unpack, then 2- and 4-element swaps)."""
+    i32 = ir.IntType(32)
+
+    def shuf(a, b, m):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, 8), m))
+
+    t = []
+    for k in range(0, 8, 2):
+        t.append(shuf(rows[k], rows[k + 1], [0, 8, 1, 9, 4, 12, 5, 13]))
+        t.append(shuf(rows[k], rows[k + 1], [2, 10, 3, 11, 6, 14, 7, 15]))
+    tt = []
+    for g in (0, 4):
+        tt.append(shuf(t[g], t[g + 2], [0, 1, 8, 9, 4, 5, 12, 13]))
+        tt.append(shuf(t[g], t[g + 2], [2, 3, 10, 11, 6, 7, 14, 15]))
+        tt.append(shuf(t[g + 1], t[g + 3], [0, 1, 8, 9, 4, 5, 12, 13]))
+        tt.append(shuf(t[g + 1], t[g + 3], [2, 3, 10, 11, 6, 7, 14, 15]))
+    cols = [None] * 8
+    for j in range(4):
+        cols[j] = shuf(tt[j], tt[j + 4], [0, 1, 2, 3, 8, 9, 10, 11])
+        cols[j + 4] = shuf(tt[j], tt[j + 4], [4, 5, 6, 7, 12, 13, 14, 15])
+    return cols
+
+
+def _ptr(builder, context, base, off, vty):
+    """Pointer to element `off` of `base`, typed as a vector of `vty`."""
+    return builder.bitcast(builder.gep(base, [off]), vty.as_pointer())
+
+
+def _offsets(builder, context, start, stride):
+    intp = context.get_value_type(types.intp)
+    return [builder.add(start, builder.mul(stride, ir.Constant(intp, i))) for i in range(8)]
+
+
+def _make_load8(stages: bool):
+    """An intrinsic (src, so, ss, Y, yo, ys, scale) -> ok: Y.flat[yo + j*ys + i] = element
+    so + i*ss + j of `src` as float32 (uint16 bf16 bits or float32), i, j < 8; ok is False when
+    any of the 64 is inf/NaN. With `stages`, the first three Hadamard stages (pairs 1, 2, 4
+    apart: all within the eight channels) run on the registers before the store, the last one
+    times `scale` (1 unless the transform is 8 long), the same additions in the same order as
+    _fwht_from, so the same bits."""
+
+    @intrinsic
+    def load8(typingctx, src, so, ss, dst, do, ds, scale):  # pragma: no cover - compiled
+        if src.dtype not in (types.uint16, types.float32) or dst.dtype != types.float32:
+            return None
+        sig = types.boolean(src, types.intp, types.intp, dst, types.intp, types.intp,
+                            types.float32)
+
+        def codegen(context, builder, signature, args):
+            s = context.make_array(signature.args[0])(context, builder, args[0])
+            d = context.make_array(signature.args[3])(context, builder, args[3])
+            i32 = ir.IntType(32)
+            v32 = ir.VectorType(i32, 8)
+            vf = ir.VectorType(ir.FloatType(), 8)
+            half = signature.args[0].dtype == types.uint16
+            ity = ir.IntType(16) if half else i32
+            vin = ir.VectorType(ity, 8)
+            emask, ecarry = (0x7F80, 0x80) if half else (0x7F800000, 0x800000)
+            bad = ir.Constant(vin, None)
+            rows = []
+            for off in _offsets(builder, context, args[1], args[2]):
+                v = builder.load(_ptr(builder, context, s.data, off, vin), align=2 if half else 4)
+                bad = builder.or_(bad, builder.add(builder.and_(v, ir.Constant(vin, [emask] * 8)),
+                                                   ir.Constant(vin, [ecarry] * 8)))
+                if half:
+                    v = builder.shl(builder.zext(v, v32), ir.Constant(v32, [16] * 8))
+                rows.append(v)
+            cols = [builder.bitcast(c, vf) for c in _transpose8(builder, rows)]
+            if stages:
+                for h in (1, 2, 4):
+                    for j in range(8):
+                        if j & h:
+                            continue
+                        a, b = cols[j], cols[j + h]
+                        cols[j], cols[j + h] = builder.fadd(a, b), builder.fsub(a, b)
+                sc = builder.insert_element(ir.Constant(vf, None), args[6], ir.Constant(i32, 0))
+                sc = builder.shuffle_vector(sc, sc, ir.Constant(v32, [0] * 8))
+                cols = [builder.fmul(c, sc) for c in cols]
+            for off, c in zip(_offsets(builder, context, args[4], args[5]), cols, strict=True):
+                builder.store(c, _ptr(builder, context, d.data, off, vf), align=4)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ity, [vin]),
+                                                f"llvm.vector.reduce.or.v8i{ity.width}")
+            red = builder.call(fn, [bad])
+            top = ir.Constant(ity, 1 << (ity.width - 1))
+            return builder.icmp_unsigned("==", builder.and_(red, top), ir.Constant(ity, 0))
+
+        return sig, codegen
+
+    return load8
+
+
+_load8 = _make_load8(False)
+_load8_fwht3 = _make_load8(True)
+
+
+@intrinsic
+def _store8(typingctx, src, so, ss, dst, do, ds):  # pragma: no cover - compiled
+    """dst[do + i*ds + j] = src.flat[so + j*ss + i] for i, j < 8 (src float32 Y; dst uint16
+    bf16 bits rounded to nearest even, or float32)."""
+    if src.dtype != types.float32 or dst.dtype not in (types.uint16, types.float32):
+        return None
+    sig = types.void(src, types.intp, types.intp, dst, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        s = context.make_array(signature.args[0])(context, builder, args[0])
+        d = context.make_array(signature.args[3])(context, builder, args[3])
+        i32 = ir.IntType(32)
+        v32 = ir.VectorType(i32, 8)
+        vf = ir.VectorType(ir.FloatType(), 8)
+        half = signature.args[3].dtype == types.uint16
+        rows = [builder.bitcast(builder.load(_ptr(builder, context, s.data, off, vf), align=4),
+                                v32)
+                for off in _offsets(builder, context, args[1], args[2])]
+        for off, v in zip(_offsets(builder, context, args[4], args[5]), _transpose8(builder, rows),
+                          strict=True):
+            if half:
+                one = builder.and_(builder.lshr(v, ir.Constant(v32, [16] * 8)),
+                                   ir.Constant(v32, [1] * 8))
+                r = builder.add(builder.add(v, ir.Constant(v32, [0x7FFF] * 8)), one)
+                v16 = ir.VectorType(ir.IntType(16), 8)
+                r = builder.trunc(builder.lshr(r, ir.Constant(v32, [16] * 8)), v16)
+                builder.store(r, _ptr(builder, context, d.data, off, v16), align=2)
+            else:
+                builder.store(builder.bitcast(v, vf), _ptr(builder, context, d.data, off, vf),
+                              align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(**_JIT)
+def _fwht_from(Y, h):  # pragma: no cover - compiled
+    """In-place orthonormal Walsh-Hadamard transform of every column of Y[n, T] (n a power of
+    two), from the stage whose pairs are h apart (the earlier ones done by the caller). The
+    same butterflies in the same order as codec_kernels._fwht_cols (the bits v4 payloads were
+    written with), the last stage scaling; each stage pair runs as four contiguous blocks of
+    h*T elements (one long loop where _fwht_cols ran T-long ones: 0.19 -> 0.1 ms a block)."""
+    n, T = Y.shape
+    Yf = Y.reshape(n * T)
+    s = np.float32(1.0 / np.sqrt(n))
+    while 4 * h <= n:
+        last = 4 * h == n
+        m = h * T
+        for i in range(0, n, 4 * h):
+            A = Yf[i * T:i * T + m]
+            B = Yf[i * T + m:i * T + 2 * m]
+            C = Yf[i * T + 2 * m:i * T + 3 * m]
+            E = Yf[i * T + 3 * m:i * T + 4 * m]
+            if last:
+                for x in range(m):
+                    a = A[x]
+                    b = B[x]
+                    c = C[x]
+                    d = E[x]
+                    p = a + b
+                    q = a - b
+                    r = c + d
+                    u = c - d
+                    A[x] = (p + r) * s
+                    B[x] = (q + u) * s
+                    C[x] = (p - r) * s
+                    E[x] = (q - u) * s
+            else:
+                for x in range(m):
+                    a = A[x]
+                    b = B[x]
+                    c = C[x]
+                    d = E[x]
+                    p = a + b
+                    q = a - b
+                    r = c + d
+                    u = c - d
+                    A[x] = p + r
+                    B[x] = q + u
+                    C[x] = p - r
+                    E[x] = q - u
+        h *= 4
+    if h < n:                       # an odd number of stages left: one radix-2 stage, scaling
+        m = h * T
+        A = Yf[:m]
+        B = Yf[m:2 * m]
+        for x in range(m):
+            a = A[x]
+            b = B[x]
+            A[x] = (a + b) * s
+            B[x] = (a - b) * s
+    elif n == 1:
+        for x in range(T):
+            Yf[x] *= s
+
+
+@numba.njit(**_JIT)
+def _median(x, srt):  # pragma: no cover - compiled
+    """Median of x (srt: scratch of its size). Insertion sort up to 64 values: numba's sort
+    cost 0.5 us on 32, a tenth of the whole tile's work."""
+    n = x.shape[0]
+    if n > 64:
+        srt[:] = x
+        return _median_sorted(srt)
+    for i in range(n):
+        v = x[i]
+        j = i
+        while j > 0 and srt[j - 1] > v:
+            srt[j] = srt[j - 1]
+            j -= 1
+        srt[j] = v
+    if n % 2 == 1:
+        return srt[(n - 1) // 2]
+    return np.float32(0.5) * (srt[n // 2 - 1] + srt[n // 2])
+
+
 # ------------------------------------------------------------------ encode
+
+
+@numba.njit(**_JIT)
+def _load_tile_fast(src16, src32, dt, base, HD, Y, rot):  # pragma: no cover - compiled
+    """_load_tile by 8 x 8 blocks (D and T multiples of 8), and with `rot` the whole Hadamard
+    transform (its first three stages on the registers). False when any element is inf/NaN."""
+    D, T = Y.shape
+    s3 = np.float32(1.0 / np.sqrt(D)) if D == 8 else np.float32(1.0)
+    for t0 in range(0, T, 8):
+        for d0 in range(0, D, 8):
+            o = base + t0 * HD + d0
+            if dt == BF16:
+                if rot:
+                    ok = _load8_fwht3(src16, o, HD, Y, d0 * T + t0, T, s3)
+                else:
+                    ok = _load8(src16, o, HD, Y, d0 * T + t0, T, s3)
+            elif rot:
+                ok = _load8_fwht3(src32, o, HD, Y, d0 * T + t0, T, s3)
+            else:
+                ok = _load8(src32, o, HD, Y, d0 * T + t0, T, s3)
+            if not ok:
+                return False
+    if rot:
+        _fwht_from(Y, 8)
+    return True
 
 
 @numba.njit(**_JIT)
@@ -142,7 +386,7 @@ def _col_norm_absmax(Y, vn, am):  # pragma: no cover - compiled
             am[t] = max(am[t], _f2u(y) & np.uint32(0x7FFFFFFF))
 
 
-@numba.njit(**_JIT_FAST)
+@numba.njit(**_JIT_SUM)
 def _row_mean(yr, T):  # pragma: no cover - compiled
     s = np.float32(0.0)
     for t in range(T):
@@ -265,6 +509,19 @@ def _quant_values(Y, inv, scl, tiny, qmax, fp8, codes, cbase):  # pragma: no cov
 
 
 @numba.njit(**_JIT)
+def _load_rot(src16, src32, dt, base, HD, X, Y, rot, fast):  # pragma: no cover - compiled
+    """Y = the tile at `base`, channel-major, Hadamard-transformed over D when `rot`; False on
+    inf/NaN. `fast`: D and T are multiples of 8 (8 x 8 register blocks)."""
+    if fast:
+        return _load_tile_fast(src16, src32, dt, base, HD, Y, rot)
+    if not _load_tile(src16, src32, dt, base, HD, X, Y):
+        return False
+    if rot:
+        _fwht_from(Y, 1)
+    return True
+
+
+@numba.njit(**_JIT)
 def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink_ratio, kout_ratio,
               exp_lut, slab, kidx, kexp, vexp, codes, xk, xv):  # pragma: no cover - compiled
     """Quantize one canonical block [L,2,T,H,D] into the v4 sections (tiers/codec_q4.py).
@@ -302,21 +559,20 @@ def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink
     ed = np.empty(D, np.int32)
     HD = H * D
     DT = D * T
+    fast = D % 8 == 0 and T % 8 == 0
     for ly in range(L):
         for h in range(H):
             for t in range(T):
                 xk[ly, t, h] = False
                 xv[ly, t, h] = False
             # ---- values: norms (sink rule), rotation, one scale per token
-            if not _load_tile(src16, src32, dt, ((ly * 2 + 1) * T * H + h) * D, HD, X, Y):
+            if not _load_rot(src16, src32, dt, ((ly * 2 + 1) * T * H + h) * D, HD, X, Y, rot_v,
+                             fast):      # the rotation keeps the norms the sink rule reads
                 return 1
-            if rot_v:                # the rotation keeps the norms the sink rule reads
-                _fwht_cols(Y, D, T)
             _col_norm_absmax(Y, vn, am)
             sink = -1
             if T > 1:
-                srt[:] = vn
-                med = _median_sorted(srt)
+                med = _median(vn, srt)
                 tmin = 0
                 for t in range(1, T):
                     if vn[t] < vn[tmin]:
@@ -341,17 +597,14 @@ def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink
                 tinv[t] = np.float32(1.0) / tsc[t]
             _quant_values(Y, tinv, tsc, vb < TINY, qmax, fp8, codes, ((ly * 2 + 1) * H + h) * DT)
             # ---- keys: the outlier key, then one centre and one scale per channel
-            if not _load_tile(src16, src32, dt, ((ly * 2) * T * H + h) * D, HD, X, Y):
+            if not _load_rot(src16, src32, dt, ((ly * 2) * T * H + h) * D, HD, X, Y, rot_k, fast):
                 return 1
-            if rot_k:
-                _fwht_cols(Y, D, T)
             _col_dev(Y, dsc, dev)
             keep[:] = 1
             if sink >= 0:
                 keep[sink] = 0
             if T > 2:
-                srt[:] = dev
-                dmed = _median_sorted(srt)
+                dmed = _median(dev, srt)
                 tout = -1
                 for t in range(T):
                     if t != sink and (tout < 0 or dev[t] > dev[tout]):
@@ -447,10 +700,19 @@ def _dequant_values(codes, cbase, scl, fp8, Y):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
-def _store_tile(Y, X, dt, base, HD, dst16, dst32):  # pragma: no cover - compiled
-    """Element base + t*HD + d = Y[d, t], rounded to bf16 (nearest even) or as float32, through
-    the row scratch X[T, D] (an L1 transpose, then contiguous stores)."""
+def _store_tile(Y, X, dt, base, HD, dst16, dst32, fast):  # pragma: no cover - compiled
+    """Element base + t*HD + d = Y[d, t], rounded to bf16 (nearest even) or as float32: by
+    8 x 8 register blocks when `fast` (D and T multiples of 8), else through the row scratch
+    X[T, D] (an L1 transpose, then contiguous stores)."""
     D, T = Y.shape
+    if fast:
+        for t0 in range(0, T, 8):
+            for d0 in range(0, D, 8):
+                if dt == BF16:
+                    _store8(Y, d0 * T + t0, T, dst16, base + t0 * HD + d0, HD)
+                else:
+                    _store8(Y, d0 * T + t0, T, dst32, base + t0 * HD + d0, HD)
+        return
     for t in range(T):
         xr = X[t]
         for d in range(D):
@@ -482,6 +744,7 @@ def q4_decode(dst16, dst32, dt, L, T, H, D, fp8, rot_k, rot_v, exp_lut, slab, ki
     tsc = np.empty(T, np.float32)
     HD = H * D
     DT = D * T
+    fast = D % 8 == 0 and T % 8 == 0
     for ly in range(L):
         for h in range(H):
             c0 = _bf16_value(slab[ly, h, 0])
@@ -498,10 +761,10 @@ def q4_decode(dst16, dst32, dt, L, T, H, D, fp8, rot_k, rot_v, exp_lut, slab, ki
                 tsc[t] = vb * exp_lut[vexp[ly, t, h]]
             _dequant_keys(codes, ((ly * 2) * H + h) * DT, cen, dsc, fp8, Y)
             if rot_k:
-                _fwht_cols(Y, D, T)
-            _store_tile(Y, X, dt, ((ly * 2) * T * H + h) * D, HD, dst16, dst32)
+                _fwht_from(Y, 1)
+            _store_tile(Y, X, dt, ((ly * 2) * T * H + h) * D, HD, dst16, dst32, fast)
             _dequant_values(codes, ((ly * 2 + 1) * H + h) * DT, tsc, fp8, Y)
             if rot_v:
-                _fwht_cols(Y, D, T)
-            _store_tile(Y, X, dt, ((ly * 2 + 1) * T * H + h) * D, HD, dst16, dst32)
+                _fwht_from(Y, 1)
+            _store_tile(Y, X, dt, ((ly * 2 + 1) * T * H + h) * D, HD, dst16, dst32, fast)
     return 0
