@@ -576,7 +576,7 @@ def ll_decode(body, itemsize, dic, low_off, nib_off, esc_off, n_esc, out):  # pr
     return 0
 
 
-# ------------------------------------------------------------------ shared with v4 (codec_kernels4.py)
+# ----------------------------------------------------------- shared with v4 (codec_kernels4.py)
 
 
 @numba.njit(**_JIT)

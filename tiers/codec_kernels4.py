@@ -373,17 +373,34 @@ def _load_tile(src16, src32, dt, base, HD, X, Y):  # pragma: no cover - compiled
 @numba.njit(**_JIT)
 def _col_norm_absmax(Y, vn, am):  # pragma: no cover - compiled
     """vn[t] = squared norm of column t (summed over d in order), am[t] = its max |Y[d, t]| as
-    float bits, in one pass down the rows."""
+    float bits, in one pass down the rows, four rows per loop (T-long loops cost as much to
+    enter as to run; the sums keep their order, so their bits)."""
     D, T = Y.shape
+    m = np.uint32(0x7FFFFFFF)
     for t in range(T):
         vn[t] = 0
         am[t] = 0
-    for d in range(D):
+    d = 0
+    while d + 4 <= D:
+        y0 = Y[d]
+        y1 = Y[d + 1]
+        y2 = Y[d + 2]
+        y3 = Y[d + 3]
+        for t in range(T):
+            a = y0[t]
+            b = y1[t]
+            c = y2[t]
+            e = y3[t]
+            vn[t] = (((vn[t] + a * a) + b * b) + c * c) + e * e
+            am[t] = max(max(am[t], _f2u(a) & m, _f2u(b) & m), max(_f2u(c) & m, _f2u(e) & m))
+        d += 4
+    while d < D:
         yr = Y[d]
         for t in range(T):
             y = yr[t]
             vn[t] += y * y
-            am[t] = max(am[t], _f2u(y) & np.uint32(0x7FFFFFFF))
+            am[t] = max(am[t], _f2u(y) & m)
+        d += 1
 
 
 @numba.njit(**_JIT_SUM)
@@ -396,42 +413,98 @@ def _row_mean(yr, T):  # pragma: no cover - compiled
 
 @numba.njit(**_JIT)
 def _col_dev(Y, mu, dev):  # pragma: no cover - compiled
-    """dev[t] = squared distance of column t from the mean column (mu: scratch[D])."""
+    """dev[t] = squared distance of column t from the mean column (mu: scratch[D]), four rows
+    per loop as _col_norm_absmax."""
     D, T = Y.shape
     for d in range(D):
         mu[d] = _row_mean(Y[d], T) / np.float32(T)
     for t in range(T):
         dev[t] = 0
-    for d in range(D):
+    d = 0
+    while d + 4 <= D:
+        y0 = Y[d]
+        y1 = Y[d + 1]
+        y2 = Y[d + 2]
+        y3 = Y[d + 3]
+        m0 = mu[d]
+        m1 = mu[d + 1]
+        m2 = mu[d + 2]
+        m3 = mu[d + 3]
+        for t in range(T):
+            a = y0[t] - m0
+            b = y1[t] - m1
+            c = y2[t] - m2
+            e = y3[t] - m3
+            dev[t] = (((dev[t] + a * a) + b * b) + c * c) + e * e
+        d += 4
+    while d < D:
         yr = Y[d]
         m = mu[d]
         for t in range(T):
             z = yr[t] - m
             dev[t] += z * z
+        d += 1
+
+
+@numba.njit(**_JIT)
+def _hilo_out(a, b, n, hi, lo, d):  # pragma: no cover - compiled
+    """hi[d], lo[d] from the integer keys a, b, with the signed zeros the first v4 kernel left
+    (it took max(y + 0) and -max(0 - y)); 0 / -0 where no token is kept (n == 0)."""
+    if n:
+        hi[d] = _unkey(a) + np.float32(0.0)
+        lo[d] = -(np.float32(0.0) - _unkey(b))
+    else:
+        hi[d] = 0.0
+        lo[d] = -0.0
 
 
 @numba.njit(**_JIT)
 def _row_hilo(Y, keep, hi, lo):  # pragma: no cover - compiled
     """hi[d] / lo[d] = max / min of Y[d, t] over the tokens with keep[t] != 0 (integer keys:
-    the reduction vectorizes); 0 / -0 where no token is kept."""
+    the reduction vectorizes; four rows per loop); 0 / -0 where no token is kept."""
     D, T = Y.shape
+    lo_k = np.int32(_I32_MIN)
+    hi_k = np.int32(_I32_MAX)
     n = 0
     for t in range(T):
         n += keep[t] != 0
-    for d in range(D):
+    d = 0
+    while d + 4 <= D:
+        y0 = Y[d]
+        y1 = Y[d + 1]
+        y2 = Y[d + 2]
+        y3 = Y[d + 3]
+        a0 = a1 = a2 = a3 = lo_k
+        b0 = b1 = b2 = b3 = hi_k
+        for t in range(T):
+            k = keep[t] != 0
+            k0 = _key(y0[t])
+            k1 = _key(y1[t])
+            k2 = _key(y2[t])
+            k3 = _key(y3[t])
+            a0 = max(a0, k0 if k else lo_k)
+            b0 = min(b0, k0 if k else hi_k)
+            a1 = max(a1, k1 if k else lo_k)
+            b1 = min(b1, k1 if k else hi_k)
+            a2 = max(a2, k2 if k else lo_k)
+            b2 = min(b2, k2 if k else hi_k)
+            a3 = max(a3, k3 if k else lo_k)
+            b3 = min(b3, k3 if k else hi_k)
+        _hilo_out(a0, b0, n, hi, lo, d)
+        _hilo_out(a1, b1, n, hi, lo, d + 1)
+        _hilo_out(a2, b2, n, hi, lo, d + 2)
+        _hilo_out(a3, b3, n, hi, lo, d + 3)
+        d += 4
+    while d < D:
         yr = Y[d]
-        a = np.int32(_I32_MIN)
-        b = np.int32(_I32_MAX)
+        a = lo_k
+        b = hi_k
         for t in range(T):
             k = _key(yr[t])
-            a = max(a, k if keep[t] else np.int32(_I32_MIN))
-            b = min(b, k if keep[t] else np.int32(_I32_MAX))
-        if n:       # signed zeros as the first v4 kernel left them (max(y + 0), -max(0 - y))
-            hi[d] = _unkey(a) + np.float32(0.0)
-            lo[d] = -(np.float32(0.0) - _unkey(b))
-        else:
-            hi[d] = 0.0
-            lo[d] = -0.0
+            a = max(a, k if keep[t] else lo_k)
+            b = min(b, k if keep[t] else hi_k)
+        _hilo_out(a, b, n, hi, lo, d)
+        d += 1
 
 
 @numba.njit(**_JIT)
@@ -442,22 +515,37 @@ def _code_i8(z, qmax):  # pragma: no cover - compiled
     return np.uint8(np.int32(_rint(z)) & 255)
 
 
-@numba.njit(**_JIT)
-def _code_f8(z, qmax):  # pragma: no cover - compiled
+@intrinsic
+def _code_f8(typingctx, z, qmax):  # pragma: no cover - compiled
     """e4m3fn code of z clamped to +-qmax: round to nearest even on the float bits, codes below
-    2**-6 (subnormal in e4m3) from the scaled value."""
-    nq = -qmax
-    z = z if z > nq else nq
-    z = z if z < qmax else qmax
-    b = _f2u(z)
-    u = b & np.uint32(0x7FFFFFFF)
-    sign = (b >> np.uint32(24)) & np.uint32(0x80)
-    r = u + np.uint32(0x7FFFF) + ((u >> np.uint32(20)) & np.uint32(1))
-    cn = (r >> np.uint32(20)) - np.uint32(120 << 3)
-    cn = min(cn, np.uint32(0x7E))
-    cs = np.uint32(np.int32(_rint(abs(z) * np.float32(512.0))))
-    c = cs if u < np.uint32(0x3C800000) else cn
-    return np.uint8(c | sign)
+    2**-6 (subnormal in e4m3) from the scaled value. In LLVM IR because numba widens every
+    uint32 operation to 64 bits, which halved the vector width of this loop."""
+    if z != types.float32 or qmax != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        f32 = ir.FloatType()
+        x, q = args
+        nq = builder.fneg(q)
+        x = builder.select(builder.fcmp_ordered(">", x, nq), x, nq)
+        x = builder.select(builder.fcmp_ordered("<", x, q), x, q)
+        b = builder.bitcast(x, i32)
+        u = builder.and_(b, ir.Constant(i32, 0x7FFFFFFF))
+        sign = builder.and_(builder.lshr(b, ir.Constant(i32, 24)), ir.Constant(i32, 0x80))
+        odd = builder.and_(builder.lshr(u, ir.Constant(i32, 20)), ir.Constant(i32, 1))
+        r = builder.add(builder.add(u, ir.Constant(i32, 0x7FFFF)), odd)
+        cn = builder.sub(builder.lshr(r, ir.Constant(i32, 20)), ir.Constant(i32, 120 << 3))
+        top = ir.Constant(i32, 0x7E)
+        cn = builder.select(builder.icmp_unsigned("<", cn, top), cn, top)
+        ax = builder.bitcast(u, f32)                      # |x|
+        m = ir.Constant(f32, 12582912.0)                  # round half to even, as _rint
+        cs = builder.fsub(builder.fadd(builder.fmul(ax, ir.Constant(f32, 512.0)), m), m)
+        cs = builder.fptosi(cs, i32)
+        c = builder.select(builder.icmp_unsigned("<", u, ir.Constant(i32, 0x3C800000)), cs, cn)
+        return builder.trunc(builder.or_(c, sign), ir.IntType(8))
+
+    return types.uint8(types.float32, types.float32), codegen
 
 
 @numba.njit(**_JIT)
