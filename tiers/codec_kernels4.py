@@ -611,7 +611,7 @@ def _load_rot(src16, src32, dt, base, HD, X, Y, rot, fast):  # pragma: no cover 
 
 @numba.njit(**_JIT)
 def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink_ratio, kout_ratio,
-              exp_lut, slab, kidx, kexp, vexp, codes, xk, xv):  # pragma: no cover - compiled
+              exp_lut, slab, kidx, kexp, vexp, codes, xk, xv, blocks8):  # pragma: no cover
     """Quantize one canonical block [L,2,T,H,D] into the v4 sections (tiers/codec_q4.py).
 
     Per (layer, head), channel-major (Y[d, t]): keys and values optionally Hadamard-rotated
@@ -620,7 +620,9 @@ def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink
     (flagged in xk / xv, their raw bytes stored by the caller) stay out of the statistics: the
     value sink (squared value norm < sink_ratio**2 x the median) has its key and value exact;
     the key farthest from the channel means, when its distance is > kout_ratio x the median
-    distance, has its key exact. Returns 0, or 1 when the block holds inf/NaN."""
+    distance, has its key exact. blocks8: move tiles by 8 x 8 register blocks where D and T
+    allow (False: element by element; the same result). Returns 0, or 1 when the block holds
+    inf/NaN."""
     qmax = np.float32(448.0) if fp8 else np.float32(127.0)
     Y = np.empty((D, T), np.float32)
     X = np.empty((T, D), np.float32)
@@ -647,7 +649,7 @@ def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink
     ed = np.empty(D, np.int32)
     HD = H * D
     DT = D * T
-    fast = D % 8 == 0 and T % 8 == 0
+    fast = blocks8 and D % 8 == 0 and T % 8 == 0
     for ly in range(L):
         for h in range(H):
             for t in range(T):
@@ -822,8 +824,9 @@ def _store_tile(Y, X, dt, base, HD, dst16, dst32, fast):  # pragma: no cover - c
 
 @numba.njit(**_JIT)
 def q4_decode(dst16, dst32, dt, L, T, H, D, fp8, rot_k, rot_v, exp_lut, slab, kidx, kexp, vexp,
-              codes):  # pragma: no cover - compiled
-    """Inverse of q4_encode (exact tokens are written by the caller afterwards).
+              codes, blocks8):  # pragma: no cover - compiled
+    """Inverse of q4_encode (exact tokens are written by the caller afterwards; blocks8 as
+    there).
     Returns 0, or 2 when the side info is not finite/positive (a corrupt payload)."""
     Y = np.empty((D, T), np.float32)
     X = np.empty((T, D), np.float32)
@@ -832,7 +835,7 @@ def q4_decode(dst16, dst32, dt, L, T, H, D, fp8, rot_k, rot_v, exp_lut, slab, ki
     tsc = np.empty(T, np.float32)
     HD = H * D
     DT = D * T
-    fast = D % 8 == 0 and T % 8 == 0
+    fast = blocks8 and D % 8 == 0 and T % 8 == 0
     for ly in range(L):
         for h in range(H):
             c0 = _bf16_value(slab[ly, h, 0])

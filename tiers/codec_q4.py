@@ -117,8 +117,10 @@ def _code_view(codes: np.ndarray, layout: KVLayout) -> np.ndarray:
     return codes.reshape(L, 2, H, D, T).transpose(0, 1, 4, 2, 3)
 
 
-def encode(block: np.ndarray, layout: KVLayout, kind: str) -> bytes:
-    """One canonical block (1-D uint8) -> v4 payload bytes. NonFiniteBlock on inf/NaN."""
+def encode(block: np.ndarray, layout: KVLayout, kind: str, *, blocks8: bool = True) -> bytes:
+    """One canonical block (1-D uint8) -> v4 payload bytes. NonFiniteBlock on inf/NaN.
+    blocks8=False moves tiles element by element instead of by 8 x 8 register blocks (the same
+    bytes, slower: tests compare the two)."""
     check_block(block, layout)
     if layout.dtype not in _DT:
         raise NonFiniteBlock(f"{kind} supports bfloat16/float16/float32, not {layout.dtype}")
@@ -136,7 +138,7 @@ def encode(block: np.ndarray, layout: KVLayout, kind: str) -> bytes:
     rk, rv = ROTATE[kind] if rotates(layout) else (False, False)
     st = _kernels().q4_encode(src16, src32, dt, L, T, H, D, kind == "fp8_e4m3", rk, rv,
                               SINK_RATIO, VSINK_RATIO, KOUT_RATIO, EXP_LUT, slab, kidx, kexp,
-                              vexp, codes, xk, xv)
+                              vexp, codes, xk, xv, blocks8)
     if st:
         raise NonFiniteBlock(f"{kind} refuses a block holding inf or NaN")
     flags = (F_ROT_K if rk else 0) | (F_ROT_V if rv else 0)
@@ -159,8 +161,10 @@ def encode(block: np.ndarray, layout: KVLayout, kind: str) -> bytes:
     return b"".join(memoryview(p).cast("B") for p in parts + lows)   # the one copy
 
 
-def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray) -> None:
-    """v4 payload -> `out` (1-D uint8, the layout's block). DataLoss if it does not decode."""
+def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray, *,
+           blocks8: bool = True) -> None:
+    """v4 payload -> `out` (1-D uint8, the layout's block). DataLoss if it does not decode.
+    blocks8 as in encode."""
     check_block(out, layout, "out")
     if len(mv) < HEADER_BYTES:
         raise DataLoss(f"{kind} payload is {len(mv)} bytes, shorter than its header")
@@ -213,7 +217,7 @@ def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray) -> None
         dst16 = np.empty(0, np.uint16)
         dst32 = scratch("q4_out32", layout.block_elements * 4).view(np.float32)
     st = _kernels().q4_decode(dst16, dst32, dt, L, T, H, D, kind == "fp8_e4m3", rk, rv, EXP_LUT,
-                              slab, kidx, kexp, vexp, codes)
+                              slab, kidx, kexp, vexp, codes, blocks8)
     if st:
         raise DataLoss(f"{kind} payload has non-finite or non-positive scales")
     if dt == 1:
