@@ -129,16 +129,17 @@ def _offsets(builder, context, start, stride):
     return [builder.add(start, builder.mul(stride, ir.Constant(intp, i))) for i in range(8)]
 
 
-def _make_load8(stages: bool):
+def _make_load(nblk: int, stages: bool):
     """An intrinsic (src, so, ss, Y, yo, ys, scale) -> ok: Y.flat[yo + j*ys + i] = element
-    so + i*ss + j of `src` as float32 (uint16 bf16 bits or float32), i, j < 8; ok is False when
-    any of the 64 is inf/NaN. With `stages`, the first three Hadamard stages (pairs 1, 2, 4
-    apart: all within the eight channels) run on the registers before the store, the last one
-    times `scale` (1 unless the transform is 8 long), the same additions in the same order as
-    _fwht_from, so the same bits."""
+    so + i*ss + j of `src` as float32 (uint16 bf16 bits or float32), i < 8, j < 8*nblk (nblk
+    8 x 8 blocks side by side); ok is False when any of them is inf/NaN. With `stages`, the
+    Hadamard stages whose pairs lie within the 8*nblk channels (1, 2, 4, ... apart) run on the
+    registers before the store, then everything is multiplied by `scale` (the transform's
+    scale when these were its last stages, else 1: exact), the same additions in the same
+    order as _fwht_from, so the same bits."""
 
     @intrinsic
-    def load8(typingctx, src, so, ss, dst, do, ds, scale):  # pragma: no cover - compiled
+    def load(typingctx, src, so, ss, dst, do, ds, scale):  # pragma: no cover - compiled
         if src.dtype not in (types.uint16, types.float32) or dst.dtype != types.float32:
             return None
         sig = types.boolean(src, types.intp, types.intp, dst, types.intp, types.intp,
@@ -148,6 +149,7 @@ def _make_load8(stages: bool):
             s = context.make_array(signature.args[0])(context, builder, args[0])
             d = context.make_array(signature.args[3])(context, builder, args[3])
             i32 = ir.IntType(32)
+            intp = context.get_value_type(types.intp)
             v32 = ir.VectorType(i32, 8)
             vf = ir.VectorType(ir.FloatType(), 8)
             half = signature.args[0].dtype == types.uint16
@@ -155,26 +157,33 @@ def _make_load8(stages: bool):
             vin = ir.VectorType(ity, 8)
             emask, ecarry = (0x7F80, 0x80) if half else (0x7F800000, 0x800000)
             bad = ir.Constant(vin, None)
-            rows = []
-            for off in _offsets(builder, context, args[1], args[2]):
-                v = builder.load(_ptr(builder, context, s.data, off, vin), align=2 if half else 4)
-                bad = builder.or_(bad, builder.add(builder.and_(v, ir.Constant(vin, [emask] * 8)),
-                                                   ir.Constant(vin, [ecarry] * 8)))
-                if half:
-                    v = builder.shl(builder.zext(v, v32), ir.Constant(v32, [16] * 8))
-                rows.append(v)
-            cols = [builder.bitcast(c, vf) for c in _transpose8(builder, rows)]
+            cols = []
+            for blk in range(nblk):
+                rows = []
+                start = builder.add(args[1], ir.Constant(intp, 8 * blk))
+                for off in _offsets(builder, context, start, args[2]):
+                    v = builder.load(_ptr(builder, context, s.data, off, vin),
+                                     align=2 if half else 4)
+                    bad = builder.or_(bad, builder.add(
+                        builder.and_(v, ir.Constant(vin, [emask] * 8)),
+                        ir.Constant(vin, [ecarry] * 8)))
+                    if half:
+                        v = builder.shl(builder.zext(v, v32), ir.Constant(v32, [16] * 8))
+                    rows.append(v)
+                cols += [builder.bitcast(c, vf) for c in _transpose8(builder, rows)]
             if stages:
-                for h in (1, 2, 4):
-                    for j in range(8):
-                        if j & h:
-                            continue
-                        a, b = cols[j], cols[j + h]
-                        cols[j], cols[j + h] = builder.fadd(a, b), builder.fsub(a, b)
+                h = 1
+                while h < 8 * nblk:
+                    for j in range(8 * nblk):
+                        if not j & h:
+                            a, b = cols[j], cols[j + h]
+                            cols[j], cols[j + h] = builder.fadd(a, b), builder.fsub(a, b)
+                    h *= 2
                 sc = builder.insert_element(ir.Constant(vf, None), args[6], ir.Constant(i32, 0))
                 sc = builder.shuffle_vector(sc, sc, ir.Constant(v32, [0] * 8))
                 cols = [builder.fmul(c, sc) for c in cols]
-            for off, c in zip(_offsets(builder, context, args[4], args[5]), cols, strict=True):
+            for j, c in enumerate(cols):
+                off = builder.add(args[4], builder.mul(args[5], ir.Constant(intp, j)))
                 builder.store(c, _ptr(builder, context, d.data, off, vf), align=4)
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ity, [vin]),
                                                 f"llvm.vector.reduce.or.v8i{ity.width}")
@@ -184,11 +193,13 @@ def _make_load8(stages: bool):
 
         return sig, codegen
 
-    return load8
+    return load
 
 
-_load8 = _make_load8(False)
-_load8_fwht3 = _make_load8(True)
+_load8 = _make_load(1, False)
+_load8_h1 = _make_load(1, True)     # Hadamard stages 1, 2, 4 on the registers
+_load8_h2 = _make_load(2, True)     # ... 1 to 8
+_load8_h4 = _make_load(4, True)     # ... 1 to 16
 
 
 @intrinsic
@@ -313,25 +324,36 @@ def _median(x, srt):  # pragma: no cover - compiled
 @numba.njit(**_JIT)
 def _load_tile_fast(src16, src32, dt, base, HD, Y, rot):  # pragma: no cover - compiled
     """_load_tile by 8 x 8 blocks (D and T multiples of 8), and with `rot` the whole Hadamard
-    transform (its first three stages on the registers). False when any element is inf/NaN."""
+    transform, its stages within 32 channels on the registers (all of it up to D = 32, then
+    one pass over Y for D = 64 and 128). False when any element is inf/NaN."""
     D, T = Y.shape
-    s3 = np.float32(1.0 / np.sqrt(D)) if D == 8 else np.float32(1.0)
+    nb = min(D // 8, 4) if rot else 1
+    scale = np.float32(1.0 / np.sqrt(D)) if rot and D == 8 * nb else np.float32(1.0)
     for t0 in range(0, T, 8):
-        for d0 in range(0, D, 8):
+        for d0 in range(0, D, 8 * nb):
             o = base + t0 * HD + d0
+            yo = d0 * T + t0
             if dt == BF16:
-                if rot:
-                    ok = _load8_fwht3(src16, o, HD, Y, d0 * T + t0, T, s3)
+                if nb == 4:
+                    ok = _load8_h4(src16, o, HD, Y, yo, T, scale)
+                elif nb == 2:
+                    ok = _load8_h2(src16, o, HD, Y, yo, T, scale)
+                elif rot:
+                    ok = _load8_h1(src16, o, HD, Y, yo, T, scale)
                 else:
-                    ok = _load8(src16, o, HD, Y, d0 * T + t0, T, s3)
+                    ok = _load8(src16, o, HD, Y, yo, T, scale)
+            elif nb == 4:
+                ok = _load8_h4(src32, o, HD, Y, yo, T, scale)
+            elif nb == 2:
+                ok = _load8_h2(src32, o, HD, Y, yo, T, scale)
             elif rot:
-                ok = _load8_fwht3(src32, o, HD, Y, d0 * T + t0, T, s3)
+                ok = _load8_h1(src32, o, HD, Y, yo, T, scale)
             else:
-                ok = _load8(src32, o, HD, Y, d0 * T + t0, T, s3)
+                ok = _load8(src32, o, HD, Y, yo, T, scale)
             if not ok:
                 return False
     if rot:
-        _fwht_from(Y, 8)
+        _fwht_from(Y, 8 * nb)
     return True
 
 
@@ -597,6 +619,66 @@ def _quant_values(Y, inv, scl, tiny, qmax, fp8, codes, cbase):  # pragma: no cov
 
 
 @numba.njit(**_JIT)
+def _value_scales(am, qmax, skip, tsc):  # pragma: no cover - compiled
+    """tsc[t] = max |value| of token t / qmax; returns their maximum over t != skip (all >= 0,
+    so compared as integer bits: a float max does not vectorize)."""
+    T = am.shape[0]
+    m = np.uint32(0)
+    for t in range(T):
+        v = _u2f(am[t]) / qmax
+        tsc[t] = v
+        m = max(m, np.uint32(_f2u(v) if t != skip else 0))
+    return _u2f(m)
+
+
+@numba.njit(**_JIT)
+def _centres(hi, lo, cen):  # pragma: no cover - compiled
+    """cen[d] = the middle of [lo[d], hi[d]]; returns (min, max) of cen (integer keys)."""
+    D = cen.shape[0]
+    a = np.int32(_I32_MAX)
+    b = np.int32(_I32_MIN)
+    for d in range(D):
+        c = np.float32(0.5) * hi[d] + np.float32(0.5) * lo[d]
+        cen[d] = c
+        k = _key(c)
+        a = min(a, k)
+        b = max(b, k)
+    return _unkey(a), _unkey(b)
+
+
+@numba.njit(**_JIT)
+def _key_grid(cen, hi, lo, c0, st, qmax, kidx, need):  # pragma: no cover - compiled
+    """Each channel's centre to the nearest of c0 + i*st (i in 0..255: kidx), cen[d] set to it,
+    need[d] = the scale the channel then needs; returns the largest need (all >= 0)."""
+    D = cen.shape[0]
+    m = np.uint32(0)
+    for d in range(D):
+        ix = np.int32(0)
+        if st > 0:
+            ix = np.int32(_rint((cen[d] - c0) / st))
+            ix = min(max(ix, np.int32(0)), np.int32(255))
+        kidx[d] = np.uint8(ix)
+        o = c0 + np.float32(ix) * st
+        cen[d] = o
+        a = hi[d] - o
+        b = o - lo[d]
+        v = (a if a > b else b) / qmax
+        need[d] = v
+        m = max(m, _f2u(v))
+    return _u2f(np.uint32(m))
+
+
+@numba.njit(**_JIT)
+def _scales(e, base, exp_lut, scl, inv):  # pragma: no cover - compiled
+    """scl[i] = base * 2**(-e[i]/STEPS) (the table), inv[i] = 1 / scl[i]."""
+    n = e.shape[0]
+    for i in range(n):
+        v = base * exp_lut[e[i]]
+        scl[i] = v
+        inv[i] = np.float32(1.0) / v
+
+
+@numba.njit(**_JIT)
 def _load_rot(src16, src32, dt, base, HD, X, Y, rot, fast):  # pragma: no cover - compiled
     """Y = the tile at `base`, channel-major, Hadamard-transformed over D when `rot`; False on
     inf/NaN. `fast`: D and T are multiples of 8 (8 x 8 register blocks)."""
@@ -671,20 +753,15 @@ def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink
                     sink = tmin
                     xk[ly, sink, h] = True
                     xv[ly, sink, h] = vn[tmin] < np.float32(vsink_ratio * vsink_ratio) * med
-            vmax = np.float32(0.0)
-            for t in range(T):
-                tsc[t] = _u2f(am[t]) / qmax
-                if t != sink or not xv[ly, t, h]:
-                    vmax = max(vmax, tsc[t])
+            vmax = _value_scales(am, qmax, sink if sink >= 0 and xv[ly, sink, h] else -1, tsc)
             vb_bits = _bf16_round(vmax, True) if vmax > 0 else np.uint16(0x3F80)
             vb = _bf16_value(vb_bits)
             for t in range(T):
-                tsc[t] = min(tsc[t], vb)
+                tsc[t] = tsc[t] if tsc[t] < vb else vb
             _exps(tsc, vb, rt, thr, tab, et)
+            _scales(et, vb, exp_lut, tsc, tinv)
             for t in range(T):
                 vexp[ly, t, h] = et[t]
-                tsc[t] = vb * exp_lut[et[t]]
-                tinv[t] = np.float32(1.0) / tsc[t]
             _quant_values(Y, tinv, tsc, vb < TINY, qmax, fp8, codes, ((ly * 2 + 1) * H + h) * DT)
             # ---- keys: the outlier key, then one centre and one scale per channel
             if not _load_rot(src16, src32, dt, ((ly * 2) * T * H + h) * D, HD, X, Y, rot_k, fast):
@@ -703,28 +780,13 @@ def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink
                     xk[ly, tout, h] = True
                     keep[tout] = 0
             _row_hilo(Y, keep, hi, lo)
-            cmin = np.float32(np.inf)
-            cmax = np.float32(-np.inf)
-            for d in range(D):
-                cen[d] = np.float32(0.5) * hi[d] + np.float32(0.5) * lo[d]
-                cmin = min(cmin, cen[d])
-                cmax = max(cmax, cen[d])
+            cmin, cmax = _centres(hi, lo, cen)
             cmin_bits = _bf16_round(cmin, False)
             c0 = _bf16_value(cmin_bits)
             step = (cmax - c0) / np.float32(255.0) * np.float32(1.01)
             step_bits = _bf16_round(step, True) if step > 0 else np.uint16(0)
             st = _bf16_value(step_bits)
-            kmax = np.float32(0.0)
-            for d in range(D):
-                ix = 0
-                if st > 0:
-                    ix = int(_rint((cen[d] - c0) / st))
-                    ix = min(max(ix, 0), 255)
-                kidx[ly, h, d] = ix
-                o = c0 + np.float32(ix) * st
-                cen[d] = o
-                need[d] = max(hi[d] - o, o - lo[d]) / qmax
-                kmax = max(kmax, need[d])
+            kmax = _key_grid(cen, hi, lo, c0, st, qmax, kidx[ly, h], need)
             kb_bits = _bf16_round(kmax, True) if kmax > 0 else np.uint16(0x3F80)
             kb = _bf16_value(kb_bits)
             slab[ly, h, 0] = cmin_bits
@@ -732,10 +794,10 @@ def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink
             slab[ly, h, 2] = kb_bits
             slab[ly, h, 3] = vb_bits
             _exps(need, kb, rd, thr, tab, ed)
+            _scales(ed, kb, exp_lut, dsc, dinv)
+            kr = kexp[ly, h]
             for d in range(D):
-                kexp[ly, h, d] = ed[d]
-                dsc[d] = kb * exp_lut[ed[d]]
-                dinv[d] = np.float32(1.0) / dsc[d]
+                kr[d] = ed[d]
             _quant_keys(Y, cen, dinv, dsc, kb < TINY, qmax, fp8, codes, ((ly * 2) * H + h) * DT)
     return 0
 
