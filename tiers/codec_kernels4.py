@@ -802,6 +802,92 @@ def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink
     return 0
 
 
+@numba.njit(**_JIT)
+def _put_u32(buf, pos, v):  # pragma: no cover - compiled
+    for i in range(4):
+        buf[pos + i] = np.uint8((v >> (8 * i)) & 255)
+
+
+@numba.njit(**_JIT)
+def _exact_positions(mask, buf, pos, wide):  # pragma: no cover - compiled
+    """u32 count, then the ascending flat positions of mask (u32 if wide, else u16)."""
+    n = 0
+    for f in range(mask.shape[0]):
+        n += mask[f]
+    _put_u32(buf, pos, n)
+    pos += 4
+    w = 4 if wide else 2
+    for f in range(mask.shape[0]):
+        if mask[f]:
+            for i in range(w):
+                buf[pos + i] = np.uint8((f >> (8 * i)) & 255)
+            pos += w
+    return pos
+
+
+@numba.njit(**_JIT)
+def _exact_lows(block, item, mask, j, T, H, D, codes, buf, pos):  # pragma: no cover
+    """For each flagged token (flat [L,T,H] order) of part j (0 keys, 1 values): its elements'
+    bytes but the top one into buf at pos, the top one into the token's code slots."""
+    TH = T * H
+    for f in range(mask.shape[0]):
+        if not mask[f]:
+            continue
+        ly = f // TH
+        t = (f % TH) // H
+        h = f % H
+        e = ((ly * 2 + j) * TH + t * H + h) * D * item
+        c = ((ly * 2 + j) * H + h) * D * T + t
+        src = block[e:e + D * item]
+        low = buf[pos:pos + D * (item - 1)]
+        if item == 2:
+            for d in range(D):
+                low[d] = src[2 * d]
+        else:
+            for d in range(D):
+                for b in range(item - 1):
+                    low[d * (item - 1) + b] = src[d * item + b]
+        cs = codes[c:c + (D - 1) * T + 1]
+        for d in range(D):
+            cs[d * T] = src[d * item + item - 1]
+        pos += D * (item - 1)
+    return pos
+
+
+@numba.njit(**_JIT)
+def q4_pack_exact(block, item, L, T, H, D, codes, xk, xv, buf, pos, wide):  # pragma: no cover
+    """The v4 payload's exact-token section (tiers/codec_q4.py) into buf from pos: for keys
+    (xk) then values (xv) when any is flagged, a u32 count and the positions; then the keys'
+    lower bytes, then the values'; each exact element's top byte into its code slot.
+    Returns (end, flags: 1 keys present, 2 values present), or (-1, 0) when buf is too short
+    (a caller bug)."""
+    n = L * T * H
+    km = xk.reshape(n)
+    vm = xv.reshape(n)
+    nk = 0
+    nv = 0
+    for f in range(n):
+        nk += km[f]
+        nv += vm[f]
+    w = 4 if wide else 2
+    need = pos + (8 if nk else 0) + (8 if nv else 0) + (nk + nv) * (w + D * (item - 1)) - (
+        4 if nk and not nv else 0) - (4 if nv and not nk else 0)
+    if need > buf.shape[0]:
+        return -1, 0
+    flags = 0
+    if nk:
+        pos = _exact_positions(km, buf, pos, wide)
+        flags |= 1
+    if nv:
+        pos = _exact_positions(vm, buf, pos, wide)
+        flags |= 2
+    if nk:
+        pos = _exact_lows(block, item, km, 0, T, H, D, codes, buf, pos)
+    if nv:
+        pos = _exact_lows(block, item, vm, 1, T, H, D, codes, buf, pos)
+    return pos, flags
+
+
 # ------------------------------------------------------------------ decode
 
 

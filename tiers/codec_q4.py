@@ -126,7 +126,9 @@ def encode(block: np.ndarray, layout: KVLayout, kind: str, *, blocks8: bool = Tr
         raise NonFiniteBlock(f"{kind} supports bfloat16/float16/float32, not {layout.dtype}")
     L, _, T, H, D = layout.block_shape
     body = HEADER_BYTES + side_bytes(layout) + layout.block_elements
-    buf = scratch("q4_payload", body)
+    item = np.dtype(_NP[layout.dtype]).itemsize
+    # at most 3 exact tokens per (layer, head): the sink's key and value, the outlier key
+    buf = scratch("q4_payload", body + 8 + 3 * L * H * (4 + D * (item - 1)))
     slab, kidx, kexp, vexp, codes, _ = _sections(buf, layout)
     xk = scratch("q4_xk", L * T * H).view(np.bool_).reshape(L, T, H)
     xv = scratch("q4_xv", L * T * H).view(np.bool_).reshape(L, T, H)
@@ -136,29 +138,20 @@ def encode(block: np.ndarray, layout: KVLayout, kind: str, *, blocks8: bool = Tr
     else:
         src16, src32 = np.empty(0, np.uint16), _f32_view(block, layout)
     rk, rv = ROTATE[kind] if rotates(layout) else (False, False)
-    st = _kernels().q4_encode(src16, src32, dt, L, T, H, D, kind == "fp8_e4m3", rk, rv,
-                              SINK_RATIO, VSINK_RATIO, KOUT_RATIO, EXP_LUT, slab, kidx, kexp,
-                              vexp, codes, xk, xv, blocks8)
+    kern = _kernels()
+    st = kern.q4_encode(src16, src32, dt, L, T, H, D, kind == "fp8_e4m3", rk, rv, SINK_RATIO,
+                        VSINK_RATIO, KOUT_RATIO, EXP_LUT, slab, kidx, kexp, vexp, codes, xk, xv,
+                        blocks8)
     if st:
         raise NonFiniteBlock(f"{kind} refuses a block holding inf or NaN")
+    end, xflags = kern.q4_pack_exact(block, item, L, T, H, D, codes, xk, xv, buf, body,
+                                     _index_dtype(layout).itemsize == 4)
+    if end < 0:
+        raise AssertionError("v4 encode: more exact tokens than the payload buffer holds")
     flags = (F_ROT_K if rk else 0) | (F_ROT_V if rv else 0)
-    parts = [buf[:body]]
-    el = _elements(block, layout)
-    cv = _code_view(codes, layout)
-    item = el.itemsize
-    lows = []
-    iw = _index_dtype(layout)
-    for bit, mask, j in ((F_XK, xk, 0), (F_XV, xv, 1)):
-        if mask.any():
-            flags |= bit
-            where = np.flatnonzero(mask)
-            parts.append(np.array([len(where)], "<u4"))
-            parts.append(where.astype(iw))
-            raw = el[:, j][mask].reshape(-1).view(np.uint8).reshape(-1, item)
-            cv[:, j][mask] = raw[:, item - 1].reshape(-1, D)    # the top byte in the code
-            lows.append(np.ascontiguousarray(raw[:, :item - 1]))
+    flags |= (F_XK if xflags & 1 else 0) | (F_XV if xflags & 2 else 0)
     _HDR.pack_into(buf, 0, VERSION, flags, 0, 0, side_bytes(layout))
-    return b"".join(memoryview(p).cast("B") for p in parts + lows)   # the one copy
+    return buf[:end].tobytes()     # the one copy
 
 
 def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray, *,
