@@ -892,6 +892,32 @@ def q4_pack_exact(block, item, L, T, H, D, codes, xk, xv, buf, pos, wide):  # pr
 
 
 @numba.njit(**_JIT)
+def q4_unpack_exact(out, item, T, H, D, codes, where, j, buf, pos):  # pragma: no cover
+    """Inverse of _exact_lows: the tokens at flat [L,T,H] positions `where` (ascending, in
+    range: checked by the caller) of part j get their elements back from the lower bytes at
+    buf[pos:] and the top bytes in their code slots. Returns the position after them."""
+    TH = T * H
+    for i in range(where.shape[0]):
+        f = where[i]
+        ly = f // TH
+        t = (f % TH) // H
+        h = f % H
+        e = ((ly * 2 + j) * TH + t * H + h) * D * item
+        c = ((ly * 2 + j) * H + h) * D * T + t
+        dst = out[e:e + D * item]
+        low = buf[pos:pos + D * (item - 1)]
+        cs = codes[c:c + (D - 1) * T + 1]
+        for d in range(D):
+            for b in range(item - 1):
+                dst[d * item + b] = low[d * (item - 1) + b]
+            dst[d * item + item - 1] = cs[d * T]
+        pos += D * (item - 1)
+    return pos
+
+
+
+
+@numba.njit(**_JIT)
 def _f8_value(c):  # pragma: no cover - compiled
     """Value of e4m3fn code c from its bits (as tiers/codec_q3.F8_LUT: 0x7f/0xff give 480)."""
     c = np.uint32(c)

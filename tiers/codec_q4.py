@@ -100,21 +100,10 @@ def _f32_view(block: np.ndarray, layout: KVLayout) -> np.ndarray:
     return tmp
 
 
-def _elements(a: np.ndarray, layout: KVLayout) -> np.ndarray:
-    """The block's elements as unsigned words of the dtype's width, [L, 2, T, H, D]."""
-    return a.view(_NP[layout.dtype]).reshape(layout.block_shape)
-
-
 def _index_dtype(layout: KVLayout) -> np.dtype:
     """Exact-token positions (flat [L,T,H] indices) as u16 where they fit, else u32."""
     L, _, T, H, _ = layout.block_shape
     return np.dtype("<u2") if L * T * H <= 1 << 16 else np.dtype("<u4")
-
-
-def _code_view(codes: np.ndarray, layout: KVLayout) -> np.ndarray:
-    """The channel-major codes [L,2,H,D,T] seen in token order [L,2,T,H,D] (a view)."""
-    L, _, T, H, D = layout.block_shape
-    return codes.reshape(L, 2, H, D, T).transpose(0, 1, 4, 2, 3)
 
 
 def encode(block: np.ndarray, layout: KVLayout, kind: str, *, blocks8: bool = True) -> bytes:
@@ -177,10 +166,10 @@ def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray, *,
     buf = np.frombuffer(mv, np.uint8)
     pos = HEADER_BYTES + sb + layout.block_elements
     iw = _index_dtype(layout)
-    masks = []
+    exact = []                  # per part: the exact tokens' flat [L,T,H] positions
     for bit in (F_XK, F_XV):
         if not flags & bit:
-            masks.append(None)
+            exact.append(None)
             continue
         if len(buf) < pos + 4:
             raise DataLoss(f"{kind} payload is {len(buf)} bytes, too short for its exact tokens")
@@ -193,11 +182,9 @@ def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray, *,
         pos += n * iw.itemsize
         if where[-1] >= L * T * H or (n > 1 and not bool(np.all(where[1:] > where[:-1]))):
             raise DataLoss(f"{kind} payload's exact-token positions are out of range or order")
-        m = np.zeros(L * T * H, np.bool_)
-        m[where] = True
-        masks.append(m.reshape(L, T, H))
+        exact.append(where)
     item = np.dtype(_NP[layout.dtype]).itemsize
-    want = pos + sum(int(np.count_nonzero(m)) for m in masks if m is not None) * D * (item - 1)
+    want = pos + sum(len(w) for w in exact if w is not None) * D * (item - 1)
     if len(buf) != want:
         raise DataLoss(f"{kind} payload is {len(buf)} bytes; its layout and bitmaps need {want}")
     slab, kidx, kexp, vexp, codes, _ = _sections(buf, layout)
@@ -215,13 +202,7 @@ def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray, *,
         raise DataLoss(f"{kind} payload has non-finite or non-positive scales")
     if dt == 1:
         out.view(np.float16)[:] = dst32
-    el = _elements(out, layout)
-    cv = _code_view(codes, layout)
-    for j, m in enumerate(masks):
-        if m is not None:
-            n = int(np.count_nonzero(m)) * D
-            w = np.empty((n, item), np.uint8)
-            w[:, :item - 1] = buf[pos:pos + n * (item - 1)].reshape(n, item - 1)
-            w[:, item - 1] = cv[:, j][m].reshape(-1)
-            el[:, j][m] = w.view(_NP[layout.dtype]).reshape(-1, D)
-            pos += n * (item - 1)
+    kern = _kernels()
+    for j, where in enumerate(exact):
+        if where is not None:
+            pos = kern.q4_unpack_exact(out, item, T, H, D, codes, where, j, buf, pos)
