@@ -289,3 +289,26 @@ def test_lossless_escape_codes_not_matching_the_escape_bytes_are_data_loss():
     for bad in (more, fewer):
         with pytest.raises(DataLoss):
             codec_lossless.decode(bytes(bad), layout, np.empty(layout.block_bytes, np.uint8))
+
+
+def test_scale_exponents_match_the_table_search_for_every_mantissa():
+    """codec_kernels4._exps (all comparisons, vectorized) against codec_kernels._exps (table
+    and two comparisons, the first v4 encoder's), for every float32 mantissa of need/base at
+    several exponents (subnormal included), bases and zeros."""
+    from tiers import codec_kernels, codec_kernels4
+
+    thr = np.array([2.0 ** (j / codec_kernels.STEPS) for j in range(codec_kernels.STEPS + 1)],
+                   np.float32)
+    tab = codec_kernels._exp_tab()
+    mant = np.arange(1 << 23, dtype=np.uint32)
+    for exp in (126, 119, 100, 1, 0):
+        r = ((np.uint32(exp) << np.uint32(23)) | mant).view(np.float32)
+        for base in (np.float32(1.0), np.float32(3.5e-20)):
+            need = np.minimum((r * base).astype(np.float32), base)
+            need[:3] = (0.0, -0.0, base)
+            old = np.empty(need.size, np.int32)
+            new = np.empty(need.size, np.int32)
+            codec_kernels._exps(need, base, np.empty(need.size, np.float32), thr, tab, old)
+            codec_kernels4._exps(need, base, thr, np.empty(need.size, np.float32), new)
+            assert np.array_equal(old, new)
+            assert new.min() >= 0 and new.max() <= 255
