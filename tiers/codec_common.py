@@ -46,6 +46,13 @@ def kernels():
     return codec_kernels
 
 
+def kernels4():
+    """The compiled kernels of the lossy payload v4 (tiers/codec_kernels4.py), imported on
+    first use, as kernels()."""
+    from . import codec_kernels4
+    return codec_kernels4
+
+
 class NonFiniteBlock(ValueError):
     """A lossy codec refuses a block holding inf or NaN (the caller stores it losslessly).
 

@@ -1,4 +1,5 @@
-"""Compiled (numba) kernels of the v3/v4 lossy codecs and the v2 lossless codec.
+"""Compiled (numba) kernels of the v3 lossy codecs and the v2 lossless codec, and the scalar
+helpers the v4 kernels (tiers/codec_kernels4.py) share with them.
 
 Why numba: the torch/zstd codecs ran 8+ whole-block passes (0.1-0.5 GB/s on this class of CPU,
 below the SSD's write speed, issue 14). Here each (layer, head) slab of a block is read once,
@@ -7,7 +8,7 @@ daemon's worker threads encode several blocks at once; they are not numba-parall
 thread pools under the daemon's own workers oversubscribed the cores, docs/codecs.md).
 `cache=True` keeps the machine code on disk: only the first process compiles (a few seconds).
 
-Imported lazily by codec_q3 / codec_q4 / codec_lossless (importing numba costs a fraction of a
+Imported lazily by codec_q3 / codec_kernels4 / codec_lossless (importing numba costs a fraction of a
 second). Every kernel returns a status (0 = ok) instead of raising, so a malformed payload is
 DataLoss in the caller, never a crash.
 """
@@ -449,67 +450,133 @@ def q3_decode(dst16, dst32, dt, L, T, H, D, fp8, rot_k, rot_v, exp_lut, f8_lut, 
 
 
 @numba.njit(**_JIT)
-def ll_encode(words, itemsize, lut, body, low_off, nib_off, esc_off):  # pragma: no cover
-    """One pass over the elements (little-endian words as uint8 rows [n, itemsize]): the lower
+def ll_encode(block, itemsize, lut, body, low_off, nib_off, esc_off):  # pragma: no cover
+    """One pass over the elements (the block's little-endian words, itemsize 2 or 4): the lower
     bytes go to raw planes at low_off (plane p at low_off + p*n), the top byte becomes a 4-bit
     code via `lut` at nib_off (element 2i low nibble, 2i+1 high nibble), where code 15 = escape:
-    the byte itself follows in the escape stream at esc_off. Returns the number of escapes."""
-    n = words.shape[0]
+    the byte itself follows in the escape stream at esc_off. Returns the number of escapes.
+    Why this shape (2.7 -> 5.7 GB/s a core on bf16): the low planes are separate loops over
+    1-D slices (vectorized byte narrowing), and the codes go two elements per nibble byte with
+    the escape branch taken only on an escape (rare: the dictionary holds the 15 commonest)."""
+    n = block.shape[0] // itemsize
     top = itemsize - 1
-    ne = 0
     if itemsize == 2:
+        w16 = block.view(np.uint16)
+        lowp = body[low_off:low_off + n]
         for i in range(n):
-            body[low_off + i] = words[i, 0]
-    else:
+            lowp[i] = np.uint8(w16[i] & np.uint16(0xFF))
+        return _ll_codes(w16, 8, lut, body[nib_off:nib_off + (n + 1) // 2],
+                         body[esc_off:esc_off + n])
+    w = block.view(np.uint32)
+    for p in range(top):
+        plane = body[low_off + p * n:low_off + (p + 1) * n]
+        sh = np.uint32(8 * p)
         for i in range(n):
-            for p in range(top):
-                body[low_off + p * n + i] = words[i, p]
-    for i in range(n):
-        b = words[i, top]
-        c = np.uint8(lut[b])
-        if i & 1:
-            body[nib_off + (i >> 1)] |= np.uint8(c << 4)
-        else:
-            body[nib_off + (i >> 1)] = np.uint8(c)
-        if c == 15:
-            body[esc_off + ne] = b
+            plane[i] = np.uint8((w[i] >> sh) & np.uint32(0xFF))
+    return _ll_codes(w, 8 * top, lut, body[nib_off:nib_off + (n + 1) // 2],
+                     body[esc_off:esc_off + n])
+
+
+@numba.njit(**_JIT)
+def _ll_codes(w, sh, lut, nibp, esc):  # pragma: no cover - compiled
+    """The 4-bit codes of every word's top byte (w >> sh) into nibp, escapes into esc (one
+    compiled variant per word width). Returns the number of escapes."""
+    n = w.shape[0]
+    ne = 0
+    for j in range(n // 2):
+        a = np.uint8(w[2 * j] >> sh)
+        b = np.uint8(w[2 * j + 1] >> sh)
+        ca = lut[a]
+        cb = lut[b]
+        nibp[j] = ca | (cb << np.uint8(4))
+        if ca == 15 or cb == 15:
+            if ca == 15:
+                esc[ne] = a
+                ne += 1
+            if cb == 15:
+                esc[ne] = b
+                ne += 1
+    if n & 1:
+        a = np.uint8(w[n - 1] >> sh)
+        ca = lut[a]
+        nibp[n // 2] = ca
+        if ca == 15:
+            esc[ne] = a
             ne += 1
     return ne
 
 
 @numba.njit(**_JIT)
-def ll_decode(body, itemsize, dic, low_off, nib_off, esc_off, n_esc, words):  # pragma: no cover
-    """Inverse of ll_encode. Returns 0, or 3 when the escape stream's length does not match
-    the escape codes (a corrupt payload)."""
-    n = words.shape[0]
+def ll_decode(body, itemsize, dic, low_off, nib_off, esc_off, n_esc, out):  # pragma: no cover
+    """Inverse of ll_encode into `out` (the block's bytes, 1-D uint8). Returns 0, or 3 when the
+    escape stream's length does not match the escape codes (a corrupt payload).
+    Why this shape (1.7 -> 7 GB/s a core on bf16): 16-bit elements go two at a time, both top
+    bytes from one 256-entry table indexed by the nibble byte, the escape branch only on an
+    escape."""
+    n = out.shape[0] // itemsize
     top = itemsize - 1
+    nibp = body[nib_off:nib_off + (n + 1) // 2]
+    esc = body[esc_off:esc_off + n_esc]
     ne = 0
     if itemsize == 2:
-        for i in range(n):
-            words[i, 0] = body[low_off + i]
+        m = n // 2
+        t32 = np.empty(256, np.uint32)
+        for nb in range(256):
+            t32[nb] = (np.uint32(dic[nb & 15]) << np.uint32(8)) | (
+                np.uint32(dic[nb >> 4]) << np.uint32(24))
+        lowp = body[low_off:low_off + n]
+        w16 = out.view(np.uint16)
+        w32 = out[:4 * m].view(np.uint32)
+        for j in range(m):
+            nb = nibp[j]
+            v = np.uint32(lowp[2 * j]) | (np.uint32(lowp[2 * j + 1]) << np.uint32(16)) | t32[nb]
+            if (nb & np.uint8(15)) == 15 or nb >= np.uint8(0xF0):
+                if (nb & np.uint8(15)) == 15:
+                    if ne >= n_esc:
+                        return 3
+                    v = (v & np.uint32(0xFFFF00FF)) | (np.uint32(esc[ne]) << np.uint32(8))
+                    ne += 1
+                if nb >= np.uint8(0xF0):
+                    if ne >= n_esc:
+                        return 3
+                    v = (v & np.uint32(0x00FFFFFF)) | (np.uint32(esc[ne]) << np.uint32(24))
+                    ne += 1
+            w32[j] = np.uint32(v)
+        if n & 1:
+            c = nibp[m] & np.uint8(15)
+            tb = dic[c]
+            if c == 15:
+                if ne >= n_esc:
+                    return 3
+                tb = esc[ne]
+                ne += 1
+            w16[n - 1] = np.uint16(lowp[n - 1]) | (np.uint16(tb) << np.uint16(8))
     else:
+        w = out.view(np.uint32)
         for i in range(n):
-            for p in range(top):
-                words[i, p] = body[low_off + p * n + i]
-    for i in range(n):
-        c = np.int64(body[nib_off + (i >> 1)])
-        if i & 1:
-            c = c >> 4
-        else:
-            c = c & 15
-        if c == 15:
-            if ne >= n_esc:
-                return 3
-            words[i, top] = body[esc_off + ne]
-            ne += 1
-        else:
-            words[i, top] = dic[c]
+            w[i] = 0
+        for p in range(top):
+            plane = body[low_off + p * n:low_off + (p + 1) * n]
+            sh = np.uint32(8 * p)
+            for i in range(n):
+                w[i] |= np.uint32(plane[i]) << sh
+        sh = np.uint32(8 * top)
+        for i in range(n):
+            c = nibp[i >> 1]
+            c = (c >> np.uint8(4)) if i & 1 else (c & np.uint8(15))
+            tb = dic[c]
+            if c == 15:
+                if ne >= n_esc:
+                    return 3
+                tb = esc[ne]
+                ne += 1
+            w[i] |= np.uint32(tb) << sh
     if ne != n_esc:
         return 3
     return 0
 
 
-# ------------------------------------------------------------------ lossy v4
+# ----------------------------------------------------------- shared with v4 (codec_kernels4.py)
 
 
 @numba.njit(**_JIT)
@@ -531,25 +598,6 @@ def _load_rows(src16, src32, dt, base, HD, X):  # pragma: no cover - compiled
             for d in range(D):
                 m = max(m, (Xu[t, d] >> np.uint32(16)) & np.uint32(0x7F80))
     return m != np.uint32(0x7F80)
-
-
-@numba.njit(**_JIT)
-def _transpose(X, Y):  # pragma: no cover - compiled
-    """Y[d, t] = X[t, d] (contiguous stores, strided loads: measured faster than the reverse)."""
-    T, D = X.shape
-    for d in range(D):
-        for t in range(T):
-            Y[d, t] = X[t, d]
-
-
-@numba.njit(**_JIT)
-def _load_cm(src16, src32, dt, base, HD, X, Y):  # pragma: no cover - compiled
-    """Y[d, t] = element base + t*HD + d as float32 (channel-major, as the transform and the
-    v4 code order want it), through the row scratch X[T, D]. False when any is inf/NaN."""
-    if not _load_rows(src16, src32, dt, base, HD, X):
-        return False
-    _transpose(X, Y)
-    return True
 
 
 @numba.njit(**_JIT)
@@ -577,55 +625,6 @@ def _exp_tab():  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
-def _col_norm_absmax(Y, Yu, vn, am):  # pragma: no cover - compiled
-    """vn[t] = squared norm of column t, am[t] = bits of its max |Y[d, t]| (on the float bits:
-    an integer max vectorizes), in one pass. Each of these small helpers takes its sizes from
-    the arrays' shapes: inlined into the big kernel with loop bounds from arguments, the same
-    loops ran 3-5x slower (not vectorized)."""
-    D, T = Y.shape
-    for t in range(T):
-        vn[t] = 0
-        am[t] = 0
-    for d in range(D):
-        for t in range(T):
-            vn[t] += Y[d, t] * Y[d, t]
-            am[t] = max(am[t], Yu[d, t] & np.uint32(0x7FFFFFFF))
-
-
-@numba.njit(**_JIT)
-def _col_dev(Y, mu, dev):  # pragma: no cover - compiled
-    """dev[t] = squared distance of column t from the mean column (mu: scratch[D])."""
-    D, T = Y.shape
-    for d in range(D):
-        sm = np.float32(0.0)
-        for t in range(T):
-            sm += Y[d, t]
-        mu[d] = sm / np.float32(T)
-    for t in range(T):
-        dev[t] = 0
-    for d in range(D):
-        m = mu[d]
-        for t in range(T):
-            z = Y[d, t] - m
-            dev[t] += z * z
-
-
-@numba.njit(**_JIT)
-def _row_hilo(Y, ninf, hi, nlo):  # pragma: no cover - compiled
-    """hi[d] = max_t Y[d, t] and nlo[d] = max_t -Y[d, t] over the tokens with ninf[t] == 0
-    (exact tokens carry -inf there and drop out of both maxima)."""
-    D, T = Y.shape
-    for d in range(D):
-        a = np.float32(-np.inf)
-        b = np.float32(-np.inf)
-        for t in range(T):
-            a = max(a, Y[d, t] + ninf[t])
-            b = max(b, ninf[t] - Y[d, t])
-        hi[d] = a
-        nlo[d] = b
-
-
-@numba.njit(**_JIT)
 def _exps(need, base, R, thr, tab, e_out):  # pragma: no cover - compiled
     """e_out[i] = largest e in 0..255 with base * 2**(-e/STEPS) >= need[i] (need <= base),
     from the float bits of need/base: exponent, then a table on the top mantissa bits and one
@@ -650,291 +649,3 @@ def _exps(need, base, R, thr, tab, e_out):  # pragma: no cover - compiled
             c += 1
         e = -STEPS * k - c
         e_out[i] = min(max(e, 0), 255)
-
-
-@numba.njit(**_JIT)
-def _quant_tile(Y, cen, rinv, cinv, rsc, csc, tiny, qmax, fp8, Z, codes, cbase):  # pragma: no cover
-    """Codes of a channel-major tile Y[D, T] into codes[cbase : cbase + D*T]:
-    z = (Y[d, t] - cen[d]) * rinv[d] * cinv[t] (row and column scales; keys use rows, values
-    columns), clamped to +-qmax, rounded to int8 or e4m3fn. With tiny scales (1/scale would
-    overflow float32) it divides by rsc[d] * csc[t] instead."""
-    D, T = Y.shape
-    nq = -qmax
-    if not fp8 and not tiny:       # one pass: scale, clamp, round, store (the common case)
-        for d in range(D):
-            c = cen[d]
-            a = rinv[d]
-            off = cbase + d * T
-            for t in range(T):
-                z = (Y[d, t] - c) * a * cinv[t]
-                z = z if z > nq else nq        # compare-selects: they vectorize
-                z = z if z < qmax else qmax
-                codes[off + t] = np.uint8(np.int32(_rint(z)) & 255)
-        return
-    for d in range(D):
-        c = cen[d]
-        a = rinv[d]
-        for t in range(T):
-            if tiny:
-                z = (Y[d, t] - c) / (rsc[d] * csc[t])
-            else:
-                z = (Y[d, t] - c) * a * cinv[t]
-            z = z if z > nq else nq
-            Z[d, t] = z if z < qmax else qmax
-    Zu = Z.view(np.uint32)
-    if fp8:
-        for d in range(D):
-            off = cbase + d * T
-            for t in range(T):
-                b = Zu[d, t]
-                u = b & np.uint32(0x7FFFFFFF)
-                sign = (b >> np.uint32(24)) & np.uint32(0x80)
-                r = u + np.uint32(0x7FFFF) + ((u >> np.uint32(20)) & np.uint32(1))
-                cn = (r >> np.uint32(20)) - np.uint32(120 << 3)
-                cn = min(cn, np.uint32(0x7E))
-                cs = np.uint32(_rint(abs(Z[d, t]) * np.float32(512.0)))
-                cc = cs if u < np.uint32(0x3C800000) else cn
-                codes[off + t] = np.uint8(cc | sign)
-    else:
-        for d in range(D):
-            off = cbase + d * T
-            for t in range(T):
-                codes[off + t] = np.uint8(np.int32(_rint(Z[d, t])) & 255)
-
-
-@numba.njit(**_JIT)
-def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink_ratio, kout_ratio,
-              exp_lut, slab, kidx, kexp, vexp, codes, xk, xv):  # pragma: no cover - compiled
-    """Quantize one canonical block [L,2,T,H,D] into the v4 sections (tiers/codec_q4.py).
-
-    Per (layer, head), channel-major (Y[d, t]): keys and values optionally Hadamard-rotated
-    (rot_k, rot_v); values
-    one scale per token; keys per channel a centre (8-bit index on a grid between the slab's
-    smallest and largest centre) and a scale. Tokens kept exact (flagged in xk / xv, their raw
-    bytes stored by the caller) stay out of the statistics: the value sink (squared value norm
-    < sink_ratio**2 x the median) has its key and value exact; the key farthest from the
-    channel means, when its distance is > kout_ratio x the median distance, has its key exact.
-    Returns 0, or 1 when the block holds inf/NaN."""
-    qmax = np.float32(448.0) if fp8 else np.float32(127.0)
-    Y = np.empty((D, T), np.float32)
-    Z = np.empty((D, T), np.float32)
-    X = np.empty((T, D), np.float32)
-    Yu = Y.view(np.uint32)
-    hi = np.empty(D, np.float32)
-    lo = np.empty(D, np.float32)
-    cen = np.empty(D, np.float32)
-    need = np.empty(D, np.float32)
-    dinv = np.empty(D, np.float32)
-    dsc = np.empty(D, np.float32)
-    zero_d = np.zeros(D, np.float32)
-    one_d = np.ones(D, np.float32)
-    one_t = np.ones(T, np.float32)
-    am = np.empty(T, np.uint32)
-    vn = np.empty(T, np.float32)
-    dev = np.empty(T, np.float32)
-    srt = np.empty(T, np.float32)
-    tinv = np.empty(T, np.float32)
-    tsc = np.empty(T, np.float32)
-    ninf = np.empty(T, np.float32)          # -inf for exact tokens (left out of max), else 0
-    fcvt = np.empty(1, np.float32)
-    thr = np.empty(STEPS + 1, np.float32)
-    for j in range(STEPS + 1):
-        thr[j] = np.float32(2.0 ** (j / STEPS))
-    tab = _exp_tab()
-    rt = np.empty(T, np.float32)
-    rd = np.empty(D, np.float32)
-    et = np.empty(T, np.int32)
-    ed = np.empty(D, np.int32)
-    HD = H * D
-    DT = D * T
-    for ly in range(L):
-        for h in range(H):
-            for t in range(T):
-                xk[ly, t, h] = False
-                xv[ly, t, h] = False
-            # ---- values: norms (sink rule), rotation, one scale per token
-            if not _load_cm(src16, src32, dt, ((ly * 2 + 1) * T * H + h) * D, HD, X, Y):
-                return 1
-            if rot_v:                # the rotation keeps the norms the sink rule reads
-                _fwht_cols(Y, D, T)
-            _col_norm_absmax(Y, Yu, vn, am)
-            sink = -1
-            if T > 1:
-                srt[:] = vn
-                med = _median_sorted(srt)
-                tmin = 0
-                for t in range(1, T):
-                    if vn[t] < vn[tmin]:
-                        tmin = t
-                if vn[tmin] < np.float32(sink_ratio * sink_ratio) * med:
-                    sink = tmin
-                    xk[ly, sink, h] = True
-                    xv[ly, sink, h] = vn[tmin] < np.float32(vsink_ratio * vsink_ratio) * med
-            vmax = np.float32(0.0)
-            for t in range(T):
-                fcvt.view(np.uint32)[0] = am[t]
-                tsc[t] = fcvt[0] / qmax
-                if t != sink or not xv[ly, t, h]:
-                    vmax = max(vmax, tsc[t])
-            vb_bits = _bf16_round(vmax, True) if vmax > 0 else np.uint16(0x3F80)
-            vb = _bf16_value(vb_bits)
-            for t in range(T):
-                tsc[t] = min(tsc[t], vb)
-            _exps(tsc, vb, rt, thr, tab, et)
-            for t in range(T):
-                vexp[ly, t, h] = et[t]
-                tsc[t] = vb * exp_lut[et[t]]
-                tinv[t] = np.float32(1.0) / tsc[t]
-            _quant_tile(Y, zero_d, one_d, tinv, one_d, tsc, vb < TINY, qmax, fp8, Z, codes,
-                        ((ly * 2 + 1) * H + h) * DT)
-            # ---- keys: the outlier key, then one centre and one scale per channel
-            if not _load_cm(src16, src32, dt, ((ly * 2) * T * H + h) * D, HD, X, Y):
-                return 1
-            if rot_k:
-                _fwht_cols(Y, D, T)
-            _col_dev(Y, dsc, dev)
-            ninf[:] = 0
-            if sink >= 0:
-                ninf[sink] = -np.inf
-            if T > 2:
-                srt[:] = dev
-                dmed = _median_sorted(srt)
-                tout = -1
-                for t in range(T):
-                    if t != sink and (tout < 0 or dev[t] > dev[tout]):
-                        tout = t
-                if dev[tout] > np.float32(kout_ratio * kout_ratio) * dmed:
-                    xk[ly, tout, h] = True
-                    ninf[tout] = -np.inf
-            cmin = np.float32(np.inf)
-            cmax = np.float32(-np.inf)
-            _row_hilo(Y, ninf, hi, lo)
-            for d in range(D):
-                a = hi[d]
-                b = lo[d]
-                if a == -np.inf:                 # every token exact (T <= 2)
-                    a = np.float32(0.0)
-                    b = np.float32(0.0)
-                hi[d] = a
-                lo[d] = -b
-                cen[d] = np.float32(0.5) * a - np.float32(0.5) * b
-                cmin = min(cmin, cen[d])
-                cmax = max(cmax, cen[d])
-            cmin_bits = _bf16_round(cmin, False)
-            c0 = _bf16_value(cmin_bits)
-            step = (cmax - c0) / np.float32(255.0) * np.float32(1.01)
-            step_bits = _bf16_round(step, True) if step > 0 else np.uint16(0)
-            st = _bf16_value(step_bits)
-            kmax = np.float32(0.0)
-            for d in range(D):
-                ix = 0
-                if st > 0:
-                    ix = int(_rint((cen[d] - c0) / st))
-                    ix = min(max(ix, 0), 255)
-                kidx[ly, h, d] = ix
-                o = c0 + np.float32(ix) * st
-                cen[d] = o
-                need[d] = max(hi[d] - o, o - lo[d]) / qmax
-                kmax = max(kmax, need[d])
-            kb_bits = _bf16_round(kmax, True) if kmax > 0 else np.uint16(0x3F80)
-            kb = _bf16_value(kb_bits)
-            slab[ly, h, 0] = cmin_bits
-            slab[ly, h, 1] = step_bits
-            slab[ly, h, 2] = kb_bits
-            slab[ly, h, 3] = vb_bits
-            _exps(need, kb, rd, thr, tab, ed)
-            for d in range(D):
-                kexp[ly, h, d] = ed[d]
-                dsc[d] = kb * exp_lut[ed[d]]
-                dinv[d] = np.float32(1.0) / dsc[d]
-            _quant_tile(Y, cen, dinv, one_t, dsc, one_t, kb < TINY, qmax, fp8, Z, codes,
-                        ((ly * 2) * H + h) * DT)
-    return 0
-
-
-@numba.njit(**_JIT)
-def _transpose_back(Y, X):  # pragma: no cover - compiled
-    """X[t, d] = Y[d, t] (contiguous stores)."""
-    D, T = Y.shape
-    for t in range(T):
-        for d in range(D):
-            X[t, d] = Y[d, t]
-
-
-@numba.njit(**_JIT)
-def _dequant_tile(codes, cbase, cen, rsc, csc, lut, fp8, Y):  # pragma: no cover - compiled
-    """Y[d, t] = cen[d] + value(codes[cbase + d*T + t]) * rsc[d] * csc[t]; int8 codes convert
-    directly (vectorizes), e4m3fn codes through the 256-entry table."""
-    D, T = Y.shape
-    for d in range(D):
-        off = cbase + d * T
-        c = cen[d]
-        a = rsc[d]
-        if fp8:
-            for t in range(T):
-                Y[d, t] = c + lut[codes[off + t]] * (a * csc[t])
-        else:
-            for t in range(T):
-                Y[d, t] = c + np.float32(np.int8(codes[off + t])) * (a * csc[t])
-
-
-@numba.njit(**_JIT)
-def _store_rows(X, dt, base, HD, dst16, dst32):  # pragma: no cover - compiled
-    """Element base + t*HD + d = X[t, d], rounded to bf16 (nearest even) or as float32."""
-    T, D = X.shape
-    Xu = X.view(np.uint32)
-    for t in range(T):
-        off = base + t * HD
-        if dt == BF16:
-            for d in range(D):
-                u = Xu[t, d]
-                dst16[off + d] = np.uint16((u + np.uint32(0x7FFF) + (
-                    (u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-        else:
-            for d in range(D):
-                dst32[off + d] = X[t, d]
-
-
-@numba.njit(**_JIT)
-def q4_decode(dst16, dst32, dt, L, T, H, D, fp8, rot_k, rot_v, exp_lut, f8_lut, slab, kidx,
-              kexp, vexp, codes):  # pragma: no cover - compiled
-    """Inverse of q4_encode (exact tokens are written by the caller afterwards).
-    Returns 0, or 2 when the side info is not finite/positive (a corrupt payload)."""
-    Y = np.empty((D, T), np.float32)
-    X = np.empty((T, D), np.float32)
-    cen = np.empty(D, np.float32)
-    dsc = np.empty(D, np.float32)
-    tsc = np.empty(T, np.float32)
-    zero_d = np.zeros(D, np.float32)
-    one_d = np.ones(D, np.float32)
-    one_t = np.ones(T, np.float32)
-    lut = np.empty(256, np.float32)
-    for c in range(256):
-        lut[c] = f8_lut[c] if fp8 else np.float32(np.int8(np.uint8(c)))
-    HD = H * D
-    DT = D * T
-    for ly in range(L):
-        for h in range(H):
-            c0 = _bf16_value(slab[ly, h, 0])
-            st = _bf16_value(slab[ly, h, 1])
-            kb = _bf16_value(slab[ly, h, 2])
-            vb = _bf16_value(slab[ly, h, 3])
-            if not (np.isfinite(c0) and np.isfinite(st) and st >= 0 and np.isfinite(kb)
-                    and kb > 0 and np.isfinite(vb) and vb > 0):
-                return 2
-            for d in range(D):
-                cen[d] = c0 + np.float32(kidx[ly, h, d]) * st
-                dsc[d] = kb * exp_lut[kexp[ly, h, d]]
-            for t in range(T):
-                tsc[t] = vb * exp_lut[vexp[ly, t, h]]
-            for part in range(2):
-                cbase = ((ly * 2 + part) * H + h) * DT
-                if part == 0:
-                    _dequant_tile(codes, cbase, cen, dsc, one_t, lut, fp8, Y)
-                else:
-                    _dequant_tile(codes, cbase, zero_d, one_d, tsc, lut, fp8, Y)
-                if rot_v if part else rot_k:
-                    _fwht_cols(Y, D, T)
-                _transpose_back(Y, X)
-                _store_rows(X, dt, ((ly * 2 + part) * T * H + h) * D, HD, dst16, dst32)
-    return 0

@@ -88,7 +88,7 @@ def encode(block: np.ndarray, layout: KVLayout) -> bytes:
     nib_at = low_at + (size - 1) * n
     esc_at = nib_at + nib
     buf = scratch("ll_payload", esc_at + n)
-    n_esc = _kernels().ll_encode(words, size, lut, buf, low_at, nib_at, esc_at)
+    n_esc = _kernels().ll_encode(block, size, lut, buf, low_at, nib_at, esc_at)
     if nib + n_esc >= n * STORE_RAW_ABOVE:     # the sample was wrong: store as is after all
         return _HDR.pack(VERSION, 0, size, 0) + block.tobytes()
     _V2.pack_into(buf, 0, VERSION, F_PACKED, size, 0, dic.tobytes(), n_esc)
@@ -131,7 +131,7 @@ def decode(payload, layout: KVLayout, out: np.ndarray) -> None:
     low_at = _V2.size
     nib_at = low_at + (size - 1) * n
     st = _kernels().ll_decode(body, size, np.frombuffer(dic, np.uint8), low_at, nib_at,
-                              nib_at + nib, n_esc, out.reshape(n, size))
+                              nib_at + nib, n_esc, out)
     if st:
         raise DataLoss("lossless payload's escape codes do not match its escape bytes")
 

@@ -49,8 +49,8 @@ from kvstore_client.errors import DataLoss
 from kvstore_client.layout import KVLayout
 
 from .codec_common import NonFiniteBlock, check_block, scratch
-from .codec_common import kernels as _kernels
-from .codec_q3 import EXP_LUT, F8_LUT, rotates
+from .codec_common import kernels4 as _kernels
+from .codec_q3 import EXP_LUT, rotates
 
 VERSION = 4
 F_XK = 1                  # exact keys: bitmap + raw bytes
@@ -100,31 +100,24 @@ def _f32_view(block: np.ndarray, layout: KVLayout) -> np.ndarray:
     return tmp
 
 
-def _elements(a: np.ndarray, layout: KVLayout) -> np.ndarray:
-    """The block's elements as unsigned words of the dtype's width, [L, 2, T, H, D]."""
-    return a.view(_NP[layout.dtype]).reshape(layout.block_shape)
-
-
 def _index_dtype(layout: KVLayout) -> np.dtype:
     """Exact-token positions (flat [L,T,H] indices) as u16 where they fit, else u32."""
     L, _, T, H, _ = layout.block_shape
     return np.dtype("<u2") if L * T * H <= 1 << 16 else np.dtype("<u4")
 
 
-def _code_view(codes: np.ndarray, layout: KVLayout) -> np.ndarray:
-    """The channel-major codes [L,2,H,D,T] seen in token order [L,2,T,H,D] (a view)."""
-    L, _, T, H, D = layout.block_shape
-    return codes.reshape(L, 2, H, D, T).transpose(0, 1, 4, 2, 3)
-
-
-def encode(block: np.ndarray, layout: KVLayout, kind: str) -> bytes:
-    """One canonical block (1-D uint8) -> v4 payload bytes. NonFiniteBlock on inf/NaN."""
+def encode(block: np.ndarray, layout: KVLayout, kind: str, *, blocks8: bool = True) -> bytes:
+    """One canonical block (1-D uint8) -> v4 payload bytes. NonFiniteBlock on inf/NaN.
+    blocks8=False moves tiles element by element instead of by 8 x 8 register blocks (the same
+    bytes, slower: tests compare the two)."""
     check_block(block, layout)
     if layout.dtype not in _DT:
         raise NonFiniteBlock(f"{kind} supports bfloat16/float16/float32, not {layout.dtype}")
     L, _, T, H, D = layout.block_shape
     body = HEADER_BYTES + side_bytes(layout) + layout.block_elements
-    buf = scratch("q4_payload", body)
+    item = np.dtype(_NP[layout.dtype]).itemsize
+    # at most 3 exact tokens per (layer, head): the sink's key and value, the outlier key
+    buf = scratch("q4_payload", body + 8 + 3 * L * H * (4 + D * (item - 1)))
     slab, kidx, kexp, vexp, codes, _ = _sections(buf, layout)
     xk = scratch("q4_xk", L * T * H).view(np.bool_).reshape(L, T, H)
     xv = scratch("q4_xv", L * T * H).view(np.bool_).reshape(L, T, H)
@@ -134,33 +127,26 @@ def encode(block: np.ndarray, layout: KVLayout, kind: str) -> bytes:
     else:
         src16, src32 = np.empty(0, np.uint16), _f32_view(block, layout)
     rk, rv = ROTATE[kind] if rotates(layout) else (False, False)
-    st = _kernels().q4_encode(src16, src32, dt, L, T, H, D, kind == "fp8_e4m3", rk, rv,
-                              SINK_RATIO, VSINK_RATIO, KOUT_RATIO, EXP_LUT, slab, kidx, kexp,
-                              vexp, codes, xk, xv)
+    kern = _kernels()
+    st = kern.q4_encode(src16, src32, dt, L, T, H, D, kind == "fp8_e4m3", rk, rv, SINK_RATIO,
+                        VSINK_RATIO, KOUT_RATIO, EXP_LUT, slab, kidx, kexp, vexp, codes, xk, xv,
+                        blocks8)
     if st:
         raise NonFiniteBlock(f"{kind} refuses a block holding inf or NaN")
+    end, xflags = kern.q4_pack_exact(block, item, L, T, H, D, codes, xk, xv, buf, body,
+                                     _index_dtype(layout).itemsize == 4)
+    if end < 0:
+        raise AssertionError("v4 encode: more exact tokens than the payload buffer holds")
     flags = (F_ROT_K if rk else 0) | (F_ROT_V if rv else 0)
-    parts = [buf[:body]]
-    el = _elements(block, layout)
-    cv = _code_view(codes, layout)
-    item = el.itemsize
-    lows = []
-    iw = _index_dtype(layout)
-    for bit, mask, j in ((F_XK, xk, 0), (F_XV, xv, 1)):
-        if mask.any():
-            flags |= bit
-            where = np.flatnonzero(mask)
-            parts.append(np.array([len(where)], "<u4"))
-            parts.append(where.astype(iw))
-            raw = el[:, j][mask].reshape(-1).view(np.uint8).reshape(-1, item)
-            cv[:, j][mask] = raw[:, item - 1].reshape(-1, D)    # the top byte in the code
-            lows.append(np.ascontiguousarray(raw[:, :item - 1]))
+    flags |= (F_XK if xflags & 1 else 0) | (F_XV if xflags & 2 else 0)
     _HDR.pack_into(buf, 0, VERSION, flags, 0, 0, side_bytes(layout))
-    return b"".join(memoryview(p).cast("B") for p in parts + lows)   # the one copy
+    return buf[:end].tobytes()     # the one copy
 
 
-def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray) -> None:
-    """v4 payload -> `out` (1-D uint8, the layout's block). DataLoss if it does not decode."""
+def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray, *,
+           blocks8: bool = True) -> None:
+    """v4 payload -> `out` (1-D uint8, the layout's block). DataLoss if it does not decode.
+    blocks8 as in encode."""
     check_block(out, layout, "out")
     if len(mv) < HEADER_BYTES:
         raise DataLoss(f"{kind} payload is {len(mv)} bytes, shorter than its header")
@@ -180,10 +166,10 @@ def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray) -> None
     buf = np.frombuffer(mv, np.uint8)
     pos = HEADER_BYTES + sb + layout.block_elements
     iw = _index_dtype(layout)
-    masks = []
+    exact = []                  # per part: the exact tokens' flat [L,T,H] positions
     for bit in (F_XK, F_XV):
         if not flags & bit:
-            masks.append(None)
+            exact.append(None)
             continue
         if len(buf) < pos + 4:
             raise DataLoss(f"{kind} payload is {len(buf)} bytes, too short for its exact tokens")
@@ -196,11 +182,9 @@ def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray) -> None
         pos += n * iw.itemsize
         if where[-1] >= L * T * H or (n > 1 and not bool(np.all(where[1:] > where[:-1]))):
             raise DataLoss(f"{kind} payload's exact-token positions are out of range or order")
-        m = np.zeros(L * T * H, np.bool_)
-        m[where] = True
-        masks.append(m.reshape(L, T, H))
+        exact.append(where)
     item = np.dtype(_NP[layout.dtype]).itemsize
-    want = pos + sum(int(np.count_nonzero(m)) for m in masks if m is not None) * D * (item - 1)
+    want = pos + sum(len(w) for w in exact if w is not None) * D * (item - 1)
     if len(buf) != want:
         raise DataLoss(f"{kind} payload is {len(buf)} bytes; its layout and bitmaps need {want}")
     slab, kidx, kexp, vexp, codes, _ = _sections(buf, layout)
@@ -213,18 +197,12 @@ def decode(mv: memoryview, kind: str, layout: KVLayout, out: np.ndarray) -> None
         dst16 = np.empty(0, np.uint16)
         dst32 = scratch("q4_out32", layout.block_elements * 4).view(np.float32)
     st = _kernels().q4_decode(dst16, dst32, dt, L, T, H, D, kind == "fp8_e4m3", rk, rv, EXP_LUT,
-                              F8_LUT, slab, kidx, kexp, vexp, codes)
+                              slab, kidx, kexp, vexp, codes, blocks8)
     if st:
         raise DataLoss(f"{kind} payload has non-finite or non-positive scales")
     if dt == 1:
         out.view(np.float16)[:] = dst32
-    el = _elements(out, layout)
-    cv = _code_view(codes, layout)
-    for j, m in enumerate(masks):
-        if m is not None:
-            n = int(np.count_nonzero(m)) * D
-            w = np.empty((n, item), np.uint8)
-            w[:, :item - 1] = buf[pos:pos + n * (item - 1)].reshape(n, item - 1)
-            w[:, item - 1] = cv[:, j][m].reshape(-1)
-            el[:, j][m] = w.view(_NP[layout.dtype]).reshape(-1, D)
-            pos += n * (item - 1)
+    kern = _kernels()
+    for j, where in enumerate(exact):
+        if where is not None:
+            pos = kern.q4_unpack_exact(out, item, T, H, D, codes, where, j, buf, pos)
