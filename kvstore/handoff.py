@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import struct
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from .auth import Auth
 from .tenants import Tenant
+from .unix_listener import listen_unix
 
 log = logging.getLogger("kvstore.handoff")
 
@@ -57,17 +57,7 @@ class Handoff:
         self.auth = auth
         self.pool_for = pool_for
         self.gpu_for = gpu_for
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        if os.path.exists(path):
-            os.unlink(path)           # the daemon checked the gRPC socket is free already
-        old = os.umask(0o777 & ~mode)
-        try:
-            self._sock.bind(path)
-        finally:
-            os.umask(old)
-        os.chmod(path, mode)
-        self._sock.listen(64)
-        self._sock.settimeout(0.5)
+        self._sock = listen_unix(path, mode)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvstore-handoff", daemon=True)
         self._thread.start()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -29,6 +28,8 @@ from kvstore_client.lane_wire import (
     recv_exact,
     recv_line,
 )
+
+from .unix_listener import listen_unix
 
 log = logging.getLogger("kvstore.lane")
 
@@ -48,17 +49,7 @@ class Lane:
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        if os.path.exists(path):
-            os.unlink(path)           # the daemon checked the gRPC socket is free already
-        old = os.umask(0o777 & ~mode)
-        try:
-            self._sock.bind(path)
-        finally:
-            os.umask(old)
-        os.chmod(path, mode)
-        self._sock.listen(64)
-        self._sock.settimeout(0.5)
+        self._sock = listen_unix(path, mode)
         self._thread = threading.Thread(target=self._accept_loop, name="kvstore-lane",
                                         daemon=True)
         self._thread.start()
