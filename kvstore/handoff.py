@@ -23,13 +23,11 @@ import json
 import logging
 import socket
 import struct
-import threading
 from collections.abc import Callable
-from pathlib import Path
 
 from .auth import Auth
 from .tenants import Tenant
-from .unix_listener import listen_unix
+from .unix_listener import UnixListener
 
 log = logging.getLogger("kvstore.handoff")
 
@@ -57,27 +55,15 @@ class Handoff:
         self.auth = auth
         self.pool_for = pool_for
         self.gpu_for = gpu_for
-        self._sock = listen_unix(path, mode)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvstore-handoff", daemon=True)
-        self._thread.start()
+        self._listener = UnixListener(path, mode, self._handle, "kvstore-handoff")
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
             try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                continue
-            with conn:
-                try:
-                    conn.settimeout(DEADLINE_S)
-                    self._serve(conn)
-                except Exception as exc:   # one bad peer must not end the listener
-                    log.warning("handshake failed: %s", exc)
+                conn.settimeout(DEADLINE_S)
+                self._serve(conn)
+            except Exception as exc:   # one bad peer must not end the listener
+                log.warning("handshake failed: %s", exc)
 
     def _serve(self, conn: socket.socket) -> None:
         buf = b""
@@ -118,10 +104,4 @@ class Handoff:
             socket.send_fds(conn, [data], fds)
 
     def close(self) -> None:
-        self._stop.set()
-        self._sock.close()
-        self._thread.join(5)
-        try:
-            Path(self.path).unlink()
-        except FileNotFoundError:
-            pass
+        self._listener.close()

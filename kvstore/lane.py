@@ -16,7 +16,6 @@ import logging
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from kvstore_client.lane_wire import (
@@ -29,7 +28,7 @@ from kvstore_client.lane_wire import (
     recv_line,
 )
 
-from .unix_listener import listen_unix
+from .unix_listener import UnixListener
 
 log = logging.getLogger("kvstore.lane")
 
@@ -48,35 +47,23 @@ class Lane:
         self._conns: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._sock = listen_unix(path, mode)
-        self._thread = threading.Thread(target=self._accept_loop, name="kvstore-lane",
-                                        daemon=True)
-        self._thread.start()
+        self._listener = UnixListener(path, mode, self._accept, "kvstore-lane")
+        self._stop = self._listener.stopping
 
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                continue
-            with self._lock:
-                full = len(self._conns) >= MAX_CONNECTIONS
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                _refuse(conn, "RESOURCE_EXHAUSTED",
-                        f"the daemon serves at most {MAX_CONNECTIONS} lane connections")
-                continue
-            t = threading.Thread(target=self._serve, args=(conn,), name="kvstore-lane-conn",
-                                 daemon=True)
-            with self._lock:
-                self._threads.add(t)
-            t.start()
+    def _accept(self, conn: socket.socket) -> None:
+        with self._lock:
+            full = len(self._conns) >= MAX_CONNECTIONS
+            if not full:
+                self._conns.add(conn)
+        if full:
+            _refuse(conn, "RESOURCE_EXHAUSTED",
+                    f"the daemon serves at most {MAX_CONNECTIONS} lane connections")
+            return
+        t = threading.Thread(target=self._serve, args=(conn,), name="kvstore-lane-conn",
+                             daemon=True)
+        with self._lock:
+            self._threads.add(t)
+        t.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -130,8 +117,7 @@ class Lane:
         return tenant
 
     def close(self) -> None:
-        self._stop.set()
-        self._sock.close()
+        self._listener.close()
         with self._lock:
             conns = list(self._conns)
         for c in conns:                   # wakes their threads out of recv
@@ -139,17 +125,12 @@ class Lane:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._thread.join(5)
         # A call being served finishes before the store behind it closes (bounded).
         deadline = time.monotonic() + CLOSE_WAIT_S
         with self._lock:
             threads = list(self._threads)
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        try:
-            Path(self.path).unlink()
-        except FileNotFoundError:
-            pass
 
 
 def _refuse(conn: socket.socket, code: str, message: str) -> None:

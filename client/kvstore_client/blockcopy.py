@@ -29,13 +29,14 @@ from typing import Any
 import numpy as np
 
 _kernel: Any = None
+_kernel_module: Any = None     # _blockcopy_kernel, once _build() imported it
 _kernel_lock = threading.Lock()
 _kernel_error: str | None = None
 
 
 def _build() -> Any:
     """Compile (or load from numba's on-disk cache) the copy kernel; None without numba."""
-    global _kernel, _kernel_error
+    global _kernel, _kernel_error, _kernel_module
     if _kernel is not None or _kernel_error is not None:
         return _kernel
     with _kernel_lock:
@@ -46,7 +47,7 @@ def _build() -> Any:
             return None
         try:
             from . import _blockcopy_kernel as k
-            _kernel = k.move_blocks
+            _kernel, _kernel_module = k.move_blocks, k
         except ImportError as e:        # numba missing: numpy + xxhash fallback
             _kernel_error = f"numba unavailable ({e})"
         except Exception as e:  # noqa: BLE001 - e.g. an xxhash build without the C API
@@ -61,7 +62,7 @@ def _fused_hash_fits(plan: Plan, eng_blk: np.ndarray, slot_off: np.ndarray, pool
     if plan.row_bytes % 1024 or os.environ.get("KVSTORE_NO_FUSED_HASH"):
         return False
     if to_slots:
-        return (pool + int(slot_off.min())) % 32 == 0 and not (slot_off % 32).any()
+        return pool % 32 == 0 and not (slot_off % 32).any()
     eng = plan.base + eng_blk[:, None] + plan.eng_row[None, :]
     return not (eng % 32).any()
 
@@ -239,8 +240,7 @@ def run(plan: Plan, pool: np.ndarray, blocks: Sequence[int] | np.ndarray,
     eng_blk = plan.eng_blk[idx]
     out = sums if sums is not None else np.empty(0, dtype=np.uint64)
     if sums is not None and _fused_hash_fits(plan, eng_blk, slot_off, _addr(pool), to_slots):
-        from . import _blockcopy_kernel as k
-
+        k = _kernel_module
         args = (plan.base, _addr(pool), eng_blk, plan.eng_row, slot_off, plan.row_bytes,
                 to_slots, out, k._SEC, k._LAST, k._MERGE, k._INIT)
         kern = k.move_blocks_x3
