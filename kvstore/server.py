@@ -327,6 +327,7 @@ class KVStoreServicer:
         self._prefetcher: Prefetcher | None = None
         self._prefetcher_lock = threading.Lock()
         self._pool_lock = threading.Lock()
+        self._lane_lock = threading.Lock()
         self._reader: ThreadPoolExecutor | None = None   # Get's read-ahead (getcopy.stream)
 
     def start_shutdown(self) -> None:
@@ -387,7 +388,8 @@ class KVStoreServicer:
             entered = True
             self.auth.bind(tenant)
             body = getattr(self, method)(raw).SerializeToString()
-            self.store.counters["lane_calls"] += 1
+            with self._lane_lock:         # lane threads run at once; store.counters has no lock
+                self.store.counters["lane_calls"] += 1
         except Exception as exc:
             code, msg = self._failure(method, exc)
             self._done(method, code, t0, entered)
