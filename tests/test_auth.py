@@ -32,6 +32,7 @@ from kvstore_client._proto import kvstore_pb2_grpc as pbg
 from kvstore_client.wire import encode_put
 
 from kvstore.tenants import hash_token
+from tests import other_uid
 from tests.daemon import DaemonError, cleanup, start_daemon
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="bfloat16")
@@ -222,8 +223,9 @@ def test_models_admin_and_reserved_extra(world) -> None:
 
 
 def test_uid_handshake_and_other_uids(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("running a client under another uid needs root")
+    why = other_uid.skip_reason()
+    if why:
+        pytest.skip(why)
     tf = tokens_file(tmp_path, textwrap.dedent("""
         [tenants.root-procs]
         uids = [0]
