@@ -313,6 +313,7 @@ class Daemon:
         self.store: Any = None
         self.server: Any = None
         self.health: Any = None
+        self.front: Any = None          # the gate's parts (kvstore/gate.py)
         self.servicer: Any = None
         self.auth: Any = None
         self.handoff: Any = None
@@ -380,8 +381,13 @@ class Daemon:
             self.servicer = KVStoreServicer(
                 self.store, max_ttl_s=cfg.leases.max_ttl_s, gpu_enabled=bool(self.store.gpu),
                 observe=observe, in_flight=self._calls, auth=self.auth)
-            self.server, self.health = build_server(self.servicer, cfg.server.workers,
-                                                    cfg.server.max_message_bytes)
+            lim = cfg.limits
+            self.auth.sessions_per_tenant = lim.sessions_per_tenant
+            self.server, self.front = build_server(
+                self.servicer, cfg.server.workers, cfg.server.max_message_bytes,
+                cfg.server.max_receive_bytes, lim.request_deadline_s, lim.tenant_calls,
+                lim.preauth_calls)
+            self.health = self.front.health
             _bind_unix(self.server, self.socket_path, 0o666 if tenants else 0o600)
             if cfg.server.lane:
                 from kvstore_client.lane_wire import lane_path
@@ -535,6 +541,9 @@ class Daemon:
         if self.server is not None:
             self.server.stop(None)
             self.server = None
+        if self.front is not None:
+            self.front.deadlines.close()
+            self.front = None
         if self.metrics is not None and close_metrics:
             self.metrics.close()
         if self.store is not None:
