@@ -174,8 +174,20 @@ def _bind_unix(server: Any, path: str, mode: int = 0o600) -> None:
 
 
 def is_loopback(address: str) -> bool:
-    host = address.rpartition(":")[0].strip("[]").lower()
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """Whether "host:port" listens on loopback only: an IP address in 127.0.0.0/8 or ::1, or
+    the name localhost. Any other name counts as beyond loopback, whatever it resolves to
+    (a name like 127.evil.com is a name, not an address)."""
+    import ipaddress
+
+    host = address.rpartition(":")[0].strip().lower()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _warm_codecs(stop: threading.Event) -> None:
@@ -338,6 +350,7 @@ class Daemon:
         from .handoff import SUFFIX, Handoff
         from .server import SERVICE, KVStoreServicer, build_server
         from .tenants import load_tenants, quota_overcommit
+        from .unix_listener import Caps
 
         cfg = self.config
         try:
@@ -388,6 +401,8 @@ class Daemon:
                 cfg.server.max_receive_bytes, lim.request_deadline_s, lim.tenant_calls,
                 lim.preauth_calls)
             self.health = self.front.health
+            pending = Caps(deadline_s=lim.hello_deadline_s, per_uid=lim.pending_per_uid,
+                           total=lim.pending_total)
             _bind_unix(self.server, self.socket_path, 0o666 if tenants else 0o600)
             if cfg.server.lane:
                 from kvstore_client.lane_wire import lane_path
@@ -396,7 +411,8 @@ class Daemon:
 
                 try:
                     self.lane = Lane(lane_path(self.socket_path), self.servicer,
-                                     0o666 if tenants else 0o600)
+                                     0o666 if tenants else 0o600, pending,
+                                     lim.lane_per_tenant, lim.frame_deadline_s)
                 except OSError as e:     # e.g. a socket path too long for the suffix
                     log.warning("fast lane off (%s: %s); clients use gRPC for every call",
                                 lane_path(self.socket_path), e)
@@ -408,7 +424,8 @@ class Daemon:
                         self.store, sorted(tenants), self.servicer.tenant_counters))
                 self.handoff = Handoff(self.socket_path + SUFFIX, self.auth,
                                        getattr(self.store, "tenant_pool", None),
-                                       gpu_for=getattr(self.store, "gpu_segment_fds", None))
+                                       gpu_for=getattr(self.store, "gpu_segment_fds", None),
+                                       caps=pending)
             if cfg.server.tcp:
                 self.tcp_address = _bind_tcp(self.server, cfg.server.tcp, tls)
             if cfg.server.metrics:

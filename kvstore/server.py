@@ -40,6 +40,7 @@ from kvstore_client.errors import (
     Unavailable,
 )
 from kvstore_client.layout import KVLayout, NamespaceSpec
+from kvstore_client.limits import MAX_KEY_BYTES, MAX_KEYS, MAX_REQUEST_BYTES, MIN_KEY_BYTES
 
 from . import gate, getcopy
 from .auth import OPEN, Auth
@@ -50,8 +51,6 @@ log = logging.getLogger("kvstore.server")
 
 SERVICE = "kvstore.v1.KVStore"
 NS_ID_BYTES = 16
-MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 32
-MAX_KEYS = 1 << 16            # per request: a 1M-token prompt in 16-token blocks
 MAX_LEASE_ID = 128
 MAX_TEXT = 1024               # model, revision, tenant salt, extra entries
 MAX_EXTRA = 64
@@ -60,11 +59,6 @@ MAX_RESERVE_AHEAD = 1 << 12   # slots one Commit may reserve for the next store
 # RegisterNamespaceResponse.protocol: 2 = Commit.reserve_next/first_slot and release_leases;
 # 3 = a Put block split across messages (kvstore.proto, PutRequest).
 PROTOCOL = 3
-# The largest valid request other than Put: MAX_KEYS keys (a tag and a length byte before up
-# to MAX_KEY_BYTES each) and as many checksums (a uint64 varint of up to 10 bytes and a tag),
-# plus the small fields (ids, lease ids, the spec) within 256 KiB: 3,211,264 bytes. The lane
-# caps its frames at the same figure (kvstore_client/lane_wire.py).
-MAX_REQUEST_BYTES = MAX_KEYS * (2 + MAX_KEY_BYTES + 11) + (256 << 10)
 TIERS = ("gpu", "host", "ssd", "remote")
 SLOT_TIERS = ("host", "gpu")  # tiers that hand out slots under leases
 
