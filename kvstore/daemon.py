@@ -419,7 +419,7 @@ class Daemon:
             if tenants:
                 from .tenant_metrics import TenantCollector, TenantCounters
                 self.servicer.tenant_counters = TenantCounters()
-                if self.metrics is not None:
+                if self.metrics is not None and cfg.server.metrics_tenants:
                     self.metrics.registry.register(TenantCollector(
                         self.store, sorted(tenants), self.servicer.tenant_counters))
                 self.handoff = Handoff(self.socket_path + SUFFIX, self.auth,
