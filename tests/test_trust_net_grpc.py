@@ -32,6 +32,7 @@ from tests.trust_net_helpers import (
     code_of,
     cpu_s,
     md,
+    settled,
     stalled_calls,
     status,
     tenants_file,
@@ -100,6 +101,7 @@ def test_no_body_is_buffered_before_its_token_is_checked(world) -> None:
     """Finding 5: two 192 MiB requests without a token, then a tenant's 64 MiB Lookup (past
     server.max_receive_bytes): refused, and the daemon's peak memory barely moves."""
     pid = world.proc.pid
+    settled(world)
     before = status(pid)["VmHWM"]
     big = bytes(192 << 20)                                          # a 192 MiB "Lookup"
     with channel(world.address) as ch:
@@ -123,6 +125,7 @@ def test_a_put_of_unknown_fields_is_refused_at_the_first(world) -> None:
     message is refused from its length prefix."""
     junk = b"\x38\x01" * ((4 << 20) // 2 - 512)                    # field 7 = 1, repeated
     pid = world.proc.pid
+    settled(world)
     t0 = cpu_s(pid)
     with channel(world.address) as ch:
         put = ch.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=lambda b: b,

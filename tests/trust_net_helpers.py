@@ -50,6 +50,15 @@ def world_readable_dir() -> Path:
     return base
 
 
+def settled(d, timeout: float = 120.0) -> None:
+    """Wait until the daemon's after-start work (numpy, the Get kernel, the codec kernels:
+    a couple of hundred MiB) is done, so a memory figure measures the attack, not that."""
+    end = time.monotonic() + timeout
+    while not any(w in d.output() for w in ("codec kernels loaded", "codec warm-up failed")):
+        assert time.monotonic() < end, "the daemon's warm-up did not finish"
+        time.sleep(0.1)
+
+
 def status(pid: int) -> dict[str, int]:
     """VmRSS and VmHWM of a process, in KiB."""
     out = {}
@@ -129,7 +138,10 @@ def closed_within(s: socket.socket, timeout: float) -> bytes:
             raise AssertionError(f"the daemon kept the connection open past {timeout} s")
         ready, _, _ = select.select([s], [], [], left)
         if ready:
-            chunk = s.recv(65536)
+            try:
+                chunk = s.recv(65536)
+            except ConnectionResetError:          # closed with our bytes unread
+                return got
             if not chunk:
                 return got
             got += chunk
@@ -141,19 +153,24 @@ os.setgroups([]); os.setgid(4343); os.setuid(4343)      # from here on: another 
 """
 
 
-def other_uid_child(body: str) -> subprocess.Popen:
-    """A Python child running `body` under uid 4343, lines in and out (text)."""
+def other_uid_child(body: str, *args: str) -> subprocess.Popen:
+    """A Python child running `body` (with `args` in sys.argv[1:]) under uid 4343; its lines
+    are read with read_line (unbuffered: select must see every line that has not been read)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.Popen([sys.executable, "-c", OTHER_UID_PRELUDE + textwrap.dedent(body)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen([sys.executable, "-c", OTHER_UID_PRELUDE + textwrap.dedent(body),
+                             *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=0, env=env)
 
 
 def read_line(proc: subprocess.Popen, timeout: float) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise AssertionError(f"the child said nothing within {timeout} s")
-    line = proc.stdout.readline()
-    if not line:
-        raise AssertionError(f"the child ended: {proc.stderr.read()}")
-    return line.strip()
+    end = time.monotonic() + timeout
+    line = b""
+    while not line.endswith(b"\n"):
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, end - time.monotonic()))
+        if not ready:
+            raise AssertionError(f"the child said nothing within {timeout} s")
+        c = proc.stdout.read(1)
+        if not c:
+            raise AssertionError(f"the child ended: {proc.stderr.read().decode()}")
+        line += c
+    return line.decode().strip()
