@@ -328,7 +328,9 @@ def _parse_put(raw: bytes, block_bytes: int | None = None,
         raise InvalidArgument(f"{where} must continue the split block of the previous "
                               f"message ({need} more bytes, in one Block without a key)")
     if short is not None or (need and out.blocks):
-        if len(out.blocks) > 1:
+        if len(out.blocks) > 1:             # a piece must come alone
+            if short is not None and short[0]:
+                raise _wrong_size(where, short[0], short[1], block_bytes)
             raise _wrong_size(where, 0, len(out.blocks[0][1]), block_bytes, need)
         out.piece = out.blocks.pop()
     return out
