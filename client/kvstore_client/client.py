@@ -280,6 +280,8 @@ class Client:
                 self.gpu_pools = [p for p in self.gpu_pools if "fd" not in p]
             if not self._token:
                 self.metadata = (("authorization", f"Bearer {self._session.token}"),)
+                if self._lane is not None:      # its hello carries the session too
+                    self._lane.renew(self._session.token)
 
     def session_current(self) -> bool:
         """False when the daemon restarted since the handshake (its fds are of a dead run)."""

@@ -127,6 +127,13 @@ class LaneClient:
         self._backoff, self._retry_at = RETRY_S, 0.0
         return sock
 
+    def renew(self, token: str) -> None:
+        """A new session token (the client made a fresh handshake): new connections say it,
+        the ones opened with the old are dropped, and a refusal's back-off is over."""
+        self.token = token
+        self._backoff, self._retry_at = RETRY_S, 0.0
+        self.drop()
+
     def _refused(self, why: str) -> None:
         """Go over gRPC for a while, then ask the lane again (module docstring)."""
         self.refusals += 1
