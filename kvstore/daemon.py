@@ -174,8 +174,20 @@ def _bind_unix(server: Any, path: str, mode: int = 0o600) -> None:
 
 
 def is_loopback(address: str) -> bool:
-    host = address.rpartition(":")[0].strip("[]").lower()
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """Whether "host:port" listens on loopback only: an IP address in 127.0.0.0/8 or ::1, or
+    the name localhost. Any other name counts as beyond loopback, whatever it resolves to
+    (a name like 127.evil.com is a name, not an address)."""
+    import ipaddress
+
+    host = address.rpartition(":")[0].strip().lower()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _warm_codecs(stop: threading.Event) -> None:
@@ -313,6 +325,7 @@ class Daemon:
         self.store: Any = None
         self.server: Any = None
         self.health: Any = None
+        self.front: Any = None          # the gate's parts (kvstore/gate.py)
         self.servicer: Any = None
         self.auth: Any = None
         self.handoff: Any = None
@@ -337,6 +350,7 @@ class Daemon:
         from .handoff import SUFFIX, Handoff
         from .server import SERVICE, KVStoreServicer, build_server
         from .tenants import load_tenants, quota_overcommit
+        from .unix_listener import Caps
 
         cfg = self.config
         try:
@@ -380,8 +394,15 @@ class Daemon:
             self.servicer = KVStoreServicer(
                 self.store, max_ttl_s=cfg.leases.max_ttl_s, gpu_enabled=bool(self.store.gpu),
                 observe=observe, in_flight=self._calls, auth=self.auth)
-            self.server, self.health = build_server(self.servicer, cfg.server.workers,
-                                                    cfg.server.max_message_bytes)
+            lim = cfg.limits
+            self.auth.sessions_per_tenant = lim.sessions_per_tenant
+            self.server, self.front = build_server(
+                self.servicer, cfg.server.workers, cfg.server.max_message_bytes,
+                cfg.server.max_receive_bytes, lim.request_deadline_s, lim.tenant_calls,
+                lim.preauth_calls)
+            self.health = self.front.health
+            pending = Caps(deadline_s=lim.hello_deadline_s, per_uid=lim.pending_per_uid,
+                           total=lim.pending_total)
             _bind_unix(self.server, self.socket_path, 0o666 if tenants else 0o600)
             if cfg.server.lane:
                 from kvstore_client.lane_wire import lane_path
@@ -390,19 +411,21 @@ class Daemon:
 
                 try:
                     self.lane = Lane(lane_path(self.socket_path), self.servicer,
-                                     0o666 if tenants else 0o600)
+                                     0o666 if tenants else 0o600, pending,
+                                     lim.lane_per_tenant, lim.frame_deadline_s)
                 except OSError as e:     # e.g. a socket path too long for the suffix
                     log.warning("fast lane off (%s: %s); clients use gRPC for every call",
                                 lane_path(self.socket_path), e)
             if tenants:
                 from .tenant_metrics import TenantCollector, TenantCounters
                 self.servicer.tenant_counters = TenantCounters()
-                if self.metrics is not None:
+                if self.metrics is not None and cfg.server.metrics_tenants:
                     self.metrics.registry.register(TenantCollector(
                         self.store, sorted(tenants), self.servicer.tenant_counters))
                 self.handoff = Handoff(self.socket_path + SUFFIX, self.auth,
                                        getattr(self.store, "tenant_pool", None),
-                                       gpu_for=getattr(self.store, "gpu_segment_fds", None))
+                                       gpu_for=getattr(self.store, "gpu_segment_fds", None),
+                                       caps=pending)
             if cfg.server.tcp:
                 self.tcp_address = _bind_tcp(self.server, cfg.server.tcp, tls)
             if cfg.server.metrics:
@@ -535,6 +558,9 @@ class Daemon:
         if self.server is not None:
             self.server.stop(None)
             self.server = None
+        if self.front is not None:
+            self.front.deadlines.close()
+            self.front = None
         if self.metrics is not None and close_metrics:
             self.metrics.close()
         if self.store is not None:

@@ -480,17 +480,27 @@ class BlockIndex:
         (flush, GPU write-down) need not look at the packed rows."""
         return list(self._hot.values())
 
-    def residency(self) -> Iterator[tuple[bytes, bool, bool, bool, int]]:
-        """(ns_id, host copy, ssd, remote, size) of every block, without making an Entry for
-        the packed ones (per-tenant usage walks every block on each metrics scrape)."""
+    def residency(self, start: int = 0, stop: int | None = None
+                  ) -> Iterator[tuple[bytes, bool, bool, bool, int]]:
+        """(ns_id, host copy, ssd, remote, size) of every block in rows start..stop, without
+        making an Entry for the packed ones. Per-tenant usage (kvstore/tenant_metrics.py)
+        walks the rows a slice at a time, each under the store lock, not all under it."""
         hot = self._hot
-        for e in list(hot.values()):
-            yield e.ns_id, e.host is not None, e.ssd, e.remote, e.size
         ns_ids, ns, flags, size = self._ns_ids, self._ns, self._flags, self._size
-        for r, g in enumerate(self._keys):
-            if g is not None and g not in hot:
+        for r, g in enumerate(self._keys[start:stop], start):
+            if g is None:
+                continue
+            e = hot.get(g)
+            if e is not None:
+                yield e.ns_id, e.host is not None, e.ssd, e.remote, e.size
+            else:
                 f = flags[r]
                 yield ns_ids[ns[r]], False, bool(f & _SSD), bool(f & _REMOTE), size[r]
+
+    @property
+    def rows(self) -> int:
+        """Rows in use or free: residency's range."""
+        return len(self._keys)
 
     def remote_count(self) -> int:
         """Blocks with a remote copy, counted from the packed flags (Stats calls it)."""

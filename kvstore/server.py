@@ -10,6 +10,10 @@ checks every field a client controls (lengths, counts, ranges, tier names) befor
 reaches the store, so a malformed request can never become a crash or an INTERNAL, and the
 messages can name the protocol field ("keys[3]", "ttl_s") rather than a Python argument.
 
+Why every method takes an iterator of requests: the gate (kvstore/gate.py) registers them all
+as request-streaming, so a handler's worker thread is not spent waiting for a request before
+the caller is known; the wrappers below read the one message of a unary call themselves.
+
 Error mapping: a `kvstore_client.errors` exception travels as the status its `.code` names;
 anything else is a bug: INTERNAL, with the traceback logged, and the daemon keeps serving.
 """
@@ -22,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -35,27 +40,26 @@ from kvstore_client.errors import (
     Unavailable,
 )
 from kvstore_client.layout import KVLayout, NamespaceSpec
+from kvstore_client.limits import MAX_KEY_BYTES, MAX_KEYS, MAX_REQUEST_BYTES, MIN_KEY_BYTES
 
-from . import getcopy
+from . import gate, getcopy
 from .auth import OPEN, Auth
 from .prefetch import Prefetcher
+from .put_wire import parse_put
 from .scoped import scoped_stats
 
 log = logging.getLogger("kvstore.server")
 
 SERVICE = "kvstore.v1.KVStore"
 NS_ID_BYTES = 16
-MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 32
-MAX_KEYS = 1 << 16            # per request: a 1M-token prompt in 16-token blocks
 MAX_LEASE_ID = 128
 MAX_TEXT = 1024               # model, revision, tenant salt, extra entries
 MAX_EXTRA = 64
 GET_BATCH_BYTES = 4 << 20     # block bytes per Get stream message
 MAX_RESERVE_AHEAD = 1 << 12   # slots one Commit may reserve for the next store
-# RegisterNamespaceResponse.protocol: 2 = Commit.reserve_next/first_slot and release_leases.
-PROTOCOL = 2
-# The largest valid request other than Put: MAX_KEYS keys and checksums, plus small fields.
-MAX_REQUEST_BYTES = MAX_KEYS * (2 + MAX_KEY_BYTES + 11) + (256 << 10)
+# RegisterNamespaceResponse.protocol: 2 = Commit.reserve_next/first_slot and release_leases;
+# 3 = a Put block split across messages (kvstore.proto, PutRequest).
+PROTOCOL = 3
 TIERS = ("gpu", "host", "ssd", "remote")
 SLOT_TIERS = ("host", "gpu")  # tiers that hand out slots under leases
 
@@ -217,89 +221,13 @@ def _parse(cls: type[Message], raw: bytes) -> Any:
                               f"{e}") from None
 
 
-def _wire_fields(buf: memoryview, what: str) -> Iterator[tuple[int, int, Any]]:
-    """(field number, wire type, value) of a protobuf message; bytes fields as memoryviews.
-
-    Only what PutRequest needs: upb copies a bytes field on every access, and a Put carries
-    megabytes of block data that should be copied once, into the slab.
-    """
-    i, n = 0, len(buf)
-
-    def varint() -> int:
-        nonlocal i
-        shift = result = 0
-        while True:
-            if i >= n or shift > 63:
-                raise InvalidArgument(f"request is not a valid {what} message: bad varint")
-            b = buf[i]
-            i += 1
-            result |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return result
-            shift += 7
-
-    while i < n:
-        tag = varint()
-        field, wt = tag >> 3, tag & 7
-        if field == 0:
-            raise InvalidArgument(f"request is not a valid {what} message: field number 0")
-        if wt == 0:
-            yield field, wt, varint()
-        elif wt == 2:
-            size = varint()
-            if i + size > n:
-                raise InvalidArgument(f"request is not a valid {what} message: truncated")
-            yield field, wt, buf[i:i + size]
-            i += size
-        elif wt in (1, 5):
-            size = 8 if wt == 1 else 4
-            if i + size > n:
-                raise InvalidArgument(f"request is not a valid {what} message: truncated")
-            i += size
-        else:
-            raise InvalidArgument(f"request is not a valid {what} message: wire type {wt}")
-
-
-def _parse_put(raw: bytes, block_bytes: int | None = None,
-               sizer: Callable[[bytes], int | None] | None = None, where: str = "message 0"
-               ) -> tuple[bytes, bytes, list[tuple[bytes, memoryview]]]:
-    """PutRequest -> (namespace_id, parent, [(key, data view)]), data not copied.
-
-    Refuses as it reads, not after: the block past MAX_KEYS, or a block whose data is not
-    `block_bytes` long (`sizer(namespace_id)` gives it once the namespace field is read), ends
-    the parse there, so a message of a million blocks costs no more than the first bad one.
-    """
-    ns = parent = b""
-    blocks: list[tuple[bytes, memoryview]] = []
-    what = "kvstore.v1.PutRequest"
-    for field, wt, v in _wire_fields(memoryview(raw), what):
-        if field == 3 and len(blocks) >= MAX_KEYS:
-            raise InvalidArgument(f"{where} carries more than {MAX_KEYS} blocks (refused at "
-                                  f"block {MAX_KEYS}); send at most {MAX_KEYS} per message")
-        if field in (1, 2, 3) and wt != 2:
-            raise InvalidArgument(f"request is not a valid {what} message: field {field} has "
-                                  f"wire type {wt}")
-        if field == 1:
-            ns = bytes(v)
-        elif field == 2:
-            parent = bytes(v)
-        elif field == 3:
-            key, data = b"", memoryview(b"")
-            for f2, wt2, v2 in _wire_fields(v, "kvstore.v1.Block"):
-                if f2 in (1, 2) and wt2 != 2:
-                    raise InvalidArgument(f"request is not a valid kvstore.v1.Block message: "
-                                          f"field {f2} has wire type {wt2}")
-                if f2 == 1:
-                    key = bytes(v2)
-                elif f2 == 2:
-                    data = v2
-            if block_bytes is not None and len(data) != block_bytes:
-                raise InvalidArgument(f"{where} blocks[{len(blocks)}].data is {len(data)} "
-                                      f"bytes; this namespace's blocks are {block_bytes} bytes")
-            blocks.append((key, data))
-        elif field == 1 and sizer is not None and block_bytes is None:
-            block_bytes = sizer(bytes(v))
-    return ns, parent, blocks
+def _one(requests: Iterator[bytes], method: str) -> bytes:
+    """The one request message of a unary call (the gate's deadline ends a wait for it)."""
+    raw = next(requests, None)
+    gate.received()
+    if raw is None:
+        raise InvalidArgument(f"{method} carried no request message")
+    return raw
 
 
 def _status(code: str) -> grpc.StatusCode:
@@ -359,18 +287,24 @@ class KVStoreServicer:
     def _failure(method: str, exc: BaseException) -> tuple[str, str]:
         if isinstance(exc, KVStoreError) and exc.code != "INTERNAL":
             return exc.code, str(exc) or type(exc).__name__
+        if isinstance(exc, grpc.RpcError):
+            # From the request iterator: the call ended while its request was awaited (the
+            # client went away, or the gate's deadline ended it and said so already).
+            return "CANCELLED", f"{method}: the call ended before its request arrived"
         log.error("%s failed with an unexpected error", method, exc_info=exc)
         return "INTERNAL", f"internal error in {method}: {type(exc).__name__}: {exc}"
 
-    def unary(self, method: str, fn: Callable[[Any], Message]) -> Callable:
-        """Wrap `fn(request)`: timing, in-flight count, exception -> status."""
-        def handler(raw: Any, context: grpc.ServicerContext) -> Message:
+    def unary(self, method: str, fn: Callable[[Any], Message], stream: bool = False
+              ) -> Callable:
+        """Wrap `fn(request)` (`fn(requests)`, the iterator itself, for a client stream):
+        timing, in-flight count, exception -> status. The one request of a unary call is read
+        here, after the gate let the call in (module docstring)."""
+        def handler(requests: Iterator[bytes], context: grpc.ServicerContext) -> Message:
             t0, entered = time.perf_counter(), False
             try:
                 self._enter()
                 entered = True
-                self.auth.identify(context)
-                resp = fn(raw)
+                resp = fn(requests if stream else _one(requests, method))
             except Exception as exc:
                 code, msg = self._failure(method, exc)
                 self._done(method, code, t0, entered)
@@ -399,13 +333,16 @@ class KVStoreServicer:
 
     def server_stream(self, method: str, fn: Callable[[bytes], Iterator[Message]]) -> Callable:
         """Like `unary` for a generator; an error after some messages ends the stream with it."""
-        def handler(raw: bytes, context: grpc.ServicerContext) -> Iterator[Message]:
+        def handler(requests: Iterator[bytes], context: grpc.ServicerContext
+                    ) -> Iterator[Message]:
             t0, entered = time.perf_counter(), False
             code, msg = "OK", ""
             try:
                 self._enter()
                 entered = True
-                self.auth.identify(context)
+                raw = next(requests, None)      # the deadline stays armed: a Get's reply
+                if raw is None:                 # must be taken within it too
+                    raise InvalidArgument(f"{method} carried no request message")
                 yield from fn(raw)
             except GeneratorExit:   # the client went away mid-stream
                 code = "CANCELLED"
@@ -593,42 +530,62 @@ class KVStoreServicer:
         return pb.RenewLeaseResponse(deadline=self.store.renew(lease_id, ttl))
 
     def Put(self, raws: Iterator[bytes]) -> pb.PutResponse:
-        """Client stream: each message's blocks continue the chain of the previous message."""
+        """Client stream: each message's blocks continue the chain of the previous message; a
+        block too big for one message arrives alone, in pieces (kvstore.proto, PutRequest)."""
         ns: bytes | None = None
         prev: bytes | None = None      # parent of the next block
         stored = dups = 0
         block_bytes: int | None = None
+        split: tuple[bytes, bytearray, int] | None = None   # (key, bytes so far, message)
 
         def sizer(ns_id: bytes) -> int | None:
             self.auth.check_ns(check_ns(ns_id, "namespace_id (first Put message)"))
             return self._ns_block_bytes(ns_id)
         for m, raw in enumerate(raws):
-            req_ns, req_parent, blocks = _parse_put(raw, block_bytes, sizer if m == 0 else None,
-                                                    f"message {m}")
+            need = block_bytes - len(split[1]) if split is not None and block_bytes else 0
+            msg = parse_put(raw, block_bytes, sizer if m == 0 else None, f"message {m}", need)
             if m == 0:
-                ns = check_ns(req_ns, "namespace_id (first Put message)")
+                ns = check_ns(msg.ns, "namespace_id (first Put message)")
                 self.auth.check_ns(ns)
-                prev = check_parent(req_parent, "parent (first Put message)")
+                prev = check_parent(msg.parent, "parent (first Put message)")
                 block_bytes = self._ns_block_bytes(ns)
             else:
-                if req_ns and req_ns != ns:
+                if msg.ns and msg.ns != ns:
                     raise InvalidArgument(f"Put message {m} names another namespace; one Put "
                                           "stream writes one namespace")
-                if req_parent and req_parent != prev:
+                if msg.parent and msg.parent != prev:
                     raise InvalidArgument(f"Put message {m}: parent must be empty (the chain "
                                           "continues from the previous message's last key)")
+            blocks = msg.blocks
+            if msg.piece is not None:
+                key, data = msg.piece
+                if split is None:               # a split block begins
+                    if not key:
+                        raise InvalidArgument(f"message {m} blocks[0] has no key, and no split "
+                                              "block is open for it to continue")
+                    if block_bytes is None:
+                        raise InvalidArgument(f"message {m} blocks[0].data is {len(data)} "
+                                              "bytes; a namespace's blocks have one size")
+                    split = (key, bytearray(data), m)
+                else:                           # grows only as its bytes arrive
+                    split[1].extend(data)
+                if block_bytes is None or len(split[1]) < block_bytes:
+                    continue
+                blocks = [(split[0], memoryview(split[1]))]
+                split = None
             if not blocks:
                 continue
             keys = check_keys((k for k, _ in blocks), f"message {m} blocks[].key",
                               distinct=True)
-            for i, (_, data) in enumerate(blocks):
-                if block_bytes is not None and len(data) != block_bytes:
-                    raise InvalidArgument(f"message {m} blocks[{i}].data is {len(data)} bytes; "
-                                          f"this namespace's blocks are {block_bytes} bytes")
             res = self.store.put(ns, keys, [d for _, d in blocks], parent=prev)
             stored += res.stored
             dups += res.duplicates
             prev = keys[-1]
+        gate.received()
+        if split is not None:
+            raise InvalidArgument(f"message {split[2]} blocks[0].data is {len(split[1])} "
+                                  f"bytes; this namespace's blocks are {block_bytes} bytes, and "
+                                  "the stream ended before the rest of that block arrived")
         return pb.PutResponse(stored=stored, duplicates=dups)
 
     def Get(self, raw: bytes) -> Iterator[bytes | pb.GetResponse]:
@@ -761,20 +718,23 @@ class KVStoreServicer:
         unary = ("RegisterNamespace", "Lookup", "Reserve", "Commit", "Acquire", "Release",
                  "RenewLease", "Retain", "Delete", "Evict", "Flush", "Stats", "Locate",
                  "LookupReserve", "LookupAcquire")
-        handlers = {name: grpc.unary_unary_rpc_method_handler(
+        # All request-streaming: the handler reads its request itself (module docstring).
+        handlers = {name: grpc.stream_unary_rpc_method_handler(
             self.unary(name, getattr(self, name)), response_serializer=ser) for name in unary}
         handlers["Put"] = grpc.stream_unary_rpc_method_handler(
-            self.unary("Put", self.Put), response_serializer=ser)
-        handlers["Get"] = grpc.unary_stream_rpc_method_handler(
+            self.unary("Put", self.Put, stream=True), response_serializer=ser)
+        handlers["Get"] = grpc.stream_stream_rpc_method_handler(
             self.server_stream("Get", self.Get), response_serializer=ser)
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
 # -------------------------------------------------------------------------- the server
 
-def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+def grpc_options(max_message_bytes: int, max_receive_bytes: int) -> list[tuple[str, Any]]:
     return [
-        ("grpc.max_receive_message_length", max_message_bytes),
+        # gRPC checks this from a message's length prefix, before it buffers the body: the
+        # one receive limit it has, for every method (kvstore/gate.py).
+        ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         # Two daemons must never share a TCP port silently: bind fails instead.
         ("grpc.so_reuseport", 0),
@@ -783,26 +743,44 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
-def build_server(servicer: KVStoreServicer, workers: int, max_message_bytes: int
-                 ) -> tuple[grpc.Server, Any]:
-    """A thread-pool gRPC server with the KVStore service, health checking and reflection.
+@dataclass
+class Front:
+    """What build_server made besides the server: the gate's parts the daemon keeps."""
+    health: gate.Health
+    admission: gate.Admission
+    deadlines: gate.Deadlines
 
-    Returns (server, health servicer); the caller binds ports, starts it and flips health
-    to SERVING once it is really ready.
+
+def build_server(servicer: KVStoreServicer, workers: int, max_message_bytes: int,
+                 max_receive_bytes: int = 4 << 20, request_deadline_s: float = 30.0,
+                 tenant_calls: int = 0, preauth_calls: int = 8) -> tuple[grpc.Server, Front]:
+    """A thread-pool gRPC server with the KVStore service behind the gate (kvstore/gate.py),
+    health checking and reflection.
+
+    Returns (server, front); the caller binds ports, starts it and flips front.health to
+    SERVING once it is really ready. With tenants each has `tenant_calls` (0: `workers`)
+    calls in flight and the pool a thread for each; without, `workers` threads serve all.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health
     from grpc_reflection.v1alpha import reflection
 
-    server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
-                         options=grpc_options(max_message_bytes),
-                         maximum_concurrent_rpcs=None)
+    auth = servicer.auth
+    if auth.enabled:
+        per = tenant_calls or workers
+        caps = {name: per for name in auth.tenants}
+        if auth.mtls:
+            caps[gate.PREAUTH] = preauth_calls
+        admission = gate.Admission(caps)
+        threads = admission.threads
+    else:
+        admission, threads = gate.Admission({}), workers
+    deadlines = gate.Deadlines(request_deadline_s)
+    health_state = gate.Health()
+    interceptor = gate.Gate(auth, admission, deadlines, health_state, servicer._observe)
+    server = grpc.server(ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
+                         options=grpc_options(max_message_bytes, max_receive_bytes),
+                         interceptors=(interceptor,), maximum_concurrent_rpcs=None)
     server.add_generic_rpc_handlers((servicer.handler(),))
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    return server, health_servicer
+    return server, Front(health_state, admission, deadlines)

@@ -20,7 +20,9 @@ from tests.test_server import SMALL_BYTES, chain, register
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    d = start_daemon(tmp_path_factory.mktemp("limits"))
+    # A receive limit above the 4 MiB default, as an operator may set it, so that a message
+    # of a million blocks reaches the parser (by default gRPC refuses it from its length).
+    d = start_daemon(tmp_path_factory.mktemp("limits"), {"server.max_receive_bytes": "64MiB"})
     ch = d.channel()
     try:
         stub = pb_grpc.KVStoreStub(ch)
@@ -39,11 +41,17 @@ def put_raw(ch: grpc.Channel, messages: list[bytes]) -> pb.PutResponse:
 def test_put_with_a_million_blocks_is_refused_at_the_limit(world) -> None:
     _, ch, _, ns = world
     key = b"\x01" * 16
-    msg = encode_put(ns, b"", [(key, b"")] * 1_000_000)
+    # namespace_id last (protobuf fields may come in any order): the block size is not known
+    # while the blocks are read, so only their count can stop the parse
+    msg = encode_put(b"", b"", [(key, b"")] * 1_000_000) + encode_put(ns, b"", [])
     with pytest.raises(grpc.RpcError) as ei:
         put_raw(ch, [msg])
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"more than {MAX_KEYS} blocks (refused at block {MAX_KEYS})" in ei.value.details()
+    # namespace_id first, as the SDK sends it: refused at the first block of the wrong size
+    with pytest.raises(grpc.RpcError) as ei:
+        put_raw(ch, [encode_put(ns, b"", [(key, b"")] * 100_000)])
+    assert ei.value.details().startswith("message 0 blocks[0].data is 0 bytes")
 
 
 def test_put_refused_at_the_first_block_of_the_wrong_size(world) -> None:

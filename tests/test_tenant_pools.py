@@ -195,7 +195,8 @@ def test_ssd_quota_evicts_own_blocks_first_and_metrics_are_per_tenant(tmp_path: 
         [tenants.b]
         token_sha256 = "{hash_token('b-token')}"
     """))
-    d = start_daemon(tmp_path, {"auth.tokens_file": str(tf)})
+    # per-tenant series are opt-in (the metrics endpoint has no authentication)
+    d = start_daemon(tmp_path, {"auth.tokens_file": str(tf), "server.metrics_tenants": True})
     try:
         with connect(d.address, token="a-token", transport="grpc") as a, \
                 connect(d.address, token="b-token", transport="grpc") as b:

@@ -138,6 +138,7 @@ class Client:
         self.copy_threads = copy_threads or default_threads()
         # LookupReserve / LookupAcquire until a daemon answers UNIMPLEMENTED (an older one).
         self.fused_rpcs = True
+        self.put_pieces = False         # set from RegisterNamespace's protocol (_adopt)
         self._lock = threading.RLock()
         self._closed = False
         self._reached = False           # a daemon answered once (see call())
@@ -279,6 +280,8 @@ class Client:
                 self.gpu_pools = [p for p in self.gpu_pools if "fd" not in p]
             if not self._token:
                 self.metadata = (("authorization", f"Bearer {self._session.token}"),)
+                if self._lane is not None:      # its hello carries the session too
+                    self._lane.renew(self._session.token)
 
     def session_current(self) -> bool:
         """False when the daemon restarted since the handshake (its fds are of a dead run)."""
@@ -339,6 +342,7 @@ class Client:
         changed = resp.daemon_id != self.daemon_id
         self.daemon_id = resp.daemon_id
         self.leases.carry = resp.protocol >= 2     # Acquire and Commit carry releases
+        self.put_pieces = resp.protocol >= 3       # a Put block may span messages
         if self._lane_path is not None and (changed or self._lane is None):
             if self._lane is not None:
                 self._lane.close()

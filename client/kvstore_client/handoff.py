@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 
-from .errors import InvalidArgument, Unauthenticated, Unavailable
+from .errors import DeadlineExceeded, KVStoreError, Unavailable, from_code
 
 SUFFIX = ".auth"
 MAX_REPLY = 8192
@@ -53,28 +54,55 @@ def handshake_path(socket_path: str) -> str:
 
 
 def handshake(path: str, token: str = "", timeout: float = 5.0) -> Session:
-    """One exchange with the daemon's handshake socket; every step has `timeout`."""
+    """One exchange with the daemon's handshake socket, whole within `timeout` seconds (one
+    deadline, not one per read). Raises only the SDK's errors: Unavailable (no daemon there,
+    or it closed the connection), DeadlineExceeded (no answer in time), or the status the
+    daemon refused with (Unauthenticated, ResourceExhausted, ...)."""
+    deadline = time.monotonic() + timeout
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
+    fds: list[int] = []
     try:
         try:
             ino = os.stat(path).st_ino
+            s.settimeout(timeout)
             s.connect(path)
+        except TimeoutError:
+            raise DeadlineExceeded(f"the daemon's handshake socket {path} did not accept the "
+                                   f"connection within {timeout:g} s") from None
         except OSError as e:
             raise Unavailable(f"cannot reach the daemon's handshake socket {path}: "
                               f"{e.strerror or e}") from None
-        s.sendall((json.dumps({"v": 1, "token": token}) + "\n").encode())
-        data, fds = b"", []
-        while not data.endswith(b"\n"):
-            msg, got, _flags, _addr = socket.recv_fds(s, MAX_REPLY, MAX_FDS)
-            fds += got
-            if not msg:
-                break
-            data += msg
+        try:
+            s.settimeout(max(0.001, deadline - time.monotonic()))
+            s.sendall((json.dumps({"v": 1, "token": token}) + "\n").encode())
+            data = b""
+            while not data.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                s.settimeout(left)
+                msg, got, _flags, _addr = socket.recv_fds(s, MAX_REPLY, MAX_FDS)
+                fds += got
+                if not msg:
+                    break
+                data += msg
+                if len(data) > MAX_REPLY:
+                    raise ValueError("reply too long")
+        except TimeoutError:
+            raise DeadlineExceeded(f"the daemon's handshake at {path} did not answer within "
+                                   f"{timeout:g} s") from None
+        except (OSError, ValueError) as e:
+            raise Unavailable(f"the daemon's handshake at {path} failed: {e}") from None
+    except KVStoreError:
+        for fd in fds:
+            os.close(fd)
+        raise
     finally:
         s.close()
     try:
         reply = json.loads(data)
+        if not isinstance(reply, dict):
+            raise ValueError("not an object")
     except ValueError:
         for fd in fds:
             os.close(fd)
@@ -82,17 +110,25 @@ def handshake(path: str, token: str = "", timeout: float = 5.0) -> Session:
     if "error" in reply:
         for fd in fds:
             os.close(fd)
-        cls = Unauthenticated if reply["error"] == "UNAUTHENTICATED" else InvalidArgument
-        raise cls(f"handshake with {path}: {reply.get('message', reply['error'])}")
-    size = int(reply.get("pool_size") or 0)
+        raise from_code(str(reply["error"]),
+                        f"handshake with {path}: {reply.get('message', reply['error'])}")
+    try:
+        size = int(reply.get("pool_size") or 0)
+        tenant, session = str(reply["tenant"]), str(reply["session"])
+        devices = [(int(e["device"]), int(e["size"])) for e in reply.get("gpu_pools") or []]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        for fd in fds:
+            os.close(fd)
+        raise Unavailable(f"the daemon's handshake at {path} answered a malformed reply "
+                          f"({type(e).__name__}: {e})") from None
     fd = fds[0] if fds and size else None
     rest = fds[1 if fd is not None else 0:]
     gpu: dict[int, tuple[int, int]] = {}
-    for entry in reply.get("gpu_pools") or []:
+    for device, nbytes in devices:
         if not rest:
             break
-        gpu[int(entry["device"])] = (rest.pop(0), int(entry["size"]))
+        gpu[device] = (rest.pop(0), nbytes)
     for extra in rest:
         os.close(extra)
-    return Session(tenant=str(reply["tenant"]), token=str(reply["session"]), pool_fd=fd,
-                   pool_size=size, gpu_fds=gpu, socket_ino=ino)
+    return Session(tenant=tenant, token=session, pool_fd=fd, pool_size=size, gpu_fds=gpu,
+                   socket_ino=ino)

@@ -18,6 +18,9 @@ Socket `<server.socket>.lane`, one connection per client thread in use, frames l
 from __future__ import annotations
 
 import struct
+import time
+
+from .limits import MAX_REQUEST_BYTES
 
 SUFFIX = ".lane"
 VERSION = 1
@@ -30,31 +33,59 @@ CODES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", 
          "UNAUTHENTICATED")
 CODE_ID = {c: i for i, c in enumerate(CODES)}
 HEADER = struct.Struct("<IB")
-MAX_FRAME = 64 << 20          # the daemon's default max message size
+# The largest valid request of any lane method: every lane method is a key-list call, so
+# none is larger than the daemon's bound for requests other than Put (limits.py: 65,536 keys
+# of up to 32 bytes with a checksum each, plus 256 KiB of small fields: 3,211,264 bytes). A
+# frame announcing more is not a request of ours: the daemon drops the connection unread.
+MAX_FRAME = MAX_REQUEST_BYTES
 MAX_HELLO = 8192
+# Reads are at most this much at a time, into a buffer that grows as the bytes arrive: a peer
+# that announces a large frame and sends nothing costs nothing.
+RECV_CHUNK = 256 << 10
 
 
 def lane_path(socket_path: str) -> str:
     return socket_path + SUFFIX
 
 
-def recv_exact(sock, n: int) -> bytes:
-    """n bytes from a blocking socket; EOFError when the peer closed first."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
+def _wait(sock, deadline: float | None) -> None:
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the lane peer did not send in time")
+        sock.settimeout(left)
+
+
+def recv_exact(sock, n: int, deadline: float | None = None) -> bytes:
+    """n bytes from a blocking socket; EOFError when the peer closed first, TimeoutError past
+    `deadline` (time.monotonic()), which bounds the whole read, not each recv."""
+    if n <= RECV_CHUNK:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            _wait(sock, deadline)
+            k = sock.recv_into(view[got:])
+            if not k:
+                raise EOFError("the lane connection closed")
+            got += k
+        return bytes(buf)
+    parts = bytearray()
+    while len(parts) < n:
+        _wait(sock, deadline)
+        chunk = sock.recv(min(n - len(parts), RECV_CHUNK))
+        if not chunk:
             raise EOFError("the lane connection closed")
-        got += k
-    return bytes(buf)
+        parts += chunk
+    return bytes(parts)
 
 
-def recv_line(sock, limit: int = MAX_HELLO) -> bytes:
-    """One newline-terminated line (the hello), at most `limit` bytes."""
+def recv_line(sock, limit: int = MAX_HELLO, deadline: float | None = None) -> bytes:
+    """One newline-terminated line (a hello or its answer), at most `limit` bytes, whole
+    before `deadline`."""
     buf = b""
     while not buf.endswith(b"\n"):
+        _wait(sock, deadline)
         chunk = sock.recv(1)
         if not chunk:
             raise EOFError("the lane connection closed during the hello")

@@ -32,7 +32,7 @@ from .errors import (
 )
 from .hashing import DEFAULT_KEY_BYTES, ExtraKey, block_keys
 from .layout import NamespaceSpec, check_retention
-from .wire import decode_get, encode_put
+from .wire import decode_get, encode_put, split_put
 
 if TYPE_CHECKING:
     from .client import Client, _Pool
@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 # reads bytes the copy just left in cache.
 _CHUNK_BYTES = 4 << 20
 # Put streams carry about this many block bytes per message (and per RPC at most _PUT_RPC_BYTES),
-# bounding the client's temporary memory.
+# bounding the client's temporary memory; a daemon receives messages of at most 4 MiB by default
+# (server.max_receive_bytes), so a bigger block goes alone, split across messages, where the
+# daemon takes that (protocol 3).
 _PUT_MESSAGE_BYTES = 2 << 20
 _PUT_RPC_BYTES = 64 << 20
 # A Reserve asks for at most this share of the host pool (the daemon refuses batches that do not
@@ -443,6 +445,7 @@ class Namespace:
         stride = (bb + PAGE - 1) // PAGE * PAGE
         per_rpc = max(1, _PUT_RPC_BYTES // stride)
         per_msg = max(1, _PUT_MESSAGE_BYTES // bb)
+        split = bb > _PUT_MESSAGE_BYTES and client.put_pieces
         stored = 0
         i = start
         while i < len(keys):
@@ -460,8 +463,11 @@ class Namespace:
                     blocks = [(keys[i + j], parts(i + j) if parts is not None
                                else base[offsets[j]:offsets[j] + bb])
                               for j in range(m0, min(n, m0 + per_msg))]
-                    yield encode_put(self.ns_id if m0 == 0 else b"",
-                                     parent if m0 == 0 else b"", blocks)
+                    ns_id, par = (self.ns_id, parent) if m0 == 0 else (b"", b"")
+                    if split:
+                        yield from split_put(ns_id, par, blocks[0], _PUT_MESSAGE_BYTES)
+                    else:
+                        yield encode_put(ns_id, par, blocks)
             try:
                 r = client._put(msgs(), timeout=client.timeout, wait_for_ready=True,
                                 metadata=client.metadata)
