@@ -3,7 +3,7 @@
 Why: the eviction policy is judged by block hit ratio on real prompt traffic, not by
 micro-benchmarks. This replays a trace in process, with prefix semantics (a request hits its
 longest cached leading run of blocks; afterwards all its blocks are stored), against
-`kvstore.policy` exactly as the store drives it, and compares with the offline optimum.
+`kvstore.policies` exactly as the store drives it, and compares with the offline optimum.
 
     python bench/trace_replay.py [--quick] [--plot PNG] [--through-store] [--policies arc]
                                  TRACE.jsonl
@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
 
 from kvstore_client.retention import hints as retention_hints  # noqa: E402
 
-from kvstore.policy import make_policy  # noqa: E402
+from kvstore.policies import make_policy  # noqa: E402
 
 Trace = list[list[int]]
 CAPACITIES = [1000, 2000, 5000, 10000, 20000, 50000]

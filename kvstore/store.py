@@ -51,7 +51,7 @@ from .index import NS_ID_BYTES, BlockIndex, Entry
 from .leases import Lease, LeaseTable, Slot
 from .movement import REMOTE_CHUNK, Promotion, TierMovement, _aligned
 from .nsinfo import NamespaceInfo
-from .policy import EvictionPolicy, make_policy
+from .policies import EvictionPolicy, make_policy
 from .pools import TenantPools
 from .verify import first_mismatch
 

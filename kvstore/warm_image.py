@@ -26,10 +26,10 @@ from typing import Any
 
 import msgpack
 
-from .ghost import GhostKeys
 from .index import _SSD, _STATE, NS_ID_BYTES, BlockIndex
-from .policy import SegmentedPolicy
-from .rowleaves import RowLeaves
+from .policies.evicted_keys import GhostKeys
+from .policies.packed_leaves import RowLeaves
+from .policies.segmented import SegmentedPolicy
 
 VERSION = 3
 INDEX = "store.index"
