@@ -38,11 +38,11 @@ def _one_torch_thread() -> None:
 
     torch's own pool on top of ours oversubscribed the cores; with any neighbour busy, single
     codec ops ran 10-100x slower. torch itself is not imported here: a daemon whose namespaces
-    never quantize never loads it (tiers/codecs.py); the lossy codecs apply this on import.
+    never quantize never loads it (tiers/torch_threads.py); the codecs apply this on import.
     """
-    from tiers import codec_common
+    from tiers import torch_threads
 
-    codec_common.TORCH_THREADS = 1
+    torch_threads.TORCH_THREADS = 1
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)

@@ -16,7 +16,8 @@ from kvstore_client.errors import DataLoss
 from kvstore_client.layout import KVLayout
 
 from kvstore import trained_model
-from tiers import codec_quant, codecs
+from tiers import codecs
+from tiers.codecs import lossy_torch as codec_quant
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,10 @@ import torch
 from kvstore_client.errors import DataLoss
 from kvstore_client.layout import KVLayout
 
-from tiers import codec_lossless, codec_q3, codec_quant, codecs
+from tiers import codecs
+from tiers.codecs import lossless as codec_lossless
+from tiers.codecs import lossy_torch as codec_quant
+from tiers.codecs.legacy import lossy_v3 as codec_q3
 
 SMOL = KVLayout(num_layers=3, num_kv_heads=3, head_dim=64, block_tokens=16, dtype="bfloat16")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

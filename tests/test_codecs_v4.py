@@ -17,7 +17,8 @@ import torch
 from kvstore_client.errors import DataLoss
 from kvstore_client.layout import KVLayout
 
-from tiers import codec_q4, codecs
+from tiers import codecs
+from tiers.codecs import lossy as codec_q4
 
 SMOL = KVLayout(num_layers=3, num_kv_heads=3, head_dim=64, block_tokens=16, dtype="bfloat16")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -42,11 +42,11 @@ import zstandard as zstd
 from kvstore_client.errors import DataLoss, InvalidArgument
 from kvstore_client.layout import KVLayout
 
-from . import codec_common
-from .codec_common import NonFiniteBlock, cctx, check_block, scratch, zstd_decompress_into
+from .. import torch_threads
+from .common import NonFiniteBlock, cctx, check_block, scratch, zstd_decompress_into
 
-if codec_common.TORCH_THREADS is not None:
-    torch.set_num_threads(codec_common.TORCH_THREADS)
+if torch_threads.TORCH_THREADS is not None:
+    torch.set_num_threads(torch_threads.TORCH_THREADS)
 
 VERSION = 2               # writes 2 when a block has sink keys kept exact, else 1
 VERSIONS = (1, 2)
