@@ -133,7 +133,7 @@ class Store(DeviceMovement, TenantPools):
         self._host_pin = pin_host(self._slab.buffer)
         self.gpu = {}
         if config.gpu.enabled:      # (numpy and the CUDA bindings only where configured)
-            from tiers.device import open_device_tiers
+            from tiers.device_open import open_device_tiers
             self.gpu = open_device_tiers(config.gpu.capacity, config.gpu.devices,
                                          config.gpu.backend, log, slab_prefix=shm_name + "-")
         self._split_gpu(shm_name + "-")  # tenants with a gpu quota get their own slabs

@@ -148,8 +148,8 @@ def test_tier_without_cuda_raises_unavailable(no_cuda):
 
 
 def test_daemon_picks_the_cpu_device_without_cuda_and_says_so(no_cuda, caplog):
-    from tiers.device import open_device_tiers
     from tiers.device_cpu import CpuDeviceTier
+    from tiers.device_open import open_device_tiers
 
     log = logging.getLogger("kvstore.test")
     with caplog.at_level(logging.INFO, logger="kvstore.test"):
@@ -166,7 +166,7 @@ def test_daemon_picks_the_cpu_device_without_cuda_and_says_so(no_cuda, caplog):
 
 
 def test_daemon_disables_cuda_backend_with_one_log_line(no_cuda, caplog):
-    from tiers.device import open_device_tiers
+    from tiers.device_open import open_device_tiers
 
     log = logging.getLogger("kvstore.test")
     with caplog.at_level(logging.INFO, logger="kvstore.test"):

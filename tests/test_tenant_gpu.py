@@ -312,8 +312,8 @@ def test_own_host_pool_and_own_device_slab_together(tmp_path: Path) -> None:
 
 
 def test_segmented_device_splits_batches_by_segment_in_order() -> None:
-    from tiers.device import open_tenant_segment
     from tiers.device_cpu import CpuDeviceTier
+    from tiers.device_open import open_tenant_segment
     from tiers.device_segments import SegmentedDevice
 
     shared = CpuDeviceTier(8 * 4096, 0, slab_name=f"kvs-test-segdev-{os.getpid()}")
