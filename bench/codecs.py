@@ -15,7 +15,7 @@ time its calls used (what the workers give with a core each). Why both: the code
 CPU-bound and the disk is not, so where other processes load the cores (load average printed
 beside it, with the core count) elapsed time charges the codec for its neighbours.
 
-Trained model (issue 15): SmolLM2-135M-Instruct (kvstore/trained_model.py), five real-text
+Trained model (issue 15): SmolLM2-135M-Instruct (kvstore_demo/trained_model.py), five real-text
 prompts of 704 tokens; the 640-token prefix is round-tripped through each codec in 16-token
 bf16 blocks, and the next 64 tokens use it: attention error per (prompt, layer, query head)
 with the model's real (post-RoPE) queries, causal, GQA (`int8_worst_head_err`, ...), and the
@@ -158,7 +158,7 @@ def trained_figures(first: int = 1, prefix: str = "") -> dict:
     """Codec figures on SmolLM2 (see the module docstring); {} when it is not installed.
     `first` picks the prompts' starting passages (2: the held-out set), `prefix` the JSON
     keys' prefix."""
-    from kvstore import trained_model
+    from kvstore_demo import trained_model
 
     if not trained_model.available():
         print(f"SmolLM2 not installed ({trained_model.INSTALL_HINT}): no trained-model figures",

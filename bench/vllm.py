@@ -298,7 +298,7 @@ def main() -> None:
         sys.stdout.flush()
         os._exit(0)     # skip vLLM's slow interpreter teardown; the output is written
 
-    from kvstore.demo import daemon_address
+    from kvstore_demo.chat import daemon_address
 
     py = vllm_python(args.vllm_python)
     model_dir = Path(args.model_dir or ROOT / "bench" / "out" /

@@ -248,9 +248,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def run_demo(demo_args: list[str]) -> int:
-    """`kvstore demo ...`: every argument goes to kvstore.demo (imported only now)."""
+    """`kvstore demo ...`: every argument goes to kvstore_demo.chat (imported only now)."""
     try:
-        from .demo import main as demo_main
+        from kvstore_demo.chat import main as demo_main
     except ImportError as e:
         return _fail(f"the demo is not available in this install ({e})", 1)
     return int(demo_main(demo_args) or 0)
@@ -395,7 +395,7 @@ def make_parser() -> argparse.ArgumentParser:
             action.help = _defaults_help()[action.dest]
     plan.set_defaults(func=cmd_plan)
 
-    demo = sub.add_parser("demo", help="run the end-to-end demo (kvstore.demo)",
+    demo = sub.add_parser("demo", help="run the end-to-end demo (kvstore_demo)",
                           add_help=False)
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     demo.set_defaults(func=cmd_demo)

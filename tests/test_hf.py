@@ -38,7 +38,7 @@ from kvstore_client.hf import (  # noqa: E402
     teacher_forced_logits,
 )
 
-from kvstore.demo import build_model  # noqa: E402
+from kvstore_demo.chat import build_model  # noqa: E402
 
 BT = 16           # block tokens
 TOL = 1e-4        # lossless: max |logit difference| allowed in fp32
