@@ -61,7 +61,7 @@ def _load_kv_capture():
 kc = _load_kv_capture()
 
 import torch  # noqa: E402
-from kvstore_client.layout import KVLayout  # noqa: E402
+from kvstore_client.common.layout import KVLayout  # noqa: E402
 
 from bench.refs import odirect_write_read  # noqa: E402
 from tiers import codecs, frame  # noqa: E402

@@ -40,7 +40,7 @@ for p in (ROOT, ROOT / "client"):
         sys.path.insert(0, str(p))
 
 from kvstore_client import gpu as cg  # noqa: E402
-from kvstore_client.layout import KVLayout  # noqa: E402
+from kvstore_client.common.layout import KVLayout  # noqa: E402
 
 # 16 layers x 2 x 32 tokens x 8 heads x 128 dims x bf16 = 2 MiB, a typical block.
 LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_tokens=32, dtype="bfloat16")

@@ -177,7 +177,7 @@ def codec_accuracy(cap: Capture, codec: str, dtype: str = "bfloat16", block_toke
     attention output with the real queries against the real K/V. `reference` (a function on one
     float32 block) replaces the codec, e.g. per_tensor_fp8."""
     import torch
-    from kvstore_client.layout import KVLayout
+    from kvstore_client.common.layout import KVLayout
 
     from tiers import codecs, frame
 
@@ -339,8 +339,8 @@ def causal_codec_accuracy(cap: CausalCapture, codec: str | None, model=None,
     attention with the real queries against the lossless (dtype-rounded) cache; with `model`,
     also run the continuation on both caches and compare next-token distributions."""
     import torch
+    from kvstore_client.common.layout import KVLayout
     from kvstore_client.hf import canonical_to_cache
-    from kvstore_client.layout import KVLayout
 
     from tiers import codecs, frame
 

@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
-from kvstore_client.layout import KVLayout  # noqa: E402
+from kvstore_client.common.layout import KVLayout  # noqa: E402
 
 from tests.redis_fixtures import start_cluster, start_redis  # noqa: E402
 from tiers.codecs import decode, encode  # noqa: E402

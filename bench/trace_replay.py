@@ -386,7 +386,7 @@ def replay_store(name: str, trace: Trace, capacity: int) -> Result:
     lookup, acquire the hit prefix (touch + pin), put the missing blocks, release.
     """
     import blake3
-    from kvstore_client.layout import KVLayout, NamespaceSpec
+    from kvstore_client.common.layout import KVLayout, NamespaceSpec
 
     from kvstore.config import load_config
     from kvstore.movement import SLAB_ALIGN

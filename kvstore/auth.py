@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from kvstore_client.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from kvstore_client.layout import NamespaceSpec
+from kvstore_client.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from kvstore_client.common.layout import NamespaceSpec
 
 from .tenants import TENANT_KEY, Tenant
 

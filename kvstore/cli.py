@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvstore_client.errors import InvalidArgument
+from kvstore_client.common.errors import InvalidArgument
 
 from .config import ConfigError, StoreConfig, load_config
 
@@ -203,7 +203,7 @@ def format_status(resp: Any) -> str:
 
 def _status_credentials(address: str, timeout: float) -> tuple | None:
     """On a daemon with tenants: $KVSTORE_TOKEN, else the uid handshake (docs/security.md)."""
-    from kvstore_client.handoff import handshake, handshake_path
+    from kvstore_client.common.handoff import handshake, handshake_path
 
     token = os.environ.get("KVSTORE_TOKEN", "")
     path = handshake_path(address[len("unix:"):]) if address.startswith("unix:") else ""
@@ -218,7 +218,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
     from kvstore_client._proto import kvstore_pb2, kvstore_pb2_grpc
-    from kvstore_client.client import grpc_target
+    from kvstore_client.common.address import grpc_target
 
     try:
         # The SDK's reading of addresses: a bare or relative path is a Unix socket.

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvstore_client.errors import KVStoreError
+from kvstore_client.common.errors import KVStoreError
 
 from .config import StoreConfig
 
@@ -384,7 +384,7 @@ class Daemon:
                                                     cfg.server.max_message_bytes)
             _bind_unix(self.server, self.socket_path, 0o666 if tenants else 0o600)
             if cfg.server.lane:
-                from kvstore_client.lane_wire import lane_path
+                from kvstore_client.common.lane_wire import lane_path
 
                 from .lane import Lane
 

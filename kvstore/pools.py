@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore_client.errors import ResourceExhausted
+from kvstore_client.common.errors import ResourceExhausted
 
 from tiers.host_segments import SegmentedHost
 

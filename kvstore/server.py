@@ -27,14 +27,14 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 from kvstore_client._proto import kvstore_pb2 as pb
-from kvstore_client.errors import (
+from kvstore_client.common.errors import (
     InvalidArgument,
     KVStoreError,
     LeaseExpired,
     NotFound,
     Unavailable,
 )
-from kvstore_client.layout import KVLayout, NamespaceSpec
+from kvstore_client.common.layout import KVLayout, NamespaceSpec
 
 from . import getcopy
 from .auth import OPEN, Auth

@@ -29,16 +29,16 @@ from typing import Any
 import blake3
 import msgpack
 import xxhash
-from kvstore_client.errors import (
+from kvstore_client.common.errors import (
     DataLoss,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
     Unavailable,
 )
-from kvstore_client.hashing import MAX_KEY_BYTES, MIN_KEY_BYTES
-from kvstore_client.layout import NamespaceSpec, check_retention
-from kvstore_client.pinning import pin_host
+from kvstore_client.common.hashing import MAX_KEY_BYTES, MIN_KEY_BYTES
+from kvstore_client.common.layout import NamespaceSpec, check_retention
+from kvstore_client.common.pinning import pin_host
 
 from tiers.host import HostTier
 from tiers.ssd import DiskFull, SSDTier

@@ -13,8 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import DataLoss, InvalidArgument
-from kvstore_client.layout import KVLayout
 
 from tiers import codecs, frame
 from tiers.codecs import NonFiniteBlock

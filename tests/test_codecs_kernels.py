@@ -18,8 +18,8 @@ import hashlib
 
 import numpy as np
 import pytest
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import DataLoss
-from kvstore_client.layout import KVLayout
 
 from tiers.codecs import lossless as codec_lossless
 from tiers.codecs import lossy as codec_q4

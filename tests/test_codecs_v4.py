@@ -14,8 +14,8 @@ import struct
 import numpy as np
 import pytest
 import torch
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import DataLoss
-from kvstore_client.layout import KVLayout
 
 from tiers import codecs
 from tiers.codecs import lossy as codec_q4

@@ -27,9 +27,10 @@ import numpy as np
 import pytest
 import torch
 from kvstore_client import gpu as cg
-from kvstore_client import paged_copy, pools
+from kvstore_client import paged_copy
+from kvstore_client.common import pools
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from kvstore_client.layout import KVLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = cg.cuda_available()
@@ -587,7 +588,7 @@ def test_batched_host_copies_round_trip(tier):
 
 @cuda_test
 def test_shm_slab_pinned_in_daemon_and_client():
-    from kvstore_client.shm import attach
+    from kvstore_client.common.shm import attach
 
     from tiers.host import HostTier
 

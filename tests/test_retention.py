@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvstore_client import InvalidArgument
-from kvstore_client.layout import RETENTION_LEVELS
+from kvstore_client.common.layout import RETENTION_LEVELS
 from kvstore_client.retention import SIGNALS, hints, level_for
 
 from kvstore.policies import SegmentedPolicy, make_policy

@@ -28,9 +28,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from kvstore_client.errors import InvalidArgument
-from kvstore_client.gpu import Transfer, coalesce_runs
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import InvalidArgument
+from kvstore_client.common.layout import KVLayout
+from kvstore_client.common.runs import coalesce_runs
+from kvstore_client.common.transfer import Transfer
 
 from .slab import SlabAllocation
 

@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from kvstore_client.errors import InvalidArgument
-from kvstore_client.gpu import CPU_MEMFD_KIND, CPU_POOL_KIND, FutureEvent, Transfer
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import InvalidArgument
+from kvstore_client.common.layout import KVLayout
+from kvstore_client.common.pools import CPU_MEMFD_KIND, CPU_POOL_KIND
+from kvstore_client.common.transfer import FutureEvent, Transfer
 
 from .device import PAGE, DeviceTier, Item, check_host
 from .host import _create_fresh, _prefault, _unlink

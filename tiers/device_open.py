@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from kvstore_client.errors import InvalidArgument, KVStoreError
-from kvstore_client.gpu import cuda_available
+from kvstore_client.common.cuda_runtime import cuda_available
+from kvstore_client.common.errors import InvalidArgument, KVStoreError
 
 from .device import DeviceTier
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import struct
 
 import xxhash
-from kvstore_client.errors import DataLoss, InvalidArgument
+from kvstore_client.common.errors import DataLoss, InvalidArgument
 
 # Codec ids as stored in the header; never renumber.
 CODEC_IDS: dict[str, int] = {"raw": 0, "lossless": 1, "fp8_e4m3": 2, "int8": 3}

@@ -16,7 +16,7 @@ from array import array
 from collections import deque
 from typing import Any
 
-from kvstore_client.errors import InvalidArgument, ResourceExhausted
+from kvstore_client.common.errors import InvalidArgument, ResourceExhausted
 
 
 class ExtentAllocator:

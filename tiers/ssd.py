@@ -53,7 +53,7 @@ from typing import TypeVar
 import lmdb
 import msgpack
 import xxhash
-from kvstore_client.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable
+from kvstore_client.common.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable
 
 from .slab import ExtentAllocator
 from .ssd_image import Stamp, read_image, remove_image, write_image

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidArgument
-from .layout import KVLayout
+from .common.errors import InvalidArgument
+from .common.layout import KVLayout
 
 PAGE = 4096
 

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import InvalidArgument
-from .layout import KVLayout
+from .common.errors import InvalidArgument
+from .common.layout import KVLayout
 
 _TORCH_TO_NS: dict[torch.dtype, str] = {
     torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvstore_client.errors import InvalidArgument
+from kvstore_client.common.errors import InvalidArgument
 
 from .arc import AdaptivePolicy
 from .base import EvictionPolicy

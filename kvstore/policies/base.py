@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import msgpack
-from kvstore_client.errors import InvalidArgument
+from kvstore_client.common.errors import InvalidArgument
 
 SNAPSHOT_VERSION = 1
 

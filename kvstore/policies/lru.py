@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvstore_client.layout import check_retention
+from kvstore_client.common.layout import check_retention
 
 from .base import OneByOne, pack_snapshot, unpack_snapshot
 from .leaves import _PARENT, PrefixLeaves

@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvstore_client.errors import InvalidArgument
-from kvstore_client.layout import check_retention
+from kvstore_client.common.errors import InvalidArgument
+from kvstore_client.common.layout import check_retention
 
 from .base import pack_snapshot, unpack_snapshot
 from .evicted_keys import GhostKeys

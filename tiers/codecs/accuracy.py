@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.layout import KVLayout
 
 from . import reorder
 from .common import check_block

@@ -13,9 +13,9 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from kvstore_client.errors import DataLoss, InvalidArgument
-from kvstore_client.layout import KVLayout
-from kvstore_client.lazy import lazy_module
+from kvstore_client.common.errors import DataLoss, InvalidArgument
+from kvstore_client.common.layout import KVLayout
+from kvstore_client.common.lazy import lazy_module
 
 if TYPE_CHECKING:
     import numpy as np

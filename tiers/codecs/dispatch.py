@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from kvstore_client.errors import DataLoss, InvalidArgument
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import DataLoss, InvalidArgument
+from kvstore_client.common.layout import KVLayout
 
 from ..frame import CODEC_IDS
 from . import lossless, lossy, reorder

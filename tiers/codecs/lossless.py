@@ -19,8 +19,8 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-from kvstore_client.errors import DataLoss
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import DataLoss
+from kvstore_client.common.layout import KVLayout
 
 from .common import cctx, check_block, scratch, zstd_decompress_into
 from .common import lossless_kernels as _kernels

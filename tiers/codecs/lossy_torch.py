@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import zstandard as zstd
-from kvstore_client.errors import DataLoss, InvalidArgument
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import DataLoss, InvalidArgument
+from kvstore_client.common.layout import KVLayout
 
 from .. import torch_threads
 from .common import NonFiniteBlock, cctx, check_block, scratch, zstd_decompress_into

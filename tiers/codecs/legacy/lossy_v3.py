@@ -38,8 +38,8 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-from kvstore_client.errors import DataLoss
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import DataLoss
+from kvstore_client.common.layout import KVLayout
 
 from ..common import NonFiniteBlock, check_block, scratch
 from ..lossy import EXP_LUT, rotates
