@@ -386,12 +386,6 @@ class Client:
             for ns in list(self._namespaces):
                 ns._register()
 
-    def _check_fresh(self) -> None:
-        """Resync if the pool segment changed since we mapped it (the daemon restarted)."""
-        pool = self._pool
-        if pool is not None and not pool.current():
-            self.resync()
-
     # -- public -----------------------------------------------------------------------------
     def namespace(self, layout: KVLayout, *, model: str, revision: str = "",
                   codec: str = "lossless", shard_rank: int = 0, shard_size: int = 1,
