@@ -50,7 +50,7 @@ def _blocks(quick: bool) -> dict[str, int]:
 
 
 def _engine_tensor(shape: tuple[int, int, int], tokens: int, seed: int):
-    """A page-aligned bf16 [L, 2, tokens, H, D] tensor (PERF-NOTES: alignment, page faults)."""
+    """A page-aligned bf16 [L, 2, tokens, H, D] tensor (docs/performance.md: alignment)."""
     import mmap
 
     import numpy as np

@@ -1,11 +1,11 @@
 """The `kvstore` command: `serve` runs the daemon, `status` shows a running one, `demo` demos.
 
 Why `serve` tunes malloc first: without glibc's MALLOC_* settings every multi-MiB gRPC message
-is a fresh mmap and a round of page faults (3.5× slower for 2 MiB messages, PERF-NOTES). glibc
-reads the variables only at exec, so `serve` applies the same four values in-process with
-mallopt(3) before any thread starts (it used to re-execute itself, which cost a second
-interpreter start and import on every start). Values the operator set in the environment are
-left to glibc; `--no-malloc-tuning` skips the whole step.
+is a fresh mmap and a round of page faults (3.5× slower for 2 MiB messages,
+docs/performance.md). glibc reads the variables only at exec, so `serve` applies the same four
+values in-process with mallopt(3) before any thread starts (it used to re-execute itself,
+which cost a second interpreter start and import on every start). Values the operator set in
+the environment are left to glibc; `--no-malloc-tuning` skips the whole step.
 
 Config errors and operator mistakes found before start (kvstore/preflight.py: data folder,
 socket path, ports in use, /dev/shm size, conflicting settings) exit with code 2 and one line

@@ -962,7 +962,8 @@ class SSDTier:
 
 class _Buffers:
     """Page-aligned write buffers (O_DIRECT needs aligned memory), shared by the threads that
-    write runs and reused: a fresh multi-MiB buffer page-faults on every use (PERF-NOTES)."""
+    write runs and reused: a fresh multi-MiB buffer page-faults on every use
+    (docs/performance.md)."""
 
     def __init__(self) -> None:
         self._free: list[mmap.mmap] = []

@@ -231,7 +231,8 @@ class PrefixCacheRunner:
         self.model = model
         self.layout = layout
         self._dtype = _NS_TO_TORCH[layout.dtype]
-        self._buf: torch.Tensor | None = None  # reused load buffer (see PERF-NOTES: page faults)
+        # reused: a fresh one page-faults on every load (docs/performance.md)
+        self._buf: torch.Tensor | None = None
 
     @classmethod
     def create(cls, client: Any, model: Any, model_name: str, *, revision: str = "",

@@ -110,9 +110,10 @@ def _work(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 def _fp8_to_half(codes: torch.Tensor) -> torch.Tensor:
     """e4m3fn code bytes -> float16 equal to value * 2**-8, by bit arithmetic.
 
-    Why: torch's own fp8 -> float conversion runs at ~0.8 GB/s on CPU (PERF-NOTES). Placing the
-    e4m3 exponent/mantissa bits into an fp16 word gives value * 2**-8 for normals and subnormals
-    alike (both formats' subnormal grids line up), so a single multiply by 256 * scale finishes it.
+    Why: torch's own fp8 -> float conversion runs at ~0.8 GB/s on CPU (docs/performance.md).
+    Placing the e4m3 exponent/mantissa bits into an fp16 word gives value * 2**-8 for normals
+    and subnormals alike (both formats' subnormal grids line up), so a single multiply by
+    256 * scale finishes it.
     NaN codes (0x7f/0xff, never written by the encoder) decode as a finite 480 * scale.
     """
     shape = codes.shape
