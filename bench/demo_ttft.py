@@ -1,4 +1,4 @@
-"""Issue 6 figures: TTFT speedup from prefix reuse, and what lossy codecs do to the model.
+"""Hugging Face figures: TTFT speedup from prefix reuse, and what lossy codecs do to the model.
 
 Measured in one run against one daemon (a temporary one unless `--address` is given), on the
 trained SmolLM2-135M-Instruct (kvstore_demo/trained_model.py) over real text through its tokenizer

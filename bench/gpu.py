@@ -1,9 +1,9 @@
 """GPU tier transfer throughput, as ratios against references measured in the same run.
 
-The gpu tier as a tier (issue 18), on the CPU device, on every machine (bench/gpu_tier.py):
+The gpu tier as a tier, on the CPU device, on every machine (bench/gpu_tier.py):
 gpu_tier_gather_vs_memcpy, gpu_demote_vs_memcpy, gpu_promote_vs_memcpy (>= 0.5 is the target).
 
-Where a CUDA device exists, also the CUDA figures (issue 5; >= 0.8 is the target):
+Where a CUDA device exists, also the CUDA figures (>= 0.8 is the target):
 - ipc_gather_vs_d2d: a separate client process opens the daemon's pool over CUDA IPC and
   gathers 256 blocks (shuffled slots) into a vLLM-layout paged cache (random block table),
   end to end through `PagedCopier.load` + wait, against one device-to-device copy of the same

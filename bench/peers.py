@@ -1,4 +1,4 @@
-"""Peer benchmark (issue 19): kvstore zero-copy store/load against LMCache's in-process CPU backend.
+"""Peer benchmark: kvstore zero-copy store/load against LMCache's in-process CPU backend.
 
 Same workload for both, in the same run, each system alone: bf16 blocks of 16 tokens gathered
 from and scattered into an engine-layout tensor [L, 2, tokens, H, D] (page-aligned, allocated

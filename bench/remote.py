@@ -1,4 +1,4 @@
-"""Remote tier benchmark (issue 8): blocks loaded from Redis against redis-py's own pipelined GET.
+"""Remote tier benchmark: blocks loaded from Redis against redis-py's own pipelined GET.
 
 Why these figures: the remote tier's job is to move encoded blocks between Redis and the host
 pool at the speed Redis itself can serve them, in one round trip per node. The reference is

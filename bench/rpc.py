@@ -1,4 +1,4 @@
-"""SDK benchmark (issues 3, 19): control-path latency and data-path throughput against references.
+"""SDK benchmark: control-path latency and data-path throughput against references.
 
 Figures, each a ratio against a reference measured in the same run (the machine is shared):
   lookup_p50_vs_echo    p50 of a 64-key `ns.lookup_keys` through the SDK against a bare gRPC
@@ -16,7 +16,7 @@ Figures, each a ratio against a reference measured in the same run (the machine 
   network_vs_redis      (redis-py pipelined SET + GET of the same blocks on a local redis-server)
                         / (SDK store + load of the blocks through the Put/Get streams).
                         Target >= 1.0.
-  verified_get_vs_unverified, auth_lookup_p50_vs_noauth: the cost of issue 13's checks
+  verified_get_vs_unverified, auth_lookup_p50_vs_noauth: the cost of the tenant checks
                         (bench/rpc_security.py). Targets >= 0.9 and <= 1.05.
 Also reported: lookup/echo p99 and calls/s, GB/s of every path, verify-off shm figures, the
 SDK's key hashing rate (`hash_mtokens_per_s`, target >= 10 M tokens/s: an absolute figure, so

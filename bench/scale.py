@@ -1,6 +1,6 @@
 """How the store scales with the blocks it indexes, and what spilling costs a writer.
 
-Figures (issue 14), each a ratio or a size measured in this run:
+Figures, each a ratio or a size measured in this run:
 - bytes_per_indexed_block: resident memory the daemon gains per block when it rebuilds the
   index of N SSD-resident blocks (packed index row + SSD policy row, the warm-restart path of
   kvstore/store.py without a policy snapshot), at N = 1M. Target <= 300.

@@ -1,4 +1,4 @@
-"""Replay a Mooncake-format request trace against the eviction policies (issue 7).
+"""Replay a Mooncake-format request trace against the eviction policies (docs/eviction.md).
 
 Why: the eviction policy is judged by block hit ratio on real prompt traffic, not by
 micro-benchmarks. This replays a trace in process, with prefix semantics (a request hits its

@@ -1,4 +1,4 @@
-"""Issue 17 figures: kvstore as vLLM's secondary tier, its transfers and an engine's TTFT.
+"""vLLM figures: kvstore as vLLM's secondary tier, its transfers and an engine's TTFT.
 
 Measured in one run against one daemon (a temporary one unless `--address` is given); the vLLM
 parts run in the vLLM environment (`.venv-vllm`, or `--vllm-python`), each engine in a process

@@ -453,7 +453,7 @@ class Daemon:
         # The objects made at startup (modules, a warm restart's index) stay for the daemon's
         # life; frozen, the cyclic GC's full collections no longer walk them. Unfrozen, one
         # took 14-22 ms of CPU (about 40k objects) inside whichever call tripped it: a Reserve
-        # or Acquire of 1,024 blocks then cost 20x its usual time (issue 19).
+        # or Acquire of 1,024 blocks then cost 20x its usual time.
         gc.collect()
         gc.freeze()
         import numpy  # noqa: F401 - the first data call would otherwise load it

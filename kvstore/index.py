@@ -5,7 +5,7 @@ can reach another namespace's block. A key appears once per tier (dedup): an ent
 residency per tier rather than holding copies.
 
 Why two forms: an SSD tier holds millions of blocks and a Python object per block costs about
-twice the issue's per-block budget (docs/internals.md, "Block index"). Every indexed block has
+twice the per-block budget (docs/internals.md, "Block index"). Every indexed block has
 a *row* in packed arrays (size, checksum, parent, flags, child count) and one dict slot key ->
 row;
 only blocks with live state (a host or GPU copy, pins, a move in flight) or that were asked

@@ -1,5 +1,5 @@
-"""The compiled codec kernels (issue 14: codecs at disk speed): tiers/codec_kernels4.py (lossy
-v4) and the lossless v2 kernels in tiers/codec_kernels.py.
+"""The compiled codec kernels (codecs at disk speed): tiers/codecs/lossy_kernels.py (lossy v4)
+and tiers/codecs/lossless_kernels.py (lossless v2).
 
 Those kernels were rewritten for speed without touching the payload formats. What is checked:
 - payloads, and the bytes decoded from them, are exactly those the first v4 / lossless v2

@@ -1,4 +1,4 @@
-"""The compiled codecs (issues 14/15): lossy payload v3 and lossless payload v2.
+"""The compiled codecs: lossy payload v3 (tiers/codecs/legacy/) and lossless payload v2.
 
 Lossy v3 is no longer written by default (v4 is, tests/test_codecs_v4.py), but every v3 payload
 already stored must still decode: these tests write v3 with its own encoder.

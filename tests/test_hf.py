@@ -1,4 +1,4 @@
-"""Hugging Face integration (issue 6): prefix reuse must not change what the model computes.
+"""Hugging Face integration: prefix reuse must not change what the model computes.
 
 The model side (cache <-> canonical layout, continuing a prefill on a rebuilt cache) is checked
 in process; the rest runs against a real daemon subprocess: lossless reuse gives the logits of a

@@ -397,8 +397,8 @@ def _predictability():
 
 @pytest.mark.parametrize("kind", ["hot-prompts", "conversation"])
 def test_predictability_replay_is_lru_without_hints_and_gains_from_an_oracle(kind):
-    """The hinted replay behind the issue-7 evidence: no hint must be exactly prefix-leaf LRU,
-    and a perfect reuse oracle must not lose hits (it only reorders never-reused bodies)."""
+    """The hinted replay behind docs/eviction.md's evidence: no hint must be exactly prefix-leaf
+    LRU, and a perfect reuse oracle must not lose hits (it only reorders never-reused bodies)."""
     tr, tp = _bench(), _predictability()
     trace = tr.synthetic(kind, n_requests=1200, seed=3)
     rows = [{"hash_ids": ids, "timestamp": 0, "output_length": 0} for ids in trace]

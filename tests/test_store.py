@@ -295,7 +295,7 @@ def test_client_given_parents_cannot_form_an_unevictable_cycle(tmp_path):
 
 def test_retain_low_orders_eviction_and_reaches_every_tier(tmp_path):
     # "lru" applies a hint at once; the default follows hints only once its full-size twins
-    # show they pay (issue 15; tests/test_policy.py), which a fresh store cannot show yet
+    # show they pay (docs/eviction.md; tests/test_policy.py), which a fresh store cannot show yet
     with make_store(tmp_path, policy="lru") as store:
         ns = namespace(store)
         rng = np.random.default_rng(11)

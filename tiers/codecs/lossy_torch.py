@@ -12,7 +12,7 @@ Scaling (chosen by measurement on real MiniLM KV, docs/codecs.md):
   magnitude it stores.
 - Values: INT8 per token (one scale per layer, token and head; KIVI-style), which measured both
   more accurate and smaller than per channel on real KV; FP8 per channel (per token was no
-  better). INT8 stays symmetric (no offsets), as the issue asks.
+  better). INT8 stays symmetric (no offsets).
 - Scales and offsets are stored as bfloat16: fp32's exponent range (so no block is out of range)
   in 2 bytes. Quantization uses the stored (rounded) value, so rounding a scale only changes the
   grid by <0.4%, never the correctness; results are then clamped to the code range.
@@ -80,7 +80,7 @@ class QuantScheme:
 SCHEMES: dict[str, QuantScheme] = {
     # zstd on INT8 codes saved only ~4% on real KV for ~40% of the encode time: off. On FP8 codes
     # (sign/exponent bits are skewed) it saves ~17% and keeps 16-token blocks under 0.55x: on.
-    # Issue 15: INT8 now zstds too: it pays for the exact sink keys (size stays <= 0.55x).
+    # INT8 zstds too: that pays for the exact sink keys (size stays <= 0.55x).
     "int8": QuantScheme("int8", v_group=TOKEN),
     "fp8_e4m3": QuantScheme("fp8_e4m3", k_offset=True),
 }
