@@ -85,7 +85,7 @@ def bench_kvstore(address: str, name: str, nblocks: int, rounds: int) -> dict:
     with kvstore_client.connect(address, transport="shm", verify=True) as c:
         ns = c.namespace(lay, model=f"bench/peers/{name}")
         # A client that has run a while: its mapping of the pool populated (the SDK does it in
-        # the background at connect, kvstore_client/prefault.py), as LMCache's buffers are
+        # the background at connect, kvstore_client/common/prefault.py), as LMCache's buffers are
         # touched by its round 0.
         if c.pool is not None and c.pool._prefaulter is not None:
             c.pool._prefaulter.join(60)

@@ -77,8 +77,8 @@ def attach(name: str, size: int) -> SharedSlab:
 
 
 def attach_fd(fd: int, size: int, name: str = "memfd") -> SharedSlab:
-    """Map a pool the daemon handed over as a file descriptor (kvstore_client/handoff.py); the
-    fd is closed once mapped (the mapping keeps the memory alive)."""
+    """Map a pool the daemon handed over as a file descriptor (common/handoff.py); the fd is
+    closed once mapped (the mapping keeps the memory alive)."""
     try:
         actual = os.fstat(fd).st_size
         if actual < size:
