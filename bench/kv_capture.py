@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.demo_text import PASSAGES as DEMO_PASSAGES
+from kvstore_demo.text import PASSAGES as DEMO_PASSAGES
 
 # Real prose, a few hundred tokens in all; varied topics so heads see varied context. The
 # first four of the demo's passages, kept to four so the MiniLM figures stay comparable.
@@ -177,7 +177,7 @@ def codec_accuracy(cap: Capture, codec: str, dtype: str = "bfloat16", block_toke
     attention output with the real queries against the real K/V. `reference` (a function on one
     float32 block) replaces the codec, e.g. per_tensor_fp8."""
     import torch
-    from kvstore_client.layout import KVLayout
+    from kvstore_client.common.layout import KVLayout
 
     from tiers import codecs, frame
 
@@ -228,7 +228,7 @@ def synthetic_kv(num_layers: int = 4, tokens: int = 128, heads: int = 8, head_di
     return Capture([q], [k], [v], num_layers, heads, head_dim)
 
 
-# ------------------------------------------------ a trained causal LM (kvstore/trained_model.py)
+# ------------------------------------- a trained causal LM (kvstore_demo/trained_model.py)
 
 
 @dataclass
@@ -253,7 +253,7 @@ def smollm_prompts(tok, n: int = 5, tokens: int = 704, first: int = 1) -> list[l
     """`n` real-text prompts of exactly `tokens` tokens: the demo passages from n different
     starting passages (so every prompt is a different context). `first` = 2 gives a held-out
     set: other starting passages than the default's (codec choices were made on `first` = 1)."""
-    from kvstore.demo_text import PASSAGES, document
+    from kvstore_demo.text import PASSAGES, document
 
     out = []
     for i in range(n):
@@ -339,8 +339,8 @@ def causal_codec_accuracy(cap: CausalCapture, codec: str | None, model=None,
     attention with the real queries against the lossless (dtype-rounded) cache; with `model`,
     also run the continuation on both caches and compare next-token distributions."""
     import torch
+    from kvstore_client.common.layout import KVLayout
     from kvstore_client.hf import canonical_to_cache
-    from kvstore_client.layout import KVLayout
 
     from tiers import codecs, frame
 

@@ -1,4 +1,4 @@
-"""SGLang HiCache backend benchmark (issue 20): SGLang's v1 zero-copy calls against memcpy.
+"""SGLang HiCache backend benchmark: SGLang's v1 zero-copy calls against memcpy.
 
 Figures, each against a reference measured in the same run (the machine is shared):
   v1_set_vs_memcpy        (one tensor copy of a batch's bytes) / (batch_set_v1 of the same

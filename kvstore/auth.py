@@ -33,8 +33,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvstore_client.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
-from kvstore_client.layout import NamespaceSpec
+from kvstore_client.common.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
+from kvstore_client.common.layout import NamespaceSpec
 
 from .tenants import TENANT_KEY, Tenant
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvstore_client.errors import KVStoreError
+from kvstore_client.common.errors import KVStoreError
 
 from .config import StoreConfig
 
@@ -38,11 +38,11 @@ def _one_torch_thread() -> None:
 
     torch's own pool on top of ours oversubscribed the cores; with any neighbour busy, single
     codec ops ran 10-100x slower. torch itself is not imported here: a daemon whose namespaces
-    never quantize never loads it (tiers/codecs.py); the lossy codecs apply this on import.
+    never quantize never loads it (tiers/torch_threads.py); the codecs apply this on import.
     """
-    from tiers import codec_common
+    from tiers import torch_threads
 
-    codec_common.TORCH_THREADS = 1
+    torch_threads.TORCH_THREADS = 1
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)
@@ -405,7 +405,7 @@ class Daemon:
                            total=lim.pending_total)
             _bind_unix(self.server, self.socket_path, 0o666 if tenants else 0o600)
             if cfg.server.lane:
-                from kvstore_client.lane_wire import lane_path
+                from kvstore_client.common.lane_wire import lane_path
 
                 from .lane import Lane
 
@@ -476,7 +476,7 @@ class Daemon:
         # The objects made at startup (modules, a warm restart's index) stay for the daemon's
         # life; frozen, the cyclic GC's full collections no longer walk them. Unfrozen, one
         # took 14-22 ms of CPU (about 40k objects) inside whichever call tripped it: a Reserve
-        # or Acquire of 1,024 blocks then cost 20x its usual time (issue 19).
+        # or Acquire of 1,024 blocks then cost 20x its usual time.
         gc.collect()
         gc.freeze()
         import numpy  # noqa: F401 - the first data call would otherwise load it

@@ -29,8 +29,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvstore_client.errors import DataLoss, InvalidArgument, ResourceExhausted
-from kvstore_client.lazy import lazy_module
+from kvstore_client.common.errors import DataLoss, InvalidArgument, ResourceExhausted
+from kvstore_client.common.lazy import lazy_module
 
 from tiers.host_segments import SegmentedHost
 

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from kvstore_client.errors import KVStoreError
+from kvstore_client.common.errors import KVStoreError
 
 from .auth import Auth
 from .tenants import Tenant
@@ -288,7 +288,7 @@ class Gate(grpc.ServerInterceptor):
 
 
 def _exhausted(name: str, cap: int) -> KVStoreError:
-    from kvstore_client.errors import ResourceExhausted
+    from kvstore_client.common.errors import ResourceExhausted
     return ResourceExhausted(f"tenant {name}'s calls already fill their {cap} concurrent calls "
                              "(limits.tenant_calls); retry when one ends")
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvstore_client.lazy import lazy_module
+from kvstore_client.common.lazy import lazy_module
 
 from .verify import first_mismatch
 

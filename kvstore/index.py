@@ -5,7 +5,7 @@ can reach another namespace's block. A key appears once per tier (dedup): an ent
 residency per tier rather than holding copies.
 
 Why two forms: an SSD tier holds millions of blocks and a Python object per block costs about
-twice the issue's per-block budget (docs/internals.md, "Block index"). Every indexed block has
+twice the per-block budget (docs/internals.md, "Block index"). Every indexed block has
 a *row* in packed arrays (size, checksum, parent, flags, child count) and one dict slot key ->
 row;
 only blocks with live state (a host or GPU copy, pins, a move in flight) or that were asked
@@ -16,7 +16,7 @@ when nothing but the index refers to it (`sys.getrefcount`): an entry held anywh
 demotion batch, a Promotion, a local variable of a thread waiting for the lock, keeps its
 identity, so code that re-checks `index.get(g) is e` after releasing the lock still sees
 exactly what it would with one object per block. Rows stay fixed while a block is indexed,
-so a policy may key its own arrays by row (kvstore/rowleaves.py).
+so a policy may key its own arrays by row (kvstore/policies/packed_leaves.py).
 
 Why lookups follow child links (`peek_run`): a lookup asks for a prompt's chain of blocks,
 each the child of the one before. In a dict of a million keys every probe misses the CPU

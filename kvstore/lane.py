@@ -1,5 +1,5 @@
 """The daemon's fast lane: the hot unary calls over a plain Unix socket (wire format and why:
-kvstore_client/lane_wire.py).
+kvstore_client/common/lane_wire.py).
 
 Each connection is authenticated once, at its hello, exactly as a gRPC call is (a tenant's
 bearer or session token; without tenants the socket's file mode is the guard, as for the gRPC
@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-from kvstore_client.lane_wire import (
+from kvstore_client.common.lane_wire import (
     CODE_ID,
     HEADER,
     MAX_FRAME,

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvstore_client.errors import InvalidArgument, LeaseExpired, NotFound
+from kvstore_client.common.errors import InvalidArgument, LeaseExpired, NotFound
 
 
 @dataclass

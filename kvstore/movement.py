@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 import xxhash
-from kvstore_client.errors import DataLoss, ResourceExhausted
-from kvstore_client.layout import KVLayout
-from kvstore_client.lazy import lazy_module
+from kvstore_client.common.errors import DataLoss, ResourceExhausted
+from kvstore_client.common.layout import KVLayout
+from kvstore_client.common.lazy import lazy_module
 
 from tiers import frame
 from tiers.ssd import DiskFull

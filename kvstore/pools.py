@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore_client.errors import ResourceExhausted
+from kvstore_client.common.errors import ResourceExhausted
 
 from tiers.host_segments import SegmentedHost
 
@@ -43,7 +43,7 @@ class TenantPools:
         quotas = {n: t.quota["gpu"] for n, t in self.tenants.items() if t.quota.get("gpu")}
         if not quotas or not self.gpu:
             return
-        from tiers.device import open_tenant_segment  # (numpy, CUDA: only with gpu quotas)
+        from tiers.device_open import open_tenant_segment  # (numpy, CUDA: only with gpu quotas)
         from tiers.device_segments import SegmentedDevice
         for dev, shared in list(self.gpu.items()):
             def make(tenant: str, size: int, d: int, kind: str = shared.kind) -> Any:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvstore_client.errors import InvalidArgument
-from kvstore_client.limits import MAX_KEYS
+from kvstore_client.common.errors import InvalidArgument
+from kvstore_client.common.limits import MAX_KEYS
 
 
 def _wire_fields(buf: memoryview, what: str, known: dict[int, int]

@@ -32,15 +32,15 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 from kvstore_client._proto import kvstore_pb2 as pb
-from kvstore_client.errors import (
+from kvstore_client.common.errors import (
     InvalidArgument,
     KVStoreError,
     LeaseExpired,
     NotFound,
     Unavailable,
 )
-from kvstore_client.layout import KVLayout, NamespaceSpec
-from kvstore_client.limits import MAX_KEY_BYTES, MAX_KEYS, MAX_REQUEST_BYTES, MIN_KEY_BYTES
+from kvstore_client.common.layout import KVLayout, NamespaceSpec
+from kvstore_client.common.limits import MAX_KEY_BYTES, MAX_KEYS, MAX_REQUEST_BYTES, MIN_KEY_BYTES
 
 from . import gate, getcopy
 from .auth import OPEN, Auth
@@ -182,7 +182,7 @@ def spec_from_proto(msg: pb.NamespaceSpec, has_layout: bool) -> NamespaceSpec:
 
 def lease_to_proto(lease: Any) -> pb.Lease:
     # Slots as dicts: building a pb.Slot per slot cost ~4x as much, a visible share of a
-    # 1,024-block lease's round trip (issue 19: small blocks pay per batch, not per block).
+    # 1,024-block lease's round trip (small blocks must pay per batch, not per block).
     return pb.Lease(lease_id=lease.id, deadline=lease.deadline, tier=lease.tier,
                     slots=[{"offset": s.offset, "length": s.length, "device": s.device}
                            for s in lease.slots],
@@ -210,7 +210,7 @@ def stats_to_proto(stats: dict, daemon_id: str) -> pb.StatsResponse:
 
 def _parse(cls: type[Message], raw: bytes) -> Any:
     if len(raw) > MAX_REQUEST_BYTES:
-        # Refused before protobuf parses millions of keys (early refusal, issue 13).
+        # Refused before protobuf parses millions of keys (early refusal: docs/security.md).
         raise InvalidArgument(f"request is {len(raw)} bytes; no valid {cls.DESCRIPTOR.full_name} "
                               f"is larger than {MAX_REQUEST_BYTES} bytes (at most {MAX_KEYS} "
                               "keys of at most 32 bytes): split the request")
@@ -664,7 +664,7 @@ class KVStoreServicer:
             return stats_to_proto(self.store.stats(), self.store.daemon_id)
         return stats_to_proto(scoped_stats(self.store, scope), self.store.daemon_id)
 
-    # -- fused calls: one round trip where the protocol allows (issue 19) ---------------------
+    # -- fused calls: one round trip where the protocol allows ---------------------------------
     def _fused_lookup(self, req: Any) -> tuple[bytes, list[bytes], str, float, Any]:
         """The checks and the lookup both fused calls start with."""
         ns = check_ns(req.namespace_id)

@@ -29,16 +29,16 @@ from typing import Any
 import blake3
 import msgpack
 import xxhash
-from kvstore_client.errors import (
+from kvstore_client.common.errors import (
     DataLoss,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
     Unavailable,
 )
-from kvstore_client.hashing import MAX_KEY_BYTES, MIN_KEY_BYTES
-from kvstore_client.layout import NamespaceSpec, check_retention
-from kvstore_client.pinning import pin_host
+from kvstore_client.common.hashing import MAX_KEY_BYTES, MIN_KEY_BYTES
+from kvstore_client.common.layout import NamespaceSpec, check_retention
+from kvstore_client.common.pinning import pin_host
 
 from tiers.host import HostTier
 from tiers.ssd import DiskFull, SSDTier
@@ -51,7 +51,7 @@ from .index import NS_ID_BYTES, BlockIndex, Entry
 from .leases import Lease, LeaseTable, Slot
 from .movement import REMOTE_CHUNK, Promotion, TierMovement, _aligned
 from .nsinfo import NamespaceInfo
-from .policy import EvictionPolicy, make_policy
+from .policies import EvictionPolicy, make_policy
 from .pools import TenantPools
 from .verify import first_mismatch
 
@@ -133,7 +133,7 @@ class Store(DeviceMovement, TenantPools):
         self._host_pin = pin_host(self._slab.buffer)
         self.gpu = {}
         if config.gpu.enabled:      # (numpy and the CUDA bindings only where configured)
-            from tiers.device import open_device_tiers
+            from tiers.device_open import open_device_tiers
             self.gpu = open_device_tiers(config.gpu.capacity, config.gpu.devices,
                                          config.gpu.backend, log, slab_prefix=shm_name + "-")
         self._split_gpu(shm_name + "-")  # tenants with a gpu quota get their own slabs

@@ -247,7 +247,7 @@ def test_uid_handshake_and_other_uids(tmp_path: Path) -> None:
             import os, sys
             # Everything imported while still root: the interpreter's files may not be
             # readable by the uid the rest runs under.
-            import json, socket, logging, kvstore_client.shm
+            import json, socket, logging, kvstore_client.common.shm
             from kvstore_client import connect, KVLayout, Unauthenticated
             os.setgid(4242); os.setuid({{uid}})
             lay = KVLayout(2, 2, 64, 16, "bfloat16")

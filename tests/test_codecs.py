@@ -13,11 +13,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import DataLoss, InvalidArgument
-from kvstore_client.layout import KVLayout
 
-from tiers import codec_quant, codecs, frame
+from tiers import codecs, frame
 from tiers.codecs import NonFiniteBlock
+from tiers.codecs import lossy_torch as codec_quant
 
 DTYPES = ("float16", "bfloat16", "float32")
 LOSSY = ("int8", "fp8_e4m3")

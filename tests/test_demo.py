@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvstore.demo import MIN_SHOWN_SPEEDUP, TurnResult, speedup_verdict, temporary_daemon
+from kvstore_demo.chat import MIN_SHOWN_SPEEDUP, TurnResult, speedup_verdict, temporary_daemon
 
 pytest.importorskip("transformers")
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import xxhash
 from kvstore_client import gpu as cg
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
-from kvstore_client.layout import KVLayout
 
 from kvstore.movement import _aligned
 from tiers.device_cpu import CpuDeviceTier

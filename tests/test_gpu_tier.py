@@ -27,9 +27,10 @@ import numpy as np
 import pytest
 import torch
 from kvstore_client import gpu as cg
-from kvstore_client import paged_copy, pools
+from kvstore_client import paged_copy
+from kvstore_client.common import pools
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from kvstore_client.layout import KVLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = cg.cuda_available()
@@ -148,8 +149,8 @@ def test_tier_without_cuda_raises_unavailable(no_cuda):
 
 
 def test_daemon_picks_the_cpu_device_without_cuda_and_says_so(no_cuda, caplog):
-    from tiers.device import open_device_tiers
     from tiers.device_cpu import CpuDeviceTier
+    from tiers.device_open import open_device_tiers
 
     log = logging.getLogger("kvstore.test")
     with caplog.at_level(logging.INFO, logger="kvstore.test"):
@@ -166,7 +167,7 @@ def test_daemon_picks_the_cpu_device_without_cuda_and_says_so(no_cuda, caplog):
 
 
 def test_daemon_disables_cuda_backend_with_one_log_line(no_cuda, caplog):
-    from tiers.device import open_device_tiers
+    from tiers.device_open import open_device_tiers
 
     log = logging.getLogger("kvstore.test")
     with caplog.at_level(logging.INFO, logger="kvstore.test"):
@@ -587,7 +588,7 @@ def test_batched_host_copies_round_trip(tier):
 
 @cuda_test
 def test_shm_slab_pinned_in_daemon_and_client():
-    from kvstore_client.shm import attach
+    from kvstore_client.common.shm import attach
 
     from tiers.host import HostTier
 

@@ -1,4 +1,4 @@
-"""Hugging Face integration (issue 6): prefix reuse must not change what the model computes.
+"""Hugging Face integration: prefix reuse must not change what the model computes.
 
 The model side (cache <-> canonical layout, continuing a prefill on a rebuilt cache) is checked
 in process; the rest runs against a real daemon subprocess: lossless reuse gives the logits of a
@@ -38,7 +38,7 @@ from kvstore_client.hf import (  # noqa: E402
     teacher_forced_logits,
 )
 
-from kvstore.demo import build_model  # noqa: E402
+from kvstore_demo.chat import build_model  # noqa: E402
 
 BT = 16           # block tokens
 TOL = 1e-4        # lossless: max |logit difference| allowed in fp32

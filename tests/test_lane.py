@@ -17,7 +17,7 @@ import pytest
 import torch
 from kvstore_client import KVLayout, LeaseExpired, NotFound, connect
 from kvstore_client._proto import kvstore_pb2 as pb
-from kvstore_client.lane_wire import HEADER, METHOD_ID, lane_path
+from kvstore_client.common.lane_wire import HEADER, METHOD_ID, lane_path
 
 from kvstore.tenants import hash_token
 from tests.daemon import cleanup, start_daemon

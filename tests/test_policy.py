@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvstore_client.errors import InvalidArgument
 
-from kvstore.policy import EvictionPolicy, SegmentedPolicy, make_policy
+from kvstore.policies import EvictionPolicy, SegmentedPolicy, make_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -397,8 +397,8 @@ def _predictability():
 
 @pytest.mark.parametrize("kind", ["hot-prompts", "conversation"])
 def test_predictability_replay_is_lru_without_hints_and_gains_from_an_oracle(kind):
-    """The hinted replay behind the issue-7 evidence: no hint must be exactly prefix-leaf LRU,
-    and a perfect reuse oracle must not lose hits (it only reorders never-reused bodies)."""
+    """The hinted replay behind docs/eviction.md's evidence: no hint must be exactly prefix-leaf
+    LRU, and a perfect reuse oracle must not lose hits (it only reorders never-reused bodies)."""
     tr, tp = _bench(), _predictability()
     trace = tr.synthetic(kind, n_requests=1200, seed=3)
     rows = [{"hash_ids": ids, "timestamp": 0, "output_length": 0} for ids in trace]
@@ -592,7 +592,8 @@ def test_deferred_tuning_is_fed_in_slices_and_bounded(monkeypatch):
 def test_inlined_simulation_matches_the_policy_methods(mode):
     """The shadows' and twins' inlined access (_simulate) makes the same decisions as the
     policy's own insert / touch / pick / remove (_Duel._one), hints and tails included."""
-    from kvstore.policy import _Duel, _simulate
+    from kvstore.policies.arc import _Duel
+    from kvstore.policies.simulate import simulate as _simulate
 
     rng = random.Random(7)
     keys = [bytes([i % 251, i // 251]) * 8 for i in range(300)]

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import InvalidArgument, Unavailable
-from kvstore_client.layout import KVLayout
 from redis.crc import key_slot
 
 from tests.redis_fixtures import (  # noqa: F401 - pytest fixtures used by name

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from kvstore_client import connect
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.sglang import identity
 from kvstore_client.sglang.pages import PageGeometry
 
@@ -251,7 +251,7 @@ def _geo(layout: str = "layer_first", shape: tuple = (2, 4, 16, 2, 64)) -> PageG
 
 
 def _ns_digest(cfg: _Config, geo: PageGeometry, codec: str = "lossless") -> bytes:
-    from kvstore_client.layout import NamespaceSpec
+    from kvstore_client.common.layout import NamespaceSpec
     a = identity.namespace_args(cfg, geo, codec=codec, tenant_salt="", scheme="external:sglang-x")
     return NamespaceSpec(**a).digest
 

@@ -169,8 +169,8 @@ CHILD = textwrap.dedent("""
     from tests.test_tenant_gpu import LAYOUT, cache, block_bits, keys_for
     # What the run needs is imported before dropping to the other uid (it cannot read the
     # interpreter's files then).
-    import json, socket, logging, mmap, secrets, numpy.random, kvstore_client.shm
-    import kvstore_client.handoff, kvstore_client.pools
+    import json, socket, logging, mmap, secrets, numpy.random, kvstore_client.common.shm
+    import kvstore_client.common.handoff, kvstore_client.common.pools
     block_bits(cache(1, seed=0), 0)
     role, uid, address = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     os.setgroups([]); os.setgid(uid); os.setuid(uid)      # from here on: another user
@@ -312,8 +312,8 @@ def test_own_host_pool_and_own_device_slab_together(tmp_path: Path) -> None:
 
 
 def test_segmented_device_splits_batches_by_segment_in_order() -> None:
-    from tiers.device import open_tenant_segment
     from tiers.device_cpu import CpuDeviceTier
+    from tiers.device_open import open_tenant_segment
     from tiers.device_segments import SegmentedDevice
 
     shared = CpuDeviceTier(8 * 4096, 0, slab_name=f"kvs-test-segdev-{os.getpid()}")

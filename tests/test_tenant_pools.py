@@ -33,8 +33,8 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dt
 CHILD = textwrap.dedent("""
     import glob, os, sys
     import numpy as np
-    import json, socket, logging, mmap, secrets, numpy.random, kvstore_client.shm
-    import kvstore_client.handoff
+    import json, socket, logging, mmap, secrets, numpy.random, kvstore_client.common.shm
+    import kvstore_client.common.handoff
     from kvstore_client import connect, KVLayout
     role, uid, address = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     os.setgroups([]); os.setgid(uid); os.setuid(uid)      # from here on: another user

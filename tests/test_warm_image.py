@@ -321,7 +321,7 @@ def test_daemon_restarts_from_its_image_and_not_after_kill_9(tmp_path):
 
 def test_the_daemon_is_serving_before_numpy_prometheus_or_the_sdk_load(tmp_path):
     """What the daemon imports before SERVING (default config, no metrics endpoint): none of
-    the heavy modules a data call or an HTTP scrape needs (issue 14, start time)."""
+    the heavy modules a data call or an HTTP scrape needs (start time)."""
     script = textwrap.dedent(f"""
         import sys
         from kvstore.config import StoreConfig

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from kvstore_client.errors import DataLoss, InvalidArgument, Unavailable
+from kvstore_client.common.errors import DataLoss, InvalidArgument, Unavailable
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
 from redis.crc import key_slot

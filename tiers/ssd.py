@@ -53,7 +53,7 @@ from typing import TypeVar
 import lmdb
 import msgpack
 import xxhash
-from kvstore_client.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable
+from kvstore_client.common.errors import DataLoss, InvalidArgument, ResourceExhausted, Unavailable
 
 from .slab import ExtentAllocator
 from .ssd_image import Stamp, read_image, remove_image, write_image
@@ -962,7 +962,8 @@ class SSDTier:
 
 class _Buffers:
     """Page-aligned write buffers (O_DIRECT needs aligned memory), shared by the threads that
-    write runs and reused: a fresh multi-MiB buffer page-faults on every use (PERF-NOTES)."""
+    write runs and reused: a fresh multi-MiB buffer page-faults on every use
+    (docs/performance.md)."""
 
     def __init__(self) -> None:
         self._free: list[mmap.mmap] = []

@@ -2,7 +2,7 @@
 
 Why: a warm restart rebuilt the store's index, the SSD policy and the tier's free-space map by
 reading every LMDB record (twice: the tier and the store each scanned) and running a Python
-step per block, 12-30x a bare gRPC server's start for 100k blocks (issue 14). At a clean stop
+step per block, 12-30x a bare gRPC server's start for 100k blocks. At a clean stop
 everything those steps produce is already in memory; written as packed arrays it loads back in
 a few bulk operations.
 

@@ -24,8 +24,8 @@ import stat
 import threading
 import time
 
-from .errors import from_code
-from .lane_wire import CODES, HEADER, METHOD_ID, VERSION, recv_exact, recv_line
+from .common.errors import from_code
+from .common.lane_wire import CODES, HEADER, METHOD_ID, VERSION, recv_exact, recv_line
 
 log = logging.getLogger(__name__)
 

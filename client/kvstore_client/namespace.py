@@ -22,7 +22,7 @@ import xxhash
 from . import blockcopy
 from ._proto import kvstore_pb2 as pb
 from .buffers import PAGE, _is_tensor, aligned_buffer, check_seq, copy_block, raw_view, slot_view
-from .errors import (
+from .common.errors import (
     DataLoss,
     InvalidArgument,
     LeaseExpired,
@@ -30,8 +30,8 @@ from .errors import (
     Unimplemented,
     from_rpc_error,
 )
-from .hashing import DEFAULT_KEY_BYTES, ExtraKey, block_keys
-from .layout import NamespaceSpec, check_retention
+from .common.hashing import DEFAULT_KEY_BYTES, ExtraKey, block_keys
+from .common.layout import NamespaceSpec, check_retention
 from .wire import decode_get, encode_put, split_put
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from ._proto import kvstore_pb2 as pb
-from .errors import DataLoss
-from .layout import NamespaceSpec
+from .common.errors import DataLoss
+from .common.layout import NamespaceSpec
 
 
 def _varint(n: int) -> bytes:

@@ -26,8 +26,8 @@ import numpy as np
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from .. import blockcopy, connect
-from ..errors import InvalidArgument, KVStoreError, Unavailable
-from ..layout import CODECS
+from ..common.errors import InvalidArgument, KVStoreError, Unavailable
+from ..common.layout import CODECS
 from . import identity, pages
 
 log = logging.getLogger("kvstore.sglang")

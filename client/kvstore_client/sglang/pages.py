@@ -96,8 +96,9 @@ def words(t: Any) -> np.ndarray:
     into, sharing its memory.
 
     Copies go through numpy, not torch: torch splits a copy over its intra-op threads, and on a
-    busy machine those threads wait on each other (PERF-NOTES: 100x slower strided copies with 2
-    threads on 2 loaded cores); numpy copies on the calling thread. Wider words copy faster.
+    busy machine those threads wait on each other (strided copies ran 100x slower with 2
+    threads on 2 loaded cores, docs/performance.md); numpy copies on the calling thread.
+    Wider words copy faster.
     """
     import torch
     b = t if t.dtype == torch.uint8 else t.view(torch.uint8)

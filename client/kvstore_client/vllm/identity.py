@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..layout import DTYPE_BYTES, KVLayout
+from ..common.layout import DTYPE_BYTES, KVLayout
 
 log = logging.getLogger("kvstore.vllm")
 

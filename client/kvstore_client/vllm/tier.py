@@ -43,7 +43,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .. import blockcopy, connect
-from ..errors import KVStoreError, Unavailable
+from ..common.errors import KVStoreError, Unavailable
 from . import identity, keyspace
 from .lookups import HIT, MISS, Lookups
 

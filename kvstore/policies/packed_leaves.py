@@ -1,6 +1,6 @@
 """PrefixLeaves over the block index's rows: the same prefix forest in packed arrays.
 
-Why: the SSD tier's policy holds every block the SSD holds (millions). policy.PrefixLeaves
+Why: the SSD tier's policy holds every block the SSD holds (millions). leaves.PrefixLeaves
 spends a dict slot, a key copy, a list and a heap tuple per block (~850 bytes with the
 default policy); this keeps the identical order (same priorities, same lazy heaps, same
 adoption of orphans) in ~35 bytes of arrays per row plus one int per heap item, keyed by the
@@ -60,7 +60,7 @@ class _Nodes:
 
 
 class RowLeaves:
-    """Drop-in for policy.PrefixLeaves (same methods, same order) keyed by index rows."""
+    """Drop-in for leaves.PrefixLeaves (same methods, same order) keyed by index rows."""
 
     def __init__(self, rows: Rows, segments: int = 1) -> None:
         self._rows = rows

@@ -45,12 +45,11 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-from kvstore_client.errors import DataLoss
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import DataLoss
+from kvstore_client.common.layout import KVLayout
 
-from .codec_common import NonFiniteBlock, check_block, scratch
-from .codec_common import kernels4 as _kernels
-from .codec_q3 import EXP_LUT, rotates
+from .common import NonFiniteBlock, check_block, scratch
+from .common import lossy_kernels as _kernels
 
 VERSION = 4
 F_XK = 1                  # exact keys: bitmap + raw bytes
@@ -71,6 +70,17 @@ _HDR = struct.Struct("<BBBBI")
 HEADER_BYTES = _HDR.size
 _DT = {"bfloat16": 0, "float16": 1, "float32": 2}
 _NP = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
+
+
+EXP_STEPS = 32            # scale = base * 2**(-e/32): rounded up by < 2.2%, 8 octaves of range
+EXP_LUT = np.exp2(-np.arange(256, dtype=np.float64) / EXP_STEPS).astype(np.float32)
+
+
+def rotates(layout: KVLayout) -> bool:
+    """The Hadamard rotation needs a power-of-two head dimension (every common model has one);
+    other heads are quantized unrotated (flag bits 3 and 4 clear)."""
+    d = layout.head_dim
+    return d >= 2 and d & (d - 1) == 0
 
 
 def side_bytes(layout: KVLayout) -> int:

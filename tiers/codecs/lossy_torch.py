@@ -12,7 +12,7 @@ Scaling (chosen by measurement on real MiniLM KV, docs/codecs.md):
   magnitude it stores.
 - Values: INT8 per token (one scale per layer, token and head; KIVI-style), which measured both
   more accurate and smaller than per channel on real KV; FP8 per channel (per token was no
-  better). INT8 stays symmetric (no offsets), as the issue asks.
+  better). INT8 stays symmetric (no offsets).
 - Scales and offsets are stored as bfloat16: fp32's exponent range (so no block is out of range)
   in 2 bytes. Quantization uses the stored (rounded) value, so rounding a scale only changes the
   grid by <0.4%, never the correctness; results are then clamped to the code range.
@@ -39,14 +39,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import zstandard as zstd
-from kvstore_client.errors import DataLoss, InvalidArgument
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import DataLoss, InvalidArgument
+from kvstore_client.common.layout import KVLayout
 
-from . import codec_common
-from .codec_common import NonFiniteBlock, cctx, check_block, scratch, zstd_decompress_into
+from .. import torch_threads
+from .common import NonFiniteBlock, cctx, check_block, scratch, zstd_decompress_into
 
-if codec_common.TORCH_THREADS is not None:
-    torch.set_num_threads(codec_common.TORCH_THREADS)
+if torch_threads.TORCH_THREADS is not None:
+    torch.set_num_threads(torch_threads.TORCH_THREADS)
 
 VERSION = 2               # writes 2 when a block has sink keys kept exact, else 1
 VERSIONS = (1, 2)
@@ -80,7 +80,7 @@ class QuantScheme:
 SCHEMES: dict[str, QuantScheme] = {
     # zstd on INT8 codes saved only ~4% on real KV for ~40% of the encode time: off. On FP8 codes
     # (sign/exponent bits are skewed) it saves ~17% and keeps 16-token blocks under 0.55x: on.
-    # Issue 15: INT8 now zstds too: it pays for the exact sink keys (size stays <= 0.55x).
+    # INT8 zstds too: that pays for the exact sink keys (size stays <= 0.55x).
     "int8": QuantScheme("int8", v_group=TOKEN),
     "fp8_e4m3": QuantScheme("fp8_e4m3", k_offset=True),
 }
@@ -110,9 +110,10 @@ def _work(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 def _fp8_to_half(codes: torch.Tensor) -> torch.Tensor:
     """e4m3fn code bytes -> float16 equal to value * 2**-8, by bit arithmetic.
 
-    Why: torch's own fp8 -> float conversion runs at ~0.8 GB/s on CPU (PERF-NOTES). Placing the
-    e4m3 exponent/mantissa bits into an fp16 word gives value * 2**-8 for normals and subnormals
-    alike (both formats' subnormal grids line up), so a single multiply by 256 * scale finishes it.
+    Why: torch's own fp8 -> float conversion runs at ~0.8 GB/s on CPU (docs/performance.md).
+    Placing the e4m3 exponent/mantissa bits into an fp16 word gives value * 2**-8 for normals
+    and subnormals alike (both formats' subnormal grids line up), so a single multiply by
+    256 * scale finishes it.
     NaN codes (0x7f/0xff, never written by the encoder) decode as a finite 480 * scale.
     """
     shape = codes.shape

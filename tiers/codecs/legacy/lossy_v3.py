@@ -1,9 +1,9 @@
 """Lossy payload v3 of `int8` and `fp8_e4m3`: compiled, one pass, no torch, no zstd.
 
-No longer written by default (v4, tiers/codec_q4.py, is); kept so that stored v3 payloads
+No longer written (v4, tiers/codecs/lossy.py, is); kept so that stored v3 payloads
 decode, and its encoder for the tests that check they do.
 
-Why this scheme (measured on SmolLM2-135M, docs/codecs.md "issue 15"): per (layer, head) of a
+Why this scheme (measured on SmolLM2-135M, docs/codecs.md "int8 v3"): per (layer, head) of a
 block, every key and value vector is Hadamard-rotated over the head dimension (outlier channels
 are spread over all channels, so one scale fits them); keys then get one centre and one scale
 per channel over the block's tokens (the centre removes the large per-channel offsets real keys
@@ -38,11 +38,18 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-from kvstore_client.errors import DataLoss
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import DataLoss
+from kvstore_client.common.layout import KVLayout
 
-from .codec_common import NonFiniteBlock, check_block, scratch
-from .codec_common import kernels as _kernels
+from ..common import NonFiniteBlock, check_block, scratch
+from ..lossy import EXP_LUT, rotates
+
+
+def _kernels():
+    """The v3 kernels (lossy_v3_kernels.py), imported on first use: numba is a heavy import."""
+    from . import lossy_v3_kernels
+    return lossy_v3_kernels
+
 
 VERSION = 3
 F_SINKS = 4               # a bitmap of sink keys (quantized with a scale of their own) follows
@@ -55,8 +62,6 @@ HEADER_BYTES = _HDR.size
 _DT = {"bfloat16": 0, "float16": 1, "float32": 2}
 # (rotate keys, rotate values) per codec; measured on SmolLM2 (docs/codecs.md)
 ROTATE = {"int8": (True, True), "fp8_e4m3": (True, True)}
-EXP_STEPS = 32            # scale = base * 2**(-e/32): rounded up by < 2.2%, 8 octaves of range
-EXP_LUT = np.exp2(-np.arange(256, dtype=np.float64) / EXP_STEPS).astype(np.float32)
 
 
 def _f8_lut() -> np.ndarray:
@@ -90,13 +95,6 @@ def side_bytes(layout: KVLayout, wide: bool | None = None) -> int:
     L, _, T, H, D = layout.block_shape
     wide = idx12(layout) if wide is None else wide
     return 10 * L * H + L * H * (_idx_bytes(D, wide) + D) + L * T * H
-
-
-def rotates(layout: KVLayout) -> bool:
-    """The Hadamard rotation needs a power-of-two head dimension (every common model has one);
-    other heads are quantized unrotated (flag bit 3 clear)."""
-    d = layout.head_dim
-    return d >= 2 and d & (d - 1) == 0
 
 
 def _sections(buf: np.ndarray, layout: KVLayout, wide: bool):

@@ -19,11 +19,11 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-from kvstore_client.errors import DataLoss
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import DataLoss
+from kvstore_client.common.layout import KVLayout
 
-from .codec_common import cctx, check_block, scratch, zstd_decompress_into
-from .codec_common import kernels as _kernels
+from .common import cctx, check_block, scratch, zstd_decompress_into
+from .common import lossless_kernels as _kernels
 
 VERSION = 2
 F_ZSTD = 1                 # v1: planes are one zstd frame

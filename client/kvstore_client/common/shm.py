@@ -2,7 +2,7 @@
 
 Why not `multiprocessing.shared_memory.SharedMemory(name)`: in Python 3.11 attaching by name
 registers the segment with the resource tracker, which unlinks it when the client exits —
-deleting the daemon's slab under every other client (PERF-NOTES trap). On Linux we open
+deleting the daemon's slab under every other client (docs/performance.md). On Linux we open
 `/dev/shm/<name>` and mmap it ourselves, so the tracker never hears of it. Elsewhere we fall
 back to SharedMemory and unregister it at once.
 """
@@ -77,8 +77,8 @@ def attach(name: str, size: int) -> SharedSlab:
 
 
 def attach_fd(fd: int, size: int, name: str = "memfd") -> SharedSlab:
-    """Map a pool the daemon handed over as a file descriptor (kvstore_client/handoff.py); the
-    fd is closed once mapped (the mapping keeps the memory alive)."""
+    """Map a pool the daemon handed over as a file descriptor (common/handoff.py); the fd is
+    closed once mapped (the mapping keeps the memory alive)."""
     try:
         actual = os.fstat(fd).st_size
         if actual < size:

@@ -1,7 +1,14 @@
-"""Compiled (numba) kernels of the lossy payload v4 (tiers/codec_q4.py), encode and decode.
+"""Compiled (numba) kernels of the lossy payload v4 (lossy.py), encode and decode.
 
-Why a module of their own, and why written this way (issue 14: each codec at disk speed or
-better on the daemon's worker threads; measured per 2 MiB bf16 block on one core): the first v4
+Why numba: torch and zstd ran the lossy codecs in 8+ whole-block passes at 0.1-0.5 GB/s, below
+the disk they feed; here each (layer, head) slab of a block is read once, transformed and
+quantized while it sits in L1, and written once. Kernels are `nogil`, so the daemon's worker
+threads encode several blocks at once; they are not numba-parallel (nested thread pools under
+the daemon's own workers oversubscribed the cores, docs/codecs.md). `cache=True` keeps the
+machine code on disk: only the first process compiles (a few seconds).
+
+Why written this way (the goal: each codec at disk speed or better on the daemon's worker
+threads; measured per 2 MiB bf16 block on one core): the first v4
 kernels ran ~0.9 GB/s encode, ~1.7 decode, and a profile of them put 0.4-0.6 ns per element into
 each of load, statistics and quantization, against ~0.03-0.13 for the same loops written so that
 LLVM vectorizes them. What made the difference, and holds for every loop here:
@@ -21,7 +28,8 @@ Every other result (codes, scales, centres, decoded values) is the same, bit for
 first v4 kernels produced: tests/test_codecs_v4.py pins decode of stored payloads.
 
 Every kernel returns a status (0 = ok) instead of raising, so a malformed payload is DataLoss in
-the caller, never a crash. Imported on first use (codec_common.kernels4).
+the caller, never a crash. Imported on first use (common.lossy_kernels). The scalar helpers
+and constants below are shared with the legacy v3 kernels (legacy/lossy_v3_kernels.py).
 """
 
 from __future__ import annotations
@@ -33,16 +41,35 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .codec_kernels import (
-    BF16,
-    STEPS,
-    TINY,
-    _median_sorted,
-    _rint,
-)
-
 _JIT = dict(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 _JIT_SUM = dict(_JIT, fastmath={"reassoc"})
+
+# Scales below this make 1/scale overflow float32 (max 3.4e38 = 2**128): divide instead.
+TINY = np.float32(2.0 ** -100)
+
+# Scale exponents: scale = base * 2**(-e/STEPS), e in 0..255 (the v3 and v4 payload formats).
+STEPS = 32
+
+# Dtype codes of the block's elements.
+BF16, F16, F32 = 0, 1, 2
+
+
+@numba.njit(**_JIT)
+def _rint(y):  # pragma: no cover - compiled
+    """Round half to even for |y| < 2**22 (np.rint is an out-of-line call here, 3x slower):
+    adding and subtracting 1.5 * 2**23 leaves the float32 rounded to an integer."""
+    m = np.float32(12582912.0)
+    return (y + m) - m
+
+
+@numba.njit(**_JIT)
+def _median_sorted(srt):  # pragma: no cover - compiled
+    n = srt.shape[0]
+    srt.sort()
+    if n % 2 == 1:
+        return srt[(n - 1) // 2]
+    return np.float32(0.5) * (srt[n // 2 - 1] + srt[n // 2])
+
 
 _I32_MIN = -(1 << 31)
 _I32_MAX = (1 << 31) - 1
@@ -86,7 +113,7 @@ def _unkey(k):  # pragma: no cover - compiled
 
 @numba.njit(**_JIT)
 def _bf16_round(x, up):  # pragma: no cover - compiled
-    """bf16 bits of float32 x rounded toward +inf (up) or -inf: codec_kernels._bf16_round
+    """bf16 bits of float32 x rounded toward +inf (up) or -inf: the v3 kernels' _bf16_round
     without its scratch array (a heap allocation per call: 8 per (layer, head) cost ~0.1 ms
     a block)."""
     u = _f2u(np.float32(x))
@@ -254,7 +281,7 @@ def _store8(typingctx, src, so, ss, dst, do, ds):  # pragma: no cover - compiled
 def _fwht_from(Y, h):  # pragma: no cover - compiled
     """In-place orthonormal Walsh-Hadamard transform of every column of Y[n, T] (n a power of
     two), from the stage whose pairs are h apart (the earlier ones done by the caller). The
-    same butterflies in the same order as codec_kernels._fwht_cols (the bits v4 payloads were
+    same butterflies in the same order as the v3 kernels' _fwht_cols (the bits v4 payloads were
     written with), the last stage scaling; each stage pair runs as four contiguous blocks of
     h*T elements (one long loop where _fwht_cols ran T-long ones: 0.19 -> 0.1 ms a block)."""
     n, T = Y.shape
@@ -635,7 +662,7 @@ def _quant_values(Y, inv, scl, tiny, qmax, fp8, codes, cbase):  # pragma: no cov
 def _exps(need, base, thr, M, e_out):  # pragma: no cover - compiled
     """e_out[i] = largest e in 0..255 with base * 2**(-e/STEPS) >= need[i] (need <= base):
     with r = need/base = m * 2**k (m in [1, 2)), e = -STEPS*k - #{j < STEPS: thr[j] < m},
-    thr[j] = 2**(j/STEPS) as float32. codec_kernels._exps finds the same count with a table
+    thr[j] = 2**(j/STEPS) as float32. The v3 kernels' _exps finds the same count with a table
     and two data-dependent comparisons per element (~15 cycles each, scalar); counting all
     STEPS comparisons across a vector of elements is ~5x faster. M: float32 scratch."""
     n = need.shape[0]
@@ -731,7 +758,7 @@ def _load_rot(src16, src32, dt, base, HD, X, Y, rot, fast):  # pragma: no cover 
 @numba.njit(**_JIT)
 def q4_encode(src16, src32, dt, L, T, H, D, fp8, rot_k, rot_v, sink_ratio, vsink_ratio, kout_ratio,
               exp_lut, slab, kidx, kexp, vexp, codes, xk, xv, blocks8):  # pragma: no cover
-    """Quantize one canonical block [L,2,T,H,D] into the v4 sections (tiers/codec_q4.py).
+    """Quantize one canonical block [L,2,T,H,D] into the v4 sections (lossy.py).
 
     Per (layer, head), channel-major (Y[d, t]): keys and values optionally Hadamard-rotated
     (rot_k, rot_v); values one scale per token; keys per channel a centre (8-bit index on a
@@ -892,7 +919,7 @@ def _exact_lows(block, item, mask, j, T, H, D, codes, buf, pos):  # pragma: no c
 
 @numba.njit(**_JIT)
 def q4_pack_exact(block, item, L, T, H, D, codes, xk, xv, buf, pos, wide):  # pragma: no cover
-    """The v4 payload's exact-token section (tiers/codec_q4.py) into buf from pos: for keys
+    """The v4 payload's exact-token section (lossy.py) into buf from pos: for keys
     (xk) then values (xv) when any is flagged, a u32 count and the positions; then the keys'
     lower bytes, then the values'; each exact element's top byte into its code slot.
     Returns (end, flags: 1 keys present, 2 values present), or (-1, 0) when buf is too short
@@ -955,7 +982,7 @@ def q4_unpack_exact(out, item, T, H, D, codes, where, j, buf, pos):  # pragma: n
 
 @numba.njit(**_JIT)
 def _f8_value(c):  # pragma: no cover - compiled
-    """Value of e4m3fn code c from its bits (as tiers/codec_q3.F8_LUT: 0x7f/0xff give 480)."""
+    """Value of e4m3fn code c from its bits (as legacy/lossy_v3.F8_LUT: 0x7f/0xff give 480)."""
     c = np.uint32(c)
     e = (c >> np.uint32(3)) & np.uint32(15)
     m = c & np.uint32(7)

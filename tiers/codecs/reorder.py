@@ -9,7 +9,7 @@ a pure permutation of elements, so a lossless round trip through it is exact.
 from __future__ import annotations
 
 import numpy as np
-from kvstore_client.layout import CANONICAL_AXES, KVLayout
+from kvstore_client.common.layout import CANONICAL_AXES, KVLayout
 
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 

@@ -1,12 +1,12 @@
 """A module imported on first use, for names that a process may never need before it is ready.
 
-Why: the daemon must report SERVING quickly (issue 14: within twice a bare gRPC server's
-start), and numpy alone costs about as much CPU as that whole bare start. The daemon's start
-path (open the store, bind gRPC) touches no array; the first data call does. A module-level
-`np = lazy_module("numpy", globals(), "np")` keeps every `np.xxx` in the module's functions as
-it was: the first attribute read imports numpy and rebinds the module's global `np` to the real
-module, so later calls pay nothing. Importing is thread-safe (the import system's locks), and a
-race only rebinds the same module twice.
+Why: the daemon must report SERVING quickly (the target: within twice a bare gRPC server's
+start, bench/startup.py), and numpy alone costs about as much CPU as that whole bare start. The
+daemon's start path (open the store, bind gRPC) touches no array; the first data call does. A
+module-level `np = lazy_module("numpy", globals(), "np")` keeps every `np.xxx` in the module's
+functions as it was: the first attribute read imports numpy and rebinds the module's global
+`np` to the real module, so later calls pay nothing. Importing is thread-safe (the import
+system's locks), and a race only rebinds the same module twice.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""Shared pieces of the codecs: per-thread zstd contexts and scratch buffers, dtype maps.
+"""Shared pieces of the codecs: per-thread zstd contexts and scratch buffers, the block check,
+and the loaders of the compiled kernels.
 
 Why per thread: zstd contexts are not thread-safe but are costly to create, and zstd releases the
-GIL, so each demotion thread keeps its own. Why scratch buffers: a fresh multi-MiB buffer costs a
-round of page faults on every block (PERF-NOTES "fresh large buffers"); reusing one per thread
-keeps the codec at memory speed.
+GIL, so each demotion thread keeps its own. Why scratch buffers: glibc maps every new multi-MiB
+buffer fresh, so a buffer allocated per block costs a round of page faults each time (several
+times slower than the codec itself, docs/performance.md); reusing one per thread keeps the codec
+at memory speed.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from kvstore_client.errors import DataLoss, InvalidArgument
-from kvstore_client.layout import KVLayout
-from kvstore_client.lazy import lazy_module
+from kvstore_client.common.errors import DataLoss, InvalidArgument
+from kvstore_client.common.layout import KVLayout
+from kvstore_client.common.lazy import lazy_module
 
 if TYPE_CHECKING:
     import numpy as np
     import zstandard as zstd
-else:   # tiers/frame.py needs only the codec ids below: the daemon starts without these two
+else:   # on first use: importing the codecs (the daemon's first demotion) does not pay them
     np = lazy_module("numpy", globals(), "np")
     zstd = lazy_module("zstandard", globals(), "zstd")
 
@@ -27,30 +29,21 @@ else:   # tiers/frame.py needs only the codec ids below: the daemon starts witho
 # of literals, which is where all of the gain on float planes comes from.
 ZSTD_LEVEL = 1
 
-# Codec ids as stored in the frame header (tiers/frame.py); never renumber.
-CODEC_IDS: dict[str, int] = {"raw": 0, "lossless": 1, "fp8_e4m3": 2, "int8": 3}
-CODEC_NAMES: dict[int, str] = {v: k for k, v in CODEC_IDS.items()}
-
 _tls = threading.local()
 
-# Intra-op threads torch gets when a lossy codec first imports it (None: torch's default). The
-# daemon sets 1: it runs codecs on its own worker threads, and torch's pool on top of those
-# oversubscribed the cores (single codec ops ran 10-100x slower with any neighbour busy).
-TORCH_THREADS: int | None = None
+
+def lossless_kernels():
+    """The compiled kernels of the lossless codec (lossless_kernels.py), imported on first
+    use: numba is a heavy import that a daemon with no codec work never pays."""
+    from . import lossless_kernels
+    return lossless_kernels
 
 
-def kernels():
-    """The compiled codec kernels (tiers/codec_kernels.py), imported on first use: numba is
-    a heavy import that a daemon with no codec work never pays."""
-    from . import codec_kernels
-    return codec_kernels
-
-
-def kernels4():
-    """The compiled kernels of the lossy payload v4 (tiers/codec_kernels4.py), imported on
-    first use, as kernels()."""
-    from . import codec_kernels4
-    return codec_kernels4
+def lossy_kernels():
+    """The compiled kernels of the lossy payload v4 (lossy_kernels.py), imported on first use,
+    as lossless_kernels()."""
+    from . import lossy_kernels
+    return lossy_kernels
 
 
 class NonFiniteBlock(ValueError):
