@@ -161,8 +161,8 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
     import grpc
     from kvstore_client._proto import kvstore_pb2 as pb
     from kvstore_client._proto import kvstore_pb2_grpc as pbg
-    from kvstore_client.lane_wire import HEADER, MAX_FRAME, METHOD_ID
-    from kvstore_client.layout import KVLayout, NamespaceSpec
+    from kvstore_client.common.lane_wire import HEADER, MAX_FRAME, METHOD_ID
+    from kvstore_client.common.layout import KVLayout, NamespaceSpec
     from kvstore_client.wire import decode_get, encode_put, spec_to_proto
 
     md = (("authorization", f"Bearer {TOKENS['b']}"),)
@@ -404,8 +404,8 @@ def probes(address: str, sock: str, pid: int, a_ns: bytes) -> dict[str, float]:
     import grpc
     from kvstore_client._proto import kvstore_pb2 as pb
     from kvstore_client._proto import kvstore_pb2_grpc as pbg
-    from kvstore_client.lane_wire import HEADER, MAX_FRAME, METHOD_ID
-    from kvstore_client.layout import KVLayout, NamespaceSpec
+    from kvstore_client.common.lane_wire import HEADER, MAX_FRAME, METHOD_ID
+    from kvstore_client.common.layout import KVLayout, NamespaceSpec
     from kvstore_client.wire import encode_put, spec_to_proto
 
     md = (("authorization", f"Bearer {TOKENS['b']}"),)

@@ -1,4 +1,4 @@
-"""HostTier and kvstore_client.shm: a real shm slab shared with real client processes."""
+"""HostTier and kvstore_client.common.shm: a real shm slab shared with real client processes."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import torch
 from kvstore_client import KVLayout, connect
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client._proto import kvstore_pb2_grpc as pbg
-from kvstore_client.layout import NamespaceSpec
+from kvstore_client.common.layout import NamespaceSpec
 from kvstore_client.wire import encode_put
 
 from kvstore.daemon import is_loopback

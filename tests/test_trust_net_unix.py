@@ -21,8 +21,8 @@ import pytest
 from kvstore_client import DeadlineExceeded, KVLayout, KVStoreError, Unavailable, connect
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client._proto import kvstore_pb2_grpc as pbg
-from kvstore_client.handoff import handshake, handshake_path
-from kvstore_client.lane_wire import HEADER, MAX_FRAME, METHOD_ID, lane_path
+from kvstore_client.common.handoff import handshake, handshake_path
+from kvstore_client.common.lane_wire import HEADER, MAX_FRAME, METHOD_ID, lane_path
 
 from tests import other_uid
 from tests.daemon import cleanup, start_daemon

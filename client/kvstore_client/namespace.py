@@ -139,7 +139,7 @@ class Namespace:
     # -- keys -------------------------------------------------------------------------------
     def keys(self, token_ids: Sequence[int] | np.ndarray, *, parent: bytes | None = None,
              block_extra_keys: Sequence[Sequence[ExtraKey]] | None = None) -> list[bytes]:
-        """Reference keys (kvstore_client.hashing.block_keys) of every full block."""
+        """Reference keys (kvstore_client.common.hashing.block_keys) of every full block."""
         if self.spec.hash_scheme != "kvstore-blake3-v1":
             raise InvalidArgument(f"namespace uses hash scheme {self.spec.hash_scheme!r}: pass "
                                   "your own keys to lookup_keys/store_keys/load_keys")
