@@ -292,7 +292,7 @@ class DeviceMovement:
         else:
             e.checksum = checksum       # no other raw copy: this one defines the bytes
             self.index.set_parent(e, parent)
-        e.gpu, e.gpu_dev = slot.offset, slot.device
+        self.index.set_gpu(e, slot.offset, slot.device)
         self._gpu_policy(slot.device).insert(g, e.parent_gkey, slot.length)
         return True
 
@@ -454,11 +454,10 @@ class DeviceMovement:
                         self.host.free(off)
                         self.counters["corrupt_blocks"] += 1
                         self._drop_gpu_copy(e)
-                        if not e.resident:
-                            self.index.discard(e.gkey)
+                        self.index.drop_if_gone(e)
                         continue
                     if e.host is None:
-                        e.host = off
+                        self.index.set_host(e, off)
                         self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
                         self.tier_counters["host"]["demotions_in"] += 1
                         self.counters["bytes_gpu_to_host"] += e.size
@@ -469,7 +468,7 @@ class DeviceMovement:
                     policy.insert(e.gkey, e.parent_gkey, e.size)
                     continue
                 t.free(e.gpu)
-                e.gpu = None
+                self.index.clear_gpu(e)
                 freed += _aligned(e.size)
                 blocks += 1
             self._count(dev, "evictions", blocks)
@@ -485,7 +484,7 @@ class DeviceMovement:
             return
         self.gpu[e.gpu_dev].free(e.gpu)
         self._gpu_policy(e.gpu_dev).remove(e.gkey)
-        e.gpu = None
+        self.index.clear_gpu(e)
 
     # ----------------------------------------------------------------- read path
 
@@ -608,7 +607,7 @@ class DeviceMovement:
                     if e.moving is not None:
                         break
                 else:
-                    e.gpu, e.gpu_dev = off, dev
+                    self.index.set_gpu(e, off, dev)
                     self._gpu_policy(dev).insert(e.gkey, e.parent_gkey, e.size)
                     self._count(dev, "promotions")
                     self.counters["bytes_host_to_gpu"] += e.size
@@ -681,7 +680,7 @@ class DeviceMovement:
         self.movement._ssd_room(sum(len(v) for v in values))
         self.ssd.put_many([(e.gkey, v, _meta(e)) for e, v in zip(batch, values, strict=True)])
         for e, v in zip(batch, values, strict=True):
-            e.ssd = True
+            self.index.set_ssd(e)
             self.policies["ssd"].insert(e.gkey, e.parent_gkey, e.size)
             self.tier_counters["ssd"]["demotions_in"] += 1
             self.counters["bytes_gpu_to_ssd"] += len(v)

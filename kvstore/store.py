@@ -503,7 +503,7 @@ class Store(DeviceMovement, TenantPools):
                     if e is None:
                         e = Entry(ns_id, keys[i], None, info.block_bytes, 0)
                         self.index.add(e)
-                    e.remote = True
+                    self.index.set_remote(e)
                     out[i] = "remote"
         return out
 
@@ -527,7 +527,7 @@ class Store(DeviceMovement, TenantPools):
                         parent = keys[i - 1] if i > 0 else None
                         e = Entry(ns_id, keys[i], parent, info.block_bytes, 0)
                         self.index.add(e)
-                    e.remote = True
+                    self.index.set_remote(e)
         return n
 
     # ----------------------------------------------------------------- write path
@@ -676,7 +676,7 @@ class Store(DeviceMovement, TenantPools):
             if not e.checksum:
                 e.checksum = checksum
             self.index.set_parent(e, parent)
-        e.host = offset
+        self.index.set_host(e, offset)
         if batch is None:
             policy.insert(g, e.parent_gkey, size)
         else:
