@@ -204,8 +204,9 @@ class DeviceMovement:
                                    [Slot(o, size, dev) for o in offsets], ttl)
 
     def _gpu_commit(self, lease_id: str, keys: list[bytes], parent: bytes | None,
-                    checksums: Sequence[int] | None):
-        """Commit for a gpu write lease: hash the slots without the lock, then publish."""
+                    checksums: Sequence[int] | None, texts: list | None = None):
+        """Commit for a gpu write lease: hash the slots without the lock, then publish.
+        `texts`: the blocks' KV-event texts (kvstore/events/), kept as they are published."""
         from .store import CommitResult
 
         with self._lock:
@@ -235,6 +236,8 @@ class DeviceMovement:
                                    "this lease was stored")
             self.leases.pop(lease_id)
             stored = dups = 0
+            if texts:
+                self.events.recorder.remember(lease.ns_id, keys, texts)
             for i, (k, slot) in enumerate(zip(keys, lease.slots, strict=False)):
                 prev = parent if i == 0 else keys[i - 1]
                 if self._publish_gpu(lease.ns_id, k, prev, slot, hashed[i]):
@@ -678,7 +681,9 @@ class DeviceMovement:
                 t.copy_to_host(e.gpu, e.size, raw, DEVICE_WAIT_S)
                 values.append(encode_block(raw, spec.layout, spec.codec, self.counters))
         self.movement._ssd_room(sum(len(v) for v in values))
-        self.ssd.put_many([(e.gkey, v, _meta(e)) for e, v in zip(batch, values, strict=True)])
+        texts = self.events.book if self.events is not None else None
+        self.ssd.put_many([(e.gkey, v, _meta(e, texts))
+                           for e, v in zip(batch, values, strict=True)])
         for e, v in zip(batch, values, strict=True):
             self.index.set_ssd(e)
             self.policies["ssd"].insert(e.gkey, e.parent_gkey, e.size)

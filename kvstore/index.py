@@ -571,6 +571,24 @@ class BlockIndex:
                 f = flags[r]
                 yield ns_ids[ns[r]], False, bool(f & _SSD), bool(f & _REMOTE), size[r]
 
+    def held(self, start: int, count: int) -> tuple[int, list[tuple[bytes, bool, bool, bool]]]:
+        """(gkey, gpu copy, host copy, ssd) of the blocks in rows [start, start + count), and
+        the row to go on from (-1: done). For a walk in slices, each under the store lock
+        (KV events re-announce what is held without stopping the store for the whole walk)."""
+        keys, hot, flags = self._keys, self._hot, self._flags
+        end = min(start + count, len(keys))
+        out = []
+        for r in range(start, end):
+            g = keys[r]
+            if g is None:
+                continue
+            e = hot.get(g)
+            if e is not None:
+                out.append((g, e.gpu is not None, e.host is not None, e.ssd))
+            else:
+                out.append((g, False, False, bool(flags[r] & _SSD)))
+        return (end if end < len(keys) else -1), out
+
     def remote_count(self) -> int:
         """Blocks with a remote copy, counted from the packed flags (Stats calls it)."""
         n = self._flags.translate(_REMOTE_PACKED).count(1)        # packed rows only

@@ -122,8 +122,13 @@ def _aligned(n: int) -> int:
     return -(-n // SLAB_ALIGN) * SLAB_ALIGN
 
 
-def _meta(e: Entry) -> bytes:
-    return msgpack.packb({"p": e.parent, "s": e.size, "c": e.checksum, "t": time.time()})
+def _meta(e: Entry, texts: dict | None = None) -> bytes:
+    """A block's SSD meta record; with `texts` (KV events on: kvstore/events/), its text
+    where one is known, so a restart can announce it again."""
+    m = {"p": e.parent, "s": e.size, "c": e.checksum, "t": time.time()}
+    if texts is not None and (text := texts.get(e.gkey)) is not None:
+        m["e"] = text.pack()
+    return msgpack.packb(m)
 
 
 @dataclass(slots=True, eq=False)
@@ -487,7 +492,8 @@ class TierMovement:
             return []
         need = sum(lengths[i] for i in idx)
         self._ssd_room(need)
-        items = [(todo[i].gkey, lengths[i], _meta(todo[i])) for i in idx]
+        texts = self._store.events.book if self._store.events is not None else None
+        items = [(todo[i].gkey, lengths[i], _meta(todo[i], texts)) for i in idx]
 
         def fill(k: int, dst: memoryview) -> bool:
             i = idx[k]

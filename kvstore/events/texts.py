@@ -1,0 +1,95 @@
+"""What a router needs to index one daemon block: its event hashes, parent and token ids.
+
+Routers hash a request's tokens themselves and index blocks by those hashes; the hashes a
+stream announces only chain a block to its parent within the stream. So each block needs its
+token ids, which the daemon never needed before, and hashes that chain the way its engine's
+own events do:
+
+- blocks stored through the SDK (reference keys, or any other scheme): the client sends token
+  ids with Commit; the block's event hash is xxh3-64 of namespace id + key, its parent's the
+  same of the parent key, so namespaces never share a hash.
+- vLLM namespaces (`external:vllm-*`): vLLM's own block hashes, learned with the token ids from
+  the engine's own events (kvstore/events/relay.py), so one chain runs through an engine's GPU
+  blocks and kvstore's copies. A daemon block is one offload chunk: k engine blocks, k hashes.
+- SGLang namespaces (`external:sglang-*`): a page's event hash is its key's first 8 bytes (as
+  SGLang computes it); token ids and parent come from SGLang's own events.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+OWN, VLLM, SGLANG = "own", "vllm", "sglang"
+assert array("I").itemsize == 4
+
+
+def kind_of(hash_scheme: str) -> str:
+    if hash_scheme.startswith("external:vllm-"):
+        return VLLM
+    if hash_scheme.startswith("external:sglang-"):
+        return SGLANG
+    return OWN
+
+
+def own_hash(gkey: bytes) -> int:
+    """Event hash of a block the daemon names itself (gkey = namespace id + key)."""
+    return xxhash.xxh3_64_intdigest(gkey)
+
+
+def sglang_hash(key: bytes) -> int:
+    """SGLang's event hash of one of its pages (hash_str_to_int64, read unsigned)."""
+    return int.from_bytes(key[:8], "big")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockText:
+    hashes: tuple[int, ...]     # one per engine block the daemon block covers
+    parent: int | None          # the event hash of the block before the first one
+    tokens: bytes               # u32 token ids (machine order), len(hashes) * block_size
+    block_size: int             # tokens per engine block
+
+    def token_list(self) -> list[int]:
+        a = array("I")
+        a.frombytes(self.tokens)
+        return a.tolist()
+
+    def pack(self) -> list[Any]:
+        """The form kept in a block's SSD meta (key "e")."""
+        return [list(self.hashes), self.parent, self.tokens, self.block_size]
+
+    @staticmethod
+    def unpack(obj: Any) -> BlockText | None:
+        """A packed text, or None for anything that is not one (an old or damaged record)."""
+        try:
+            hashes, parent, tokens, bs = obj
+            t = BlockText(tuple(int(h) for h in hashes), None if parent is None else int(parent),
+                          bytes(tokens), int(bs))
+        except (TypeError, ValueError):
+            return None
+        return t if t.valid() else None
+
+    def valid(self) -> bool:
+        return (self.block_size > 0 and len(self.hashes) > 0
+                and len(self.tokens) == 4 * self.block_size * len(self.hashes))
+
+
+def tokens_bytes(tokens: Any) -> bytes:
+    return array("I", tokens).tobytes()
+
+
+def own_texts(ns_id: bytes, keys: list[bytes], parent: bytes | None, token_ids: Any,
+              block_tokens: int) -> list[BlockText]:
+    """Texts of SDK-stored blocks: keys[i] holds token_ids[i*T:(i+1)*T], chained from parent."""
+    raw = tokens_bytes(token_ids)
+    step = 4 * block_tokens
+    out = []
+    prev = own_hash(ns_id + parent) if parent else None
+    for i, k in enumerate(keys):
+        h = own_hash(ns_id + k)
+        out.append(BlockText((h,), prev, raw[i * step:(i + 1) * step], block_tokens))
+        prev = h
+    return out
