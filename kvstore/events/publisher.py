@@ -39,6 +39,14 @@ log = logging.getLogger("kvstore.events")
 WALK_SLICE = 16384          # index rows read per hold of the store lock
 DRAIN_MAX = 65536           # queued changes turned into events per tick
 LOCK_WAIT_S = 0.2
+# The first announcement waits this long after the streams are bound: routers subscribed to
+# the daemon's previous run reconnect on their own (ZMQ retries every 0.1 s), and PUB sends
+# nothing to a subscriber before its subscription arrives.
+START_DELAY_S = 1.0
+# A stream quiet this long sends an empty batch, so a consumer that missed batches (it
+# reconnected late, or dropped them at its high-water mark) sees the gap in the numbers and
+# asks the replay socket for them, instead of waiting for the next change.
+HEARTBEAT_S = 5.0
 
 
 class Publisher:
@@ -72,6 +80,7 @@ class Publisher:
         self._thread: threading.Thread | None = None
         self._overflow_logged = 0.0
         self._started = False
+        self._bound_at = time.monotonic()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -114,6 +123,8 @@ class Publisher:
         if self._stop.is_set():
             return
         if not self._started:
+            if time.monotonic() < self._bound_at + START_DELAY_S:
+                return
             self._started = True
             self._start_over(set(range(len(self.streams))))
         for i, relay in self.relays.items():
@@ -132,6 +143,10 @@ class Publisher:
             self._overflow()
         self._drain()
         self._keep_joins()
+        now = time.monotonic()
+        for st in self.streams:
+            if now - st.sent_at >= HEARTBEAT_S:
+                st.send([], empty_ok=True)
         self._sync_counters()
 
     def _sync_counters(self) -> None:

@@ -62,9 +62,11 @@ class Events:
         return self.recorder.book
 
     @property
-    def addresses(self) -> dict[str, str]:
-        """Stream name -> the address its PUB socket is bound to (port 0 resolved)."""
-        return {s.name: s.address for s in self.streams}
+    def addresses(self) -> dict[str, tuple[str, str]]:
+        """Stream name -> (address its PUB socket is bound to, its replay socket's or ""),
+        port 0 resolved."""
+        return {s.name: (s.address, s.replay_address if s.replay is not None else "")
+                for s in self.streams}
 
     def attach(self, index: BlockIndex) -> None:
         index.listener = self.recorder
