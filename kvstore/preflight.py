@@ -165,6 +165,8 @@ def check_events(cfg: StoreConfig) -> None:
     for i, eng in enumerate(ev.engines):
         addrs += [(f"events.engines[{i}].endpoint", eng.endpoint),
                   (f"events.engines[{i}].replay_endpoint", eng.replay_endpoint)]
+        if eng.source and "*" not in eng.source and "::" not in eng.source:
+            addrs.append((f"events.engines[{i}].source", eng.source))   # the daemon binds it
     for key, addr in addrs:
         if not addr.startswith("tcp://"):
             continue

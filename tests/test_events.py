@@ -301,15 +301,19 @@ class FakeEngine:
         import msgpack
         self.msgpack = msgpack
         self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        # PUB semantics; XPUB also shows when the daemon's subscription has arrived.
+        self.pub = self.ctx.socket(zmq.XPUB)
+        # As vLLM's publisher given a concrete address: it connects, the daemon binds.
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.pub.connect(self.endpoint)
         self.seq = 0
-
-    @property
-    def endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
+        self.subscribed = False
 
     def send(self, events: list[dict]) -> None:
+        if not self.subscribed:
+            assert self.pub.poll(30_000), "the daemon never subscribed to the engine"
+            self.pub.recv()
+            self.subscribed = True
         payload = self.msgpack.packb([1.0, events, 0], use_bin_type=True)
         self.pub.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
         self.seq += 1

@@ -28,6 +28,7 @@ import zmq
 from kvstore_client.vllm.keyspace import fold_key
 
 from . import wire
+from .stream import bind
 from .texts import BlockText, tokens_bytes
 
 log = logging.getLogger("kvstore.events")
@@ -82,11 +83,34 @@ class TokenCache:
         return t if t.valid() else None
 
 
+def engine_binds(endpoint: str) -> bool:
+    """Whether an engine given `endpoint` binds its PUB socket (else it connects to it): the
+    rule of vLLM's and SGLang's publishers (a wildcard host or an ipc path binds)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def attach(sub: zmq.Socket, source: str, key: str) -> None:
+    """Subscribe to an engine's events given its own --kv-events-config endpoint, verbatim:
+    where the engine binds (a wildcard host), connect to it on this machine; where it connects
+    (a concrete address, the form that keeps it on loopback), bind that address for it."""
+    if engine_binds(source):
+        if source.startswith("tcp://"):
+            host, _, port = source[len("tcp://"):].rpartition(":")
+            if "::" in host:
+                sub.setsockopt(zmq.IPV6, 1)
+                source = f"tcp://[::1]:{port}"
+            else:
+                source = f"tcp://127.0.0.1:{port}"
+        sub.connect(source)         # connecting never fails on an engine not up yet
+    else:
+        bind(sub, source, key)
+
+
 class Relay:
     """One engine's event source (used by the publisher thread only)."""
 
     def __init__(self, ctx: zmq.Context, name: str, source: str, cache: TokenCache,
-                 hwm: int) -> None:
+                 hwm: int, key: str) -> None:
         self.name = name
         self.source = source
         self.cache = cache
@@ -94,7 +118,11 @@ class Relay:
         self.sub.setsockopt(zmq.RCVHWM, hwm)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(source)      # connecting never fails on a peer that is not up yet
+        try:
+            attach(self.sub, source, key)
+        except BaseException:
+            self.sub.close(0)
+            raise
         self.last_seq: int | None = None
         self.counters: dict[str, int] = {"batches": 0, "events": 0, "dropped_media": 0,
                                          "bad_messages": 0, "restarts": 0, "gaps": 0,

@@ -41,7 +41,8 @@ class Events:
                                       eng.replay_endpoint, cfg.topic, eng.dp_rank, cfg.hwm,
                                       cfg.buffer_steps, seq_dir, eng.models or cfg.models))
                 if eng.source:
-                    relays[len(streams) - 1] = Relay(ctx, eng.name, eng.source, cache, cfg.hwm)
+                    relays[len(streams) - 1] = Relay(ctx, eng.name, eng.source, cache,
+                                                     cfg.hwm, f"events.engines[{i}].source")
         except BaseException:
             for s in streams:
                 s.close(linger_s=0)
