@@ -197,3 +197,106 @@ def test_dynamo_indexer_credits_every_engine_of_a_node_per_tier(tmp_path):
             if d is not None:
                 cleanup(d)
         idx.close()
+
+
+class FakeWorker:
+    """An OpenAI-compatible worker that answers every completion with its own name (the
+    router only needs /health and the completion route to be there)."""
+
+    def __init__(self, name: str) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self, body: dict) -> None:
+                raw = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self) -> None:
+                self._reply({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                self._reply({"id": "x", "object": "text_completion", "model": MODEL,
+                             "choices": [{"index": 0, "text": name, "finish_reason": "stop"}],
+                             "usage": {"prompt_tokens": 1, "completion_tokens": 1,
+                                       "total_tokens": 2}})
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_vllm_router_routes_to_the_node_that_holds_the_prefix(tmp_path):
+    """vllm-router's kv_aware policy, fed by the two daemons' node streams, sends a prompt to
+    the worker whose node stored it, also once the blocks are on SSD only."""
+    router_bin = ROOT / ".venv-routers" / "bin" / "vllm-router"
+    cfg1, pub1, _ = node(tmp_path / "n1")
+    cfg2, pub2, _ = node(tmp_path / "n2")
+    w1, w2 = FakeWorker("w1"), FakeWorker("w2")
+    port = free_port()
+    n1 = n2 = router = None
+    log = tmp_path / "router.log"
+    try:
+        n1 = start_daemon(tmp_path / "n1", cfg1)
+        n2 = start_daemon(tmp_path / "n2", cfg2)
+        router = subprocess.Popen(
+            [str(router_bin), "--host", "127.0.0.1", "--port", str(port), "--policy",
+             "kv_aware", "--worker-urls", w1.url, w2.url,
+             "--kv-event-source", f"{w1.url}={pub1}", "--kv-event-source", f"{w2.url}={pub2}",
+             "--kv-event-block-size", str(T), "--kv-event-model", MODEL],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+        def route(tokens: np.ndarray) -> str:
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions", headers={
+                    "content-type": "application/json"}, data=json.dumps(
+                    {"model": MODEL, "prompt": [int(t) for t in tokens],
+                     "max_tokens": 1}).encode())
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return json.loads(r.read())["choices"][0]["text"]
+
+        def routed_to(tokens: np.ndarray, want: str, what: str) -> None:
+            end = time.monotonic() + DEADLINE_S
+            while True:
+                try:
+                    if route(tokens) == want and all(route(tokens) == want for _ in range(5)):
+                        return
+                except (urllib.error.URLError, ConnectionError):
+                    if router.poll() is not None:
+                        raise AssertionError(f"vllm-router exited:\n{_tail(log)}") from None
+                if time.monotonic() > end:
+                    raise AssertionError(f"{what}: not routed to {want}:\n{_tail(log)}")
+                time.sleep(0.1)
+
+        p1, p2 = prompt(11, 8), prompt(12, 8)
+        c2 = engine(n2)
+        assert c2.store(p1, kv(p1)) == 8
+        routed_to(np.concatenate([p1, prompt(13, 1)]), "w2", "stored on node 2")
+        c2.client.evict("host")
+        routed_to(p1, "w2", "on node 2's SSD")
+        c1 = engine(n1)
+        assert c1.store(p2, kv(p2)) == 8
+        routed_to(p2, "w1", "stored on node 1")
+        c1.client.close()
+        c2.client.close()
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        for d in (n1, n2):
+            if d is not None:
+                cleanup(d)
+        w1.close()
+        w2.close()
