@@ -128,6 +128,18 @@ def removed(evs: list[dict], medium: str | None = None) -> list[dict]:
             and (medium is None or e["medium"] == medium)]
 
 
+def firsts(evs: list[dict]) -> list[dict]:
+    """`evs` without repeats (a new subscriber is told again what the daemon holds, so a
+    stream may announce a block twice): the first of each (hashes, medium)."""
+    seen, out = set(), []
+    for e in evs:
+        k = (e["type"], tuple(e.get("block_hashes", ())), e.get("medium"))
+        if k not in seen:
+            seen.add(k)
+            out.append(e)
+    return out
+
+
 def hashes(evs: list[dict]) -> list[int]:
     return [h for e in evs for h in e["block_hashes"]]
 
@@ -179,4 +191,5 @@ def vllm_decode(payloads: list[bytes], tmp: Path) -> list[dict] | None:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-__all__ = ["Sub", "free_port", "stored", "removed", "hashes", "held", "vllm_decode", "sys"]
+__all__ = ["Sub", "free_port", "stored", "removed", "hashes", "held", "firsts", "vllm_decode",
+           "sys"]

@@ -19,7 +19,7 @@ from kvstore.config import EngineStreamConfig, StoreConfig
 from kvstore.events.errors import EventsAddressError
 from kvstore.events.texts import own_hash
 from kvstore.store import Store
-from tests.events_helpers import Sub, free_port, held, stored, zmq
+from tests.events_helpers import Sub, firsts, free_port, held, stored, zmq
 from tests.store_helpers import SMALL, kv_block, random_prompt
 
 T = SMALL.block_tokens
@@ -67,8 +67,8 @@ def test_every_residency_change_is_published_with_its_medium(tmp_path):
             tokens, keys = random_prompt(rng, 4)
             hs = [own_hash(ns + k) for k in keys]
             put(store, ns, keys, tokens)
-            evs = sub.wait(lambda e: len(stored(e, "CPU")) == 4, what="stored")
-            cpu = stored(evs, "CPU")
+            evs = sub.wait(lambda e: len(firsts(stored(e, "CPU"))) == 4, what="stored")
+            cpu = firsts(stored(evs, "CPU"))
             assert [e["block_hashes"] for e in cpu] == [[h] for h in hs]
             assert [e["parent_block_hash"] for e in cpu] == [None, *hs[:-1]]
             assert [t for e in cpu for t in e["token_ids"]] == tokens.tolist()
@@ -78,7 +78,7 @@ def test_every_residency_change_is_published_with_its_medium(tmp_path):
             evs = sub.wait(lambda e: held(e) == {"STORAGE": set(hs)}, what="demotion")
             # the SSD copy is announced before the host copy goes: never a moment without
             first_removal = next(i for i, e in enumerate(evs) if e["type"] == "BlockRemoved")
-            assert len(stored(evs[:first_removal], "STORAGE")) == 4
+            assert len(firsts(stored(evs[:first_removal], "STORAGE"))) == 4
 
             lease = store.acquire(ns, keys)                         # promoted: text from LMDB
             store.release(lease.id)
@@ -107,7 +107,8 @@ def test_gpu_tier_blocks_are_gpu_medium_and_demote_to_cpu(tmp_path):
             hs = {own_hash(ns + k) for k in keys}
             put(store, ns, keys, tokens, tier="gpu")
             evs = sub.wait(lambda e: held(e) == {"GPU": hs}, what="gpu store")
-            assert [t for e in stored(evs, "GPU") for t in e["token_ids"]] == tokens.tolist()
+            gpu = firsts(stored(evs, "GPU"))
+            assert [t for e in gpu for t in e["token_ids"]] == tokens.tolist()
             store.evict("gpu")                                      # demoted to host
             sub.wait(lambda e: held(e) == {"CPU": hs}, what="gpu demotion")
         finally:
@@ -134,7 +135,7 @@ def test_stop_clears_and_restart_reannounces_with_later_sequence_numbers(tmp_pat
         evs = sub.wait(lambda e: held(e) == {"STORAGE": hs}, since=last + 1, what="restart")
         assert evs[0]["type"] == "AllBlocksCleared"
         # chained as before, token ids from the blocks' SSD meta
-        assert [t for e in stored(evs) for t in e["token_ids"]] == tokens.tolist()
+        assert [t for e in firsts(stored(evs)) for t in e["token_ids"]] == tokens.tolist()
         assert min(s for s in sub.batches if s > last) == last + 1   # a clean stop: no gap
     finally:
         sub.close()
@@ -155,6 +156,33 @@ def test_crash_restart_never_goes_back(tmp_path):
     f.write_text("garbage\n")
     now_us = time.time_ns() // 1000
     assert SeqFile(f).take() >= now_us      # unreadable: the clock
+
+
+def test_a_late_subscriber_is_told_what_is_held(tmp_path):
+    """A router that subscribes after the blocks were stored (vllm-router fetches no batch
+    from before the first it sees) still learns them: each subscription makes the stream
+    announce what the daemon holds, without clearing anything."""
+    rng = np.random.default_rng(8)
+    with make(tmp_path) as store:
+        ns = register(store)
+        tokens, keys = random_prompt(rng, 3)
+        put(store, ns, keys, tokens)
+        store.evict("host")
+        hs = {own_hash(ns + k) for k in keys}
+        early = sub_of(store)
+        try:
+            early.wait(lambda e: held(e) == {"STORAGE": hs}, what="early subscriber")
+            late = Sub(store.events.addresses["node"][0])    # no replay: only what comes
+            try:
+                evs = late.wait(lambda e: held(e) == {"STORAGE": hs}, what="late subscriber")
+                assert all(e["type"] == "BlockStored" for e in evs)
+            finally:
+                late.close()
+            # the early subscriber heard repeats only: its view is unchanged
+            assert held(early.events()) == {"STORAGE": hs}
+            assert store.events.streams[0].counters["subscriptions"] >= 2
+        finally:
+            early.close()
 
 
 def test_sdk_sees_wants_token_ids_only_where_published(tmp_path):
@@ -215,7 +243,7 @@ def test_replay_and_bad_replay_requests(tmp_path, caplog):
             for _ in range(3):
                 tokens, keys = random_prompt(rng, 2)
                 put(store, ns, keys, tokens)
-            sub.wait(lambda e: len(stored(e)) == 6)
+            sub.wait(lambda e: len(firsts(stored(e))) == 6)
             seqs = sorted(sub.batches)
             assert sub.replay_from(seqs[-2]) == seqs[-2:]           # from a given number on
             assert sub.replay_from(0) == seqs                        # long gone: all it has
@@ -228,7 +256,7 @@ def test_replay_and_bad_replay_requests(tmp_path, caplog):
                 # stores go on, and a good request is still answered after the garbage
                 tokens, keys = random_prompt(rng, 2)
                 put(store, ns, keys, tokens)
-                sub.wait(lambda e: len(stored(e)) == 8)
+                sub.wait(lambda e: len(firsts(stored(e))) == 8)
                 deadline = 200
                 while store.events.streams[0].counters["bad_replay_requests"] < 3 and deadline:
                     sub.pump(0.05)
@@ -262,7 +290,7 @@ def test_a_consumer_that_never_reads_does_not_hold_stores_back(tmp_path):
             # every store went through; the publisher kept up (no overflow) and a reading
             # consumer, topped up from the replay buffer, has every block
             assert len(store.index) == n
-            sub.wait(lambda e: len(stored(e)) == n, what="every block")
+            sub.wait(lambda e: len(firsts(stored(e))) == n, what="every block")
             assert store.events.recorder.overflows == 0
         finally:
             stuck.close(0)
@@ -357,7 +385,7 @@ def test_engine_stream_relays_gpu_events_and_names_vllm_blocks(tmp_path):
             evs = sub.wait(lambda e: "CPU" in held(e), what="late join")
             gpu = stored(evs, "GPU")
             assert gpu and gpu[0]["block_hashes"] == u and gpu[0]["token_ids"] == toks
-            cpu = stored(evs, "CPU")        # the engine's own CPU placeholder is dropped
+            cpu = firsts(stored(evs, "CPU"))    # the engine's own CPU placeholder is dropped
             assert cpu == [{"type": "BlockStored", "block_hashes": u[:2],
                             "parent_block_hash": None, "token_ids": toks[:2 * T],
                             "block_size": T, "lora_id": None, "medium": "CPU",
@@ -409,12 +437,29 @@ def test_publisher_runs_beside_concurrent_stores(tmp_path):
             for t in threads:
                 t.join(120)
             assert not errors
+
+            def truth() -> dict[str, set[int]]:
+                """What the store holds now (background demotion may still be moving)."""
+                out: dict[str, set[int]] = {}
+                with store._lock:
+                    for e in store.index.entries():
+                        for tier, on in (("CPU", e.host is not None), ("STORAGE", e.ssd)):
+                            if on:
+                                out.setdefault(tier, set()).add(own_hash(e.gkey))
+                return out
+            sub.wait(lambda e: held(e) == truth(), what="final state")
+            # promotions (texts from SSD meta), then SSD evictions under them: still in step
+            rng = np.random.default_rng(9)
+            for _ in range(5):
+                tokens, keys = random_prompt(rng, 4)
+                put(store, ns, keys, tokens)
+            store.evict("host")
             with store._lock:
-                truth: dict[str, set[int]] = {}
-                for e in store.index.entries():
-                    for tier, on in (("CPU", e.host is not None), ("STORAGE", e.ssd)):
-                        if on:
-                            truth.setdefault(tier, set()).add(own_hash(e.gkey))
-            sub.wait(lambda e: held(e) == truth, what="final state")
+                picked = [e.key for e in store.index.entries()][:40]
+            for key in picked:
+                lease = store.acquire(ns, [key])
+                store.release(lease.id)
+            store.evict("ssd", 20 * SMALL.block_bytes)
+            sub.wait(lambda e: held(e) == truth(), what="after promotions")
         finally:
             sub.close()

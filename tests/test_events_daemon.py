@@ -20,7 +20,7 @@ from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client.errors import InvalidArgument
 
 from tests.daemon import cleanup, start_daemon
-from tests.events_helpers import Sub, held, stored, vllm_decode
+from tests.events_helpers import Sub, firsts, held, stored, vllm_decode
 from tests.test_operator_errors import _env, assert_one_line
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=16, dtype="float16")
@@ -52,16 +52,16 @@ def test_sdk_stores_carry_token_ids_and_the_wire_is_vllms(tmp_path):
         assert ns.wants_token_ids
         tokens = np.arange(5000, 5000 + 6 * T + 5)          # 6 full blocks and a tail
         assert ns.store(tokens, kv_for(len(tokens), 1)) == 6
-        evs = sub.wait(lambda e: len(stored(e, "CPU")) == 6, what="stored")
-        cpu = stored(evs, "CPU")
+        evs = sub.wait(lambda e: len(firsts(stored(e, "CPU"))) == 6, what="stored")
+        cpu = firsts(stored(evs, "CPU"))
         assert [t for e in cpu for t in e["token_ids"]] == tokens[:6 * T].tolist()
         assert [e["parent_block_hash"] for e in cpu[1:]] == \
             [e["block_hashes"][0] for e in cpu[:-1]]
         # a second store of a longer prompt: only its new blocks, chained to the cached ones
         longer = np.concatenate([tokens[:6 * T], np.arange(9000, 9000 + 2 * T)])
         assert ns.store(longer, kv_for(len(longer), 2)) == 2
-        evs = sub.wait(lambda e: len(stored(e, "CPU")) == 8, what="second store")
-        assert stored(evs, "CPU")[6]["parent_block_hash"] == cpu[-1]["block_hashes"][0]
+        evs = sub.wait(lambda e: len(firsts(stored(e, "CPU"))) == 8, what="second store")
+        assert firsts(stored(evs, "CPU"))[6]["parent_block_hash"] == cpu[-1]["block_hashes"][0]
         assert client.evict("host")[1] == 8                  # demoted: STORAGE, then removed
         sub.wait(lambda e: set(held(e)) == {"STORAGE"}, what="demotion")
         ns.delete(ns.keys(longer)[6:])

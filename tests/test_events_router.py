@@ -242,8 +242,8 @@ def test_vllm_router_routes_to_the_node_that_holds_the_prefix(tmp_path):
     """vllm-router's kv_aware policy, fed by the two daemons' node streams, sends a prompt to
     the worker whose node stored it, also once the blocks are on SSD only."""
     router_bin = ROOT / ".venv-routers" / "bin" / "vllm-router"
-    cfg1, pub1, _ = node(tmp_path / "n1")
-    cfg2, pub2, _ = node(tmp_path / "n2")
+    cfg1, pub1, rep1 = node(tmp_path / "n1")
+    cfg2, pub2, rep2 = node(tmp_path / "n2")
     w1, w2 = FakeWorker("w1"), FakeWorker("w2")
     port = free_port()
     n1 = n2 = router = None
@@ -255,7 +255,11 @@ def test_vllm_router_routes_to_the_node_that_holds_the_prefix(tmp_path):
             [str(router_bin), "--host", "127.0.0.1", "--port", str(port), "--policy",
              "kv_aware", "--worker-urls", w1.url, w2.url,
              "--kv-event-source", f"{w1.url}={pub1}", "--kv-event-source", f"{w2.url}={pub2}",
-             "--kv-event-block-size", str(T), "--kv-event-model", MODEL],
+             # what it missed before its subscription took, it fetches from the replay socket
+             "--kv-event-replay-source", f"{w1.url}={rep1}",
+             "--kv-event-replay-source", f"{w2.url}={rep2}",
+             "--kv-event-block-size", str(T), "--kv-event-model", MODEL,
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
         def route(tokens: np.ndarray) -> str:

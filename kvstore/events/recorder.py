@@ -11,6 +11,7 @@ stream over from what the daemon holds; a store never waits for it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -24,8 +25,9 @@ Item = tuple[bytes, tuple[str, ...], bool, bool, BlockText | None]
 
 class Recorder:
     def __init__(self, namespaces: dict[bytes, Any], stream_models: list[list[str]],
-                 max_queue: int) -> None:
+                 max_queue: int, ssd_text: Callable[[bytes], BlockText | None]) -> None:
         self.namespaces = namespaces            # the store's: ns_id -> NamespaceInfo
+        self.ssd_text = ssd_text                # a block's text from its SSD meta, or None
         self.stream_models = stream_models      # per stream: fnmatch patterns ([] = all)
         self.max_queue = max_queue
         self.queue: deque[Item] = deque()
@@ -70,7 +72,15 @@ class Recorder:
             return
         g = e.gkey
         if entered:
-            self._put((g, (tier,), True, False, self.book.get(g)))
+            text = self.book.get(g)
+            if text is None and tier != SSD and e.ssd:
+                # Promoted from SSD: its text comes back from its meta, to stay with the new
+                # copy (the SSD copy may be evicted before the publisher reads it, and a later
+                # demotion writes the book's text into the new meta).
+                text = self.ssd_text(g)
+                if text is not None:
+                    self.book[g] = text
+            self._put((g, (tier,), True, False, text))
             return
         if e.host is None and e.gpu is None:
             self.book.pop(g, None)

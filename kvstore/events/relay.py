@@ -29,7 +29,7 @@ from kvstore_client.vllm.keyspace import fold_key
 
 from . import wire
 from .stream import bind
-from .texts import BlockText, tokens_bytes
+from .texts import BlockText, check_tokens
 
 log = logging.getLogger("kvstore.events")
 
@@ -43,10 +43,10 @@ class TokenCache:
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self.by_hash: OrderedDict[int, tuple[int | None, bytes, int]] = OrderedDict()
+        self.by_hash: OrderedDict[int, tuple[int | None, tuple[int, ...], int]] = OrderedDict()
         self.by_key: OrderedDict[bytes, int] = OrderedDict()
 
-    def learn(self, h: int, parent: int | None, tokens: bytes, bs: int,
+    def learn(self, h: int, parent: int | None, tokens: tuple[int, ...], bs: int,
               key: bytes | None) -> None:
         if self.cap <= 0:
             return
@@ -79,7 +79,7 @@ class TokenCache:
             parts.append(got[1])
         hashes.reverse()
         parts.reverse()
-        t = BlockText(tuple(hashes), got[0], b"".join(parts), bs)
+        t = BlockText(tuple(hashes), got[0], wire.pack([x for p in parts for x in p]), bs)
         return t if t.valid() else None
 
 
@@ -204,8 +204,8 @@ class Relay:
             return
         group = ev.get("group_idx") or 0
         try:
-            packed = tokens_bytes(tokens)
-        except (OverflowError, TypeError):
+            tokens = check_tokens(tokens)
+        except (ValueError, TypeError):
             return
         prev = wire.u64(parent) if isinstance(parent, (int, bytes)) else None
         for i, h in enumerate(raw):
@@ -220,7 +220,7 @@ class Relay:
                             "the token ids of a vLLM engine's blocks only from its full hashes: "
                             "start it with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (the relay "
                             "still hands routers 64-bit ones)", self.name)
-            self.cache.learn(hv, prev, packed[4 * bs * i:4 * bs * (i + 1)], bs, key)
+            self.cache.learn(hv, prev, tuple(tokens[bs * i:bs * (i + 1)]), bs, key)
             learned.append((key, hv))
             prev = hv
 

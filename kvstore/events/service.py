@@ -16,7 +16,7 @@ from kvstore_client.errors import InvalidArgument
 
 from ..config import EventsConfig
 from ..index import BlockIndex
-from .publisher import Publisher
+from .publisher import Publisher, ssd_text
 from .recorder import Recorder
 from .relay import Relay, TokenCache
 from .stream import Stream
@@ -51,7 +51,8 @@ class Events:
             ctx.term()
             raise
         self.streams = streams
-        self.recorder = Recorder(store.namespaces, [s.models for s in streams], cfg.max_queue)
+        self.recorder = Recorder(store.namespaces, [s.models for s in streams], cfg.max_queue,
+                                 lambda g: ssd_text(store.ssd, g))
         self.publisher = Publisher(store, self.recorder, streams, relays, cache, ctx,
                                    cfg.batch_events, cfg.interval_ms / 1000.0,
                                    cfg.token_cache_blocks)
@@ -93,5 +94,5 @@ class Events:
             return None
         try:
             return own_texts(ns_id, keys, parent, token_ids, block_tokens)
-        except OverflowError:
-            raise InvalidArgument("token ids must be unsigned 32-bit integers") from None
+        except (ValueError, TypeError) as e:
+            raise InvalidArgument(str(e)) from None

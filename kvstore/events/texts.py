@@ -17,14 +17,15 @@ own events do:
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import xxhash
 
+from . import wire
+
 OWN, VLLM, SGLANG = "own", "vllm", "sglang"
-assert array("I").itemsize == 4
 
 
 def kind_of(hash_scheme: str) -> str:
@@ -49,13 +50,14 @@ def sglang_hash(key: bytes) -> int:
 class BlockText:
     hashes: tuple[int, ...]     # one per engine block the daemon block covers
     parent: int | None          # the event hash of the block before the first one
-    tokens: bytes               # u32 token ids (machine order), len(hashes) * block_size
+    tokens: bytes               # the token ids as a msgpack array, len(hashes) * block_size
     block_size: int             # tokens per engine block
 
+    def event(self, medium: str) -> bytes:
+        return wire.stored(self.hashes, self.parent, self.tokens, self.block_size, medium)
+
     def token_list(self) -> list[int]:
-        a = array("I")
-        a.frombytes(self.tokens)
-        return a.tolist()
+        return msgpack.unpackb(self.tokens)
 
     def pack(self) -> list[Any]:
         """The form kept in a block's SSD meta (key "e")."""
@@ -74,22 +76,27 @@ class BlockText:
 
     def valid(self) -> bool:
         return (self.block_size > 0 and len(self.hashes) > 0
-                and len(self.tokens) == 4 * self.block_size * len(self.hashes))
+                and wire.array_length(self.tokens) == self.block_size * len(self.hashes))
 
 
-def tokens_bytes(tokens: Any) -> bytes:
-    return array("I", tokens).tobytes()
+def check_tokens(token_ids: Any) -> list[int]:
+    """Token ids as a list of ints, each an unsigned 32-bit value (ValueError otherwise)."""
+    tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
+    if tokens and (min(tokens) < 0 or max(tokens) > 0xFFFFFFFF):
+        raise ValueError("token ids must be unsigned 32-bit integers")
+    return tokens
 
 
 def own_texts(ns_id: bytes, keys: list[bytes], parent: bytes | None, token_ids: Any,
               block_tokens: int) -> list[BlockText]:
     """Texts of SDK-stored blocks: keys[i] holds token_ids[i*T:(i+1)*T], chained from parent."""
-    raw = tokens_bytes(token_ids)
-    step = 4 * block_tokens
+    tokens = check_tokens(token_ids)
     out = []
     prev = own_hash(ns_id + parent) if parent else None
+    pack = wire.pack
+    T = block_tokens
     for i, k in enumerate(keys):
         h = own_hash(ns_id + k)
-        out.append(BlockText((h,), prev, raw[i * step:(i + 1) * step], block_tokens))
+        out.append(BlockText((h,), prev, pack(tokens[i * T:(i + 1) * T]), T))
         prev = h
     return out
