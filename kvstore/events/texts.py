@@ -17,8 +17,8 @@ own events do:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from array import array
+from typing import Any, NamedTuple
 
 import msgpack
 import xxhash
@@ -46,8 +46,10 @@ def sglang_hash(key: bytes) -> int:
     return int.from_bytes(key[:8], "big")
 
 
-@dataclass(frozen=True, slots=True)
-class BlockText:
+class BlockText(NamedTuple):
+    """(A tuple: made once per stored block on the Commit path, where a dataclass's
+    construction cost three times as much.)"""
+
     hashes: tuple[int, ...]     # one per engine block the daemon block covers
     parent: int | None          # the event hash of the block before the first one
     tokens: bytes               # the token ids as a msgpack array, len(hashes) * block_size
@@ -82,8 +84,10 @@ class BlockText:
 def check_tokens(token_ids: Any) -> list[int]:
     """Token ids as a list of ints, each an unsigned 32-bit value (ValueError otherwise)."""
     tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
-    if tokens and (min(tokens) < 0 or max(tokens) > 0xFFFFFFFF):
-        raise ValueError("token ids must be unsigned 32-bit integers")
+    try:
+        array("I", tokens)          # range-checked in C (unsigned int: 4 bytes here)
+    except (OverflowError, TypeError):
+        raise ValueError("token ids must be unsigned 32-bit integers") from None
     return tokens
 
 
@@ -93,10 +97,11 @@ def own_texts(ns_id: bytes, keys: list[bytes], parent: bytes | None, token_ids: 
     tokens = check_tokens(token_ids)
     out = []
     prev = own_hash(ns_id + parent) if parent else None
-    pack = wire.pack
+    pack = wire.packer().pack
+    digest = xxhash.xxh3_64_intdigest
     T = block_tokens
     for i, k in enumerate(keys):
-        h = own_hash(ns_id + k)
+        h = digest(ns_id + k)
         out.append(BlockText((h,), prev, pack(tokens[i * T:(i + 1) * T]), T))
         prev = h
     return out

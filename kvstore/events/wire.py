@@ -15,6 +15,7 @@ few joins of bytes (it shares the GIL with the store).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,8 +30,20 @@ U64 = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)     # a replay's end marker (vLLM's END_SEQ)
 
 
+_local = threading.local()
+
+
+def packer() -> msgpack.Packer:
+    """This thread's packer (msgpack.packb makes a Packer per call: most of its cost on small
+    values; a Packer is not thread-safe)."""
+    p = getattr(_local, "packer", None)
+    if p is None:
+        p = _local.packer = msgpack.Packer(use_bin_type=True)
+    return p
+
+
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return packer().pack(obj)
 
 
 _STORED_HEAD = b"\x88" + pack("type") + pack("BlockStored") + pack("block_hashes")
@@ -56,8 +69,9 @@ def u64(h: int | bytes) -> int:
 def stored(hashes: Sequence[int], parent: int | None, packed_tokens: bytes, block_size: int,
            medium: str) -> bytes:
     """A BlockStored event; `packed_tokens` is the token ids as a msgpack array."""
-    return b"".join((_STORED_HEAD, pack(hashes), _K_PARENT, pack(parent), _K_TOKENS,
-                     packed_tokens, _K_BLOCK_SIZE, pack(block_size), _LORA_ID_NIL,
+    p = packer().pack
+    return b"".join((_STORED_HEAD, p(hashes), _K_PARENT, p(parent), _K_TOKENS,
+                     packed_tokens, _K_BLOCK_SIZE, p(block_size), _LORA_ID_NIL,
                      _STORED_TAIL[medium]))
 
 
