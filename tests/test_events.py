@@ -171,7 +171,8 @@ def test_a_late_subscriber_is_told_what_is_held(tmp_path):
         hs = {own_hash(ns + k) for k in keys}
         early = sub_of(store)
         try:
-            early.wait(lambda e: held(e) == {"STORAGE": hs}, what="early subscriber")
+            early.wait(lambda e: held(e) == {"STORAGE": hs} and any(
+                x["type"] == "AllBlocksCleared" for x in e), what="the start announcement")
             late = Sub(store.events.addresses["node"][0])    # no replay: only what comes
             try:
                 evs = late.wait(lambda e: held(e) == {"STORAGE": hs}, what="late subscriber")
@@ -180,7 +181,8 @@ def test_a_late_subscriber_is_told_what_is_held(tmp_path):
                 late.close()
             # the early subscriber heard repeats only: its view is unchanged
             assert held(early.events()) == {"STORAGE": hs}
-            assert store.events.streams[0].counters["subscriptions"] >= 2
+            counters = store.events.streams[0].counters
+            early.wait(lambda e: counters["subscriptions"] >= 2, what="subscriptions counted")
         finally:
             early.close()
 
