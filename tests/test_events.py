@@ -198,8 +198,10 @@ def test_sdk_sees_wants_token_ids_only_where_published(tmp_path):
         assert not store.wants_token_ids(rank1)
         assert not store.wants_token_ids(external)   # named by its engine's events instead
         lease = store.reserve(yes, 2)
-        with pytest.raises(InvalidArgument, match="token ids for 2 keys"):
+        with pytest.raises(InvalidArgument, match="3 token ids for 2 keys"):
             store.commit(lease.id, [b"a" * 32, b"b" * 32], token_ids=[1, 2, 3])
+        with pytest.raises(InvalidArgument, match="unsigned 32-bit"):
+            store.commit(lease.id, [b"a" * 32], token_ids=[-1] * T)
         store.release(lease.id)
 
 
@@ -465,3 +467,20 @@ def test_publisher_runs_beside_concurrent_stores(tmp_path):
             sub.wait(lambda e: held(e) == truth(), what="after promotions")
         finally:
             sub.close()
+
+
+@pytest.mark.parametrize("block_tokens", [1, 15, 16, 64])
+def test_token_ids_pack_as_vllms_encoder_packs_them(block_tokens):
+    """Token ids go out as msgpack arrays, each int in its smallest form (what vLLM's msgspec
+    encoder writes): the daemon packs a commit's blocks at once, by value class."""
+    import msgpack
+
+    from kvstore.events.texts import pack_token_blocks, tokens_u32
+    rng = np.random.default_rng(block_tokens)
+    edges = [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]
+    tokens = np.concatenate([edges, rng.integers(0, 2**32, 200, dtype=np.int64)])
+    tokens = tokens[:len(tokens) // block_tokens * block_tokens]
+    got = pack_token_blocks(tokens_u32(tokens), block_tokens)
+    want = [msgpack.packb(tokens[i:i + block_tokens].tolist())
+            for i in range(0, len(tokens), block_tokens)]
+    assert got == want

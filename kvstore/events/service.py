@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from kvstore_client.errors import InvalidArgument
 
 from ..config import EventsConfig
 from ..index import BlockIndex
@@ -82,17 +81,10 @@ class Events:
     def wants_tokens(self, ns_id: bytes) -> bool:
         return self.recorder.wants_tokens(ns_id)
 
-    def texts(self, ns_id: bytes, keys: list[bytes], parent: bytes | None, token_ids: Any,
+    def texts(self, ns_id: bytes, keys: list[bytes], parent: bytes | None, token_ids: bytes,
               block_tokens: int) -> list[BlockText] | None:
-        """Texts of the blocks a commit carries token ids for (None: not published here);
-        InvalidArgument when the count does not match the keys."""
-        if len(token_ids) != len(keys) * block_tokens:
-            raise InvalidArgument(f"{len(token_ids)} token ids for {len(keys)} keys; send "
-                                  f"{block_tokens} per key (the namespace's block_tokens) or "
-                                  "none")
+        """Texts of the blocks a commit carries token ids for (little-endian uint32, checked
+        against the keys by the store); None where no stream publishes the namespace."""
         if not self.recorder.wants_tokens(ns_id):
             return None
-        try:
-            return own_texts(ns_id, keys, parent, token_ids, block_tokens)
-        except (ValueError, TypeError) as e:
-            raise InvalidArgument(str(e)) from None
+        return own_texts(ns_id, keys, parent, token_ids, block_tokens)

@@ -79,7 +79,7 @@ def removed(hashes: Sequence[int], medium: str) -> bytes:
     return b"".join((_REMOVED_HEAD, pack(hashes), _K_MEDIUM, pack(medium)))
 
 
-def _array_header(n: int) -> bytes:
+def array_header(n: int) -> bytes:
     if n < 16:
         return bytes((0x90 | n,))
     if n < 1 << 16:
@@ -89,7 +89,7 @@ def _array_header(n: int) -> bytes:
 
 def encode_batch(ts: float, events: Sequence[bytes], dp_rank: int | None) -> bytes:
     """A batch of already encoded events."""
-    return b"".join((b"\x93", pack(float(ts)), _array_header(len(events)), *events,
+    return b"".join((b"\x93", pack(float(ts)), array_header(len(events)), *events,
                      pack(dp_rank)))
 
 
