@@ -66,11 +66,13 @@ class Recorder:
 
     # -- ResidencyListener ---------------------------------------------------------------
     def changed(self, e: Entry, tier: str, entered: bool) -> None:
+        # (Inlined lookups: this runs for every block of every store, under the store lock.)
         if tier == REMOTE:
             return              # a Redis-only block is announced by no node (docs/routing.md)
-        if not self.ns(e.ns_id)[1]:
+        got = self._ns.get(e.ns_id)
+        if not (got if got is not None else self.ns(e.ns_id))[1]:
             return
-        g = e.gkey
+        g = e.ns_id + e.key
         if entered:
             text = self.book.get(g)
             if text is None and tier != SSD and e.ssd:
@@ -80,11 +82,19 @@ class Recorder:
                 text = self.ssd_text(g)
                 if text is not None:
                     self.book[g] = text
-            self._put((g, (tier,), True, False, text))
+            item: Item = (g, (tier,), True, False, text)
+        else:
+            fast = e.host is not None or e.gpu is not None
+            if not fast:
+                self.book.pop(g, None)
+            item = (g, (tier,), False, not (fast or e.ssd), None)
+        if self.overflowed:
             return
-        if e.host is None and e.gpu is None:
-            self.book.pop(g, None)
-        self._put((g, (tier,), False, e.host is None and e.gpu is None and not e.ssd, None))
+        if len(self.queue) >= self.max_queue:
+            self.overflowed = True
+            self.overflows += 1
+            return
+        self.queue.append(item)
 
     def discarded(self, e: Entry) -> None:
         if not self.ns(e.ns_id)[1]:
