@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.rpc_security import _cpu_s
+from bench.rpc_security import _cpu_s, settle
 
 SHAPE = (8, 4, 64)          # layers, kv heads, head dim: 128 KiB bf16 blocks of 16 tokens
 CONSUMER = """
@@ -62,6 +62,8 @@ def run(tmp: Path, workers: int, nblocks: int, reps: int, env: dict[str, str],
     try:
         if "READY" not in (consumer.stdout.readline() if consumer.stdout else ""):
             raise RuntimeError("event consumer did not start")
+        settle(off)                 # their work after SERVING (prefault, codec warm-up) would
+        settle(on)                  # land in the timed stores and their CPU seconds
         lay = KVLayout(*SHAPE, 16, "bfloat16")
         T = lay.block_tokens
         kv = aligned_kv(lay, nblocks * T, 5)
