@@ -394,6 +394,11 @@ def test_engine_stream_relays_gpu_events_and_names_vllm_blocks(tmp_path):
                             "parent_block_hash": None, "token_ids": toks[:2 * T],
                             "block_size": T, "lora_id": None, "medium": "CPU",
                             "lora_name": None}]
+            # garbage from the engine costs a counted, rate-limited log line, nothing else
+            engine.pub.send_multipart([b"one frame"])
+            engine.pub.send_multipart([b"", (99).to_bytes(8, "big"), b"\xc1 not msgpack"])
+            relay = store.events.publisher.relays[0]
+            sub.wait(lambda e: relay.counters["bad_messages"] >= 2, what="garbage counted")
             put_raw(store, ns, chunk_keys[1:])
             evs = sub.wait(lambda e: held(e).get("CPU") == set(u), what="join at store")
             assert stored(evs, "CPU")[-1]["parent_block_hash"] == u[1]
