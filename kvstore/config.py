@@ -200,6 +200,105 @@ class AuthConfig:
                               "auth.tls_key_file for the server side")
 
 
+_ENDPOINT = re.compile(r"tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})|ipc://.+")
+
+
+def check_endpoint(value: str, key: str) -> None:
+    """A ZMQ address the daemon binds: tcp://<host or *>:<port> or ipc://<path>."""
+    m = _ENDPOINT.fullmatch(value)
+    if not m or (m.group(2) is not None and int(m.group(2)) > 65535):
+        raise ConfigError(f"{key}: expected 'tcp://<host or *>:<port>' or 'ipc://<path>', got "
+                          f"{value!r}")
+
+
+@dataclass
+class EngineStreamConfig:
+    """One engine's merged stream: its own KV events relayed beside the daemon's residency."""
+    name: str                       # stable: names the stream's sequence file
+    endpoint: str                   # ZMQ PUB address the router is pointed at for this engine
+    source: str = ""                # the engine's --kv-events-config endpoint ("": none)
+    replay_endpoint: str = ""       # ZMQ ROUTER address for replay requests ("": none)
+    dp_rank: int = 0                # data_parallel_rank of this stream's own batches
+    models: list[str] = field(default_factory=list)     # [] = events.models
+
+    @classmethod
+    def parse(cls, raw: Any, where: str) -> EngineStreamConfig:
+        if isinstance(raw, EngineStreamConfig):
+            return raw
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a table ([[events.engines]])")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: unknown setting; known: {sorted(known)}")
+        for key in ("name", "endpoint"):
+            if not isinstance(raw.get(key), str) or not raw.get(key):
+                raise ConfigError(f"{where}.{key}: required (a non-empty string)")
+        out = cls(**raw)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", out.name):
+            raise ConfigError(f"{where}.name: letters, digits, '_', '.', '-' only (it names "
+                              f"a file), got {out.name!r}")
+        check_endpoint(out.endpoint, f"{where}.endpoint")
+        for key in ("source", "replay_endpoint"):
+            value = getattr(out, key)
+            if value and not (value.startswith(("tcp://", "ipc://"))):
+                raise ConfigError(f"{where}.{key}: expected a tcp:// or ipc:// address or '', "
+                                  f"got {value!r}")
+        if not isinstance(out.dp_rank, int) or isinstance(out.dp_rank, bool) \
+                or not 0 <= out.dp_rank < 1 << 16:
+            raise ConfigError(f"{where}.dp_rank must be an integer in 0..65535")
+        if not isinstance(out.models, list):
+            raise ConfigError(f"{where}.models: expected a list of model names")
+        return out
+
+
+@dataclass
+class EventsConfig:
+    """KV events for cache-aware routers (vLLM's wire format, docs/routing.md)."""
+    enabled: bool = False
+    endpoint: str = "tcp://127.0.0.1:5557"     # the node stream ("": none)
+    replay_endpoint: str = ""                   # its replay socket ("": none)
+    topic: str = ""
+    models: list[str] = field(default_factory=list)     # fnmatch patterns; [] = every model
+    dp_rank: int = 0
+    buffer_steps: int = 10000                   # batches kept per stream for replay
+    hwm: int = 100000                           # ZMQ send high-water mark
+    max_queue: int = 100000                     # residency changes queued for the publisher
+    batch_events: int = 256                     # events per batch at most
+    interval_ms: float = 10.0                   # the publisher's tick
+    token_cache_blocks: int = 262144            # engine blocks whose tokens relays remember
+    engines: list[Any] = field(default_factory=list)    # [[events.engines]] tables
+
+    def check(self) -> None:
+        if self.endpoint:
+            check_endpoint(self.endpoint, "events.endpoint")
+        if self.replay_endpoint:
+            check_endpoint(self.replay_endpoint, "events.replay_endpoint")
+        for key, lo, hi in (("dp_rank", 0, 65535), ("buffer_steps", 0, 10**7),
+                            ("hwm", 1, 10**8), ("max_queue", 16, 10**8),
+                            ("batch_events", 1, 65536), ("token_cache_blocks", 0, 10**8)):
+            v = getattr(self, key)
+            if not lo <= v <= hi:
+                raise ConfigError(f"events.{key} must be in {lo}..{hi}, got {v}")
+        if not 1 <= self.interval_ms <= 1000:
+            raise ConfigError(f"events.interval_ms must be in 1..1000, got {self.interval_ms}")
+        self.engines = [EngineStreamConfig.parse(e, f"events.engines[{i}]")
+                        for i, e in enumerate(self.engines)]
+        names = [e.name for e in self.engines]
+        if len(set(names)) != len(names) or "node" in names:
+            raise ConfigError("events.engines: each engine needs its own name ('node' names "
+                              "the node stream)")
+        binds = [a for a in [self.endpoint, self.replay_endpoint] if a]
+        binds += [a for e in self.engines for a in (e.endpoint, e.replay_endpoint) if a]
+        dup = sorted({a for a in binds if binds.count(a) > 1 and not a.endswith(":0")})
+        if dup:
+            raise ConfigError(f"events: {dup[0]} is given to two sockets; each needs its own "
+                              "address")
+        if self.enabled and not self.endpoint and not self.engines:
+            raise ConfigError("events.enabled = true but no stream: set events.endpoint or "
+                              "add an [[events.engines]] table")
+
+
 @dataclass
 class LimitsConfig:
     """What one caller may hold of the daemon, and for how long (docs/security.md, Limits)."""
@@ -248,6 +347,7 @@ class StoreConfig:
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     tenants: dict[str, Any] = field(default_factory=dict)   # kvstore/tenants.py reads them
     log_level: str = "info"
 
@@ -267,6 +367,7 @@ class StoreConfig:
         self.server.check()
         self.auth.check()
         self.limits.check()
+        self.events.check()
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level: expected one of {list(LOG_LEVELS)}, got "
                               f"{self.log_level!r}")

@@ -347,6 +347,7 @@ class Daemon:
 
         from .auth import store_auth
         from .config import ConfigError
+        from .events.errors import EventsAddressError
         from .handoff import SUFFIX, Handoff
         from .server import SERVICE, KVStoreServicer, build_server
         from .tenants import load_tenants, quota_overcommit
@@ -375,6 +376,8 @@ class Daemon:
                 _one_torch_thread()
             try:
                 self.store = factory(cfg)
+            except EventsAddressError as e:
+                raise StartupError(str(e), exit_code=2) from None
             except KVStoreError as e:
                 raise StartupError(f"cannot open the store: {e}") from None
             except OSError as e:
@@ -450,6 +453,10 @@ class Daemon:
             self._say(f"{len(tenants)} tenants; every call is authenticated (uid handshake on "
                       f"unix:{self.socket_path}{SUFFIX})")
         self._say(f"metrics on {self.metrics_url}" if self.metrics_url else "metrics disabled")
+        events = getattr(self.store, "events", None)
+        for name, (addr, replay) in (events.addresses.items() if events is not None else ()):
+            self._say(f"KV events ({name} stream) on {addr}"
+                      + (f", replay on {replay}" if replay else ""))
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("daemon %s ready (pid %d, data %s)", self.store.daemon_id, os.getpid(),

@@ -204,8 +204,9 @@ class DeviceMovement:
                                    [Slot(o, size, dev) for o in offsets], ttl)
 
     def _gpu_commit(self, lease_id: str, keys: list[bytes], parent: bytes | None,
-                    checksums: Sequence[int] | None):
-        """Commit for a gpu write lease: hash the slots without the lock, then publish."""
+                    checksums: Sequence[int] | None, texts: list | None = None):
+        """Commit for a gpu write lease: hash the slots without the lock, then publish.
+        `texts`: the blocks' KV-event texts (kvstore/events/), kept as they are published."""
         from .store import CommitResult
 
         with self._lock:
@@ -235,6 +236,8 @@ class DeviceMovement:
                                    "this lease was stored")
             self.leases.pop(lease_id)
             stored = dups = 0
+            if texts:
+                self.events.recorder.remember(lease.ns_id, keys, texts)
             for i, (k, slot) in enumerate(zip(keys, lease.slots, strict=False)):
                 prev = parent if i == 0 else keys[i - 1]
                 if self._publish_gpu(lease.ns_id, k, prev, slot, hashed[i]):
@@ -292,7 +295,7 @@ class DeviceMovement:
         else:
             e.checksum = checksum       # no other raw copy: this one defines the bytes
             self.index.set_parent(e, parent)
-        e.gpu, e.gpu_dev = slot.offset, slot.device
+        self.index.set_gpu(e, slot.offset, slot.device)
         self._gpu_policy(slot.device).insert(g, e.parent_gkey, slot.length)
         return True
 
@@ -454,11 +457,10 @@ class DeviceMovement:
                         self.host.free(off)
                         self.counters["corrupt_blocks"] += 1
                         self._drop_gpu_copy(e)
-                        if not e.resident:
-                            self.index.discard(e.gkey)
+                        self.index.drop_if_gone(e)
                         continue
                     if e.host is None:
-                        e.host = off
+                        self.index.set_host(e, off)
                         self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
                         self.tier_counters["host"]["demotions_in"] += 1
                         self.counters["bytes_gpu_to_host"] += e.size
@@ -469,7 +471,7 @@ class DeviceMovement:
                     policy.insert(e.gkey, e.parent_gkey, e.size)
                     continue
                 t.free(e.gpu)
-                e.gpu = None
+                self.index.clear_gpu(e)
                 freed += _aligned(e.size)
                 blocks += 1
             self._count(dev, "evictions", blocks)
@@ -485,7 +487,7 @@ class DeviceMovement:
             return
         self.gpu[e.gpu_dev].free(e.gpu)
         self._gpu_policy(e.gpu_dev).remove(e.gkey)
-        e.gpu = None
+        self.index.clear_gpu(e)
 
     # ----------------------------------------------------------------- read path
 
@@ -608,7 +610,7 @@ class DeviceMovement:
                     if e.moving is not None:
                         break
                 else:
-                    e.gpu, e.gpu_dev = off, dev
+                    self.index.set_gpu(e, off, dev)
                     self._gpu_policy(dev).insert(e.gkey, e.parent_gkey, e.size)
                     self._count(dev, "promotions")
                     self.counters["bytes_host_to_gpu"] += e.size
@@ -679,9 +681,11 @@ class DeviceMovement:
                 t.copy_to_host(e.gpu, e.size, raw, DEVICE_WAIT_S)
                 values.append(encode_block(raw, spec.layout, spec.codec, self.counters))
         self.movement._ssd_room(sum(len(v) for v in values))
-        self.ssd.put_many([(e.gkey, v, _meta(e)) for e, v in zip(batch, values, strict=True)])
+        texts = self.events.book if self.events is not None else None
+        self.ssd.put_many([(e.gkey, v, _meta(e, texts))
+                           for e, v in zip(batch, values, strict=True)])
         for e, v in zip(batch, values, strict=True):
-            e.ssd = True
+            self.index.set_ssd(e)
             self.policies["ssd"].insert(e.gkey, e.parent_gkey, e.size)
             self.tier_counters["ssd"]["demotions_in"] += 1
             self.counters["bytes_gpu_to_ssd"] += len(v)

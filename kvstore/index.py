@@ -38,8 +38,11 @@ import threading
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 NS_ID_BYTES = 16
+# The tiers a block can be resident in, as the residency listener names them.
+GPU, HOST, SSD, REMOTE = "gpu", "host", "ssd", "remote"
 
 
 @dataclass(slots=True)
@@ -75,6 +78,18 @@ class Entry:
     @property
     def resident(self) -> bool:
         return self.host is not None or self.ssd or self.remote or self.gpu is not None
+
+
+class ResidencyListener(Protocol):
+    """Told of every change of a block's residency (kvstore/events/ publishes them).
+
+    Called under the store lock, after the change: `changed` when block `e` entered (True) or
+    left (False) `tier` (its fields show the new state); `discarded` when it left the index
+    with the tiers its fields still show (each of those is left)."""
+
+    def changed(self, e: Entry, tier: str, entered: bool) -> None: ...
+
+    def discarded(self, e: Entry) -> None: ...
 
 
 class _Cold:
@@ -139,6 +154,8 @@ class BlockIndex:
         self._awaited: dict[bytes, int] = {}
         # Called with a row just before it is freed (a row-keyed policy forgets it).
         self.on_free: list[Callable[[int], None]] = []
+        # Told of every residency change (see "residency" below); None: nobody listens.
+        self.listener: ResidencyListener | None = None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -296,6 +313,55 @@ class BlockIndex:
         """Pack what can be packed now (after a bulk load, before measuring memory)."""
         self._sweep()
 
+    # ------------------------------------------------------------------ residency
+    # Every change of where a block lives goes through these methods (a test checks that no
+    # other code assigns the fields): the one place a listener (KV events) hears of stores,
+    # demotions, promotions, evictions and deletions. Each reports a change only (setting a
+    # tier a block is already in reports nothing); without a listener each costs one test.
+
+    def set_host(self, e: Entry, offset: int) -> None:
+        was = e.host
+        e.host = offset
+        if was is None and self.listener is not None:
+            self.listener.changed(e, HOST, True)
+
+    def clear_host(self, e: Entry) -> None:
+        if e.host is not None:
+            e.host = None
+            if self.listener is not None:
+                self.listener.changed(e, HOST, False)
+
+    def set_gpu(self, e: Entry, offset: int, device: int) -> None:
+        was = e.gpu
+        e.gpu, e.gpu_dev = offset, device
+        if was is None and self.listener is not None:
+            self.listener.changed(e, GPU, True)
+
+    def clear_gpu(self, e: Entry) -> None:
+        if e.gpu is not None:
+            e.gpu = None
+            if self.listener is not None:
+                self.listener.changed(e, GPU, False)
+
+    def set_ssd(self, e: Entry, on: bool = True) -> None:
+        if e.ssd != on:
+            e.ssd = on
+            if self.listener is not None:
+                self.listener.changed(e, SSD, on)
+
+    def set_remote(self, e: Entry, on: bool = True) -> None:
+        if e.remote != on:
+            e.remote = on
+            if self.listener is not None:
+                self.listener.changed(e, REMOTE, on)
+
+    def drop_if_gone(self, e: Entry) -> bool:
+        """Discard a block no tier holds any more; True when it was discarded."""
+        if e.resident:
+            return False
+        self.discard(e.gkey)
+        return True
+
     # ------------------------------------------------------------------ changes
     def add(self, entry: Entry) -> None:
         g = entry.gkey
@@ -309,13 +375,20 @@ class BlockIndex:
         self._flags[entry.row] = _HOT
         entry.children = self._awaited.pop(g, 0)
         self._link(entry.parent_gkey, 1, entry.row)
+        if self.listener is not None and entry.resident:
+            for tier, on in ((GPU, entry.gpu is not None), (HOST, entry.host is not None),
+                             (SSD, entry.ssd), (REMOTE, entry.remote)):
+                if on:
+                    self.listener.changed(entry, tier, True)
         if len(self._hot) > self._sweep_at:
             self._sweep()
 
     def add_cold(self, ns_id: bytes, key: bytes, parent: bytes | None, size: int,
                  checksum: int, ssd: bool = False, remote: bool = False) -> None:
         """Index a block straight into packed form (warm restart: no Entry per block). Adding
-        parents before children, as `Store._rebuild` does, never walks an ancestry."""
+        parents before children, as `Store._rebuild` does, never walks an ancestry. A bulk
+        load tells no listener: one attaches after it and takes what is held as a whole."""
+        assert self.listener is None, "bulk loads run before a residency listener attaches"
         g = ns_id + key
         if g in self._rows:
             self.discard(g)
@@ -337,6 +410,7 @@ class BlockIndex:
         comes after its child can only close a cycle (parents-first order puts every other
         parent first) and is dropped, as add() would."""
         assert not self._rows and not self._keys, "load_ssd() fills an empty index only"
+        assert self.listener is None, "bulk loads run before a residency listener attaches"
         n = len(items)
         keys = [it[0] for it in items]
         rows = dict(zip(keys, range(n), strict=True))
@@ -447,10 +521,15 @@ class BlockIndex:
         self._link(entry.parent_gkey, 1, entry.row)
 
     def discard(self, gkey: bytes) -> None:
+        """Forget a block, whatever tiers it is still in (each is reported left)."""
         r = self._rows.pop(gkey, None)
         if r is None:
             return
         e = self._hot.pop(gkey, None)
+        if self.listener is not None:
+            gone = e if e is not None else self._thaw(gkey, r)
+            if gone.resident:
+                self.listener.discarded(gone)
         p = e.parent_gkey if e is not None else self._parent[r]
         self._link(p, -1)
         self._free_row(r)
@@ -501,6 +580,24 @@ class BlockIndex:
     def rows(self) -> int:
         """Rows in use or free: residency's range."""
         return len(self._keys)
+
+    def held(self, start: int, count: int) -> tuple[int, list[tuple[bytes, bool, bool, bool]]]:
+        """(gkey, gpu copy, host copy, ssd) of the blocks in rows [start, start + count), and
+        the row to go on from (-1: done). For a walk in slices, each under the store lock
+        (KV events re-announce what is held without stopping the store for the whole walk)."""
+        keys, hot, flags = self._keys, self._hot, self._flags
+        end = min(start + count, len(keys))
+        out = []
+        for r in range(start, end):
+            g = keys[r]
+            if g is None:
+                continue
+            e = hot.get(g)
+            if e is not None:
+                out.append((g, e.gpu is not None, e.host is not None, e.ssd))
+            else:
+                out.append((g, False, False, bool(flags[r] & _SSD)))
+        return (end if end < len(keys) else -1), out
 
     def remote_count(self) -> int:
         """Blocks with a remote copy, counted from the packed flags (Stats calls it)."""

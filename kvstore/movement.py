@@ -122,8 +122,13 @@ def _aligned(n: int) -> int:
     return -(-n // SLAB_ALIGN) * SLAB_ALIGN
 
 
-def _meta(e: Entry) -> bytes:
-    return msgpack.packb({"p": e.parent, "s": e.size, "c": e.checksum, "t": time.time()})
+def _meta(e: Entry, texts: dict | None = None) -> bytes:
+    """A block's SSD meta record; with `texts` (KV events on: kvstore/events/), its text
+    where one is known, so a restart can announce it again."""
+    m = {"p": e.parent, "s": e.size, "c": e.checksum, "t": time.time()}
+    if texts is not None and (text := texts.get(e.gkey)) is not None:
+        m["e"] = text.pack()
+    return msgpack.packb(m)
 
 
 @dataclass(slots=True, eq=False)
@@ -423,9 +428,8 @@ class TierMovement:
                 self.counters["demotions_kept_pinned"] += 1
                 continue
             self.host.free(e.host)
-            e.host = None
-            if not e.resident:
-                self.index.discard(e.gkey)
+            self.index.clear_host(e)
+            self.index.drop_if_gone(e)
             freed += _aligned(e.size)
             blocks += 1
         self.tier_counters["host"]["evictions"] += blocks
@@ -488,7 +492,8 @@ class TierMovement:
             return []
         need = sum(lengths[i] for i in idx)
         self._ssd_room(need)
-        items = [(todo[i].gkey, lengths[i], _meta(todo[i])) for i in idx]
+        texts = self._store.events.book if self._store.events is not None else None
+        items = [(todo[i].gkey, lengths[i], _meta(todo[i], texts)) for i in idx]
 
         def fill(k: int, dst: memoryview) -> bool:
             i = idx[k]
@@ -607,7 +612,7 @@ class TierMovement:
     def _record_ssd_copies(self, written: list[tuple[Entry, int]]) -> None:
         """Blocks just written to SSD from host (entry, encoded bytes): index, policy, counters."""
         for e, nbytes in written:
-            e.ssd = True
+            self.index.set_ssd(e)
             self.policies["ssd"].insert(e.gkey, e.parent_gkey, e.size)
             self.tier_counters["ssd"]["demotions_in"] += 1
             self.counters["bytes_host_to_ssd"] += nbytes
@@ -658,9 +663,8 @@ class TierMovement:
             return
         self.policies["host"].remove(gkey)
         self.host.free(e.host)
-        e.host = None
-        if not e.resident:
-            self.index.discard(gkey)
+        self.index.clear_host(e)
+        self.index.drop_if_gone(e)
 
     def _encode(self, jobs: list[tuple]) -> tuple[list[bytes | None], Counter]:
         """Encode jobs from _encode_jobs, in parallel (zstd and torch release the GIL); needs
@@ -727,10 +731,9 @@ class TierMovement:
                 self._demote_to_remote([e], from_host=False)
             freed += max(self.ssd.delete_sized([g]), 1)
             blocks += 1
-            e.ssd = False
+            self.index.set_ssd(e, False)
             self.tier_counters["ssd"]["evictions"] += 1
-            if not e.resident:
-                self.index.discard(g)
+            self.index.drop_if_gone(e)
         return freed, blocks
 
     def _demote_to_remote(self, entries: list[Entry], from_host: bool) -> None:
@@ -757,7 +760,7 @@ class TierMovement:
             self.counters["remote_demotion_failures"] += 1
             return  # Redis down or full: the blocks stay local; a later demotion retries
         for e, v in items:
-            e.remote = True
+            self.index.set_remote(e)
             self.counters["bytes_to_remote"] += len(v)
         self.tier_counters["remote"]["demotions_in"] += len(items)
 
@@ -805,9 +808,9 @@ class TierMovement:
         remote_value = remote_values.get(e.gkey) if e.remote else None
         from_gpu = e.gpu is not None    # exact bytes, and faster than any lower tier
         if not e.ssd and remote_value is None and not from_gpu:
-            e.remote = False            # vanished (Redis evicted it) or unreachable: a miss
-            if not e.resident:
-                self.index.discard(e.gkey)
+            # vanished (Redis evicted it) or unreachable: a miss
+            self.index.set_remote(e, False)
+            self.index.drop_if_gone(e)
             return None
         e.moving = flight
         try:
@@ -894,11 +897,10 @@ class TierMovement:
         e = p.entry
         e.moving = None
         if p.ssd_missed and not self.ssd.contains(e.gkey):
-            e.ssd = False
+            self.index.set_ssd(e, False)
         if p.source is None:
             self.host.free(p.offset)
-            if not e.resident:
-                self.index.discard(e.gkey)
+            self.index.drop_if_gone(e)
             return e.host is not None
         if p.error is not None:
             self._drop_corrupt(e, p.offset, p.source, p.error)
@@ -911,7 +913,7 @@ class TierMovement:
             return True
         if p.new_checksum:
             e.checksum = p.new_checksum
-        e.host = p.offset
+        self.index.set_host(e, p.offset)
         self.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
         self.tier_counters["host"]["promotions"] += 1
         self.counters[f"bytes_{p.source}_to_host"] += p.nbytes
@@ -964,11 +966,10 @@ class TierMovement:
         if source == "ssd":
             self.ssd.delete(e.gkey)
             self.policies["ssd"].remove(e.gkey)
-            e.ssd = False
+            self.index.set_ssd(e, False)
         elif source == "gpu":
             self._store._drop_gpu_copy(e)
         else:
             self.remote.delete_many([e.gkey])
-            e.remote = False
-        if not e.resident:
-            self.index.discard(e.gkey)
+            self.index.set_remote(e, False)
+        self.index.drop_if_gone(e)

@@ -230,6 +230,10 @@ def _one(requests: Iterator[bytes], method: str) -> bytes:
     return raw
 
 
+def _no(_ns_id: bytes) -> bool:
+    return False
+
+
 def _status(code: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
 
@@ -408,6 +412,7 @@ class KVStoreServicer:
         resp = pb.RegisterNamespaceResponse(
             namespace_id=info.ns_id, block_bytes=block_bytes, daemon_id=self.store.daemon_id,
             protocol=PROTOCOL,
+            wants_token_ids=bool(getattr(self.store, "wants_token_ids", _no)(info.ns_id)),
             host_pool=pb.HostPool(kind=str(host.get("kind", "")), name=str(host.get("name", "")),
                                   size=int(host.get("size", 0))))
         own_gpu = self.store.gpu_segments_of(caller.name) if caller is not None else []
@@ -464,9 +469,10 @@ class KVStoreServicer:
             raise InvalidArgument(f"{len(req.checksums)} checksums for {len(keys)} keys; send "
                                   "one per key or none")
         lease = self.store.leases.find(lease_id) if req.reserve_next else None
+        tokens = {"token_ids": req.token_ids} if req.token_ids else {}
         res = self.store.commit(lease_id, keys, parent=parent,
                                 checksums=list(req.checksums) or None,
-                                first_slot=req.first_slot)
+                                first_slot=req.first_slot, **tokens)
         resp = pb.CommitResponse(stored=res.stored, duplicates=res.duplicates)
         if lease is not None and lease.tier == "host":
             self._reserve_ahead(resp, lease.ns_id, req)

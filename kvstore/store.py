@@ -140,6 +140,7 @@ class Store(DeviceMovement, TenantPools):
         self.device_counters = {dev: Counter() for dev in self.gpu}
         self.ssd: SSDTier | None = None
         self.remote = None
+        self.events = None              # KV events (kvstore/events/), where [events] is on
         self.movement = TierMovement(self)
         self.policies: dict[str, EvictionPolicy] = {
             # No capacity hint: blocks differ in size per namespace, so the policy learns its
@@ -160,6 +161,10 @@ class Store(DeviceMovement, TenantPools):
                 from tiers.remote import RemoteTier  # redis only where configured
                 self.remote = RemoteTier(config.remote)
             self._rebuild()
+            if config.events.enabled:       # pyzmq only where configured
+                from .events.service import Events
+                self.events = Events(self, config.events, data)
+                self.events.attach(self.index)
         except BaseException:
             self._close_device_side()
             self.host.close()
@@ -180,6 +185,8 @@ class Store(DeviceMovement, TenantPools):
             if self.ssd is not None:
                 self.ssd.warm_up()
             self.movement.start_background()
+            if self.events is not None:
+                self.events.start()
             self._reaper = threading.Thread(target=self._reap_loop, name="kvstore-reaper",
                                             daemon=True)
             self._reaper.start()
@@ -294,6 +301,11 @@ class Store(DeviceMovement, TenantPools):
                     self._idle.notify_all()
 
     def _release_resources(self) -> None:
+        if self.events is not None:     # before the SSD tier: it reads texts from LMDB
+            try:
+                self.events.close()
+            except Exception:  # noqa: BLE001 - a stop must go on to release the tiers
+                log.exception("closing the KV event streams failed")
         if self.ssd is not None:
             self.ssd.close(image=self._ssd_image())
         if self.remote is not None:
@@ -419,6 +431,14 @@ class Store(DeviceMovement, TenantPools):
                         log.warning("namespace %s not persisted: %s", ns_id.hex(), exc)
             return info
 
+    def wants_token_ids(self, ns_id: bytes) -> bool:
+        """Whether a stream publishes this namespace's blocks, so Commit should carry their
+        token ids (RegisterNamespace tells the client)."""
+        if self.events is None:
+            return False
+        with self._lock:
+            return self.events.wants_tokens(ns_id)
+
     def namespace(self, ns_id: bytes) -> NamespaceInfo:
         with self._lock:
             return self._ns(ns_id)
@@ -503,7 +523,7 @@ class Store(DeviceMovement, TenantPools):
                     if e is None:
                         e = Entry(ns_id, keys[i], None, info.block_bytes, 0)
                         self.index.add(e)
-                    e.remote = True
+                    self.index.set_remote(e)
                     out[i] = "remote"
         return out
 
@@ -527,7 +547,7 @@ class Store(DeviceMovement, TenantPools):
                         parent = keys[i - 1] if i > 0 else None
                         e = Entry(ns_id, keys[i], parent, info.block_bytes, 0)
                         self.index.add(e)
-                    e.remote = True
+                    self.index.set_remote(e)
         return n
 
     # ----------------------------------------------------------------- write path
@@ -574,10 +594,21 @@ class Store(DeviceMovement, TenantPools):
                                    [Slot(o, size) for o in offsets], ttl)
 
     def commit(self, lease_id: str, keys: Sequence[bytes], parent: bytes | None = None,
-               checksums: Sequence[int] | None = None, first_slot: int = 0) -> CommitResult:
-        """Publish keys[i] from slot first_slot + i of a write lease; free its other slots."""
+               checksums: Sequence[int] | None = None, first_slot: int = 0,
+               token_ids: bytes | Sequence[int] | None = None) -> CommitResult:
+        """Publish keys[i] from slot first_slot + i of a write lease; free its other slots.
+
+        `token_ids` (block_tokens per key: little-endian uint32 bytes as Commit carries them,
+        or a sequence of ints) name the blocks' tokens for KV events; kept only where a
+        stream publishes the namespace (kvstore/events/)."""
         keys = self._keys(keys, allow_empty=True)
         parent = self._parent(parent)
+        if token_ids is not None and not isinstance(token_ids, bytes):
+            from .events.texts import tokens_u32  # in-process callers may pass a sequence
+            try:
+                token_ids = tokens_u32(token_ids)
+            except ValueError as e:
+                raise InvalidArgument(str(e)) from None
         with self._lock:
             self._check_open()
             lease = self.leases.get(lease_id)
@@ -592,11 +623,20 @@ class Store(DeviceMovement, TenantPools):
                                       f"{len(lease.slots)} slots")
             if checksums and len(checksums) != len(keys):
                 raise InvalidArgument(f"{len(checksums)} checksums for {len(keys)} keys")
+            if token_ids and len(token_ids) != 4 * len(keys) * (
+                    bt := self._ns(lease.ns_id).spec.layout.block_tokens):
+                got = (f"{len(token_ids) // 4} token ids" if len(token_ids) % 4 == 0 else
+                       f"{len(token_ids)} bytes of token ids (4 a token)")
+                raise InvalidArgument(f"{got} for {len(keys)} keys; send {bt} per key (the "
+                                      "namespace's block_tokens, little-endian uint32) or none")
             used = lease.slots[first_slot:first_slot + len(keys)]
             views = ([] if lease.tier == "gpu" else
                      [self.host.view(s.offset, s.length) for s in used])
+        texts = (self.events.texts(lease.ns_id, keys, parent, token_ids,
+                                   self.namespaces[lease.ns_id].spec.layout.block_tokens)
+                 if token_ids and self.events is not None else None)
         if lease.tier == "gpu":
-            return self._gpu_commit(lease_id, keys, parent, checksums)
+            return self._gpu_commit(lease_id, keys, parent, checksums, texts)
         # Hashing (the slow part) runs outside the lock, so one client's commit does not stall
         # every other call: the slots belong to this write lease alone, and a lease that
         # expires meanwhile fails the pop below.
@@ -619,6 +659,8 @@ class Store(DeviceMovement, TenantPools):
             stored = dups = 0
             published: list[Entry] = []
             batch: list[tuple[bytes, bytes | None, int]] = []    # host policy inserts, in order
+            if texts:
+                self.events.recorder.remember(lease.ns_id, keys, texts)
             for i, (k, slot) in enumerate(zip(keys, used, strict=True)):
                 prev = parent if i == 0 else keys[i - 1]
                 placed, e = self._publish(lease.ns_id, k, prev, slot.offset, slot.length, sums[i],
@@ -676,7 +718,7 @@ class Store(DeviceMovement, TenantPools):
             if not e.checksum:
                 e.checksum = checksum
             self.index.set_parent(e, parent)
-        e.host = offset
+        self.index.set_host(e, offset)
         if batch is None:
             policy.insert(g, e.parent_gkey, size)
         else:

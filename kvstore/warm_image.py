@@ -132,6 +132,7 @@ def load_index(index: BlockIndex, blob: bytes | memoryview) -> None:
     """Fill an empty index from its image section; ImageError (index left empty) if the
     section is not one this build wrote or does not add up."""
     assert not index._rows and not index._keys, "load_index() fills an empty index only"
+    assert index.listener is None, "bulk loads run before a residency listener attaches"
     try:
         m = msgpack.unpackb(blob, raw=False)
         if m.get("v") != VERSION:

@@ -121,6 +121,9 @@ class Namespace:
         # wrong, the store copies blocks the daemon already has, and Commit counts them as
         # duplicates (slower, never wrong), which turns the lookup back on.
         self._prefix_seen = True
+        # Whether the daemon publishes KV events for this namespace and so wants each stored
+        # block's token ids with its Commit (set by every registration).
+        self.wants_token_ids = False
         self._register()
 
     def _register(self) -> None:
@@ -131,6 +134,7 @@ class Namespace:
                                   f"{resp.block_bytes} bytes, the layout at "
                                   f"{self.layout.block_bytes}: client and daemon disagree")
         self.ns_id = bytes(resp.namespace_id)
+        self.wants_token_ids = bool(resp.wants_token_ids)
 
     def __repr__(self) -> str:
         return (f"Namespace(model={self.spec.model!r}, ns_id={self.ns_id.hex()}, "
@@ -193,10 +197,14 @@ class Namespace:
         kv: [num_layers, 2, n_tokens, num_kv_heads, head_dim] (numpy or torch, namespace dtype,
         any strides) with n_tokens >= the full blocks of token_ids.
         """
-        return self.store_keys(self.keys(token_ids), kv)
+        return self.store_keys(self.keys(token_ids), kv, token_ids=token_ids)
 
-    def store_keys(self, keys: Sequence[bytes], kv: Any, *, parent: bytes | None = None) -> int:
-        """store() with precomputed keys; kv[:, :, i*T:(i+1)*T] is block i's KV."""
+    def store_keys(self, keys: Sequence[bytes], kv: Any, *, parent: bytes | None = None,
+                   token_ids: Sequence[int] | np.ndarray | None = None) -> int:
+        """store() with precomputed keys; kv[:, :, i*T:(i+1)*T] is block i's KV.
+
+        `token_ids` (at least len(keys) * block_tokens, block i's tokens at [i*T, (i+1)*T))
+        go to the daemon where it publishes KV events for routers (`wants_token_ids`)."""
         keys = list(keys)
         if not keys:
             return 0
@@ -226,8 +234,26 @@ class Namespace:
 
         def parts(i: int) -> list[Any]:
             return list(rows[:, i * E:(i + 1) * E])  # type: ignore[index]
+        tokens = self._tokens(token_ids, len(keys))
         return self._retrying(lambda: self._store_once(keys, fill, parent,
-                                                       parts if rows is not None else None))
+                                                       parts if rows is not None else None,
+                                                       tokens))
+
+    def _tokens(self, token_ids: Any, n: int) -> bytes | None:
+        """The token ids of n full blocks as Commit carries them (little-endian uint32), or
+        None when the daemon does not want them (then nothing is converted or sent)."""
+        if token_ids is None or not self.wants_token_ids:
+            return None
+        if _is_tensor(token_ids):
+            token_ids = token_ids.detach().cpu().numpy()
+        need = n * self.layout.block_tokens
+        if len(token_ids) < need:
+            raise InvalidArgument(f"{len(token_ids)} token ids for {n} blocks of "
+                                  f"{self.layout.block_tokens} tokens")
+        a = np.asarray(token_ids[:need])
+        if a.size and (a.dtype.kind not in "iu" or a.min() < 0 or a.max() > 0xFFFFFFFF):
+            raise InvalidArgument("token ids must be unsigned 32-bit integers")
+        return a.astype("<u4").tobytes()
 
     def _plan(self, x: Any) -> blockcopy.Plan | None:
         """The compiled copy plan for a host-memory sequence tensor, or None (fallback)."""
@@ -253,17 +279,21 @@ class Namespace:
         return move
 
     def store_blocks(self, keys: Sequence[bytes], fill: Fill, *,
-                     parent: bytes | None = None) -> int:
-        """Store blocks produced by `fill` for the keys not cached yet (for custom layouts)."""
+                     parent: bytes | None = None,
+                     token_ids: Sequence[int] | np.ndarray | None = None) -> int:
+        """Store blocks produced by `fill` for the keys not cached yet (for custom layouts);
+        `token_ids` as store_keys."""
         keys = list(keys)
         if not keys:
             return 0
-        return self._retrying(lambda: self._store_once(keys, fill, parent))
+        tokens = self._tokens(token_ids, len(keys))
+        return self._retrying(lambda: self._store_once(keys, fill, parent, None, tokens))
 
     def _store_once(self, keys: list[bytes], fill: Fill, parent: bytes | None,
-                    parts: Callable[[int], list[Any]] | None = None) -> int:
+                    parts: Callable[[int], list[Any]] | None = None,
+                    tokens: bytes | None = None) -> int:
         if self.client.pool is not None:
-            return self._store_shm(keys, parent, fill)
+            return self._store_shm(keys, parent, fill, tokens)
         have = self.lookup_keys(keys)
         if have >= len(keys):
             return 0
@@ -298,12 +328,14 @@ class Namespace:
                 client.fused_rpcs = False
         return self.lookup_keys(keys), None
 
-    def _store_shm(self, keys: list[bytes], parent: bytes | None, fill: Fill) -> int:
+    def _store_shm(self, keys: list[bytes], parent: bytes | None, fill: Fill,
+                   tokens: bytes | None = None) -> int:
         """Steady state, one round trip on the store's path: the previous store's Commit
         reserved this one's slots (`_store_ahead`). Otherwise LookupReserve, then Commit."""
         lease = self._take_spare(len(keys))
         if lease is not None:
-            return self._store_ahead(keys, parent, fill, lease)
+            return self._store_ahead(keys, parent, fill, lease, tokens)
+        T = 4 * self.layout.block_tokens           # bytes of token ids a block
         client, bb = self.client, self.block_bytes
         pool = self._current_pool()
         have, lease = self._lookup_reserve(keys)
@@ -332,14 +364,15 @@ class Namespace:
                 raise
             last = i + n >= len(keys)
             stored += self._commit(lease, keys[i:i + n], parent, sums,
-                                   ahead=len(keys) if last else 0)
+                                   ahead=len(keys) if last else 0,
+                                   tokens=tokens[i * T:(i + n) * T] if tokens else None)
             lease = None
             parent = keys[i + n - 1]
             i += n
         return stored
 
     def _store_ahead(self, keys: list[bytes], parent: bytes | None, fill: Fill,
-                     lease: Any) -> int:
+                     lease: Any, tokens: bytes | None = None) -> int:
         """Store into a lease reserved ahead, with the lookup of the cached prefix (when one
         is expected: `_prefix_seen`) in flight meanwhile: blocks are filled from the end of
         the batch, and filling stops at the prefix once its answer is in. So the store waits
@@ -381,11 +414,13 @@ class Namespace:
             else:
                 client.release_later(lease.lease_id)
             return 0
+        T = 4 * self.layout.block_tokens           # bytes of token ids a block
         return self._commit(lease, keys[have:], keys[have - 1] if have else (parent or b""),
-                            sums[have:], ahead=n, first_slot=have)
+                            sums[have:], ahead=n, first_slot=have,
+                            tokens=tokens[have * T:] if tokens else None)
 
     def _commit(self, lease: Any, keys: list[bytes], parent: bytes, sums: list[int], *,
-                ahead: int = 0, first_slot: int = 0) -> int:
+                ahead: int = 0, first_slot: int = 0, tokens: bytes | None = None) -> int:
         """Commit a filled write lease; with `ahead`, reserve that many slots for the next
         store in the same call (kept as the spare). Returns blocks stored."""
         client, lid = self.client, lease.lease_id
@@ -397,7 +432,7 @@ class Namespace:
         try:
             r = client.call_carrying("Commit", pb.CommitRequest(
                 lease_id=lid, keys=keys, parent=parent, checksums=sums, first_slot=first_slot,
-                reserve_next=ahead, next_ttl_s=client.lease_ttl_s))
+                reserve_next=ahead, next_ttl_s=client.lease_ttl_s, token_ids=tokens or b""))
         except DataLoss as e:
             # Our bytes did not arrive where the daemon looks: a replaced segment (the daemon
             # freed the lease already).

@@ -88,20 +88,22 @@ class RegisterNamespaceRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
 
 class RegisterNamespaceResponse(_message.Message):
-    __slots__ = ("namespace_id", "block_bytes", "host_pool", "gpu_pools", "daemon_id", "protocol")
+    __slots__ = ("namespace_id", "block_bytes", "host_pool", "gpu_pools", "daemon_id", "protocol", "wants_token_ids")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_POOL_FIELD_NUMBER: _ClassVar[int]
     GPU_POOLS_FIELD_NUMBER: _ClassVar[int]
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    WANTS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     block_bytes: int
     host_pool: HostPool
     gpu_pools: _containers.RepeatedCompositeFieldContainer[GpuPool]
     daemon_id: str
     protocol: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., gpu_pools: _Optional[_Iterable[_Union[GpuPool, _Mapping]]] = ..., daemon_id: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
+    wants_token_ids: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., gpu_pools: _Optional[_Iterable[_Union[GpuPool, _Mapping]]] = ..., daemon_id: _Optional[str] = ..., protocol: _Optional[int] = ..., wants_token_ids: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace_id", "keys")
@@ -173,7 +175,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "keys", "parent", "checksums", "reserve_next", "next_ttl_s", "first_slot", "release_leases")
+    __slots__ = ("lease_id", "keys", "parent", "checksums", "reserve_next", "next_ttl_s", "first_slot", "release_leases", "token_ids")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +184,7 @@ class CommitRequest(_message.Message):
     NEXT_TTL_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_SLOT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
@@ -190,7 +193,8 @@ class CommitRequest(_message.Message):
     next_ttl_s: float
     first_slot: int
     release_leases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., reserve_next: _Optional[int] = ..., next_ttl_s: _Optional[float] = ..., first_slot: _Optional[int] = ..., release_leases: _Optional[_Iterable[str]] = ...) -> None: ...
+    token_ids: bytes
+    def __init__(self, lease_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., reserve_next: _Optional[int] = ..., next_ttl_s: _Optional[float] = ..., first_slot: _Optional[int] = ..., release_leases: _Optional[_Iterable[str]] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("stored", "duplicates", "next_lease")

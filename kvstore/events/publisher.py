@@ -1,0 +1,454 @@
+"""The publisher thread: residency changes in, vLLM-format batches out, off the store lock.
+
+Each tick it reads the engines' relays and the replay sockets, turns the queued residency
+changes (recorder.py) into BlockStored / BlockRemoved events for every stream that publishes
+the block's namespace, and sends them in batches. It holds the store lock only to take a slice
+of the index when a stream starts over, and to keep a text learned late (a vLLM block named by
+its engine's events after it was stored) with its block.
+
+A stream starts over (AllBlocksCleared, then every block held, parents first) when the daemon
+starts, when the queue overflowed, and when its engine restarted. The walk of the index runs
+in slices with the lock released between them while changes keep queuing: replaying every
+change queued since the walk began after it gives the true state, since each change a slice
+already saw is a repeat (Stored twice, or Removed of a block the router no longer has) and
+each it missed comes after it. Nothing here ever waits on the lock without a deadline, so the
+store's close (which holds it) can always stop this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from typing import Any
+
+import msgpack
+import zmq
+from kvstore_client.common.errors import KVStoreError
+
+from ..index import GPU, HOST, SSD
+from . import wire
+from .recorder import Item, Recorder
+from .relay import Relay, TokenCache
+from .stream import Stream
+from .texts import OWN, SGLANG, VLLM, BlockText, own_hash, sglang_hash
+
+log = logging.getLogger("kvstore.events")
+
+WALK_SLICE = 16384          # index rows read per hold of the store lock
+DRAIN_MAX = 65536           # queued changes turned into events per tick
+LOCK_WAIT_S = 0.2
+# The first announcement waits this long after the streams are bound: routers subscribed to
+# the daemon's previous run reconnect on their own (ZMQ retries every 0.1 s), and PUB sends
+# nothing to a subscriber before its subscription arrives.
+START_DELAY_S = 1.0
+# A stream quiet this long sends an empty batch, so a consumer that missed batches (it
+# reconnected late, or dropped them at its high-water mark) sees the gap in the numbers and
+# asks the replay socket for them, instead of waiting for the next change.
+HEARTBEAT_S = 5.0
+# A consumer that subscribes is told what the daemon holds (BlockStored of every block, no
+# AllBlocksCleared: the other subscribers of the stream just hear repeats). Routers fetch only
+# the batches missed after the first they saw (vllm-router: none before it), so without this
+# a router started after the daemon would never learn what the daemon already holds. At most
+# once per stream this often, whatever the subscriptions.
+REANNOUNCE_EVERY_S = 2.0
+
+
+class Publisher:
+    def __init__(self, store: Any, recorder: Recorder, streams: list[Stream],
+                 relays: dict[int, Relay], cache: TokenCache, ctx: zmq.Context,
+                 batch_events: int, interval_s: float, pending_cap: int) -> None:
+        self.store = store
+        self.recorder = recorder
+        self.streams = streams
+        self.relays = relays
+        self.cache = cache
+        self.ctx = ctx
+        self.batch_events = batch_events
+        self.interval_s = interval_s
+        self.pending_cap = max(pending_cap, 1024)
+        self.counters: Counter = Counter()
+        self.vh: dict[bytes, tuple[int, ...]] = {}      # vLLM blocks announced -> their hashes
+        # Blocks that entered a tier before their text was known (an engine's events late):
+        # gkey -> tiers; found again by key (vLLM) or event hash (SGLang) when it arrives.
+        self.pending: OrderedDict[bytes, set[str]] = OrderedDict()
+        self._pend_by: dict[bytes | int, list[bytes]] = {}
+        self.joins: list[tuple[bytes, BlockText]] = []
+        self._poller = zmq.Poller()
+        for r in relays.values():
+            self._poller.register(r.sub, zmq.POLLIN)
+        for s in streams:
+            self._poller.register(s.pub, zmq.POLLIN)        # subscriptions
+            if s.replay is not None:
+                self._poller.register(s.replay, zmq.POLLIN)
+        self._reannounce: dict[int, float] = {}     # stream -> when it may announce again
+        self._announced_at = [0.0] * len(streams)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._overflow_logged = 0.0
+        self._ns_cache = recorder._ns           # read-only here: the recorder fills it
+        self._started = False
+        self._bound_at = time.monotonic()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvstore-events",
+                                            daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread, tell every stream the daemon holds nothing now (nothing can be
+        loaded from a stopped daemon; its restart announces what it still holds), close."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10.0)
+        for s in self.streams:
+            try:
+                s.send([wire.CLEARED])
+            except zmq.ZMQError:
+                pass
+            s.close(linger_s=1.0)
+        for r in self.relays.values():
+            r.close()
+        self.ctx.term()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 - the publisher must outlive any one bad event
+                self.counters["events_publisher_errors"] += 1
+                log.exception("events: publisher")
+                self._stop.wait(self.interval_s)
+        self._sync_counters()
+
+    def _tick(self) -> None:
+        self._poller.poll(int(self.interval_s * 1000))
+        if self._stop.is_set():
+            return
+        now = time.monotonic()
+        for i, st in enumerate(self.streams):
+            if st.subscribed():
+                self._reannounce[i] = self._announced_at[i] + REANNOUNCE_EVERY_S
+        if not self._started:
+            if time.monotonic() < self._bound_at + START_DELAY_S:
+                return
+            self._started = True
+            self._start_over(set(range(len(self.streams))))
+        for i, relay in self.relays.items():
+            for kind, arg in relay.pump():
+                if kind == "forward":
+                    ts, events, rank = arg
+                    packed = [wire.pack(e) for e in events]
+                    for j in range(0, len(packed), self.batch_events):
+                        self.streams[i].send(packed[j:j + self.batch_events], ts, rank)
+                elif kind == "restart":
+                    self._start_over({i})
+                else:
+                    self._learned(arg)
+        for s in self.streams:
+            s.serve_replay()
+        if self.recorder.overflowed:
+            self._overflow()
+        due = {i for i, at in self._reannounce.items() if at <= now}
+        if due and self._started:
+            self._start_over(due, clear=False)
+        self._drain()
+        self._keep_joins()
+        now = time.monotonic()
+        for st in self.streams:
+            if now - st.sent_at >= HEARTBEAT_S:
+                st.send([], empty_ok=True)
+        self._sync_counters()
+
+    def _sync_counters(self) -> None:
+        """Copy this thread's counters into the store's (Stats and the metrics show them);
+        keys only this thread writes, so it needs no lock."""
+        totals: Counter = Counter(self.counters)
+        totals["events_overflows"] = self.recorder.overflows
+        for s in self.streams:
+            totals.update({f"events_{k}": v for k, v in s.counters.items()})
+        for r in self.relays.values():
+            totals.update({f"events_relay_{k}": v for k, v in r.counters.items()})
+        c = self.store.counters
+        for k, v in totals.items():
+            c[k] = v
+
+    # -- the lock -----------------------------------------------------------------------------
+    def _locked(self) -> bool:
+        """Take the store lock, or False once the publisher is stopping (close holds it)."""
+        lock = self.store._lock
+        while not lock.acquire(timeout=LOCK_WAIT_S):
+            if self._stop.is_set():
+                return False
+        return True
+
+    # -- starting over ------------------------------------------------------------------------
+    def _overflow(self) -> None:
+        if not self._locked():
+            return
+        try:
+            self.recorder.queue.clear()
+            self.recorder.overflowed = False
+        finally:
+            self.store._lock.release()
+        self.vh.clear()
+        self.pending.clear()
+        self._pend_by.clear()
+        now = time.monotonic()
+        if now - self._overflow_logged > 60:
+            self._overflow_logged = now
+            log.warning("events: the publisher fell %d residency changes behind (events."
+                        "max_queue); every stream starts over with AllBlocksCleared and what "
+                        "the daemon holds (counter events_overflows; logged once a minute)",
+                        self.recorder.max_queue)
+        self._start_over(set(range(len(self.streams))))
+
+    def _start_over(self, which: set[int], clear: bool = True) -> None:
+        """AllBlocksCleared on the streams `which` (unless `clear` is False: a re-announcement
+        for a new subscriber), then every block they publish that the daemon holds, parents
+        before children."""
+        now = time.monotonic()
+        for i in which:
+            if clear:
+                self.streams[i].send([wire.CLEARED])
+            self._reannounce.pop(i, None)
+            self._announced_at[i] = now
+        want = 0
+        for i in which:
+            want |= 1 << i
+        held: list[tuple[bytes, tuple[str, ...], BlockText, int]] = []
+        start = 0
+        index, ns = self.store.index, self.recorder.ns
+        while start >= 0:
+            if not self._locked():
+                return
+            try:
+                start, rows = index.held(start, WALK_SLICE)
+            finally:
+                self.store._lock.release()
+            for g, on_gpu, on_host, on_ssd in rows:
+                kind, mask = ns(g[:16])
+                if not mask & want:
+                    continue
+                tiers = tuple(t for t, on in ((GPU, on_gpu), (HOST, on_host), (SSD, on_ssd))
+                              if on)
+                text = self._resolve(g, kind)
+                if text is None:
+                    if kind != OWN:
+                        self._pend(g, kind, tiers)
+                    continue
+                if kind == VLLM:
+                    self.vh[g] = text.hashes
+                held.append((g, tiers, text, mask & want))
+        out: dict[int, list[bytes]] = {i: [] for i in which}
+        for _, tiers, text, mask in _parents_first(held):
+            for t in tiers:
+                self._emit(out, mask, text.event(wire.MEDIUM[t]))
+        self._send(out)
+        self.counters["events_start_overs" if clear else "events_reannouncements"] += 1
+
+    # -- changes ------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        q = self.recorder.queue
+        out: dict[int, list[bytes]] = {i: [] for i in range(len(self.streams))}
+        for _ in range(DRAIN_MAX):
+            try:
+                item = q.popleft()
+            except IndexError:
+                break
+            self._apply(item, out)
+        self._send(out)
+
+    def _apply(self, item: Item, out: dict[int, list[bytes]]) -> None:
+        g, tiers, entered, gone, text = item
+        got = self._ns_cache.get(g[:16])
+        kind, mask = got if got is not None else self.recorder.ns(g[:16])
+        if not mask:
+            return
+        if entered:
+            if text is None:
+                text = self._resolve(g, kind)
+            if text is None:
+                if kind != OWN:
+                    self._pend(g, kind, tiers)
+                return
+            if kind == VLLM:
+                self.vh[g] = text.hashes
+            for t in tiers:
+                self._emit(out, mask, text.event(wire.MEDIUM[t]))
+            return
+        self._unpend(g, tiers, gone)
+        if kind == VLLM:
+            hashes = self.vh.pop(g, None) if gone else self.vh.get(g)
+            if hashes is None:
+                return                  # never announced
+        elif kind == SGLANG:
+            hashes = (sglang_hash(g[16:]),)
+        else:
+            hashes = (own_hash(g),)
+        for t in tiers:
+            self._emit(out, mask, wire.removed(hashes, wire.MEDIUM[t]))
+
+    @staticmethod
+    def _emit(out: dict[int, list[bytes]], mask: int, ev: bytes) -> None:
+        if mask == 1 and len(out) == 1:
+            out[0].append(ev)           # one stream (the common case)
+            return
+        for i, evs in out.items():
+            if mask >> i & 1:
+                evs.append(ev)
+
+    def _send(self, out: dict[int, list[bytes]]) -> None:
+        n = self.batch_events
+        for i, evs in out.items():
+            for j in range(0, len(evs), n):
+                self.streams[i].send(evs[j:j + n])
+
+    # -- texts --------------------------------------------------------------------------------
+    def _resolve(self, g: bytes, kind: str) -> BlockText | None:
+        """A block's text: from the book, the engines' events, or its SSD meta."""
+        text = self.recorder.book.get(g)
+        if text is not None:
+            return text
+        if kind != OWN:
+            text = self._join(g, kind)
+            if text is not None:
+                self.joins.append((g, text))
+                return text
+        return self._meta_text(g)
+
+    def _join(self, g: bytes, kind: str) -> BlockText | None:
+        info = self.store.namespaces.get(g[:16])
+        if info is None:
+            return None
+        key = g[16:]
+        last = self.cache.by_key.get(key) if kind == VLLM else sglang_hash(key)
+        if last is None:
+            return None
+        return self.cache.text(last, info.spec.layout.block_tokens)
+
+    def _meta_text(self, g: bytes) -> BlockText | None:
+        return ssd_text(self.store.ssd, g)
+
+    def _keep_joins(self) -> None:
+        """Keep texts learned late with their blocks: in the book for a block with a host or
+        gpu copy (its demotion writes the text into its SSD meta), else in its SSD meta."""
+        if not self.joins:
+            return
+        joins, self.joins = self.joins, []
+        to_meta = []
+        if not self._locked():
+            return
+        try:
+            book, index = self.recorder.book, self.store.index
+            for g, text in joins:
+                e = index.peek(g)
+                if e is None:
+                    continue
+                if e.host is not None or e.gpu is not None:
+                    book.setdefault(g, text)
+                elif e.ssd:
+                    to_meta.append((g, text))
+        finally:
+            self.store._lock.release()
+        ssd = self.store.ssd
+        for g, text in to_meta:
+            try:
+                meta = ssd.get_meta(g)
+                m = msgpack.unpackb(meta, raw=False) if meta else None
+                if isinstance(m, dict) and "e" not in m:
+                    m["e"] = text.pack()
+                    ssd.set_meta(g, msgpack.packb(m, use_bin_type=True))
+            except (KVStoreError, ValueError, msgpack.UnpackException):
+                continue                # evicted meanwhile: nothing to keep
+
+    # -- blocks waiting for their engine's events --------------------------------------------
+    def _pend(self, g: bytes, kind: str, tiers: tuple[str, ...]) -> None:
+        p = self.pending.get(g)
+        if p is None:
+            if len(self.pending) >= self.pending_cap:
+                old, _ = self.pending.popitem(last=False)
+                self._unindex(old)
+                self.counters["events_pending_dropped"] += 1
+            p = self.pending[g] = set()
+            by = g[16:] if kind == VLLM else sglang_hash(g[16:])
+            self._pend_by.setdefault(by, []).append(g)
+        p.update(tiers)
+
+    def _unpend(self, g: bytes, tiers: tuple[str, ...], gone: bool) -> None:
+        p = self.pending.get(g)
+        if p is None:
+            return
+        p.difference_update(tiers)
+        if gone or not p:
+            del self.pending[g]
+            self._unindex(g)
+
+    def _unindex(self, g: bytes) -> None:
+        for by in (g[16:], sglang_hash(g[16:])):
+            lst = self._pend_by.get(by)
+            if lst and g in lst:
+                lst.remove(g)
+                if not lst:
+                    del self._pend_by[by]
+
+    def _learned(self, learned: list[tuple[bytes | None, int]]) -> None:
+        """An engine's events named blocks: announce those that waited for their text."""
+        if not self._pend_by:
+            return
+        out: dict[int, list[bytes]] = {i: [] for i in range(len(self.streams))}
+        for key, h in learned:
+            found = list(self._pend_by.get(h, ()))
+            if key is not None:
+                found += self._pend_by.get(key, ())
+            for g in found:
+                if g not in self.pending:
+                    continue
+                kind, mask = self.recorder.ns(g[:16])
+                text = self._join(g, kind)
+                if text is None:
+                    continue            # the chunk's other blocks are not known yet
+                tiers = self.pending.pop(g)
+                self._unindex(g)
+                self.joins.append((g, text))
+                if kind == VLLM:
+                    self.vh[g] = text.hashes
+                for t in sorted(tiers):
+                    self._emit(out, mask, text.event(wire.MEDIUM[t]))
+        self._send(out)
+
+
+def ssd_text(ssd: Any, g: bytes) -> BlockText | None:
+    """A block's text from its SSD meta record; None without one (or without the tier)."""
+    if ssd is None:
+        return None
+    try:
+        meta = ssd.get_meta(g)
+        if not meta:
+            return None
+        m = msgpack.unpackb(meta, raw=False)
+    except Exception:  # noqa: BLE001 - a damaged or vanished record is just no text
+        return None
+    return BlockText.unpack(m.get("e")) if isinstance(m, dict) else None
+
+
+def _parents_first(held: list[tuple[bytes, tuple[str, ...], BlockText, int]]
+                   ) -> list[tuple[bytes, tuple[str, ...], BlockText, int]]:
+    """`held` ordered so each block comes after the block its text names as parent (a router
+    drops a block whose parent it has not been told of)."""
+    by_last = {h[2].hashes[-1]: i for i, h in enumerate(held)}
+    done = [False] * len(held)
+    order: list[int] = []
+    for i in range(len(held)):
+        chain = []
+        j: int | None = i
+        while j is not None and not done[j]:
+            done[j] = True
+            chain.append(j)
+            p = held[j][2].parent
+            j = by_last.get(p) if p is not None else None
+        order.extend(reversed(chain))
+    return [held[i] for i in order]

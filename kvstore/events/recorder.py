@@ -1,0 +1,116 @@
+"""The residency listener: each change of a published block, queued under the store lock.
+
+Everything here runs inside a store call holding the store lock, so it does the least it can:
+a namespace lookup (cached), a tuple appended to a deque, and the book of token texts kept in
+step (texts of blocks with a host or gpu copy; an SSD copy keeps its text in its LMDB meta).
+Encoding and sending are the publisher thread's (publisher.py). The queue is bounded: when
+the publisher falls max_queue changes behind, new changes are dropped until it starts every
+stream over from what the daemon holds; a store never waits for it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from fnmatch import fnmatchcase
+from typing import Any
+
+from ..index import GPU, HOST, REMOTE, SSD, Entry
+from .texts import OWN, BlockText, kind_of
+
+# A queued change: (gkey, tiers, entered, gone, text). `gone`: the block holds no published
+# tier any more (the publisher forgets what it kept for it); `text`: its text when known then.
+Item = tuple[bytes, tuple[str, ...], bool, bool, BlockText | None]
+
+
+class Recorder:
+    def __init__(self, namespaces: dict[bytes, Any], stream_models: list[list[str]],
+                 max_queue: int, ssd_text: Callable[[bytes], BlockText | None]) -> None:
+        self.namespaces = namespaces            # the store's: ns_id -> NamespaceInfo
+        self.ssd_text = ssd_text                # a block's text from its SSD meta, or None
+        self.stream_models = stream_models      # per stream: fnmatch patterns ([] = all)
+        self.max_queue = max_queue
+        self.queue: deque[Item] = deque()
+        self.book: dict[bytes, BlockText] = {}
+        self.overflowed = False                 # set here, cleared by the publisher (locked)
+        self.overflows = 0
+        self._ns: dict[bytes, tuple[str, int]] = {}
+
+    def ns(self, ns_id: bytes) -> tuple[str, int]:
+        """(kind of keys, bit mask of the streams that publish it; 0: none) of a namespace.
+        Only shard rank 0 of a sharded namespace is published: every rank stores the same
+        keys, and the group can load a block only as a whole."""
+        got = self._ns.get(ns_id)
+        if got is None:
+            info = self.namespaces.get(ns_id)
+            if info is None:
+                return OWN, 0
+            spec = info.spec
+            mask = 0
+            if spec.shard_rank == 0:
+                for i, pats in enumerate(self.stream_models):
+                    if not pats or any(fnmatchcase(spec.model, p) for p in pats):
+                        mask |= 1 << i
+            got = self._ns[ns_id] = (kind_of(spec.hash_scheme), mask)
+        return got
+
+    def wants_tokens(self, ns_id: bytes) -> bool:
+        kind, mask = self.ns(ns_id)
+        return bool(mask) and kind == OWN
+
+    def remember(self, ns_id: bytes, keys: list[bytes], texts: list[BlockText]) -> None:
+        """Texts of blocks a commit is about to publish (locked)."""
+        book = self.book
+        for k, t in zip(keys, texts, strict=True):
+            book[ns_id + k] = t
+
+    # -- ResidencyListener ---------------------------------------------------------------
+    def changed(self, e: Entry, tier: str, entered: bool) -> None:
+        # (Inlined lookups: this runs for every block of every store, under the store lock.)
+        if tier == REMOTE:
+            return              # a Redis-only block is announced by no node (docs/routing.md)
+        got = self._ns.get(e.ns_id)
+        if not (got if got is not None else self.ns(e.ns_id))[1]:
+            return
+        g = e.ns_id + e.key
+        if entered:
+            text = self.book.get(g)
+            if text is None and tier != SSD and e.ssd:
+                # Promoted from SSD: its text comes back from its meta, to stay with the new
+                # copy (the SSD copy may be evicted before the publisher reads it, and a later
+                # demotion writes the book's text into the new meta).
+                text = self.ssd_text(g)
+                if text is not None:
+                    self.book[g] = text
+            item: Item = (g, (tier,), True, False, text)
+        else:
+            fast = e.host is not None or e.gpu is not None
+            if not fast:
+                self.book.pop(g, None)
+            item = (g, (tier,), False, not (fast or e.ssd), None)
+        if self.overflowed:
+            return
+        if len(self.queue) >= self.max_queue:
+            self.overflowed = True
+            self.overflows += 1
+            return
+        self.queue.append(item)
+
+    def discarded(self, e: Entry) -> None:
+        if not self.ns(e.ns_id)[1]:
+            return
+        g = e.gkey
+        self.book.pop(g, None)
+        tiers = tuple(t for t, on in ((GPU, e.gpu is not None), (HOST, e.host is not None),
+                                      (SSD, e.ssd)) if on)
+        if tiers:
+            self._put((g, tiers, False, True, None))
+
+    def _put(self, item: Item) -> None:
+        if self.overflowed:
+            return
+        if len(self.queue) >= self.max_queue:
+            self.overflowed = True
+            self.overflows += 1
+            return
+        self.queue.append(item)

@@ -1,0 +1,90 @@
+"""KV events of one daemon: its streams, the residency listener and the publisher thread.
+
+Built by the store when [events] is on (pyzmq is imported only then): binds every stream (an
+address in use is EventsAddressError, one line and exit 2 at the daemon's start), attaches
+the listener to the index once the index is rebuilt, and starts the publisher with the
+store's background work. docs/routing.md describes what goes out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ..config import EventsConfig
+from ..index import BlockIndex
+from .publisher import Publisher, ssd_text
+from .recorder import Recorder
+from .relay import Relay, TokenCache
+from .stream import Stream
+from .texts import BlockText, own_texts
+
+
+class Events:
+    def __init__(self, store: Any, cfg: EventsConfig, data_dir: Path) -> None:
+        self.cfg = cfg
+        ctx = zmq.Context()
+        seq_dir = data_dir / "events"
+        streams: list[Stream] = []
+        relays: dict[int, Relay] = {}
+        cache = TokenCache(cfg.token_cache_blocks)
+        try:
+            if cfg.endpoint:
+                streams.append(Stream(ctx, "node", "events.", cfg.endpoint,
+                                      cfg.replay_endpoint, cfg.topic, cfg.dp_rank, cfg.hwm,
+                                      cfg.buffer_steps, seq_dir, cfg.models))
+            for i, eng in enumerate(cfg.engines):
+                streams.append(Stream(ctx, eng.name, f"events.engines[{i}].", eng.endpoint,
+                                      eng.replay_endpoint, cfg.topic, eng.dp_rank, cfg.hwm,
+                                      cfg.buffer_steps, seq_dir, eng.models or cfg.models))
+                if eng.source:
+                    relays[len(streams) - 1] = Relay(ctx, eng.name, eng.source, cache,
+                                                     cfg.hwm, f"events.engines[{i}].source")
+        except BaseException:
+            for s in streams:
+                s.close(linger_s=0)
+            for r in relays.values():
+                r.close()
+            ctx.term()
+            raise
+        self.streams = streams
+        self.recorder = Recorder(store.namespaces, [s.models for s in streams], cfg.max_queue,
+                                 lambda g: ssd_text(store.ssd, g))
+        self.publisher = Publisher(store, self.recorder, streams, relays, cache, ctx,
+                                   cfg.batch_events, cfg.interval_ms / 1000.0,
+                                   cfg.token_cache_blocks)
+
+    @property
+    def book(self) -> dict[bytes, BlockText]:
+        """Texts of the published blocks with a host or gpu copy (read under the store lock
+        when a block is written to SSD: its meta keeps the text)."""
+        return self.recorder.book
+
+    @property
+    def addresses(self) -> dict[str, tuple[str, str]]:
+        """Stream name -> (address its PUB socket is bound to, its replay socket's or ""),
+        port 0 resolved."""
+        return {s.name: (s.address, s.replay_address if s.replay is not None else "")
+                for s in self.streams}
+
+    def attach(self, index: BlockIndex) -> None:
+        index.listener = self.recorder
+
+    def start(self) -> None:
+        self.publisher.start()
+
+    def close(self) -> None:
+        self.publisher.close()
+
+    def wants_tokens(self, ns_id: bytes) -> bool:
+        return self.recorder.wants_tokens(ns_id)
+
+    def texts(self, ns_id: bytes, keys: list[bytes], parent: bytes | None, token_ids: bytes,
+              block_tokens: int) -> list[BlockText] | None:
+        """Texts of the blocks a commit carries token ids for (little-endian uint32, checked
+        against the keys by the store); None where no stream publishes the namespace."""
+        if not self.recorder.wants_tokens(ns_id):
+            return None
+        return own_texts(ns_id, keys, parent, token_ids, block_tokens)

@@ -1,0 +1,161 @@
+"""One event stream: a ZMQ PUB socket, its sequence numbers, replay buffer and replay socket.
+
+Used by the publisher thread only (ZMQ sockets are not thread-safe); bound by the daemon's
+start, so an address in use is an operator error there (EventsAddressError), not later.
+Nothing here blocks: PUB drops messages for a subscriber past its high-water mark, ROUTER drops
+replies to a peer past its own, and replay requests are served at a bounded rate.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+import zmq
+
+from . import wire
+from .errors import EventsAddressError
+from .seqfile import SeqFile
+
+log = logging.getLogger("kvstore.events")
+
+REPLAY_EVERY_S = 0.05       # one replay request per stream this often; the rest wait in ZMQ
+LOG_EVERY_S = 10.0          # bad replay requests: one log line this often, with the count
+
+
+def bind(sock: zmq.Socket, address: str, key: str) -> str:
+    """Bind, or EventsAddressError naming the setting; the address actually bound."""
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:
+        why = {errno.EADDRINUSE: "is already in use by another process",
+               errno.EADDRNOTAVAIL: "names an address that is not on this machine",
+               errno.EACCES: "needs privileges (ports below 1024)",
+               errno.ENODEV: "names no interface of this machine"}.get(
+                   e.errno, f"cannot be bound ({e.strerror})")
+        raise EventsAddressError(f"{key} = {address!r} {why}; set it to another address") \
+            from None
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class Stream:
+    def __init__(self, ctx: zmq.Context, name: str, key: str, endpoint: str, replay: str,
+                 topic: str, dp_rank: int, hwm: int, buffer_steps: int, seq_dir: Path,
+                 models: list[str]) -> None:
+        self.name = name
+        self.dp_rank = dp_rank
+        self.models = models
+        self.topic = topic.encode()
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=max(buffer_steps, 1))
+        # XPUB: a PUB that also hands up each subscription (VERBOSE: repeats too), so a
+        # router that (re)subscribes is told what the daemon holds (publisher.py).
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.pub.setsockopt(zmq.SNDHWM, hwm)
+        self.pub.setsockopt(zmq.RCVHWM, 1000)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.replay: zmq.Socket | None = None
+        try:
+            self.address = bind(self.pub, endpoint, key + "endpoint")
+            if replay:
+                self.replay = ctx.socket(zmq.ROUTER)
+                self.replay.setsockopt(zmq.LINGER, 0)
+                # room for one whole replay per peer; the payloads are shared, not copied
+                self.replay.setsockopt(zmq.SNDHWM, (self.buffer.maxlen or 0) + 2)
+                self.replay_address = bind(self.replay, replay, key + "replay_endpoint")
+        except BaseException:
+            self.close(linger_s=0)
+            raise
+        self.seq = SeqFile(seq_dir / f"{name}.seq")
+        self.counters: dict[str, int] = {"batches": 0, "events": 0, "replays": 0,
+                                         "bad_replay_requests": 0, "subscriptions": 0}
+        self._replay_at = 0.0
+        self.sent_at = time.monotonic()
+        self._bad_logged = 0.0
+        self._bad_unlogged = 0
+
+    def send(self, events: list[bytes], ts: float | None = None,
+             dp_rank: int | None = None, empty_ok: bool = False) -> None:
+        """One batch of encoded events (wire.py); an empty one only with `empty_ok` (a
+        heartbeat, publisher.py)."""
+        if not events and not empty_ok:
+            return
+        self.sent_at = time.monotonic()
+        payload = wire.encode_batch(time.time() if ts is None else ts, events,
+                                    self.dp_rank if dp_rank is None else dp_rank)
+        seq = self.seq.take()
+        try:
+            # copy=False: every subscriber's queue and the replay buffer share one payload,
+            # so a subscriber that never reads costs hwm message headers, not hwm payloads
+            self.pub.send_multipart((self.topic, wire.seq_bytes(seq), payload), zmq.NOBLOCK,
+                                    copy=False)
+        except zmq.Again:
+            pass                        # nobody can take it now: replay still has it
+        self.buffer.append((seq, payload))
+        self.counters["batches"] += 1
+        self.counters["events"] += len(events)
+
+    def subscribed(self) -> bool:
+        """Whether a consumer subscribed since the last call (the messages are drained)."""
+        got = False
+        for _ in range(1000):
+            try:
+                msg = self.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            got = got or msg[:1] == b"\x01"
+        if got:
+            self.counters["subscriptions"] += 1
+        return got
+
+    def serve_replay(self) -> None:
+        """Answer one waiting replay request (vLLM's protocol), at most every REPLAY_EVERY_S.
+
+        A request is [identity, b"", 8-byte start sequence number]; the answer is every
+        buffered batch from that number on (all of them when it is long gone), then the end
+        marker. Anything else is dropped and counted, logged once per LOG_EVERY_S."""
+        if self.replay is None:
+            return
+        now = time.monotonic()
+        if now - self._replay_at < REPLAY_EVERY_S:
+            return
+        try:
+            frames = self.replay.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        self._replay_at = now
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            self._bad(f"{len(frames)} frames" if len(frames) != 3 else
+                      f"a start of {len(frames[2])} bytes, not 8")
+            return
+        cid, start = frames[0], int.from_bytes(frames[2], "big")
+        self.counters["replays"] += 1
+        try:
+            for seq, buf in list(self.buffer):
+                if seq >= start:
+                    self.replay.send_multipart((cid, b"", self.topic, wire.seq_bytes(seq), buf),
+                                               zmq.NOBLOCK, copy=False)
+            self.replay.send_multipart((cid, b"", b"", wire.END_SEQ, b""), zmq.NOBLOCK)
+        except zmq.Again:
+            pass                        # that peer stopped reading: the rest is dropped
+
+    def _bad(self, what: str) -> None:
+        self.counters["bad_replay_requests"] += 1
+        self._bad_unlogged += 1
+        now = time.monotonic()
+        if now - self._bad_logged >= LOG_EVERY_S:
+            log.warning("events: stream %s: dropped %d malformed replay request(s) (last: %s); "
+                        "a request is one 8-byte big-endian start sequence number", self.name,
+                        self._bad_unlogged, what)
+            self._bad_logged, self._bad_unlogged = now, 0
+
+    def close(self, linger_s: float = 1.0) -> None:
+        """Close the sockets, giving what is queued `linger_s` to leave."""
+        if getattr(self, "seq", None) is not None:
+            self.seq.close()
+        for sock in (self.pub, self.replay):
+            if sock is not None and not sock.closed:
+                sock.close(linger=int(linger_s * 1000))

@@ -1,0 +1,152 @@
+"""What a router needs to index one daemon block: its event hashes, parent and token ids.
+
+Routers hash a request's tokens themselves and index blocks by those hashes; the hashes a
+stream announces only chain a block to its parent within the stream. So each block needs its
+token ids, which the daemon never needed before, and hashes that chain the way its engine's
+own events do:
+
+- blocks stored through the SDK (reference keys, or any other scheme): the client sends token
+  ids with Commit; the block's event hash is xxh3-64 of namespace id + key, its parent's the
+  same of the parent key, so namespaces never share a hash.
+- vLLM namespaces (`external:vllm-*`): vLLM's own block hashes, learned with the token ids from
+  the engine's own events (kvstore/events/relay.py), so one chain runs through an engine's GPU
+  blocks and kvstore's copies. A daemon block is one offload chunk: k engine blocks, k hashes.
+- SGLang namespaces (`external:sglang-*`): a page's event hash is its key's first 8 bytes (as
+  SGLang computes it); token ids and parent come from SGLang's own events.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, NamedTuple
+
+import msgpack
+import numpy as np
+import xxhash
+
+from . import wire
+
+OWN, VLLM, SGLANG = "own", "vllm", "sglang"
+
+
+def kind_of(hash_scheme: str) -> str:
+    if hash_scheme.startswith("external:vllm-"):
+        return VLLM
+    if hash_scheme.startswith("external:sglang-"):
+        return SGLANG
+    return OWN
+
+
+def own_hash(gkey: bytes) -> int:
+    """Event hash of a block the daemon names itself (gkey = namespace id + key)."""
+    return xxhash.xxh3_64_intdigest(gkey)
+
+
+def sglang_hash(key: bytes) -> int:
+    """SGLang's event hash of one of its pages (hash_str_to_int64, read unsigned)."""
+    return int.from_bytes(key[:8], "big")
+
+
+class BlockText(NamedTuple):
+    """(A tuple: made once per stored block on the Commit path, where a dataclass's
+    construction cost three times as much.)"""
+
+    hashes: tuple[int, ...]     # one per engine block the daemon block covers
+    parent: int | None          # the event hash of the block before the first one
+    tokens: bytes               # the token ids as a msgpack array, len(hashes) * block_size
+    block_size: int             # tokens per engine block
+
+    def event(self, medium: str) -> bytes:
+        return wire.stored(self.hashes, self.parent, self.tokens, self.block_size, medium)
+
+    def token_list(self) -> list[int]:
+        return msgpack.unpackb(self.tokens)
+
+    def pack(self) -> list[Any]:
+        """The form kept in a block's SSD meta (key "e")."""
+        return [list(self.hashes), self.parent, self.tokens, self.block_size]
+
+    @staticmethod
+    def unpack(obj: Any) -> BlockText | None:
+        """A packed text, or None for anything that is not one (an old or damaged record)."""
+        try:
+            hashes, parent, tokens, bs = obj
+            t = BlockText(tuple(int(h) for h in hashes), None if parent is None else int(parent),
+                          bytes(tokens), int(bs))
+        except (TypeError, ValueError):
+            return None
+        return t if t.valid() else None
+
+    def valid(self) -> bool:
+        return (self.block_size > 0 and len(self.hashes) > 0
+                and wire.array_length(self.tokens) == self.block_size * len(self.hashes))
+
+
+def check_tokens(token_ids: Any) -> list[int]:
+    """Token ids as a list of ints, each an unsigned 32-bit value (ValueError otherwise)."""
+    tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
+    try:
+        array("I", tokens)          # range-checked in C (unsigned int: 4 bytes here)
+    except (OverflowError, TypeError):
+        raise ValueError("token ids must be unsigned 32-bit integers") from None
+    return tokens
+
+
+def tokens_u32(token_ids: Any) -> bytes:
+    """Token ids as Commit carries them (little-endian uint32 each), from a sequence of ints
+    (ValueError for one that is not an unsigned 32-bit value)."""
+    if isinstance(token_ids, (bytes, bytearray, memoryview)):
+        return bytes(token_ids)
+    a = np.asarray(token_ids)
+    if a.size and (a.dtype.kind not in "iu" or a.min() < 0 or a.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must be unsigned 32-bit integers")
+    return a.astype("<u4").tobytes()
+
+
+_WIDTH = np.array([1, 2, 3, 5], dtype=np.int64)
+
+
+def pack_token_blocks(raw: bytes, block_tokens: int) -> list[bytes]:
+    """Each block's token ids (raw: little-endian uint32, block_tokens a block) as the msgpack
+    array vLLM's encoder writes: every int in its smallest form. Done for a whole commit at
+    once with numpy; packing per block cost a microsecond or more a block on the Commit path."""
+    t = np.frombuffer(raw, dtype="<u4").astype(np.int64)
+    T = block_tokens
+    if not t.size:
+        return []
+    cls = (t >= 0x80).astype(np.int64) + (t >= 0x100) + (t >= 0x10000)   # fixint, u8, u16, u32
+    width = _WIDTH[cls]
+    ends = np.cumsum(width)
+    starts = ends - width
+    buf = np.zeros(int(ends[-1]), dtype=np.uint8)
+    m = cls == 0
+    buf[starts[m]] = t[m]
+    m = cls == 1
+    buf[starts[m]] = 0xCC
+    buf[starts[m] + 1] = t[m]
+    for c, tag, nbytes in ((2, 0xCD, 2), (3, 0xCE, 4)):
+        m = cls == c
+        s, v = starts[m], t[m]
+        buf[s] = tag
+        for j in range(nbytes):
+            buf[s + 1 + j] = (v >> (8 * (nbytes - 1 - j))) & 0xFF
+    data = buf.tobytes()
+    head = wire.array_header(T)
+    return [head + data[a:b] for a, b in zip(starts[::T].tolist(), ends[T - 1::T].tolist(),
+                                             strict=True)]
+
+
+def own_texts(ns_id: bytes, keys: list[bytes], parent: bytes | None, raw_tokens: bytes,
+              block_tokens: int) -> list[BlockText]:
+    """Texts of SDK-stored blocks: keys[i] holds tokens [i*T, (i+1)*T) of `raw_tokens`
+    (little-endian uint32), chained from parent."""
+    packed = pack_token_blocks(raw_tokens, block_tokens)
+    out = []
+    prev = own_hash(ns_id + parent) if parent else None
+    digest = xxhash.xxh3_64_intdigest
+    T = block_tokens
+    for k, tokens in zip(keys, packed, strict=True):
+        h = digest(ns_id + k)
+        out.append(BlockText((h,), prev, tokens, T))
+        prev = h
+    return out
