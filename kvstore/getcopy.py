@@ -106,7 +106,7 @@ def _header(key: bytes, n: int) -> bytes:
 def encode(blocks: Sequence[tuple[bytes, np.ndarray]], checksums: Sequence[int],
            check: bool = True, kernel: bool = True) -> Reply:
     """The GetResponse wire bytes of `blocks` [(key, 1-D uint8 view of its slot)], each block's
-    copy checked against `checksums` (0: unknown, not checked) unless check is False.
+    copy checked against `checksums` (every value, 0 included) unless check is False.
 
     kernel=False takes the path used without the compiled kernel (for tests of it).
     """

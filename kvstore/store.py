@@ -730,11 +730,13 @@ class Store(DeviceMovement, TenantPools):
                 # store this key meanwhile: _publish then dedups and the slot goes back).
                 self.movement._host_room(_aligned(size), ns_id)
                 off = self.movement._alloc_host(size, ns_id)
-                view = self.host.view(off, size)
-                view[:] = memoryview(b).cast("B")
+                src = memoryview(b).cast("B")
+                self.host.view(off, size)[:] = src
                 prev = parent if i == 0 else keys[i - 1]
+                # The checksum is of the bytes sent, not of the slot: a client mapping the
+                # pool could change the slot in between, and its hash would then vouch for it.
                 placed, e = self._publish(bytes(ns_id), k, prev, off, size,
-                                          xxhash.xxh3_64_intdigest(view))
+                                          xxhash.xxh3_64_intdigest(src))
                 if not placed:
                     self.host.free(off)
                     dups += 1
