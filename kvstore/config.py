@@ -235,6 +235,18 @@ class LimitsConfig:
 class LeaseConfig:
     default_ttl_s: float = 30.0
     max_ttl_s: float = 600.0
+    # Per tenant (the implicit one too), at once: leases, and slots across them
+    # (kvstore/leases.py). 0: no cap.
+    max_per_tenant: int = 4096
+    max_slots_per_tenant: int = 1 << 18
+
+
+@dataclass
+class NamespaceConfig:
+    """What one tenant's namespaces may cost: each is kept in memory and persisted in LMDB
+    for good (docs/security.md, Caps)."""
+    max_per_tenant: int = 1024      # namespaces one tenant (or the implicit one) registers
+    max_spec_bytes: int = 4096      # a spec as persisted (JSON); real ones are well under 1 KiB
 
 
 @dataclass
@@ -246,6 +258,7 @@ class StoreConfig:
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
+    namespaces: NamespaceConfig = field(default_factory=NamespaceConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     tenants: dict[str, Any] = field(default_factory=dict)   # kvstore/tenants.py reads them
@@ -264,6 +277,14 @@ class StoreConfig:
                                   "remote is enabled")
         if not 0 < self.leases.default_ttl_s <= self.leases.max_ttl_s:
             raise ConfigError("leases: need 0 < default_ttl_s <= max_ttl_s")
+        for key, v in (("leases.max_per_tenant", self.leases.max_per_tenant),
+                       ("leases.max_slots_per_tenant", self.leases.max_slots_per_tenant),
+                       ("namespaces.max_per_tenant", self.namespaces.max_per_tenant)):
+            if v < 0:
+                raise ConfigError(f"{key} must be 0 (no cap) or a positive count, got {v}")
+        if not 512 <= self.namespaces.max_spec_bytes <= 1 << 20:
+            raise ConfigError("namespaces.max_spec_bytes must be in 512..1048576, got "
+                              f"{self.namespaces.max_spec_bytes}")
         self.server.check()
         self.auth.check()
         self.limits.check()
