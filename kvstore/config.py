@@ -212,6 +212,13 @@ class LimitsConfig:
     lane_per_tenant: int = 64       # lane connections per tenant (no tenants: 256 in all)
     frame_deadline_s: float = 10.0  # a lane request frame, from its first byte
     sessions_per_tenant: int = 4096  # handshake sessions remembered per tenant
+    # The store's, per tenant (the implicit one too; 0: no cap): leases held at once and slots
+    # across them (kvstore/leases.py), namespaces registered (each kept for good) and the size
+    # of one namespace spec as persisted (JSON; real ones are well under 1 KiB).
+    leases_per_tenant: int = 4096
+    lease_slots_per_tenant: int = 1 << 18
+    namespaces_per_tenant: int = 1024
+    namespace_spec_bytes: int = 4096
 
     def check(self) -> None:
         for key in ("request_deadline_s", "hello_deadline_s", "frame_deadline_s"):
@@ -226,6 +233,14 @@ class LimitsConfig:
             v = getattr(self, key)
             if not 1 <= v <= 1 << 20:
                 raise ConfigError(f"limits.{key} must be in 1..{1 << 20}, got {v}")
+        for key in ("leases_per_tenant", "lease_slots_per_tenant", "namespaces_per_tenant"):
+            v = getattr(self, key)
+            if not 0 <= v <= 1 << 30:
+                raise ConfigError(f"limits.{key} must be 0 (no cap) or a count up to "
+                                  f"{1 << 30}, got {v}")
+        if not 512 <= self.namespace_spec_bytes <= 1 << 20:
+            raise ConfigError("limits.namespace_spec_bytes must be in 512..1048576, got "
+                              f"{self.namespace_spec_bytes}")
         if self.pending_per_uid > self.pending_total:
             raise ConfigError(f"limits.pending_per_uid ({self.pending_per_uid}) must not be "
                               f"above limits.pending_total ({self.pending_total})")
@@ -235,18 +250,6 @@ class LimitsConfig:
 class LeaseConfig:
     default_ttl_s: float = 30.0
     max_ttl_s: float = 600.0
-    # Per tenant (the implicit one too), at once: leases, and slots across them
-    # (kvstore/leases.py). 0: no cap.
-    max_per_tenant: int = 4096
-    max_slots_per_tenant: int = 1 << 18
-
-
-@dataclass
-class NamespaceConfig:
-    """What one tenant's namespaces may cost: each is kept in memory and persisted in LMDB
-    for good (docs/security.md, Caps)."""
-    max_per_tenant: int = 1024      # namespaces one tenant (or the implicit one) registers
-    max_spec_bytes: int = 4096      # a spec as persisted (JSON); real ones are well under 1 KiB
 
 
 @dataclass
@@ -258,7 +261,6 @@ class StoreConfig:
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
-    namespaces: NamespaceConfig = field(default_factory=NamespaceConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     tenants: dict[str, Any] = field(default_factory=dict)   # kvstore/tenants.py reads them
@@ -277,14 +279,6 @@ class StoreConfig:
                                   "remote is enabled")
         if not 0 < self.leases.default_ttl_s <= self.leases.max_ttl_s:
             raise ConfigError("leases: need 0 < default_ttl_s <= max_ttl_s")
-        for key, v in (("leases.max_per_tenant", self.leases.max_per_tenant),
-                       ("leases.max_slots_per_tenant", self.leases.max_slots_per_tenant),
-                       ("namespaces.max_per_tenant", self.namespaces.max_per_tenant)):
-            if v < 0:
-                raise ConfigError(f"{key} must be 0 (no cap) or a positive count, got {v}")
-        if not 512 <= self.namespaces.max_spec_bytes <= 1 << 20:
-            raise ConfigError("namespaces.max_spec_bytes must be in 512..1048576, got "
-                              f"{self.namespaces.max_spec_bytes}")
         self.server.check()
         self.auth.check()
         self.limits.check()

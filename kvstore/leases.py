@@ -98,18 +98,18 @@ class LeaseTable:
 
     def admit(self, ns_id: bytes, slots: int) -> None:
         """ResourceExhausted when a new lease of up to `slots` slots on this namespace would
-        take its tenant past its caps (leases.max_per_tenant, leases.max_slots_per_tenant)."""
+        take its tenant past its caps (limits.leases_per_tenant, lease_slots_per_tenant)."""
         owner = self.owner_of(ns_id)
         who = f"tenant {owner}" if owner else "this daemon's clients"
         if self.max_leases and self._held[owner] >= self.max_leases:
             raise ResourceExhausted(
                 f"{who} already hold{'s' if owner else ''} {self._held[owner]} leases, the "
-                f"limit (leases.max_per_tenant = {self.max_leases}); release leases (or let "
+                f"limit (limits.leases_per_tenant = {self.max_leases}); release leases (or let "
                 "them expire) before taking more")
         if self.max_slots and self._slots[owner] + slots > self.max_slots:
             raise ResourceExhausted(
                 f"{who} hold{'s' if owner else ''} {self._slots[owner]} slots under leases and "
-                f"{slots} more would pass the limit (leases.max_slots_per_tenant = "
+                f"{slots} more would pass the limit (limits.lease_slots_per_tenant = "
                 f"{self.max_slots}); release leases, or lease fewer blocks at once")
 
     def new(self, kind: str, ns_id: bytes, tier: str, slots: list[Slot],

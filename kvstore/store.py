@@ -129,11 +129,12 @@ class Store(DeviceMovement, TenantPools):
         self._slab = self.host = HostTier(config.host.capacity, shm_name=shm_name,
                                           prefault=False)
         self._setup_pools()             # tenants with a host quota get their own segment
-        lc = config.leases
+        lim = config.limits
         # Leases are counted per tenant; without tenants all are the implicit tenant's, and
         # finding the owner costs nothing.
-        self.leases = LeaseTable(lc.default_ttl_s, lc.max_ttl_s, max_leases=lc.max_per_tenant,
-                                 max_slots=lc.max_slots_per_tenant,
+        self.leases = LeaseTable(config.leases.default_ttl_s, config.leases.max_ttl_s,
+                                 max_leases=lim.leases_per_tenant,
+                                 max_slots=lim.lease_slots_per_tenant,
                                  owner_of=self.owner if self.tenants else None)
         # Page-locked so host<->GPU copies (ours and clients') run at PCIe speed; a no-op
         # without CUDA. It must be unregistered before the slab is unmapped (close order).
@@ -462,21 +463,22 @@ class Store(DeviceMovement, TenantPools):
 
         Why caps: a namespace is kept in memory and in LMDB for good, and a spec's free-form
         fields (extra, model, revision) could make one cost hundreds of KiB; a tenant could
-        otherwise register them without end (docs/security.md, Caps)."""
-        nc = self.config.namespaces
+        otherwise register them without end (docs/security.md, "The store's own checks")."""
+        lim = self.config.limits
         blob = json.dumps(spec.to_dict()).encode()
-        if len(blob) > nc.max_spec_bytes:
+        if len(blob) > lim.namespace_spec_bytes:
             raise InvalidArgument(
                 f"the namespace spec is {len(blob)} bytes as stored, above the daemon's limit "
-                f"of {nc.max_spec_bytes} (namespaces.max_spec_bytes); shorten spec.extra, "
-                "model or revision")
+                f"of {lim.namespace_spec_bytes} (limits.namespace_spec_bytes); shorten "
+                "spec.extra, model or revision")
         owner = spec.extra.get(TENANT_KEY)
-        if nc.max_per_tenant and self.namespace_count(owner) >= nc.max_per_tenant:
+        cap = lim.namespaces_per_tenant
+        if cap and self.namespace_count(owner) >= cap:
             who = f"tenant {owner} has" if owner else "this daemon's clients have"
             raise ResourceExhausted(
                 f"{who} registered {self.namespace_count(owner)} namespaces, the limit "
-                f"(namespaces.max_per_tenant = {nc.max_per_tenant}); namespaces already "
-                "registered still work")
+                f"(limits.namespaces_per_tenant = {cap}); namespaces already registered "
+                "still work")
         return blob
 
     def namespace(self, ns_id: bytes) -> NamespaceInfo:

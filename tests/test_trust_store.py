@@ -84,9 +84,9 @@ def world(tmp_path_factory):
         admin = true
     """))
     d = start_daemon(tmp, {"auth.tokens_file": str(tf), "host.capacity": "8MiB",
-                           "namespaces.max_per_tenant": NS_CAP,
-                           "leases.max_per_tenant": LEASE_CAP,
-                           "leases.max_slots_per_tenant": SLOT_CAP})
+                           "limits.namespaces_per_tenant": NS_CAP,
+                           "limits.leases_per_tenant": LEASE_CAP,
+                           "limits.lease_slots_per_tenant": SLOT_CAP})
     try:
         yield d
     finally:
@@ -178,7 +178,7 @@ def test_leases_are_capped_per_tenant(world) -> None:
                                                                 count=1)).lease.lease_id)
             except ResourceExhausted as e:
                 assert "tenant c already holds 16 leases" in str(e), e
-                assert "leases.max_per_tenant" in str(e)
+                assert "limits.leases_per_tenant" in str(e)
                 break
         assert len(held) == LEASE_CAP
         lease = ops.call("Reserve", pb.ReserveRequest(namespace_id=ns_o.ns_id, count=1)).lease
@@ -188,7 +188,7 @@ def test_leases_are_capped_per_tenant(world) -> None:
                                                         count=1)).lease.lease_id)
         for lid in held:
             c.release(lid)
-        with pytest.raises(ResourceExhausted, match="leases.max_slots_per_tenant"):
+        with pytest.raises(ResourceExhausted, match="limits.lease_slots_per_tenant"):
             c.call("Reserve", pb.ReserveRequest(namespace_id=ns_c.ns_id, count=SLOT_CAP + 1))
         lease = c.call("Reserve", pb.ReserveRequest(namespace_id=ns_c.ns_id,
                                                     count=SLOT_CAP)).lease
@@ -201,7 +201,7 @@ def test_namespaces_are_capped_per_tenant_and_in_size(world) -> None:
     other tenants register as before."""
     big = {f"k{i:02d}": "\u4e00" * 1000 for i in range(64)}     # ~375 KiB as stored (JSON)
     with connect(world.address, token=TOKENS["b"], transport="grpc") as b:
-        with pytest.raises(InvalidArgument, match="namespaces.max_spec_bytes"):
+        with pytest.raises(InvalidArgument, match="limits.namespace_spec_bytes"):
             b.namespace(LAYOUT, model="huge", extra=big)
         made = []
         for i in range(NS_CAP + 4):
@@ -209,14 +209,14 @@ def test_namespaces_are_capped_per_tenant_and_in_size(world) -> None:
                 made.append(b.namespace(LAYOUT, model=f"flood-{i}").ns_id)
             except ResourceExhausted as e:
                 assert "tenant b has registered 8 namespaces" in str(e), e
-                assert "namespaces.max_per_tenant = 8" in str(e)
+                assert "limits.namespaces_per_tenant = 8" in str(e)
                 break
         assert b.stats()["namespaces"] == NS_CAP
         assert made and b.namespace(LAYOUT, model="flood-0").ns_id == made[0]  # not new
     world.restart()
     with connect(world.address, token=TOKENS["b"], transport="grpc") as b, \
             connect(world.address, token=TOKENS["ops"], transport="grpc") as ops:
-        with pytest.raises(ResourceExhausted, match="namespaces.max_per_tenant"):
+        with pytest.raises(ResourceExhausted, match="limits.namespaces_per_tenant"):
             b.namespace(LAYOUT, model="after-restart")
         assert ops.namespace(LAYOUT, model="admin-after-restart").ns_id
 
@@ -299,8 +299,9 @@ def test_a_call_may_not_name_one_block_twice(plain) -> None:
         put = ch.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=lambda x: x,
                               response_deserializer=pb.PutResponse.FromString)
         from kvstore_client.wire import encode_put
-        assert put(iter([encode_put(ns.ns_id, b"", list(zip(keys, data, strict=True)))]),
-                   timeout=30).stored == 4
+        msgs = [encode_put(ns.ns_id if i == 0 else b"", b"", [(k, d)])   # a block a message
+                for i, (k, d) in enumerate(zip(keys, data, strict=True))]
+        assert put(iter(msgs), timeout=30).stored == 4
         stub = pbg.KVStoreStub(ch)
         one = [keys[0]] * 512
         in_step = keys * 4          # each batch of 4 distinct, the stream 4 times the same
@@ -372,7 +373,7 @@ def test_leases_are_reaped_from_a_deadline_heap() -> None:
     capped = LeaseTable(30, 600, max_leases=2, max_slots=3, owner_of=owners.get)
     capped.new("read", b"a" * 16, "host", [Slot(0, 1)])
     capped.admit(b"a" * 16, 2)
-    with pytest.raises(ResourceExhausted, match="max_slots_per_tenant"):
+    with pytest.raises(ResourceExhausted, match="lease_slots_per_tenant"):
         capped.admit(b"a" * 16, 3)
     capped.new("read", b"a" * 16, "host", [Slot(0, 1)])
     with pytest.raises(ResourceExhausted, match="tenant a already holds 2 leases"):
