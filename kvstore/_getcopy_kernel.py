@@ -27,7 +27,8 @@ from kvstore_client.common.kernel_externs import xxh3_update as _update
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def copy_check(dst, src, dst_off, lens, want, chunk):  # pragma: no cover - compiled
     """Copy block j (lens[j] bytes at address src[j]) to dst + dst_off[j] and compare the
-    XXH3-64 of the copy with want[j] (0: unknown, not compared); hashing off when chunk == 0.
+    XXH3-64 of the copy with want[j] (every value, 0 included: kvstore/verify.py); hashing off
+    when chunk == 0.
 
     Returns the index of the first block whose copy does not match (it and the blocks after it
     are not, or not wholly, copied), len(src) when all match, or -1 when the hash state could
@@ -54,7 +55,7 @@ def copy_check(dst, src, dst_off, lens, want, chunk):  # pragma: no cover - comp
             _memcpy(d + off, s + off, k)
             _update(st, d + off, k)        # the copy, just written, still in L1
             off += k
-        if want[j] != 0 and _digest(st) != np.uint64(want[j]):
+        if _digest(st) != np.uint64(want[j]):
             _free(st)
             return j
     _free(st)

@@ -311,6 +311,13 @@ class LimitsConfig:
     lane_per_tenant: int = 64       # lane connections per tenant (no tenants: 256 in all)
     frame_deadline_s: float = 10.0  # a lane request frame, from its first byte
     sessions_per_tenant: int = 4096  # handshake sessions remembered per tenant
+    # The store's, per tenant (the implicit one too; 0: no cap): leases held at once and slots
+    # across them (kvstore/leases.py), namespaces registered (each kept for good) and the size
+    # of one namespace spec as persisted (JSON; real ones are well under 1 KiB).
+    leases_per_tenant: int = 4096
+    lease_slots_per_tenant: int = 1 << 18
+    namespaces_per_tenant: int = 1024
+    namespace_spec_bytes: int = 4096
 
     def check(self) -> None:
         for key in ("request_deadline_s", "hello_deadline_s", "frame_deadline_s"):
@@ -325,6 +332,14 @@ class LimitsConfig:
             v = getattr(self, key)
             if not 1 <= v <= 1 << 20:
                 raise ConfigError(f"limits.{key} must be in 1..{1 << 20}, got {v}")
+        for key in ("leases_per_tenant", "lease_slots_per_tenant", "namespaces_per_tenant"):
+            v = getattr(self, key)
+            if not 0 <= v <= 1 << 30:
+                raise ConfigError(f"limits.{key} must be 0 (no cap) or a count up to "
+                                  f"{1 << 30}, got {v}")
+        if not 512 <= self.namespace_spec_bytes <= 1 << 20:
+            raise ConfigError("limits.namespace_spec_bytes must be in 512..1048576, got "
+                              f"{self.namespace_spec_bytes}")
         if self.pending_per_uid > self.pending_total:
             raise ConfigError(f"limits.pending_per_uid ({self.pending_per_uid}) must not be "
                               f"above limits.pending_total ({self.pending_total})")

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvstore_client.common.lazy import lazy_module
 
+from .keychain import check_distinct
 from .verify import first_mismatch
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ def _header(key: bytes, n: int) -> bytes:
 def encode(blocks: Sequence[tuple[bytes, np.ndarray]], checksums: Sequence[int],
            check: bool = True, kernel: bool = True) -> Reply:
     """The GetResponse wire bytes of `blocks` [(key, 1-D uint8 view of its slot)], each block's
-    copy checked against `checksums` (0: unknown, not checked) unless check is False.
+    copy checked against `checksums` (every value, 0 included) unless check is False.
 
     kernel=False takes the path used without the compiled kernel (for tests of it).
     """
@@ -178,7 +179,12 @@ def stream(read: Callable[[list[bytes]], Reply], keys: list[bytes], per: int,
     pool has not started by the time it is needed runs on this thread instead (no waiting in
     the queue behind other streams). A stream cut short leaves a read in flight to finish on
     its own (it releases its lease; its reply is dropped).
+
+    The keys must be distinct, checked here over the whole list: each batch's read checks its
+    own, but a list repeating a run of keys in step with the batches would pass those checks
+    and stream the same blocks again and again (kvstore/keychain.py).
     """
+    check_distinct(keys)
     ahead: Future | None = None
     i = 0
     try:

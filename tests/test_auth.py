@@ -57,6 +57,7 @@ def tokens_file(tmp_path: Path, extra: str = "") -> Path:
         [tenants.team-a]
         token_sha256 = "{hash_token(TOKENS['team-a'])}"
         models = ["a-*"]
+        host_quota = "8MiB"     # its own pool: it may hold leases (the shared pool's are admins')
         [tenants.team-b]
         token_sha256 = ["{hash_token(TOKENS['team-b'])}"]
         models = ["a-*", "b-*"]

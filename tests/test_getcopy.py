@@ -71,9 +71,10 @@ def test_a_block_that_differs_from_its_checksum_ends_the_reply(kernel: bool, bad
     r = getcopy.encode(views, sums, kernel=kernel)
     assert (r.blocks, r.bad) == (bad, views[bad][0])
     assert _blocks(r.msg) == [(k, v.tobytes()) for k, v in views[:bad]]
-    # An unknown checksum (0) is not checked; checking off sends the bytes as they are.
+    # A checksum of 0 is checked like any other (it never means "unknown": a client that
+    # could commit 0 would have any bytes served); checking off sends the bytes as they are.
     r = getcopy.encode(views, [s if i != bad else 0 for i, s in enumerate(sums)], kernel=kernel)
-    assert r.blocks == len(views) and r.bad is None
+    assert (r.blocks, r.bad) == (bad, views[bad][0])
     assert getcopy.encode(views, sums, check=False, kernel=kernel).blocks == len(views)
 
 

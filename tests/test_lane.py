@@ -159,6 +159,7 @@ def test_tenants_need_a_token_and_stay_apart_on_the_lane(tmp_path: Path) -> None
     f.write_text(textwrap.dedent(f"""
         [tenants.a]
         token_sha256 = "{hash_token(tokens['a'])}"
+        host_quota = "8MiB"     # its own pool: it may hold leases (the shared pool's are admins')
         [tenants.b]
         token_sha256 = "{hash_token(tokens['b'])}"
         [tenants.ops]
