@@ -71,3 +71,13 @@ VLLM_DESELECTED: dict[str, str] = {
 VLLM_SINCE: dict[str, tuple[int, int]] = {
     "test_fs_tier.py::test_failed_load_after_abort_does_not_break_newer_probe": (0, 33),
 }
+
+# SGLang's in-wheel storage/mooncake_store/test_mooncake_store.py (tests/sglang_contract.py,
+# tests/test_sglang_contract.py), run as its own __main__ runs it, with the backend swapped.
+SGLANG_DESELECTED: dict[str, str] = {
+    "test_mooncake_store.py::test_single_operation":
+        "Mooncake's object API: it stores a 4 KiB object under a key through set(key, "
+        "target_location=<pointer>, target_sizes=4096) in a pool whose pages are 8 KiB. "
+        "kvstore's backend stores SGLang's pages, one block per whole page, which is all "
+        "SGLang's cache controller ever passes (flat pages, or batch_*_v1 host indices)",
+}
