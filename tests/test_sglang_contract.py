@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -125,3 +126,29 @@ def test_sglang_controller_with_the_shm_host_pool(tmp_path: Path) -> None:
     assert c["backup_tokens"] == 96 and c["hit_tokens"] == 96
     assert c["loaded_tokens"] == 96 and c["bytes_equal"]
     assert c["stats"]["copy"] == "kernel" and c["stats"]["errors"] == 0
+
+
+def test_an_sglang_outside_the_matrix_is_refused_at_load() -> None:
+    """SGLang reporting another release (and no SGLang at all): loading the backend fails with
+    one line naming the supported releases."""
+    script = (
+        "import importlib.metadata as md, sys\n"
+        "real = md.version\n"
+        "md.version = lambda name: sys.argv[1] if name == 'sglang' else real(name)\n"
+        "from kvstore_client.sglang.compat import UnsupportedSGLang\n"
+        "try:\n"
+        "    import kvstore_client.sglang.backend\n"
+        "except UnsupportedSGLang as e:\n"
+        "    print(repr(str(e)))\n")
+    for fake in ("0.5.22", "0.6.0"):
+        p = subprocess.run([sglang_python(), "-c", script, fake], capture_output=True,
+                           text=True, env=_env(), timeout=300)
+        assert p.stdout.strip().splitlines()[-1:] == [repr(
+            "kvstore's SGLang backend supports SGLang 0.5.23; installed SGLang: " + fake)], (
+            p.stdout[-2000:], p.stderr[-2000:])
+    p = subprocess.run([sys.executable, "-c", "import kvstore_client.sglang.backend"],
+                       capture_output=True, text=True, env=_env(), timeout=120)
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines()[-1] == (
+        "kvstore_client.sglang.compat.UnsupportedSGLang: kvstore's SGLang backend supports "
+        "SGLang 0.5.23; installed SGLang: not installed")
