@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -56,10 +57,10 @@ class ChunkGeometry:
 
 
 def _count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise BadGeometry(f"kvstore's vLLM tier: vLLM's {name} is {value!r}, not an integer "
                           f">= {minimum}; refusing to derive a chunk size from it")
-    return value
+    return int(value)
 
 
 def replicated(spec: Any) -> bool:

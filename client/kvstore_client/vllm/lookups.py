@@ -103,7 +103,7 @@ class Lookups:
 
     def waiting_keys(self) -> list[bytes]:
         """Keys asked about whose answer is not in yet."""
-        return list(self._waiting)
+        return list(self._waiting.copy())      # one C-level copy: safe against the thread
 
     def forget(self, keys: Sequence[bytes]) -> None:
         """Drop cached answers (after this engine stored or failed to load these keys)."""
