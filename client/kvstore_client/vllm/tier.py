@@ -72,8 +72,9 @@ _METRICS = {
 }
 
 
-# Keys announced in stored events whose removal the tier would report, at most this many.
-MAX_ANNOUNCED = 1 << 18
+# Keys announced in stored events whose removal the tier would report, at most this many (the
+# oldest are forgotten first; a few MiB of the scheduler's memory).
+MAX_ANNOUNCED = 1 << 16
 
 _INSTANCES: weakref.WeakSet = weakref.WeakSet()
 # A queued transfer: (job, folded keys, primary-tier chunk ids, submit time).
