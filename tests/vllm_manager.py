@@ -66,7 +66,11 @@ class Engine:
     count = 0
 
     def __init__(self, address: str, *, primary_chunks: int = PRIMARY_CHUNKS,
-                 **tier: Any) -> None:
+                 parallel: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
+                 dtype: str = "float32", **tier: Any) -> None:
+        """parallel / config: OffloadingParallelConfig / OffloadingConfig fields to override
+        (a chunk is CHUNK_BYTES whatever the topology: each worker's share of it, or one copy
+        when the layout is replicated); tier: the tier's settings."""
         from vllm.v1.kv_offload.config import (
             OffloadingCacheConfig,
             OffloadingConfig,
@@ -82,19 +86,23 @@ class Engine:
         tier_cfg = {"type": "KVStoreTier", "module_path": "kvstore_client.vllm.tier",
                     "address": address, "lookup_deadline_s": 2.0, "timeout_s": 5.0, **tier}
         self.extra = {"cpu_bytes_to_use": primary_chunks * stride, "secondary_tiers": [tier_cfg]}
-        cfg = OffloadingConfig(
+        par = dict(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                   data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                   is_parallelism_agnostic=False)
+        par.update(parallel or {})
+        fields: dict[str, Any] = dict(
             groups=(OffloadingGroupConfig(tokens_per_block=BLOCK_TOKENS,
                                           layer_names=("model.layers.0.self_attn.attn",),
                                           group_id=0),),
             worker_kv_bytes_per_block=CHUNK_BYTES, enable_kv_cache_events=False,
             extra_config=self.extra, engine_id=self.name,
-            model=OffloadingModelConfig(name="kvstore-test/manager-model", dtype="float32"),
+            model=OffloadingModelConfig(name="kvstore-test/manager-model", dtype=dtype),
             cache=OffloadingCacheConfig(tokens_per_hash=BLOCK_TOKENS, blocks_per_chunk=1),
-            parallel=OffloadingParallelConfig(
-                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                is_parallelism_agnostic=False),
-            kv_cache_layout="NHD")
+            parallel=OffloadingParallelConfig(**par), kv_cache_layout="NHD")
+        fields.update(config or {})
+        copies = 1 if fields.get("replicated_layout") else par["world_size"]
+        fields["worker_kv_bytes_per_block"] = CHUNK_BYTES // copies
+        cfg = OffloadingConfig(**fields)
         self.spec_cls = TieringOffloadingSpec
         self.spec = TieringOffloadingSpec(cfg)
         self.mgr = self.spec.get_manager()
