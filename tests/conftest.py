@@ -1,3 +1,93 @@
-"""Fixtures every test module can use without importing them."""
+"""Fixtures every test module can use without importing them, and the suite's rules:
 
+- under CI (`CI` set) a skip fails its test unless tests/skips.py lists it and its condition
+  holds here;
+- no test leaves sys.path changed (a folder such as bench/ left in front shadows real packages:
+  bench/vllm.py once stood in for vLLM and turned a test into a false skip).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import other_uid, skips
 from tests.daemon import daemon_fixture  # noqa: F401  (registers the `daemon` fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in skips.MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+
+
+def _reason(longrepr: object) -> str:
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    rep = yield
+    if rep.skipped and not hasattr(rep, "wasxfail") and skips.in_ci():
+        why = skips.judge(item, _reason(rep.longrepr))
+        if why is not None:
+            rep.outcome = "failed"
+            rep.longrepr = why
+    return rep
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport:
+    rep = yield
+    if rep.skipped and skips.in_ci():      # a whole module skipped at import: never expected
+        rep.outcome = "failed"
+        rep.longrepr = skips.judge(None, _reason(rep.longrepr))
+    return rep
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    if not skips.in_ci():
+        return ["CI not set: skips are reported (-rs), not failed"]
+    return ["CI set: a skip fails unless expected here; expected skips:",
+            *(f"  {line}" for line in skips.summary())]
+
+
+def _bench_on_path() -> list[str]:
+    bench = ROOT / "bench"
+    return [p for p in sys.path if p and Path(p).resolve() == bench]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Modules run at import during collection: none may leave bench/ on sys.path."""
+    left = _bench_on_path()
+    if left:
+        raise pytest.UsageError(f"a test module left {left} on sys.path while it was imported; "
+                                "load bench scripts by path (importlib), never through sys.path")
+
+
+@pytest.fixture(autouse=True)
+def _sys_path_unchanged() -> Iterator[None]:
+    before = list(sys.path)
+    yield
+    after = list(sys.path)
+    if after != before:
+        sys.path[:] = before
+        pytest.fail(f"this test changed sys.path (before: {before}, after: {after}); load "
+                    "modules by path instead, so later tests import what they mean to",
+                    pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def other_uids() -> Iterator[None]:
+    """For tests that run a client under another uid (tests/other_uid.py): skips where that
+    cannot work; under CI makes the folders down to the checkout searchable for the run."""
+    with other_uid.searchable() as why:
+        if why:
+            pytest.skip(why)
+        yield
