@@ -35,20 +35,38 @@ def _reason(longrepr: object) -> str:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
     rep = yield
     if rep.skipped and not hasattr(rep, "wasxfail") and skips.in_ci():
-        why = skips.judge(item, _reason(rep.longrepr))
-        if why is not None:
+        expected, text = skips.judge(item, _reason(rep.longrepr))
+        if not expected:
             rep.outcome = "failed"
-            rep.longrepr = why
+            rep.longrepr = text
+        elif isinstance(rep.longrepr, tuple) and len(rep.longrepr) == 3:
+            rep.longrepr = (*rep.longrepr[:2], text)        # -rs prints why it is allowed
     return rep
+
+
+_UNEXPECTED_MODULE_SKIPS: list[str] = []
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport:
+    """A whole module skipped at import is never expected under CI. It stays a skip here (an
+    error would stop the session before any test ran) and fails the run at its end."""
     rep = yield
-    if rep.skipped and skips.in_ci():      # a whole module skipped at import: never expected
-        rep.outcome = "failed"
-        rep.longrepr = skips.judge(None, _reason(rep.longrepr))
+    if rep.skipped and skips.in_ci():
+        _UNEXPECTED_MODULE_SKIPS.append(f"{rep.nodeid}: {_reason(rep.longrepr)}")
     return rep
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _UNEXPECTED_MODULE_SKIPS:
+        terminalreporter.section("modules skipped under CI, which expects no such skip")
+        for line in _UNEXPECTED_MODULE_SKIPS:
+            terminalreporter.line(line)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _UNEXPECTED_MODULE_SKIPS and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -71,12 +89,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                                 "load bench scripts by path (importlib), never through sys.path")
 
 
+def _inside_checkout(p: str) -> bool:
+    return Path(p or ".").resolve().is_relative_to(ROOT)
+
+
 @pytest.fixture(autouse=True)
 def _sys_path_unchanged() -> Iterator[None]:
+    """A test may not insert into sys.path, remove from it, or add a folder of the checkout:
+    that changes what later tests import. (A package appending its own data folder at the end,
+    as grpc_tools does, shadows nothing.)"""
     before = list(sys.path)
     yield
     after = list(sys.path)
-    if after != before:
+    added = after[len(before):]
+    if after[:len(before)] != before or any(_inside_checkout(p) for p in added):
         sys.path[:] = before
         pytest.fail(f"this test changed sys.path (before: {before}, after: {after}); load "
                     "modules by path instead, so later tests import what they mean to",

@@ -92,16 +92,18 @@ MARKERS = {
 }
 
 
-def judge(item: pytest.Item | None, reason: str) -> str | None:
-    """None when this skip is expected here; otherwise why it fails the CI run."""
+def judge(item: pytest.Item | None, reason: str) -> tuple[bool, str]:
+    """(True, the reason with the condition that allows it) for an expected skip; otherwise
+    (False, why it fails the CI run)."""
     names = {m.name for m in item.iter_markers()} if item is not None else set()
     for e in EXPECTED:
         if e.marker in names:
             if e.holds():
-                return None
-            return (f"skipped under CI although this machine does not meet the condition of "
-                    f"its expected skip ({e.marker}: {e.condition}): {reason}")
-    return f"skipped under CI, which expects no skip here: {reason}"
+                return True, f"{reason} [expected under CI: {e.condition}]"
+            return False, (f"skipped under CI although this machine does not meet the "
+                           f"condition of its expected skip ({e.marker}: {e.condition}): "
+                           f"{reason}")
+    return False, f"skipped under CI, which expects no skip here: {reason}"
 
 
 def summary() -> list[str]:

