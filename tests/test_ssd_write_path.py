@@ -141,6 +141,7 @@ def test_a_failed_write_among_queued_runs_stores_nothing_and_leaves_none_in_flig
     assert ssd.used_bytes == used + sum(map(len, values))
 
 
+@pytest.mark.o_direct
 def test_o_direct_refused_mid_way_falls_back_to_buffered_writes(ssd, monkeypatch):
     import tiers.ssd as mod
     if not ssd.direct_io:
