@@ -108,12 +108,12 @@ vllm-env: $(VLLM_VENV)/.installed
 TEST_PREREQS := dev redis promtool vllm-env sglang-env
 
 # -rs prints every skip with its reason. With CI set (.ci/run sets it) a skip fails the run
-# unless tests/skips.py lists it and its condition holds on this machine.
+# unless tests/expected_skips.py lists it and its condition holds on this machine.
 test: $(TEST_PREREQS)
 	# Run every numba kernel (codecs, the SDK's block copy, the daemon's Get copy) once: this
 	# compiles them into their on-disk cache rather than inside the first test that uses them,
 	# and fails here, naming it, when one does not load (the tests would run its fallback).
-	$(PY) -m tests.kernels
+	$(PY) -m tests.kernel_checks
 	$(PY) -m pytest -q -rs -p no:cacheprovider $(ARGS)
 
 lint: dev

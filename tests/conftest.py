@@ -1,7 +1,7 @@
 """Fixtures every test module can use without importing them, and the suite's rules:
 
-- under CI (`CI` set) a skip fails its test unless tests/skips.py lists it and its condition
-  holds here;
+- under CI (`CI` set) a skip fails its test unless tests/expected_skips.py lists it and its
+  condition holds here;
 - no test leaves sys.path changed (a folder such as bench/ left in front shadows real packages:
   bench/vllm.py once stood in for vLLM and turned a test into a false skip).
 """
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tests import other_uid, skips
+from tests import expected_skips, other_uid
 from tests.daemon import daemon_fixture  # noqa: F401  (registers the `daemon` fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for name, text in skips.MARKERS.items():
+    for name, text in expected_skips.MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
 
 
@@ -34,8 +34,8 @@ def _reason(longrepr: object) -> str:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
     rep = yield
-    if rep.skipped and not hasattr(rep, "wasxfail") and skips.in_ci():
-        expected, text = skips.judge(item, _reason(rep.longrepr))
+    if rep.skipped and not hasattr(rep, "wasxfail") and expected_skips.in_ci():
+        expected, text = expected_skips.judge(item, _reason(rep.longrepr))
         if not expected:
             rep.outcome = "failed"
             rep.longrepr = text
@@ -52,7 +52,7 @@ def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectRep
     """A whole module skipped at import is never expected under CI. It stays a skip here (an
     error would stop the session before any test ran) and fails the run at its end."""
     rep = yield
-    if rep.skipped and skips.in_ci():
+    if rep.skipped and expected_skips.in_ci():
         _UNEXPECTED_MODULE_SKIPS.append(f"{rep.nodeid}: {_reason(rep.longrepr)}")
     return rep
 
@@ -70,10 +70,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    if not skips.in_ci():
+    if not expected_skips.in_ci():
         return ["CI not set: skips are reported (-rs), not failed"]
     return ["CI set: a skip fails unless expected here; expected skips:",
-            *(f"  {line}" for line in skips.summary())]
+            *(f"  {line}" for line in expected_skips.summary())]
 
 
 def _bench_on_path() -> list[str]:

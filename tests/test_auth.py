@@ -32,7 +32,7 @@ from kvstore_client._proto import kvstore_pb2_grpc as pbg
 from kvstore_client.wire import encode_put
 
 from kvstore.tenants import hash_token
-from tests import installed
+from tests import optional_deps
 from tests.daemon import DaemonError, cleanup, start_daemon
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="bfloat16")
@@ -309,7 +309,7 @@ def test_tcp_loopback_round_trip(tmp_path: Path) -> None:
 
 
 def test_mtls_with_trustme(tmp_path: Path) -> None:
-    trustme = installed.module("trustme")
+    trustme = optional_deps.module("trustme")
     ca = trustme.CA()
     server = ca.issue_cert("localhost", "127.0.0.1")
     alice = ca.issue_cert("alice", common_name="team-a")

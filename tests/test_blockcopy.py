@@ -14,13 +14,13 @@ import xxhash
 from kvstore_client import KVLayout, blockcopy, connect
 from kvstore_client.buffers import aligned_buffer
 
-from tests import kernels
+from tests import kernel_checks
 from tests.daemon import cleanup, start_daemon
 
 
 @pytest.fixture
 def copy_kernel() -> None:
-    kernels.require("the SDK's copy kernel", blockcopy.kernel_status())
+    kernel_checks.require("the SDK's copy kernel", blockcopy.kernel_status())
 
 
 # These tests mean the compiled kernel: they fail where it does not load (never a quiet skip).

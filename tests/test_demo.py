@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from kvstore.demo import MIN_SHOWN_SPEEDUP, TurnResult, speedup_verdict, temporary_daemon
-from tests import installed
+from tests import optional_deps
 
-installed.module("transformers")
+optional_deps.module("transformers")
 
 
 def test_temporary_daemon_says_what_it_waits_for():

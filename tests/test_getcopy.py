@@ -23,7 +23,7 @@ from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client.wire import decode_get
 
 from kvstore import getcopy
-from tests import kernels
+from tests import kernel_checks
 from tests.daemon import cleanup, start_daemon
 
 # The compiled kernel (it must load: a test of it never passes on the fallback) and the
@@ -35,7 +35,7 @@ PATHS = [pytest.param(True, id="kernel"), pytest.param(False, id="fallback-join"
 def _kernel_loads(request: pytest.FixtureRequest) -> None:
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and callspec.params.get("kernel") is True:
-        kernels.require("the daemon's Get copy kernel", getcopy.kernel_status())
+        kernel_checks.require("the daemon's Get copy kernel", getcopy.kernel_status())
 
 
 def _pool(sizes: list[int], seed: int = 0) -> tuple[np.ndarray, list[tuple[bytes, np.ndarray]]]:

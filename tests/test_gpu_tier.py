@@ -31,7 +31,7 @@ from kvstore_client import paged_copy, pools
 from kvstore_client.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from kvstore_client.layout import KVLayout
 
-from tests import installed
+from tests import optional_deps
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = cg.cuda_available()
@@ -655,7 +655,7 @@ def test_gpu_host_ssd_gpu_round_trip(tier, tmp_path, codec, tol):
 
 @cuda_test
 def test_triton_and_torch_paths_agree(tier):
-    installed.module("triton", "the CUDA build of torch installs it")
+    optional_deps.module("triton", "the CUDA build of torch installs it")
     pool = cg.open_pool(tier.describe())
     slots = [tier.alloc(LAYOUT.block_bytes) for _ in range(6)]
     for kind in ("vllm", "flashinfer", "padded", "head_major", "token_major"):

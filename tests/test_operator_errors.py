@@ -26,7 +26,7 @@ from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.errors import Unavailable
 
-from tests import skips
+from tests import expected_skips
 from tests.daemon import cleanup, start_daemon
 from tests.test_server import BIG, BIG_BYTES, blocks, chain, put, register
 
@@ -238,7 +238,7 @@ def test_socket_path_is_a_regular_file(tmp_path):
 def private_shm() -> str:
     """The size of the /dev/shm `serve(..., shm_size=...)` gives the daemon: a tmpfs in a mount
     namespace of its own, so no other process's segments change the free space it sees."""
-    if skips.cannot_mount_tmpfs():
+    if expected_skips.cannot_mount_tmpfs():
         pytest.skip("mounting a private /dev/shm needs root and mount rights")
     if not shutil.which("unshare"):
         pytest.skip("unshare (util-linux) is not installed")

@@ -1,7 +1,7 @@
 """The build step of `make test`: load every compiled (numba) kernel, and fail if one does not;
 and `require`, for the tests that mean a kernel.
 
-    python -m tests.kernels
+    python -m tests.kernel_checks
 
 Why a step of its own: the first use of a kernel compiles it into numba's on-disk cache (seconds
 to tens of seconds on a loaded 2-core machine); done here once, no test pays it inside its
