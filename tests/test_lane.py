@@ -17,7 +17,7 @@ import pytest
 import torch
 from kvstore_client import KVLayout, LeaseExpired, NotFound, PermissionDenied, connect
 from kvstore_client._proto import kvstore_pb2 as pb
-from kvstore_client.lane_wire import HEADER, METHOD_ID, lane_path
+from kvstore_client.lane_wire import CODES, HEADER, METHOD_ID, lane_path, recv_exact
 
 from kvstore.tenants import hash_token
 from tests.daemon import cleanup, start_daemon
@@ -184,16 +184,33 @@ def test_tenants_need_a_token_and_stay_apart_on_the_lane(tmp_path: Path) -> None
             ids, kv = prompt(40, 4), make_kv(40, 4)
             assert na.store(ids, kv) == 4
             assert a._lane is not None and b._lane is not None
+            a.leases.flush(spares=True)     # A's store leaves no lease for its thread to send
             before = lane_calls()
             lease = a.call("Acquire", pb.AcquireRequest(namespace_id=na.ns_id,
                                                          keys=na.keys(ids))).lease
-            with pytest.raises(PermissionDenied):
-                b.call("Acquire", pb.AcquireRequest(namespace_id=na.ns_id, keys=na.keys(ids)))
-            with pytest.raises(PermissionDenied):
-                b.call("Release", pb.ReleaseRequest(lease_id=lease.lease_id))
-            with pytest.raises(PermissionDenied):
-                b.call("Lookup", pb.LookupRequest(namespace_id=na.ns_id, keys=na.keys(ids)))
-            assert lane_calls() - before >= 1
+            assert lane_calls() - before == 1                   # A's Acquire took the lane
+            # B's attempts, sent on B's own lane connection (its SDK lane client, so they
+            # cannot go over gRPC instead): each is refused there, as it is over gRPC.
+            for method, req in (
+                    ("Acquire", pb.AcquireRequest(namespace_id=na.ns_id, keys=na.keys(ids))),
+                    ("Release", pb.ReleaseRequest(lease_id=lease.lease_id)),
+                    ("RenewLease", pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=60)),
+                    ("Lookup", pb.LookupRequest(namespace_id=na.ns_id, keys=na.keys(ids)))):
+                with pytest.raises(PermissionDenied, match="belongs to another tenant"):
+                    b._lane.call(method, req.SerializeToString(), 10)
+                with pytest.raises(PermissionDenied, match="belongs to another tenant"):
+                    b.call(method, req)                         # the SDK's own route
+            # On a raw lane connection that said only B's token, too.
+            s, reply = hello(path, json.dumps({"v": 1, "token": tokens["b"]}).encode() + b"\n")
+            assert reply.get("ok") is True, reply
+            raw = pb.AcquireRequest(namespace_id=na.ns_id, keys=na.keys(ids)).SerializeToString()
+            s.sendall(HEADER.pack(len(raw), METHOD_ID["Acquire"]) + raw)
+            n, code = HEADER.unpack(recv_exact(s, HEADER.size))
+            assert CODES[code] == "PERMISSION_DENIED", (code, recv_exact(s, n))
+            assert b"belongs to another tenant" in recv_exact(s, n)
+            s.close()
+            # None of it was served: only A's call counts as a lane call.
+            assert lane_calls() - before == 1
             a.release(lease.lease_id)
             assert nb.lookup(ids) == 0
             out = torch.zeros_like(kv)
