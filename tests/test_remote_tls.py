@@ -200,6 +200,9 @@ def test_tls_cluster_round_trip_across_nodes(tmp_path, tls_files):
         bad = tls_cfg(tls_files, cluster.urls, cluster=True, password="not-the-password")
         with RemoteTier(bad) as t:
             assert not t.wait_ready(timeout=1.0)
+            # the discovery fails (in the background, however long a loaded machine takes)
+            assert wait_until(lambda: "authentication failed" in
+                              t.stats["topology"]["last_error"], 20), t.stats["topology"]
             out, dt = timed(t.get_many, keys)
             assert out == [None] * 48 and dt < OK_DEADLINE_MS / 1000 + MARGIN_S
             s = t.stats
