@@ -187,7 +187,7 @@ def test_daemon_get_stops_at_a_block_overwritten_in_a_later_batch(tmp_path) -> N
         cleanup(d)
 
 
-def test_a_kernel_that_does_not_load_is_logged_and_the_fallback_serves(tmp_path) -> None:
+def test_a_kernel_that_does_not_load_is_logged_and_the_fallback_serves() -> None:
     """The daemon's kernel broken (its module cannot be imported): encode(kernel=True) still
     builds the right reply, on the fallback, and says why once, at error level; kernel_status
     names the cause (`make test`'s build step fails on it)."""
