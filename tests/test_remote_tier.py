@@ -580,9 +580,11 @@ def test_two_daemons_share_a_prefix_and_survive_redis_outage(redis_cluster, tmp_
 
     from tests.daemon import cleanup, start_daemon
 
+    # The routing deadline: a write-through that a loaded machine makes miss 200 ms is
+    # dropped, and B could never find that block (deadlines are pinned by the tests above).
     remote = {"remote.enabled": True, "remote.urls": ",".join(redis_cluster.urls),
               "remote.cluster": True, "remote.key_prefix": "dmn:",
-              "remote.deadline_ms": DEADLINE_MS}
+              "remote.deadline_ms": ROUTING_DEADLINE_MS}
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16)
     a = start_daemon(tmp_path / "a", {**remote, "remote.write_through": True})
     b = None
@@ -593,9 +595,7 @@ def test_two_daemons_share_a_prefix_and_survive_redis_outage(redis_cluster, tmp_
         toks = list(range(16 * 6))
         kv = torch.randn(2, 2, 96, 2, 64).to(torch.bfloat16)
         assert na.store(toks, kv) == 6
-        # B finds it in Redis (a lookup Redis misses by the 200 ms deadline is a miss; the
-        # engine asks again, as this does)
-        assert wait_until(lambda: nb.lookup(toks) == 96, 20)
+        assert nb.lookup(toks) == 96                      # B found it in Redis
         out = torch.zeros_like(kv)
         assert nb.load(toks, out) == 96 and torch.equal(out, kv)
 
@@ -604,7 +604,7 @@ def test_two_daemons_share_a_prefix_and_survive_redis_outage(redis_cluster, tmp_
         try:
             t0 = time.monotonic()
             assert nb.lookup(more) == 96                  # local prefix, remote part a miss
-            assert_bounded(t0, DEADLINE_MS / 1000 + 1.0)  # plus an RPC through the daemon
+            assert_bounded(t0, ROUTING_DEADLINE_MS / 1000 + 1.0)   # and an RPC to the daemon
             out2 = torch.zeros_like(kv)
             assert nb.load(toks, out2) == 96 and torch.equal(out2, kv)   # still serving
             assert b.alive()
