@@ -178,8 +178,11 @@ def test_tenants_need_a_token_and_stay_apart_on_the_lane(tmp_path: Path) -> None
             assert reply["error"] == "UNAUTHENTICATED"
             assert closed_by_peer(s)
             s.close()
-        with connect(d.address, token=tokens["a"]) as a, \
-                connect(d.address, token=tokens["b"]) as b:
+        # A 60 s deadline: this is about who may do what, not how fast, and the first Get of a
+        # fresh daemon waits for its copy kernel to load, which a starved machine stretches
+        # past the default 10 s.
+        with connect(d.address, token=tokens["a"], timeout=60) as a, \
+                connect(d.address, token=tokens["b"], timeout=60) as b:
             na, nb = a.namespace(LAYOUT, model="m"), b.namespace(LAYOUT, model="m")
             ids, kv = prompt(40, 4), make_kv(40, 4)
             assert na.store(ids, kv) == 4

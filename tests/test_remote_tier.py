@@ -590,8 +590,10 @@ def test_two_daemons_share_a_prefix_and_survive_redis_outage(redis_cluster, tmp_
     b = None
     try:
         b = start_daemon(tmp_path / "b", {**remote, "ssd.enabled": False})
-        na = kvstore_client.connect(a.address).namespace(layout, model="shared-model")
-        nb = kvstore_client.connect(b.address).namespace(layout, model="shared-model")
+        # 60 s client deadlines: B's first load promotes from Redis while the fresh daemon
+        # still loads its codec kernels, which a starved machine stretches past 10 s.
+        na = kvstore_client.connect(a.address, timeout=60).namespace(layout, model="shared-model")
+        nb = kvstore_client.connect(b.address, timeout=60).namespace(layout, model="shared-model")
         toks = list(range(16 * 6))
         kv = torch.randn(2, 2, 96, 2, 64).to(torch.bfloat16)
         assert na.store(toks, kv) == 6
