@@ -177,11 +177,14 @@ $(ROUTERS_VENV)/.installed:
 # What the test suite needs installed before it runs (append prerequisites here).
 TEST_PREREQS := dev redis promtool vllm-env sglang-env routers-env vllm033-env vllm-tests
 
+# -rs prints every skip with its reason. With CI set (.ci/run sets it) a skip fails the run
+# unless tests/expected_skips.py lists it and its condition holds on this machine.
 test: $(TEST_PREREQS)
-	# Compile the numba kernels (codecs, the SDK's block copy) into their on-disk cache once,
-	# rather than inside the first test that happens to use them (and its deadlines).
-	$(PY) -c "import tiers.codecs as c, kvstore_client.blockcopy as b; c.warm_up(); b.kernel_available()"
-	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+	# Run every numba kernel (codecs, the SDK's block copy, the daemon's Get copy) once: this
+	# compiles them into their on-disk cache rather than inside the first test that uses them,
+	# and fails here, naming it, when one does not load (the tests would run its fallback).
+	$(PY) -m tests.kernel_checks
+	$(PY) -m pytest -q -rs -p no:cacheprovider $(ARGS)
 
 lint: dev
 	$(VENV)/bin/ruff check .

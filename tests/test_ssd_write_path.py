@@ -117,7 +117,8 @@ def test_a_failed_write_among_queued_runs_stores_nothing_and_leaves_none_in_flig
             state["started"] += 1
             n = state["started"]
         try:
-            time.sleep(0.002)               # let the caller queue the next runs meanwhile
+            # No pause needed for the queue: put_filled submits run 4 before it waits for
+            # run 3, so run 4 is always queued behind the write that fails.
             if state["fail"] and n == 3:
                 raise OSError(errno.EIO, "Input/output error")
             real(fd, data, offset)
@@ -141,6 +142,7 @@ def test_a_failed_write_among_queued_runs_stores_nothing_and_leaves_none_in_flig
     assert ssd.used_bytes == used + sum(map(len, values))
 
 
+@pytest.mark.o_direct
 def test_o_direct_refused_mid_way_falls_back_to_buffered_writes(ssd, monkeypatch):
     import tiers.ssd as mod
     if not ssd.direct_io:

@@ -118,7 +118,7 @@ def test_daemon_down_misses_within_deadline(run: dict[str, Any]) -> None:
     assert s["settled"]
     assert s["jobs"] and not any(j["success"] for j in s["jobs"]), "stores to nowhere succeeded"
     assert all(a[-1] == "MISS" and "HIT" not in a for a in s["answers"]["answers"])
-    assert max(s["answers"]["first_s"]) <= s["deadline_s"] + 2.0
+    assert max(s["answers"]["retry_s"]) < s["deadline_s"]     # no RETRY past the deadline
     assert s["tier"]["vllm:kvstore_store_failed_chunks"] > 0
 
 
@@ -131,7 +131,7 @@ def test_daemon_hung_fails_jobs_and_misses(run: dict[str, Any]) -> None:
     assert s["promote_fail_s"] <= s["timeout_s"] + 5.0
     assert s["in_primary"] == ["MISS"] * 4, "a failed promotion left chunks in the primary tier"
     assert all(a == ["RETRY", "MISS"] for a in s["other_answers"]["answers"])
-    assert max(s["other_answers"]["first_s"]) <= s["deadline_s"] + 2.0
+    assert max(s["other_answers"]["retry_s"]) < s["deadline_s"]   # none past the deadline
 
 
 def test_corrupt_block_fails_its_job_and_is_recomputed(run: dict[str, Any]) -> None:

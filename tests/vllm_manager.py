@@ -171,11 +171,16 @@ class Engine:
     def lookup_until(self, keys: list[bytes], deadline_s: float, *,
                      stop: str = "HIT", min_s: float = 0.0) -> dict[str, Any]:
         """Scan the keys each step, as the scheduler scans a waiting request, until every key
-        answers `stop` (or the deadline). Returns each key's distinct answers in order and the
-        seconds until its first `stop` answer."""
+        answers `stop` (or the deadline). Returns each key's distinct answers in order, the
+        seconds until its first `stop` answer, and `retry_s`: the latest a key still answered
+        RETRY before that, in seconds after its first answer (at most what the tier measured
+        against its lookup deadline, whatever the load: from the end of the first call to the
+        start of the later one)."""
         c = self.ctx()
         seqs: dict[bytes, list[str]] = {k: [] for k in keys}
         first: dict[bytes, float] = {}
+        asked: dict[bytes, float] = {}
+        retry: dict[bytes, float] = {}
         t0 = time.monotonic()
         end = t0 + deadline_s
         while True:
@@ -183,11 +188,15 @@ class Engine:
             for k in keys:
                 if k in first and stop == "HIT":
                     continue
+                t_call = time.monotonic()
                 try:
                     r = self.mgr.lookup(k, c).name
                 except Exception:
                     self.exceptions.append(traceback.format_exc())
                     r = "EXCEPTION"
+                asked.setdefault(k, time.monotonic())
+                if r == "RETRY" and k not in first:
+                    retry[k] = max(0.0, t_call - asked[k])
                 if not seqs[k] or seqs[k][-1] != r:
                     seqs[k].append(r)
                 if r == stop and k not in first:
@@ -200,7 +209,8 @@ class Engine:
         self.mgr.on_request_finished(c)
         self.settle(10.0)
         return {"answers": [seqs[k] for k in keys],
-                "first_s": [first.get(k) for k in keys]}
+                "first_s": [first.get(k) for k in keys],
+                "retry_s": [retry.get(k, 0.0) for k in keys]}
 
     def read(self, keys: list[bytes]) -> list[bytes]:
         """What the worker loads into the engine: the primary tier's bytes of HIT chunks."""

@@ -52,6 +52,8 @@ NS_ID_BYTES = 16
 LATENCY_SAMPLES = 2048          # recent samples kept per operation, for histograms/percentiles
 ERROR_CHARS = 300               # last_error strings are cut to this length
 OPS = ("exists", "get", "put", "delete")
+# How long after the deadline a node's sockets time out (see _connection_kwargs).
+SOCKET_GRACE_S = 1.0
 
 
 def make_key(prefix: bytes, gkey: bytes) -> bytes:
@@ -253,10 +255,12 @@ class RemoteTier:
         """
         deadline = float(_cfg(cfg, "deadline_ms", 200)) / 1000.0
         kw: dict[str, Any] = {
-            # A read that stalls longer than the deadline is a dead server for our purposes;
-            # the caller already stopped waiting, this frees the worker thread.
-            "socket_timeout": max(deadline, 0.05),
-            "socket_connect_timeout": max(deadline, 0.05),
+            # The caller stops waiting at the deadline (and counts a timeout); the sockets give
+            # up SOCKET_GRACE_S later, only to free a worker thread stuck on a server that
+            # never answers. A socket timeout equal to the deadline would race the caller's
+            # wait and, on a busy machine, end some batches first as plain errors.
+            "socket_timeout": deadline + SOCKET_GRACE_S,
+            "socket_connect_timeout": deadline + SOCKET_GRACE_S,
             "socket_keepalive": True,
             # Large replies: read big chunks (fewer hiredis feeds; see docs/remote.md figures).
             "socket_read_size": int(_cfg(cfg, "socket_read_size", 1 << 20)),
