@@ -421,10 +421,10 @@ class Daemon:
                                 lane_path(self.socket_path), e)
             if tenants:
                 from .tenant_metrics import TenantCollector, TenantCounters
-                self.servicer.tenant_counters = TenantCounters()
+                self.servicer.state.tenant_counters = TenantCounters()
                 if self.metrics is not None and cfg.server.metrics_tenants:
                     self.metrics.registry.register(TenantCollector(
-                        self.store, sorted(tenants), self.servicer.tenant_counters))
+                        self.store, sorted(tenants), self.servicer.state.tenant_counters))
                 self.handoff = Handoff(self.socket_path + SUFFIX, self.auth,
                                        getattr(self.store, "tenant_pool", None),
                                        gpu_for=getattr(self.store, "gpu_segment_fds", None),
