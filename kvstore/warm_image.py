@@ -26,7 +26,8 @@ from typing import Any
 
 import msgpack
 
-from .index import _SSD, _STATE, NS_ID_BYTES, BlockIndex
+from .entry import NS_ID_BYTES
+from .index import _SSD, _STATE, BlockIndex
 from .policies.evicted_keys import GhostKeys
 from .policies.packed_leaves import RowLeaves
 from .policies.segmented import SegmentedPolicy
