@@ -20,10 +20,10 @@ import sys
 import numpy as np
 from kvstore_client import KVLayout, NamespaceSpec, block_keys
 from kvstore.config import StoreConfig
-from kvstore.daemon import _one_torch_thread
+from kvstore.warmup import one_torch_thread
 from kvstore.store import Store
 
-_one_torch_thread()
+one_torch_thread()
 cfg = StoreConfig(data_dir=sys.argv[1])
 cfg.host.capacity = 1 << 20
 cfg.ssd.capacity = 16 << 20
