@@ -214,7 +214,7 @@ class StoreCollector(Collector):
 
     @staticmethod
     def _remote(remote: dict[str, Any]) -> Iterator[Metric]:
-        """The Redis/Valkey client's own figures (tiers/remote.py), when the tier is enabled."""
+        """The Redis/Valkey client's own figures (tiers/remote/), when the tier is enabled."""
         if not remote:
             return
         up = GaugeMetricFamily("kvstore_remote_up", "1 while every remote node answers")
