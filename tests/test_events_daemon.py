@@ -7,10 +7,7 @@ from __future__ import annotations
 import re
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +18,7 @@ from kvstore_client.errors import InvalidArgument
 
 from tests.daemon import cleanup, start_daemon
 from tests.events_helpers import Sub, firsts, held, stored, vllm_decode
-from tests.test_operator_errors import _env, assert_one_line
+from tests.test_operator_errors import assert_one_line, serve
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=16, dtype="float16")
 T = LAYOUT.block_tokens
@@ -127,15 +124,12 @@ def test_event_address_in_use_is_one_line_and_exit_2(tmp_path):
             busy.bind(("127.0.0.1", 0))
             busy.listen()
             port = busy.getsockname()[1]
-            t0 = time.monotonic()
-            res = subprocess.run(
-                [sys.executable, "-m", "kvstore", "serve", "--tcp", "", "--metrics", "",
+            res, mods = serve(
+                ["--tcp", "", "--metrics", "",
                  "--host-capacity", "16MiB", "--socket", str(short / "kvs.sock"),
                  "--data-dir", str(tmp_path / "data"), "--set", "events.enabled=true",
-                 "--set", f"events.endpoint=tcp://127.0.0.1:{port}"],
-                capture_output=True, text=True, timeout=120, env=_env(),
-                stdin=subprocess.DEVNULL)
-        assert_one_line(res, time.monotonic() - t0,
+                 "--set", f"events.endpoint=tcp://127.0.0.1:{port}"])
+        assert_one_line(res, mods,
                         f"events.endpoint = 'tcp://127.0.0.1:{port}'", "already in use")
     finally:
         shutil.rmtree(short, ignore_errors=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 from tests import optional_deps
@@ -34,8 +35,14 @@ def _generate() -> dict[str, str]:
     spec = importlib.util.spec_from_file_location("kvstore_proto_generate",
                                                   ROOT / "proto" / "generate.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.generate()
+    # grpc_tools appends the folder of its bundled .proto files to sys.path when protoc first
+    # runs in a process; put it back so no later test imports through it.
+    before = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+        return module.generate()
+    finally:
+        sys.path[:] = before
 
 
 def test_committed_stubs_match_the_proto():

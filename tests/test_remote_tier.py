@@ -210,7 +210,8 @@ def test_maxmemory_eviction_is_ordinary_misses(tmp_path):
     """A small Redis with allkeys-lru drops old blocks; they read as misses, never errors."""
     proc = start_redis(tmp_path, maxmemory="2mb", **{"maxmemory-policy": "allkeys-lru"})
     try:
-        with RemoteTier(Cfg(urls=[proc.url])) as t:
+        # Not a deadline test: a loaded machine must not turn a slow write into a dropped one.
+        with RemoteTier(Cfg(urls=[proc.url], deadline_ms=2000)) as t:
             keys = gkeys(24)
             vals = [framed(200_000, seed=i) for i in range(24)]
             for k, v in pairs(keys, vals):               # one by one so LRU has an order
