@@ -18,7 +18,8 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_VERSION ?= 0.32.0
 
-.PHONY: setup dev serve test lint demo bench redis promtool clean vllm-env lmcache-venv sglang-env
+.PHONY: setup dev serve test lint demo bench redis promtool clean vllm-env lmcache-venv sglang-env \
+	routers-env
 
 setup: $(VENV)/.installed
 
@@ -104,8 +105,23 @@ $(VLLM_VENV)/.installed: client/pyproject.toml
 
 vllm-env: $(VLLM_VENV)/.installed
 
+# The cache-aware routers the KV-event tests and the serving benchmark run against, in an
+# environment of their own: NVIDIA Dynamo's standalone KV indexer (`python -m dynamo.indexer`)
+# and vllm-router (Rust, `vllm-router --policy kv_aware`). Two wheels, seconds to install.
+ROUTERS_VENV ?= .venv-routers
+DYNAMO_VERSION ?= 1.6.1
+VLLM_ROUTER_VERSION ?= 0.1.17
+
+routers-env: $(ROUTERS_VENV)/.installed
+
+$(ROUTERS_VENV)/.installed:
+	test -x $(ROUTERS_VENV)/bin/python || python3 -m venv $(ROUTERS_VENV)
+	$(ROUTERS_VENV)/bin/python -m pip install -q --disable-pip-version-check \
+	  ai-dynamo-runtime==$(DYNAMO_VERSION) vllm-router==$(VLLM_ROUTER_VERSION)
+	touch $@
+
 # What the test suite needs installed before it runs (append prerequisites here).
-TEST_PREREQS := dev redis promtool vllm-env sglang-env
+TEST_PREREQS := dev redis promtool vllm-env sglang-env routers-env
 
 test: $(TEST_PREREQS)
 	# Compile the numba kernels (codecs, the SDK's block copy) into their on-disk cache once,
@@ -120,4 +136,5 @@ demo: dev
 	$(VENV)/bin/kvstore demo $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) data .pytest_cache client/build build
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(ROUTERS_VENV) data .pytest_cache client/build \
+	  build

@@ -18,6 +18,10 @@ Figures, each a ratio against a reference measured in the same run (the machine 
                         Target >= 1.0.
   verified_get_vs_unverified, auth_lookup_p50_vs_noauth: the cost of issue 13's checks
                         (bench/rpc_security.py). Targets >= 0.9 and <= 1.05.
+  events_store_cost, events_load_cost: store and load throughput of a daemon publishing KV
+                        events (a consumer subscribed) over one with events off
+                        (bench/rpc_events.py). Targets >= 0.95. The other figures run on
+                        daemons with events off, the default.
 Also reported: lookup/echo p99 and calls/s, GB/s of every path, verify-off shm figures, the
 SDK's key hashing rate (`hash_mtokens_per_s`, target >= 10 M tokens/s: an absolute figure, so
 read it on an idle machine) and whether the compiled copy kernel ran (`copy_kernel`).
@@ -308,6 +312,9 @@ def main() -> None:
             result.update(rpc_security.run(daemon, tmp, args.workers, nblocks, reps, rounds,
                                            per_round, dict(MALLOC_ENV), _aligned_kv,
                                            percentiles))
+            from bench import rpc_events
+            result.update(rpc_events.run(tmp, args.workers, nblocks * 4, reps,
+                                         dict(MALLOC_ENV), _aligned_kv))
         finally:
             echo.kill()
             echo.wait(10)
@@ -331,6 +338,8 @@ def main() -> None:
     gv, al = result["get_verify"], result["auth_lookup"]
     result["verified_get_vs_unverified"] = round(gv["verified_get_vs_unverified"], 3)
     result["auth_lookup_p50_vs_noauth"] = round(al["auth_lookup_p50_vs_noauth"], 3)
+    for k in ("events_store_cost", "events_load_cost", "events_store_cpu_cost"):
+        result[k] = round(result[k], 3) if result.get(k) is not None else None
     cpu_ratio = gv.get("verified_get_cpu_vs_unverified")
     result["verified_get_cpu_vs_unverified"] = round(cpu_ratio, 3) if cpu_ratio else None
     result["targets_met"] = {
@@ -342,7 +351,9 @@ def main() -> None:
                              if result["network_vs_redis"] is not None else None),
         "hash_mtokens_per_s": result["hash_mtokens_per_s"] >= 10.0,
         "verified_get_vs_unverified": result["verified_get_vs_unverified"] >= 0.9,
-        "auth_lookup_p50_vs_noauth": result["auth_lookup_p50_vs_noauth"] <= 1.05}
+        "auth_lookup_p50_vs_noauth": result["auth_lookup_p50_vs_noauth"] <= 1.05,
+        "events_store_cost": result["events_store_cost"] >= 0.95,
+        "events_load_cost": result["events_load_cost"] >= 0.95}
 
     rows = [
         ("64-key lookup p50 / p99 (us)", f"{lk['lookup']['p50_us']:.0f} / "
@@ -366,6 +377,10 @@ def main() -> None:
          f"no auth {al['noauth']['p50_us']:.0f}", result["auth_lookup_p50_vs_noauth"]),
         ("Get, checked / unchecked (GB/s)", f"{gv['verified_gbps']:.2f}",
          f"unchecked {gv['unverified_gbps']:.2f}", result["verified_get_vs_unverified"]),
+        ("128 KiB store, events on (GB/s)", f"{result['events']['store_gbps_on']:.2f}",
+         f"off {result['events']['store_gbps_off']:.2f}", result["events_store_cost"]),
+        ("128 KiB load, events on (GB/s)", f"{result['events']['load_gbps_on']:.2f}",
+         f"off {result['events']['load_gbps_off']:.2f}", result["events_load_cost"]),
     ]
     print(f"{'path':32} {'SDK':>18} {'reference':>24} {'ratio':>8}")
     for name, sdk, ref, ratio in rows:

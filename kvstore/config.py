@@ -208,7 +208,7 @@ class EngineStreamConfig:
     """One engine's merged stream: its own KV events relayed beside the daemon's residency."""
     name: str                       # stable: names the stream's sequence file
     endpoint: str                   # ZMQ PUB address the router is pointed at for this engine
-    source: str = ""                # the engine's own --kv-events-config endpoint ("": none)
+    source: str = ""                # the engine's --kv-events-config endpoint ("": none)
     replay_endpoint: str = ""       # ZMQ ROUTER address for replay requests ("": none)
     dp_rank: int = 0                # data_parallel_rank of this stream's own batches
     models: list[str] = field(default_factory=list)     # [] = events.models

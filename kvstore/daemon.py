@@ -431,8 +431,9 @@ class Daemon:
                       f"unix:{self.socket_path}{SUFFIX})")
         self._say(f"metrics on {self.metrics_url}" if self.metrics_url else "metrics disabled")
         events = getattr(self.store, "events", None)
-        for name, addr in (events.addresses.items() if events is not None else ()):
-            self._say(f"KV events ({name} stream) on {addr}")
+        for name, (addr, replay) in (events.addresses.items() if events is not None else ()):
+            self._say(f"KV events ({name} stream) on {addr}"
+                      + (f", replay on {replay}" if replay else ""))
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("daemon %s ready (pid %d, data %s)", self.store.daemon_id, os.getpid(),

@@ -106,19 +106,15 @@ def check_socket(socket_path: str, data_dir: str) -> None:
                              "set --socket (server.socket) to another path")
 
 
-def _bindable(key: str, address: str) -> None:
-    host, _, port_text = address.rpartition(":")
-    host = host.strip("[]")
-    port = int(port_text)
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why a TCP listener cannot bind host:port now, or None when it can."""
     if port == 0:
-        return                  # any free port: nothing to collide with
-    flag = "--tcp" if key == "tcp" else "--metrics"
+        return None             # any free port: nothing to collide with
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        raise PreflightError(f"server.{key} = {address!r}: cannot resolve host {host!r} "
-                             f"({e.strerror}); set {flag} to a local address") from None
+        return f"names a host that cannot be resolved ({e.strerror})"
     family, _, _, _, sockaddr = infos[0]
     s = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -127,17 +123,25 @@ def _bindable(key: str, address: str) -> None:
         s.bind(sockaddr)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            why = "is already in use by another process"
-        elif e.errno == errno.EADDRNOTAVAIL:
-            why = f"names an address ({host}) that is not on this machine"
-        elif e.errno == errno.EACCES:
-            why = "needs privileges (ports below 1024)"
-        else:
-            why = f"cannot be bound ({os.strerror(e.errno or 0)})"
-        raise PreflightError(f"server.{key} = {address!r} {why}; set {flag} to another "
-                             "host:port, or '' to disable it") from None
+            return "is already in use by another process"
+        if e.errno == errno.EADDRNOTAVAIL:
+            return f"names an address ({host}) that is not on this machine"
+        if e.errno == errno.EACCES:
+            return "needs privileges (ports below 1024)"
+        return f"cannot be bound ({os.strerror(e.errno or 0)})"
     finally:
         s.close()
+    return None
+
+
+def _bindable(key: str, address: str) -> None:
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    why = _bind_problem(host, int(port_text))
+    if why is not None:
+        flag = "--tcp" if key == "tcp" else "--metrics"
+        raise PreflightError(f"server.{key} = {address!r} {why}; set {flag} to another "
+                             "host:port, or '' to disable it")
 
 
 def check_ports(cfg: StoreConfig) -> None:
@@ -150,6 +154,26 @@ def check_ports(cfg: StoreConfig) -> None:
         addr = getattr(srv, key)
         if addr:
             _bindable(key, addr)
+
+
+def check_events(cfg: StoreConfig) -> None:
+    """The KV event streams' TCP addresses are free now (ZMQ binds them with the store)."""
+    ev = cfg.events
+    if not ev.enabled:
+        return
+    addrs = [("events.endpoint", ev.endpoint), ("events.replay_endpoint", ev.replay_endpoint)]
+    for i, eng in enumerate(ev.engines):
+        addrs += [(f"events.engines[{i}].endpoint", eng.endpoint),
+                  (f"events.engines[{i}].replay_endpoint", eng.replay_endpoint)]
+        if eng.source and "*" not in eng.source and "::" not in eng.source:
+            addrs.append((f"events.engines[{i}].source", eng.source))   # the daemon binds it
+    for key, addr in addrs:
+        if not addr.startswith("tcp://"):
+            continue
+        host, _, port = addr[len("tcp://"):].rpartition(":")
+        why = _bind_problem("" if host == "*" else host.strip("[]"), int(port))
+        if why is not None:
+            raise PreflightError(f"{key} = {addr!r} {why}; set it to another address")
 
 
 def _cpu_device_bytes(cfg: StoreConfig) -> int:
@@ -208,3 +232,4 @@ def preflight(cfg: StoreConfig) -> None:
     check_socket(cfg.socket_path, cfg.data_dir)
     check_shm(cfg)
     check_ports(cfg)
+    check_events(cfg)

@@ -532,7 +532,7 @@ class KVStoreServicer:
             raise InvalidArgument(f"{len(req.checksums)} checksums for {len(keys)} keys; send "
                                   "one per key or none")
         lease = self.store.leases.find(lease_id) if req.reserve_next else None
-        tokens = {"token_ids": list(req.token_ids)} if req.token_ids else {}
+        tokens = {"token_ids": req.token_ids} if req.token_ids else {}
         res = self.store.commit(lease_id, keys, parent=parent,
                                 checksums=list(req.checksums) or None,
                                 first_slot=req.first_slot, **tokens)

@@ -595,13 +595,20 @@ class Store(DeviceMovement, TenantPools):
 
     def commit(self, lease_id: str, keys: Sequence[bytes], parent: bytes | None = None,
                checksums: Sequence[int] | None = None, first_slot: int = 0,
-               token_ids: Sequence[int] | None = None) -> CommitResult:
+               token_ids: bytes | Sequence[int] | None = None) -> CommitResult:
         """Publish keys[i] from slot first_slot + i of a write lease; free its other slots.
 
-        `token_ids` (block_tokens per key) name the blocks' tokens for KV events; kept only
-        where a stream publishes the namespace (kvstore/events/)."""
+        `token_ids` (block_tokens per key: little-endian uint32 bytes as Commit carries them,
+        or a sequence of ints) name the blocks' tokens for KV events; kept only where a
+        stream publishes the namespace (kvstore/events/)."""
         keys = self._keys(keys, allow_empty=True)
         parent = self._parent(parent)
+        if token_ids is not None and not isinstance(token_ids, bytes):
+            from .events.texts import tokens_u32  # in-process callers may pass a sequence
+            try:
+                token_ids = tokens_u32(token_ids)
+            except ValueError as e:
+                raise InvalidArgument(str(e)) from None
         with self._lock:
             self._check_open()
             lease = self.leases.get(lease_id)
@@ -616,10 +623,12 @@ class Store(DeviceMovement, TenantPools):
                                       f"{len(lease.slots)} slots")
             if checksums and len(checksums) != len(keys):
                 raise InvalidArgument(f"{len(checksums)} checksums for {len(keys)} keys")
-            if token_ids and len(token_ids) != len(keys) * (
+            if token_ids and len(token_ids) != 4 * len(keys) * (
                     bt := self._ns(lease.ns_id).spec.layout.block_tokens):
-                raise InvalidArgument(f"{len(token_ids)} token ids for {len(keys)} keys; send "
-                                      f"{bt} per key (the namespace's block_tokens) or none")
+                got = (f"{len(token_ids) // 4} token ids" if len(token_ids) % 4 == 0 else
+                       f"{len(token_ids)} bytes of token ids (4 a token)")
+                raise InvalidArgument(f"{got} for {len(keys)} keys; send {bt} per key (the "
+                                      "namespace's block_tokens, little-endian uint32) or none")
             used = lease.slots[first_slot:first_slot + len(keys)]
             views = ([] if lease.tier == "gpu" else
                      [self.host.view(s.offset, s.length) for s in used])

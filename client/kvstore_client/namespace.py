@@ -237,9 +237,9 @@ class Namespace:
                                                        parts if rows is not None else None,
                                                        tokens))
 
-    def _tokens(self, token_ids: Any, n: int) -> list[int] | None:
-        """The token ids of n full blocks as Commit carries them, or None when the daemon
-        does not want them (then nothing is converted or sent)."""
+    def _tokens(self, token_ids: Any, n: int) -> bytes | None:
+        """The token ids of n full blocks as Commit carries them (little-endian uint32), or
+        None when the daemon does not want them (then nothing is converted or sent)."""
         if token_ids is None or not self.wants_token_ids:
             return None
         if _is_tensor(token_ids):
@@ -248,7 +248,10 @@ class Namespace:
         if len(token_ids) < need:
             raise InvalidArgument(f"{len(token_ids)} token ids for {n} blocks of "
                                   f"{self.layout.block_tokens} tokens")
-        return np.asarray(token_ids[:need]).astype(np.int64).tolist()
+        a = np.asarray(token_ids[:need])
+        if a.size and (a.dtype.kind not in "iu" or a.min() < 0 or a.max() > 0xFFFFFFFF):
+            raise InvalidArgument("token ids must be unsigned 32-bit integers")
+        return a.astype("<u4").tobytes()
 
     def _plan(self, x: Any) -> blockcopy.Plan | None:
         """The compiled copy plan for a host-memory sequence tensor, or None (fallback)."""
@@ -286,7 +289,7 @@ class Namespace:
 
     def _store_once(self, keys: list[bytes], fill: Fill, parent: bytes | None,
                     parts: Callable[[int], list[Any]] | None = None,
-                    tokens: list[int] | None = None) -> int:
+                    tokens: bytes | None = None) -> int:
         if self.client.pool is not None:
             return self._store_shm(keys, parent, fill, tokens)
         have = self.lookup_keys(keys)
@@ -324,13 +327,13 @@ class Namespace:
         return self.lookup_keys(keys), None
 
     def _store_shm(self, keys: list[bytes], parent: bytes | None, fill: Fill,
-                   tokens: list[int] | None = None) -> int:
+                   tokens: bytes | None = None) -> int:
         """Steady state, one round trip on the store's path: the previous store's Commit
         reserved this one's slots (`_store_ahead`). Otherwise LookupReserve, then Commit."""
         lease = self._take_spare(len(keys))
         if lease is not None:
             return self._store_ahead(keys, parent, fill, lease, tokens)
-        T = self.layout.block_tokens
+        T = 4 * self.layout.block_tokens           # bytes of token ids a block
         client, bb = self.client, self.block_bytes
         pool = self._current_pool()
         have, lease = self._lookup_reserve(keys)
@@ -367,7 +370,7 @@ class Namespace:
         return stored
 
     def _store_ahead(self, keys: list[bytes], parent: bytes | None, fill: Fill,
-                     lease: Any, tokens: list[int] | None = None) -> int:
+                     lease: Any, tokens: bytes | None = None) -> int:
         """Store into a lease reserved ahead, with the lookup of the cached prefix (when one
         is expected: `_prefix_seen`) in flight meanwhile: blocks are filled from the end of
         the batch, and filling stops at the prefix once its answer is in. So the store waits
@@ -409,13 +412,13 @@ class Namespace:
             else:
                 client.release_later(lease.lease_id)
             return 0
-        T = self.layout.block_tokens
+        T = 4 * self.layout.block_tokens           # bytes of token ids a block
         return self._commit(lease, keys[have:], keys[have - 1] if have else (parent or b""),
                             sums[have:], ahead=n, first_slot=have,
                             tokens=tokens[have * T:] if tokens else None)
 
     def _commit(self, lease: Any, keys: list[bytes], parent: bytes, sums: list[int], *,
-                ahead: int = 0, first_slot: int = 0, tokens: list[int] | None = None) -> int:
+                ahead: int = 0, first_slot: int = 0, tokens: bytes | None = None) -> int:
         """Commit a filled write lease; with `ahead`, reserve that many slots for the next
         store in the same call (kept as the spare). Returns blocks stored."""
         client, lid = self.client, lease.lease_id
@@ -427,7 +430,7 @@ class Namespace:
         try:
             r = client.call_carrying("Commit", pb.CommitRequest(
                 lease_id=lid, keys=keys, parent=parent, checksums=sums, first_slot=first_slot,
-                reserve_next=ahead, next_ttl_s=client.lease_ttl_s, token_ids=tokens or ()))
+                reserve_next=ahead, next_ttl_s=client.lease_ttl_s, token_ids=tokens or b""))
         except DataLoss as e:
             # Our bytes did not arrive where the daemon looks: a replaced segment (the daemon
             # freed the lease already).

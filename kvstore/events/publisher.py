@@ -39,6 +39,20 @@ log = logging.getLogger("kvstore.events")
 WALK_SLICE = 16384          # index rows read per hold of the store lock
 DRAIN_MAX = 65536           # queued changes turned into events per tick
 LOCK_WAIT_S = 0.2
+# The first announcement waits this long after the streams are bound: routers subscribed to
+# the daemon's previous run reconnect on their own (ZMQ retries every 0.1 s), and PUB sends
+# nothing to a subscriber before its subscription arrives.
+START_DELAY_S = 1.0
+# A stream quiet this long sends an empty batch, so a consumer that missed batches (it
+# reconnected late, or dropped them at its high-water mark) sees the gap in the numbers and
+# asks the replay socket for them, instead of waiting for the next change.
+HEARTBEAT_S = 5.0
+# A consumer that subscribes is told what the daemon holds (BlockStored of every block, no
+# AllBlocksCleared: the other subscribers of the stream just hear repeats). Routers fetch only
+# the batches missed after the first they saw (vllm-router: none before it), so without this
+# a router started after the daemon would never learn what the daemon already holds. At most
+# once per stream this often, whatever the subscriptions.
+REANNOUNCE_EVERY_S = 2.0
 
 
 class Publisher:
@@ -65,13 +79,17 @@ class Publisher:
         for r in relays.values():
             self._poller.register(r.sub, zmq.POLLIN)
         for s in streams:
+            self._poller.register(s.pub, zmq.POLLIN)        # subscriptions
             if s.replay is not None:
                 self._poller.register(s.replay, zmq.POLLIN)
-        self._polled = bool(relays) or any(s.replay is not None for s in streams)
+        self._reannounce: dict[int, float] = {}     # stream -> when it may announce again
+        self._announced_at = [0.0] * len(streams)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._overflow_logged = 0.0
+        self._ns_cache = recorder._ns           # read-only here: the recorder fills it
         self._started = False
+        self._bound_at = time.monotonic()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -107,21 +125,25 @@ class Publisher:
         self._sync_counters()
 
     def _tick(self) -> None:
-        if self._polled:
-            self._poller.poll(int(self.interval_s * 1000))
-        else:
-            self._stop.wait(self.interval_s)
+        self._poller.poll(int(self.interval_s * 1000))
         if self._stop.is_set():
             return
+        now = time.monotonic()
+        for i, st in enumerate(self.streams):
+            if st.subscribed():
+                self._reannounce[i] = self._announced_at[i] + REANNOUNCE_EVERY_S
         if not self._started:
+            if time.monotonic() < self._bound_at + START_DELAY_S:
+                return
             self._started = True
             self._start_over(set(range(len(self.streams))))
         for i, relay in self.relays.items():
             for kind, arg in relay.pump():
                 if kind == "forward":
                     ts, events, rank = arg
-                    for j in range(0, len(events), self.batch_events):
-                        self.streams[i].send(events[j:j + self.batch_events], ts, rank)
+                    packed = [wire.pack(e) for e in events]
+                    for j in range(0, len(packed), self.batch_events):
+                        self.streams[i].send(packed[j:j + self.batch_events], ts, rank)
                 elif kind == "restart":
                     self._start_over({i})
                 else:
@@ -130,8 +152,15 @@ class Publisher:
             s.serve_replay()
         if self.recorder.overflowed:
             self._overflow()
+        due = {i for i, at in self._reannounce.items() if at <= now}
+        if due and self._started:
+            self._start_over(due, clear=False)
         self._drain()
         self._keep_joins()
+        now = time.monotonic()
+        for st in self.streams:
+            if now - st.sent_at >= HEARTBEAT_S:
+                st.send([], empty_ok=True)
         self._sync_counters()
 
     def _sync_counters(self) -> None:
@@ -177,11 +206,16 @@ class Publisher:
                         self.recorder.max_queue)
         self._start_over(set(range(len(self.streams))))
 
-    def _start_over(self, which: set[int]) -> None:
-        """AllBlocksCleared on the streams `which`, then every block they publish that the
-        daemon holds, parents before children."""
+    def _start_over(self, which: set[int], clear: bool = True) -> None:
+        """AllBlocksCleared on the streams `which` (unless `clear` is False: a re-announcement
+        for a new subscriber), then every block they publish that the daemon holds, parents
+        before children."""
+        now = time.monotonic()
         for i in which:
-            self.streams[i].send([wire.CLEARED])
+            if clear:
+                self.streams[i].send([wire.CLEARED])
+            self._reannounce.pop(i, None)
+            self._announced_at[i] = now
         want = 0
         for i in which:
             want |= 1 << i
@@ -209,18 +243,17 @@ class Publisher:
                 if kind == VLLM:
                     self.vh[g] = text.hashes
                 held.append((g, tiers, text, mask & want))
-        out: dict[int, list[dict[str, Any]]] = {i: [] for i in which}
+        out: dict[int, list[bytes]] = {i: [] for i in which}
         for _, tiers, text, mask in _parents_first(held):
             for t in tiers:
-                self._emit(out, mask, wire.stored(text.hashes, text.parent, text.token_list(),
-                                                  text.block_size, wire.MEDIUM[t]))
+                self._emit(out, mask, text.event(wire.MEDIUM[t]))
         self._send(out)
-        self.counters["events_start_overs"] += 1
+        self.counters["events_start_overs" if clear else "events_reannouncements"] += 1
 
     # -- changes ------------------------------------------------------------------------------
     def _drain(self) -> None:
         q = self.recorder.queue
-        out: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(self.streams))}
+        out: dict[int, list[bytes]] = {i: [] for i in range(len(self.streams))}
         for _ in range(DRAIN_MAX):
             try:
                 item = q.popleft()
@@ -229,9 +262,10 @@ class Publisher:
             self._apply(item, out)
         self._send(out)
 
-    def _apply(self, item: Item, out: dict[int, list[dict[str, Any]]]) -> None:
+    def _apply(self, item: Item, out: dict[int, list[bytes]]) -> None:
         g, tiers, entered, gone, text = item
-        kind, mask = self.recorder.ns(g[:16])
+        got = self._ns_cache.get(g[:16])
+        kind, mask = got if got is not None else self.recorder.ns(g[:16])
         if not mask:
             return
         if entered:
@@ -243,10 +277,8 @@ class Publisher:
                 return
             if kind == VLLM:
                 self.vh[g] = text.hashes
-            tokens = text.token_list()
             for t in tiers:
-                self._emit(out, mask, wire.stored(text.hashes, text.parent, tokens,
-                                                  text.block_size, wire.MEDIUM[t]))
+                self._emit(out, mask, text.event(wire.MEDIUM[t]))
             return
         self._unpend(g, tiers, gone)
         if kind == VLLM:
@@ -261,12 +293,15 @@ class Publisher:
             self._emit(out, mask, wire.removed(hashes, wire.MEDIUM[t]))
 
     @staticmethod
-    def _emit(out: dict[int, list[dict[str, Any]]], mask: int, ev: dict[str, Any]) -> None:
+    def _emit(out: dict[int, list[bytes]], mask: int, ev: bytes) -> None:
+        if mask == 1 and len(out) == 1:
+            out[0].append(ev)           # one stream (the common case)
+            return
         for i, evs in out.items():
             if mask >> i & 1:
                 evs.append(ev)
 
-    def _send(self, out: dict[int, list[dict[str, Any]]]) -> None:
+    def _send(self, out: dict[int, list[bytes]]) -> None:
         n = self.batch_events
         for i, evs in out.items():
             for j in range(0, len(evs), n):
@@ -296,17 +331,7 @@ class Publisher:
         return self.cache.text(last, info.spec.layout.block_tokens)
 
     def _meta_text(self, g: bytes) -> BlockText | None:
-        ssd = self.store.ssd
-        if ssd is None:
-            return None
-        try:
-            meta = ssd.get_meta(g)
-            if not meta:
-                return None
-            m = msgpack.unpackb(meta, raw=False)
-        except Exception:  # noqa: BLE001 - a damaged or vanished record is just no text
-            return None
-        return BlockText.unpack(m.get("e")) if isinstance(m, dict) else None
+        return ssd_text(self.store.ssd, g)
 
     def _keep_joins(self) -> None:
         """Keep texts learned late with their blocks: in the book for a block with a host or
@@ -374,7 +399,7 @@ class Publisher:
         """An engine's events named blocks: announce those that waited for their text."""
         if not self._pend_by:
             return
-        out: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(self.streams))}
+        out: dict[int, list[bytes]] = {i: [] for i in range(len(self.streams))}
         for key, h in learned:
             found = list(self._pend_by.get(h, ()))
             if key is not None:
@@ -391,11 +416,23 @@ class Publisher:
                 self.joins.append((g, text))
                 if kind == VLLM:
                     self.vh[g] = text.hashes
-                tokens = text.token_list()
                 for t in sorted(tiers):
-                    self._emit(out, mask, wire.stored(text.hashes, text.parent, tokens,
-                                                      text.block_size, wire.MEDIUM[t]))
+                    self._emit(out, mask, text.event(wire.MEDIUM[t]))
         self._send(out)
+
+
+def ssd_text(ssd: Any, g: bytes) -> BlockText | None:
+    """A block's text from its SSD meta record; None without one (or without the tier)."""
+    if ssd is None:
+        return None
+    try:
+        meta = ssd.get_meta(g)
+        if not meta:
+            return None
+        m = msgpack.unpackb(meta, raw=False)
+    except Exception:  # noqa: BLE001 - a damaged or vanished record is just no text
+        return None
+    return BlockText.unpack(m.get("e")) if isinstance(m, dict) else None
 
 
 def _parents_first(held: list[tuple[bytes, tuple[str, ...], BlockText, int]]

@@ -11,6 +11,7 @@ stream over from what the daemon holds; a store never waits for it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -24,8 +25,9 @@ Item = tuple[bytes, tuple[str, ...], bool, bool, BlockText | None]
 
 class Recorder:
     def __init__(self, namespaces: dict[bytes, Any], stream_models: list[list[str]],
-                 max_queue: int) -> None:
+                 max_queue: int, ssd_text: Callable[[bytes], BlockText | None]) -> None:
         self.namespaces = namespaces            # the store's: ns_id -> NamespaceInfo
+        self.ssd_text = ssd_text                # a block's text from its SSD meta, or None
         self.stream_models = stream_models      # per stream: fnmatch patterns ([] = all)
         self.max_queue = max_queue
         self.queue: deque[Item] = deque()
@@ -64,17 +66,35 @@ class Recorder:
 
     # -- ResidencyListener ---------------------------------------------------------------
     def changed(self, e: Entry, tier: str, entered: bool) -> None:
+        # (Inlined lookups: this runs for every block of every store, under the store lock.)
         if tier == REMOTE:
             return              # a Redis-only block is announced by no node (docs/routing.md)
-        if not self.ns(e.ns_id)[1]:
+        got = self._ns.get(e.ns_id)
+        if not (got if got is not None else self.ns(e.ns_id))[1]:
             return
-        g = e.gkey
+        g = e.ns_id + e.key
         if entered:
-            self._put((g, (tier,), True, False, self.book.get(g)))
+            text = self.book.get(g)
+            if text is None and tier != SSD and e.ssd:
+                # Promoted from SSD: its text comes back from its meta, to stay with the new
+                # copy (the SSD copy may be evicted before the publisher reads it, and a later
+                # demotion writes the book's text into the new meta).
+                text = self.ssd_text(g)
+                if text is not None:
+                    self.book[g] = text
+            item: Item = (g, (tier,), True, False, text)
+        else:
+            fast = e.host is not None or e.gpu is not None
+            if not fast:
+                self.book.pop(g, None)
+            item = (g, (tier,), False, not (fast or e.ssd), None)
+        if self.overflowed:
             return
-        if e.host is None and e.gpu is None:
-            self.book.pop(g, None)
-        self._put((g, (tier,), False, e.host is None and e.gpu is None and not e.ssd, None))
+        if len(self.queue) >= self.max_queue:
+            self.overflowed = True
+            self.overflows += 1
+            return
+        self.queue.append(item)
 
     def discarded(self, e: Entry) -> None:
         if not self.ns(e.ns_id)[1]:

@@ -28,7 +28,8 @@ import zmq
 from kvstore_client.vllm.keyspace import fold_key
 
 from . import wire
-from .texts import BlockText, tokens_bytes
+from .stream import bind
+from .texts import BlockText, check_tokens
 
 log = logging.getLogger("kvstore.events")
 
@@ -42,10 +43,10 @@ class TokenCache:
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self.by_hash: OrderedDict[int, tuple[int | None, bytes, int]] = OrderedDict()
+        self.by_hash: OrderedDict[int, tuple[int | None, tuple[int, ...], int]] = OrderedDict()
         self.by_key: OrderedDict[bytes, int] = OrderedDict()
 
-    def learn(self, h: int, parent: int | None, tokens: bytes, bs: int,
+    def learn(self, h: int, parent: int | None, tokens: tuple[int, ...], bs: int,
               key: bytes | None) -> None:
         if self.cap <= 0:
             return
@@ -78,15 +79,38 @@ class TokenCache:
             parts.append(got[1])
         hashes.reverse()
         parts.reverse()
-        t = BlockText(tuple(hashes), got[0], b"".join(parts), bs)
+        t = BlockText(tuple(hashes), got[0], wire.pack([x for p in parts for x in p]), bs)
         return t if t.valid() else None
+
+
+def engine_binds(endpoint: str) -> bool:
+    """Whether an engine given `endpoint` binds its PUB socket (else it connects to it): the
+    rule of vLLM's and SGLang's publishers (a wildcard host or an ipc path binds)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def attach(sub: zmq.Socket, source: str, key: str) -> None:
+    """Subscribe to an engine's events given its own --kv-events-config endpoint, verbatim:
+    where the engine binds (a wildcard host), connect to it on this machine; where it connects
+    (a concrete address, the form that keeps it on loopback), bind that address for it."""
+    if engine_binds(source):
+        if source.startswith("tcp://"):
+            host, _, port = source[len("tcp://"):].rpartition(":")
+            if "::" in host:
+                sub.setsockopt(zmq.IPV6, 1)
+                source = f"tcp://[::1]:{port}"
+            else:
+                source = f"tcp://127.0.0.1:{port}"
+        sub.connect(source)         # connecting never fails on an engine not up yet
+    else:
+        bind(sub, source, key)
 
 
 class Relay:
     """One engine's event source (used by the publisher thread only)."""
 
     def __init__(self, ctx: zmq.Context, name: str, source: str, cache: TokenCache,
-                 hwm: int) -> None:
+                 hwm: int, key: str) -> None:
         self.name = name
         self.source = source
         self.cache = cache
@@ -94,7 +118,11 @@ class Relay:
         self.sub.setsockopt(zmq.RCVHWM, hwm)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(source)      # connecting never fails on a peer that is not up yet
+        try:
+            attach(self.sub, source, key)
+        except BaseException:
+            self.sub.close(0)
+            raise
         self.last_seq: int | None = None
         self.counters: dict[str, int] = {"batches": 0, "events": 0, "dropped_media": 0,
                                          "bad_messages": 0, "restarts": 0, "gaps": 0,
@@ -176,8 +204,8 @@ class Relay:
             return
         group = ev.get("group_idx") or 0
         try:
-            packed = tokens_bytes(tokens)
-        except (OverflowError, TypeError):
+            tokens = check_tokens(tokens)
+        except (ValueError, TypeError):
             return
         prev = wire.u64(parent) if isinstance(parent, (int, bytes)) else None
         for i, h in enumerate(raw):
@@ -192,7 +220,7 @@ class Relay:
                             "the token ids of a vLLM engine's blocks only from its full hashes: "
                             "start it with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (the relay "
                             "still hands routers 64-bit ones)", self.name)
-            self.cache.learn(hv, prev, packed[4 * bs * i:4 * bs * (i + 1)], bs, key)
+            self.cache.learn(hv, prev, tuple(tokens[bs * i:bs * (i + 1)]), bs, key)
             learned.append((key, hv))
             prev = hv
 

@@ -2,10 +2,12 @@
 
 Why: a consumer that sees a stream's sequence number go back (a publisher restarted from 0)
 drops its batches as duplicates until the number passes the old one, keeping the blocks the
-restart cleared. So a stream starts at the larger of the wall clock in microseconds and the
-floor kept in its file, and keeps that floor RESERVE numbers ahead of what it has used: a
-crash leaves a floor above every number sent, a clock stepped back is covered by the floor,
-a lost file by the clock (a stream sends far fewer than a million batches a second).
+restart cleared. So while a stream runs, its file keeps a floor RESERVE numbers ahead of what
+it has used, and a clean stop writes the exact next number ("<n> clean"). A start after a clean
+stop goes on from there (consumers see no gap, so they ask for no replay); any other start
+takes the larger of the floor and the wall clock in microseconds: a crash leaves a floor above
+every number sent, a lost file is covered by the clock (a stream sends far fewer than a million
+batches a second), a clock stepped back by the floor.
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ RESERVE = 1 << 20
 class SeqFile:
     def __init__(self, path: Path) -> None:
         self.path = path
-        floor = 0
+        floor, clean = 0, False
         try:
-            floor = int(path.read_text().strip() or 0)
+            words = path.read_text().split()
+            floor, clean = int(words[0]), words[1:] == ["clean"]
         except FileNotFoundError:
             pass
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, IndexError) as e:
             log.warning("events: ignoring sequence file %s (%s)", path, e)
-        self.next = max(floor, time.time_ns() // 1000)
+        self.next = floor if clean else max(floor, time.time_ns() // 1000)
         self._floor = 0
         self._failed = False
         self._reserve()
@@ -47,15 +50,15 @@ class SeqFile:
         self._write(self._floor)
 
     def close(self) -> None:
-        """Keep the exact next number (a clean stop; the clock still decides at start)."""
-        self._write(self.next)
+        """Keep the exact next number: the next start goes on from it."""
+        self._write(self.next, " clean")
 
-    def _write(self, value: int) -> None:
+    def _write(self, value: int, note: str = "") -> None:
         tmp = self.path.with_suffix(".tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "w") as f:
-                f.write(f"{value}\n")
+                f.write(f"{value}{note}\n")
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)

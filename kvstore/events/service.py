@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from kvstore_client.errors import InvalidArgument
 
 from ..config import EventsConfig
 from ..index import BlockIndex
-from .publisher import Publisher
+from .publisher import Publisher, ssd_text
 from .recorder import Recorder
 from .relay import Relay, TokenCache
 from .stream import Stream
@@ -41,7 +40,8 @@ class Events:
                                       eng.replay_endpoint, cfg.topic, eng.dp_rank, cfg.hwm,
                                       cfg.buffer_steps, seq_dir, eng.models or cfg.models))
                 if eng.source:
-                    relays[len(streams) - 1] = Relay(ctx, eng.name, eng.source, cache, cfg.hwm)
+                    relays[len(streams) - 1] = Relay(ctx, eng.name, eng.source, cache,
+                                                     cfg.hwm, f"events.engines[{i}].source")
         except BaseException:
             for s in streams:
                 s.close(linger_s=0)
@@ -50,7 +50,8 @@ class Events:
             ctx.term()
             raise
         self.streams = streams
-        self.recorder = Recorder(store.namespaces, [s.models for s in streams], cfg.max_queue)
+        self.recorder = Recorder(store.namespaces, [s.models for s in streams], cfg.max_queue,
+                                 lambda g: ssd_text(store.ssd, g))
         self.publisher = Publisher(store, self.recorder, streams, relays, cache, ctx,
                                    cfg.batch_events, cfg.interval_ms / 1000.0,
                                    cfg.token_cache_blocks)
@@ -62,9 +63,11 @@ class Events:
         return self.recorder.book
 
     @property
-    def addresses(self) -> dict[str, str]:
-        """Stream name -> the address its PUB socket is bound to (port 0 resolved)."""
-        return {s.name: s.address for s in self.streams}
+    def addresses(self) -> dict[str, tuple[str, str]]:
+        """Stream name -> (address its PUB socket is bound to, its replay socket's or ""),
+        port 0 resolved."""
+        return {s.name: (s.address, s.replay_address if s.replay is not None else "")
+                for s in self.streams}
 
     def attach(self, index: BlockIndex) -> None:
         index.listener = self.recorder
@@ -78,17 +81,10 @@ class Events:
     def wants_tokens(self, ns_id: bytes) -> bool:
         return self.recorder.wants_tokens(ns_id)
 
-    def texts(self, ns_id: bytes, keys: list[bytes], parent: bytes | None, token_ids: Any,
+    def texts(self, ns_id: bytes, keys: list[bytes], parent: bytes | None, token_ids: bytes,
               block_tokens: int) -> list[BlockText] | None:
-        """Texts of the blocks a commit carries token ids for (None: not published here);
-        InvalidArgument when the count does not match the keys."""
-        if len(token_ids) != len(keys) * block_tokens:
-            raise InvalidArgument(f"{len(token_ids)} token ids for {len(keys)} keys; send "
-                                  f"{block_tokens} per key (the namespace's block_tokens) or "
-                                  "none")
+        """Texts of the blocks a commit carries token ids for (little-endian uint32, checked
+        against the keys by the store); None where no stream publishes the namespace."""
         if not self.recorder.wants_tokens(ns_id):
             return None
-        try:
-            return own_texts(ns_id, keys, parent, token_ids, block_tokens)
-        except OverflowError:
-            raise InvalidArgument("token ids must be unsigned 32-bit integers") from None
+        return own_texts(ns_id, keys, parent, token_ids, block_tokens)

@@ -13,7 +13,6 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 import zmq
 
@@ -51,8 +50,12 @@ class Stream:
         self.models = models
         self.topic = topic.encode()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=max(buffer_steps, 1))
-        self.pub = ctx.socket(zmq.PUB)
+        # XPUB: a PUB that also hands up each subscription (VERBOSE: repeats too), so a
+        # router that (re)subscribes is told what the daemon holds (publisher.py).
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.setsockopt(zmq.SNDHWM, hwm)
+        self.pub.setsockopt(zmq.RCVHWM, 1000)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.replay: zmq.Socket | None = None
         try:
@@ -60,32 +63,53 @@ class Stream:
             if replay:
                 self.replay = ctx.socket(zmq.ROUTER)
                 self.replay.setsockopt(zmq.LINGER, 0)
-                self.replay.setsockopt(zmq.SNDHWM, hwm)
+                # room for one whole replay per peer; the payloads are shared, not copied
+                self.replay.setsockopt(zmq.SNDHWM, (self.buffer.maxlen or 0) + 2)
                 self.replay_address = bind(self.replay, replay, key + "replay_endpoint")
         except BaseException:
             self.close(linger_s=0)
             raise
         self.seq = SeqFile(seq_dir / f"{name}.seq")
         self.counters: dict[str, int] = {"batches": 0, "events": 0, "replays": 0,
-                                         "bad_replay_requests": 0}
+                                         "bad_replay_requests": 0, "subscriptions": 0}
         self._replay_at = 0.0
+        self.sent_at = time.monotonic()
         self._bad_logged = 0.0
         self._bad_unlogged = 0
 
-    def send(self, events: list[dict[str, Any]], ts: float | None = None,
-             dp_rank: int | None = None) -> None:
-        if not events:
+    def send(self, events: list[bytes], ts: float | None = None,
+             dp_rank: int | None = None, empty_ok: bool = False) -> None:
+        """One batch of encoded events (wire.py); an empty one only with `empty_ok` (a
+        heartbeat, publisher.py)."""
+        if not events and not empty_ok:
             return
+        self.sent_at = time.monotonic()
         payload = wire.encode_batch(time.time() if ts is None else ts, events,
                                     self.dp_rank if dp_rank is None else dp_rank)
         seq = self.seq.take()
         try:
-            self.pub.send_multipart((self.topic, wire.seq_bytes(seq), payload), zmq.NOBLOCK)
+            # copy=False: every subscriber's queue and the replay buffer share one payload,
+            # so a subscriber that never reads costs hwm message headers, not hwm payloads
+            self.pub.send_multipart((self.topic, wire.seq_bytes(seq), payload), zmq.NOBLOCK,
+                                    copy=False)
         except zmq.Again:
             pass                        # nobody can take it now: replay still has it
         self.buffer.append((seq, payload))
         self.counters["batches"] += 1
         self.counters["events"] += len(events)
+
+    def subscribed(self) -> bool:
+        """Whether a consumer subscribed since the last call (the messages are drained)."""
+        got = False
+        for _ in range(1000):
+            try:
+                msg = self.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            got = got or msg[:1] == b"\x01"
+        if got:
+            self.counters["subscriptions"] += 1
+        return got
 
     def serve_replay(self) -> None:
         """Answer one waiting replay request (vLLM's protocol), at most every REPLAY_EVERY_S.
@@ -113,7 +137,7 @@ class Stream:
             for seq, buf in list(self.buffer):
                 if seq >= start:
                     self.replay.send_multipart((cid, b"", self.topic, wire.seq_bytes(seq), buf),
-                                               zmq.NOBLOCK)
+                                               zmq.NOBLOCK, copy=False)
             self.replay.send_multipart((cid, b"", b"", wire.END_SEQ, b""), zmq.NOBLOCK)
         except zmq.Again:
             pass                        # that peer stopped reading: the rest is dropped

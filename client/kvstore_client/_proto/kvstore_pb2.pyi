@@ -193,8 +193,8 @@ class CommitRequest(_message.Message):
     next_ttl_s: float
     first_slot: int
     release_leases: _containers.RepeatedScalarFieldContainer[str]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., reserve_next: _Optional[int] = ..., next_ttl_s: _Optional[float] = ..., first_slot: _Optional[int] = ..., release_leases: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    token_ids: bytes
+    def __init__(self, lease_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., reserve_next: _Optional[int] = ..., next_ttl_s: _Optional[float] = ..., first_slot: _Optional[int] = ..., release_leases: _Optional[_Iterable[str]] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("stored", "duplicates", "next_lease")

@@ -1,0 +1,120 @@
+"""The cost of KV events on the store and load paths, for bench/rpc.py (its JSON last line
+carries the figures).
+
+  events_store_cost     (store throughput of a daemon publishing KV events, a router-like
+                        consumer subscribed to its stream) / (the same of a daemon with events
+                        off). Stores carry their token ids (the SDK sends them only to a daemon
+                        that publishes). Two fresh daemons alike but for [events] serve the same
+                        prompts; their calls alternate (which goes first swaps every round) and
+                        the figure is the median of each round's ratio, so both sides of a ratio
+                        saw the machine's load of the same moment. Target >= 0.95.
+  events_load_cost      the same for loads of the stored prompts. Target >= 0.95.
+Also reported: events_store_cpu_cost, the ratio of the daemons' CPU seconds (user + system,
+publisher thread included) over the timed stores, and how many events the consumer received
+(every block stored must reach it).
+
+Blocks are small (128 KiB) and many per call, where a per-block cost shows most.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.rpc_security import _cpu_s, settle
+
+SHAPE = (8, 4, 64)          # layers, kv heads, head dim: 128 KiB bf16 blocks of 16 tokens
+CONSUMER = """
+import sys, zmq, msgpack
+ctx = zmq.Context(); s = ctx.socket(zmq.SUB); s.setsockopt(zmq.SUBSCRIBE, b"")
+s.connect(sys.argv[1]); print("READY", flush=True)
+stored = 0
+while True:
+    if not s.poll(int(float(sys.argv[2]) * 1000)):
+        break
+    _, _, payload = s.recv_multipart()
+    stored += sum(1 for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored")
+print(stored, flush=True)
+"""
+
+
+def run(tmp: Path, workers: int, nblocks: int, reps: int, env: dict[str, str],
+        aligned_kv: Callable) -> dict:
+    import kvstore_client
+    import numpy as np
+    from kvstore_client import KVLayout
+
+    from tests.daemon import cleanup, start_daemon
+    from tests.events_helpers import free_port
+
+    port = free_port()
+    base = {"host.capacity": "1GiB", "ssd.capacity": "1GiB", "server.workers": str(workers)}
+    off = start_daemon(tmp / "events-off", base, env=env)
+    on = start_daemon(tmp / "events-on", {**base, "events.enabled": "true",
+                                          "events.endpoint": f"tcp://127.0.0.1:{port}"},
+                      env=env)
+    consumer = subprocess.Popen([sys.executable, "-c", CONSUMER, f"tcp://127.0.0.1:{port}",
+                                 "10"], stdout=subprocess.PIPE, text=True)
+    try:
+        if "READY" not in (consumer.stdout.readline() if consumer.stdout else ""):
+            raise RuntimeError("event consumer did not start")
+        settle(off)                 # their work after SERVING (prefault, codec warm-up) would
+        settle(on)                  # land in the timed stores and their CPU seconds
+        lay = KVLayout(*SHAPE, 16, "bfloat16")
+        T = lay.block_tokens
+        kv = aligned_kv(lay, nblocks * T, 5)
+        out = aligned_kv(lay, nblocks * T, 6)
+        sides = {}
+        for name, d in (("off", off), ("on", on)):
+            c = kvstore_client.connect(d.address, transport="shm")
+            sides[name] = (c, c.namespace(lay, model="bench/events"), d.proc.pid)
+        assert sides["on"][1].wants_token_ids and not sides["off"][1].wants_token_ids
+        st: dict[str, list[float]] = {"off": [], "on": []}
+        ld: dict[str, list[float]] = {"off": [], "on": []}
+        cpu: dict[str, list[float]] = {"off": [], "on": []}
+        stored_on = 0
+        for r in range(reps + 1):           # round 0 warms both
+            ids = np.random.default_rng(200 + r).integers(0, 50_000, nblocks * T)
+            order = ("off", "on") if r % 2 else ("on", "off")
+            for name in order:
+                c, ns, pid = sides[name]
+                c0 = _cpu_s(pid)
+                t0 = time.perf_counter()
+                n = ns.store(ids, kv)
+                t1 = time.perf_counter()
+                c1 = _cpu_s(pid)
+                got = ns.load(ids, out=out)
+                t2 = time.perf_counter()
+                if n != nblocks or got != nblocks * T:
+                    raise RuntimeError(f"events {name}: stored {n}, loaded {got}")
+                ns.delete(ns.keys(ids))
+                if name == "on":
+                    stored_on += n
+                if r:
+                    st[name].append(t1 - t0)
+                    ld[name].append(t2 - t1)
+                    cpu[name].append(c1 - c0)
+        for c, _, _ in sides.values():
+            c.close()
+    finally:
+        cleanup(on)
+        cleanup(off)
+    received = int(consumer.communicate(timeout=60)[0].strip().splitlines()[-1])
+    store_ratio = statistics.median(a / b for a, b in zip(st["off"], st["on"], strict=True))
+    load_ratio = statistics.median(a / b for a, b in zip(ld["off"], ld["on"], strict=True))
+    cpu_off, cpu_on = sum(cpu["off"]), sum(cpu["on"])
+    nbytes = nblocks * lay.block_bytes
+    return {"events": {
+        "blocks": nblocks, "block_bytes": lay.block_bytes,
+        "store_gbps_off": nbytes / statistics.median(st["off"]) / 1e9,
+        "store_gbps_on": nbytes / statistics.median(st["on"]) / 1e9,
+        "load_gbps_off": nbytes / statistics.median(ld["off"]) / 1e9,
+        "load_gbps_on": nbytes / statistics.median(ld["on"]) / 1e9,
+        "consumer_stored_events": received, "blocks_stored_on": stored_on,
+        "store_cpu_s_off": cpu_off, "store_cpu_s_on": cpu_on},
+        "events_store_cost": store_ratio, "events_load_cost": load_ratio,
+        "events_store_cpu_cost": (cpu_off / cpu_on) if cpu_on > 0 and cpu_off > 0 else None}
