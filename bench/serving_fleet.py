@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -54,17 +55,40 @@ class Sizes:
     node with and without kvstore: vLLM's CPU tier `primary_mib` + kvstore's host tier
     `host_mib`, or vLLM's CPU tier `primary_mib + host_mib` on its own."""
 
-    gpu_blocks: int = 128
-    max_model_len: int = 3584     # below the cache: vLLM wants room for one request and more
+    gpu_blocks: int = 80
+    max_model_len: int = 2304     # below the cache: vLLM wants room for one request and more
     primary_mib: int = 16
     host_mib: int = 128
     ssd_mib: int = 1024
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range: a port the kernel picked (bind to 0) may be
+    taken by some process's outgoing connection in the minutes before an engine binds it."""
+    rng = random.Random()
+    high = max(_ephemeral_low(), 20000)
+    for _ in range(1000):
+        port = rng.randrange(15000, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))      # all interfaces: the native peer binds tcp://*
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port found below the ephemeral range")
 
 
 class Service:
@@ -154,6 +178,7 @@ class Node:
     index: int
     folder: Path
     engine_port: int = field(default_factory=free_port)
+    engine_events_port: int = field(default_factory=free_port)   # the engine's own publisher
     merged_port: int = field(default_factory=free_port)          # the daemon's merged stream
     daemon: Service | None = None
     engine: Service | None = None
@@ -162,20 +187,22 @@ class Node:
     def socket(self) -> Path:
         return self.folder / "kvs.sock"
 
-    @property
-    def engine_events(self) -> str:
-        """The engine's own publisher. vLLM binds only wildcard and ipc endpoints (it
-        connects to `tcp://host:port`); ipc keeps the prompts' token ids off the network."""
-        return f"ipc://{self.folder / 'engine-events.ipc'}"
+    def engine_events(self, setup: Setup) -> str:
+        """The engine's own --kv-events-config endpoint. vLLM binds a wildcard (or ipc)
+        address and connects to any other. kvstore's relay binds what the engine connects to,
+        so the engine keeps its events on loopback; vllm-router only connects, and only to
+        tcp, so the vLLM-native peer must bind every interface."""
+        host = "*" if setup.events == "vllm" else "127.0.0.1"
+        return f"tcp://{host}:{self.engine_events_port}"
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.engine_port}"
 
     def event_source(self, setup: Setup) -> str:
-        if setup.events == "kvstore":
-            return f"tcp://127.0.0.1:{self.merged_port}"
-        return self.engine_events
+        """What the router (and the bench's tap) subscribes to for this node's engine."""
+        port = self.merged_port if setup.events == "kvstore" else self.engine_events_port
+        return f"tcp://127.0.0.1:{port}"
 
 
 # -- kvstore daemons -------------------------------------------------------------------------
@@ -190,7 +217,7 @@ def daemon_toml(setup: Setup, node: Node, sizes: Sizes, redis_url: str) -> str:
     if setup.events == "kvstore":
         lines += ["[events]", "enabled = true", 'endpoint = ""',
                   "[[events.engines]]", f'name = "engine{node.index}"',
-                  f'source = "{node.engine_events}"',
+                  f'source = "{node.engine_events(setup)}"',
                   f'endpoint = "tcp://127.0.0.1:{node.merged_port}"']
     return "\n".join(lines) + "\n"
 
@@ -279,7 +306,7 @@ def engine_argv(setup: Setup, node: Node, sizes: Sizes, python: str, model: Path
     if setup.events:
         argv += ["--kv-events-config", json.dumps({
             "enable_kv_cache_events": True, "publisher": "zmq",
-            "endpoint": node.engine_events})]
+            "endpoint": node.engine_events(setup)})]
     return argv
 
 

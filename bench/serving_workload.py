@@ -162,6 +162,15 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def common_prefix(requests: Sequence[Request]) -> list[int]:
+    """The tokens every prompt starts with (the trace's shared system prompt)."""
+    if not requests:
+        return []
+    first = requests[0].tokens
+    n = min(shared_prefix(first, r.tokens) for r in requests)
+    return list(first[:n])
+
+
 def describe(requests: Sequence[Request], nodes: int) -> dict:
     """What the workload offers a cache: prompt sizes, how much of each follow-up its
     conversation's earlier prompts already hold, and how often round-robin over `nodes` sends

@@ -62,6 +62,7 @@ def test_conversations_and_shared_tokens(tmp_path):
     assert workload.shared_prefix(by[0, 0], by[0, 1]) == 128
     assert workload.shared_prefix(by[0, 1], by[0, 2]) == 192          # ids 0, 1, 3
     assert workload.shared_prefix(by[0, 0], by[1, 0]) == 64           # the system prompt
+    assert workload.common_prefix(reqs) == by[0, 0][:64]
     # the same ids make the same tokens on every build
     again = workload.build(rows, conversations_n=3, turns=3, tokens_per_block=64,
                            max_prompt_tokens=1000)
