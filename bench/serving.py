@@ -82,6 +82,7 @@ from bench.serving_fleet import (  # noqa: E402
     Setup,
     Sizes,
     http_get,
+    router_decisions,
     start_daemon,
     start_engine,
     start_redis,
@@ -115,6 +116,7 @@ class Record:
     prompt_tokens: int
     cached_tokens: int
     tokens: list[int]
+    router_credited_tokens: int | None = None   # kv_aware: the prefix its events credited
 
 
 @dataclass
@@ -277,6 +279,10 @@ def run_setup(setup: Setup, ctx: Context) -> SetupRun:
                 tokens=done.tokens))
             time.sleep(ctx.gap_s)
         run.loadavg.append(_loadavg())
+        decisions = router_decisions(router.output(1 << 26))
+        if len(decisions) == len(run.records):
+            for rec, (_, _, credited) in zip(run.records, decisions, strict=True):
+                rec.router_credited_tokens = credited
         for n in nodes:
             run.counters = add_counters(run.counters, _counters(n))
         if tap is not None:
@@ -333,6 +339,9 @@ def setup_figures(run: SetupRun) -> dict[str, Any]:
         "rps": round(len(recs) / (sum(r.latency_ms for r in recs) / 1000), 3),
         "ttft_p50_after_restart_ms": round(_pct([r.ttft_ms for r in after], 50), 1),
         "prefill_tokens_after_restart": sum(r.prompt_tokens - r.cached_tokens for r in after),
+        "router_credited_tokens": (sum(r.router_credited_tokens for r in recs)
+                                   if recs and all(r.router_credited_tokens is not None
+                                                   for r in recs) else None),
         "gpu_hit_tokens": int(c.get("prompt_tokens_local_cache_hit", 0)),
         "tier_hit_tokens": int(c.get("prompt_tokens_external_kv_transfer", 0)),
         "computed_tokens": int(c.get("prompt_tokens_local_compute", 0)),

@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -341,12 +342,28 @@ def start_engine(setup: Setup, node: Node, sizes: Sizes, python: str, model: Pat
 def router_argv(setup: Setup, nodes: list[Node], port: int, binary: str) -> list[str]:
     argv = [binary, "--host", "127.0.0.1", "--port", str(port),
             "--worker-urls", *(n.url for n in nodes), "--policy", setup.policy,
-            "--log-level", "info"]
+            "--log-level", "debug" if setup.policy == "kv_aware" else "info"]
     if setup.policy == "kv_aware":
         for n in nodes:
             argv += ["--kv-event-source", f"{n.url}={n.event_source(setup)}"]
         argv += ["--kv-event-block-size", str(ENGINE_BLOCK), "--kv-event-model", MODEL_NAME]
     return argv
+
+
+_DECISION = re.compile(r'KV prefix decision .*?worker="([^"]+)".*?input_tokens=(\d+)'
+                       r'.*?credited_prefix_tokens=(\d+)')
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def router_decisions(log_text: str) -> list[tuple[str, int, int]]:
+    """vllm-router's kv_aware decisions from its debug log, in order: (worker, prompt tokens,
+    tokens it credited the worker with from the KV events)."""
+    out = []
+    for line in _ANSI.sub("", log_text).splitlines():
+        m = _DECISION.search(line)
+        if m:
+            out.append((m.group(1), int(m.group(2)), int(m.group(3))))
+    return out
 
 
 def start_router(setup: Setup, nodes: list[Node], folder: Path, binary: str,
