@@ -1,7 +1,7 @@
-"""Issue 6 figures: TTFT speedup from prefix reuse, and what lossy codecs do to the model.
+"""Hugging Face figures: TTFT speedup from prefix reuse, and what lossy codecs do to the model.
 
 Measured in one run against one daemon (a temporary one unless `--address` is given), on the
-trained SmolLM2-135M-Instruct (kvstore/trained_model.py) over real text through its tokenizer
+trained SmolLM2-135M-Instruct (kvstore_demo/trained_model.py) over real text through its tokenizer
 (`--model demo` for the random-weight model), fp32 on CPU:
 
 - `ttft_speedup`: a prompt = shared prefix (2,048 tokens of real prose) + a new turn (real
@@ -48,8 +48,8 @@ from kvstore_client.hf import (  # noqa: E402
     teacher_forced_logits,
 )
 
-from kvstore.demo import TRAINED, build_model, daemon_address  # noqa: E402
-from kvstore.demo_text import PASSAGES, document  # noqa: E402
+from kvstore_demo.chat import TRAINED, build_model, daemon_address  # noqa: E402
+from kvstore_demo.text import PASSAGES, document  # noqa: E402
 
 
 def evict_host(client: Any, address: str) -> None:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     gen = torch.Generator().manual_seed(7)
     if args.model == TRAINED:
-        from kvstore import trained_model
+        from kvstore_demo import trained_model
 
         model, tok = trained_model.load()
         text = tok(document(4 * len(PASSAGES)), add_special_tokens=False).input_ids

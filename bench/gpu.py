@@ -1,9 +1,9 @@
 """GPU tier transfer throughput, as ratios against references measured in the same run.
 
-The gpu tier as a tier (issue 18), on the CPU device, on every machine (bench/gpu_tier.py):
+The gpu tier as a tier, on the CPU device, on every machine (bench/gpu_tier.py):
 gpu_tier_gather_vs_memcpy, gpu_demote_vs_memcpy, gpu_promote_vs_memcpy (>= 0.5 is the target).
 
-Where a CUDA device exists, also the CUDA figures (issue 5; >= 0.8 is the target):
+Where a CUDA device exists, also the CUDA figures (>= 0.8 is the target):
 - ipc_gather_vs_d2d: a separate client process opens the daemon's pool over CUDA IPC and
   gathers 256 blocks (shuffled slots) into a vLLM-layout paged cache (random block table),
   end to end through `PagedCopier.load` + wait, against one device-to-device copy of the same
@@ -40,7 +40,7 @@ for p in (ROOT, ROOT / "client"):
         sys.path.insert(0, str(p))
 
 from kvstore_client import gpu as cg  # noqa: E402
-from kvstore_client.layout import KVLayout  # noqa: E402
+from kvstore_client.common.layout import KVLayout  # noqa: E402
 
 # 16 layers x 2 x 32 tokens x 8 heads x 128 dims x bf16 = 2 MiB, a typical block.
 LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_tokens=32, dtype="bfloat16")

@@ -8,17 +8,20 @@ and value Linear give per-layer projections; they are reshaped to heads and cut 
 the store's canonical layout `[layers, 2 (K,V), block_tokens, heads, head_dim]`.
 
 Import this file by path (it lives in bench/, not in a package); `load_capture()` returns None
-when the model package or transformers is missing, so callers can skip.
+when the model package or transformers is not installed, so callers can skip; an installed one
+that fails to import raises.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.demo_text import PASSAGES as DEMO_PASSAGES
+from kvstore_demo.text import PASSAGES as DEMO_PASSAGES
 
 # Real prose, a few hundred tokens in all; varied topics so heads see varied context. The
 # first four of the demo's passages, kept to four so the MiniLM figures stay comparable.
@@ -67,30 +70,32 @@ def to_dtype_bytes(x: np.ndarray, dtype: str) -> np.ndarray:
     return t.view(torch.uint8).numpy().reshape(-1).copy()
 
 
-def _model_dir() -> str | None:
-    try:
-        import importlib
+def missing() -> list[str]:
+    """The packages MiniLM's capture needs that are not installed (an installed package that
+    fails to import is not "missing": its error surfaces when the capture runs)."""
+    return [m for m in (MODEL_PACKAGE, "transformers") if importlib.util.find_spec(m) is None]
 
-        pkg = importlib.import_module(MODEL_PACKAGE)
-    except ImportError:
-        return None
+
+def _model_dir() -> str:
+    pkg = importlib.import_module(MODEL_PACKAGE)
     path = str(pkg.get_model_path())
-    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{MODEL_PACKAGE} is installed but {path} has no config.json")
+    return path
 
 
 def load_capture(passages: tuple[str, ...] = PASSAGES) -> Capture | None:
-    """Run MiniLM over `passages` and return per-layer Q/K/V; None if the model is unavailable."""
-    path = _model_dir()
-    if path is None:
+    """Run MiniLM over `passages` and return per-layer Q/K/V; None if the model package or
+    transformers is not installed (`missing()` says which)."""
+    if missing():
         return None
+    path = _model_dir()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
-        import torch
-        from transformers import AutoTokenizer, BertModel
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return None
+    import torch
+    from transformers import AutoTokenizer, BertModel
+    from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(path)
     model = BertModel.from_pretrained(path).eval()
@@ -177,7 +182,7 @@ def codec_accuracy(cap: Capture, codec: str, dtype: str = "bfloat16", block_toke
     attention output with the real queries against the real K/V. `reference` (a function on one
     float32 block) replaces the codec, e.g. per_tensor_fp8."""
     import torch
-    from kvstore_client.layout import KVLayout
+    from kvstore_client.common.layout import KVLayout
 
     from tiers import codecs, frame
 
@@ -228,7 +233,7 @@ def synthetic_kv(num_layers: int = 4, tokens: int = 128, heads: int = 8, head_di
     return Capture([q], [k], [v], num_layers, heads, head_dim)
 
 
-# ------------------------------------------------ a trained causal LM (kvstore/trained_model.py)
+# ------------------------------------- a trained causal LM (kvstore_demo/trained_model.py)
 
 
 @dataclass
@@ -253,7 +258,7 @@ def smollm_prompts(tok, n: int = 5, tokens: int = 704, first: int = 1) -> list[l
     """`n` real-text prompts of exactly `tokens` tokens: the demo passages from n different
     starting passages (so every prompt is a different context). `first` = 2 gives a held-out
     set: other starting passages than the default's (codec choices were made on `first` = 1)."""
-    from kvstore.demo_text import PASSAGES, document
+    from kvstore_demo.text import PASSAGES, document
 
     out = []
     for i in range(n):
@@ -339,8 +344,8 @@ def causal_codec_accuracy(cap: CausalCapture, codec: str | None, model=None,
     attention with the real queries against the lossless (dtype-rounded) cache; with `model`,
     also run the continuation on both caches and compare next-token distributions."""
     import torch
+    from kvstore_client.common.layout import KVLayout
     from kvstore_client.hf import canonical_to_cache
-    from kvstore_client.layout import KVLayout
 
     from tiers import codecs, frame
 

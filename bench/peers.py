@@ -1,4 +1,4 @@
-"""Peer benchmark (issue 19): kvstore zero-copy store/load against LMCache's in-process CPU backend.
+"""Peer benchmark: kvstore zero-copy store/load against LMCache's in-process CPU backend.
 
 Same workload for both, in the same run, each system alone: bf16 blocks of 16 tokens gathered
 from and scattered into an engine-layout tensor [L, 2, tokens, H, D] (page-aligned, allocated
@@ -50,7 +50,7 @@ def _blocks(quick: bool) -> dict[str, int]:
 
 
 def _engine_tensor(shape: tuple[int, int, int], tokens: int, seed: int):
-    """A page-aligned bf16 [L, 2, tokens, H, D] tensor (PERF-NOTES: alignment, page faults)."""
+    """A page-aligned bf16 [L, 2, tokens, H, D] tensor (docs/performance.md: alignment)."""
     import mmap
 
     import numpy as np
@@ -85,7 +85,7 @@ def bench_kvstore(address: str, name: str, nblocks: int, rounds: int) -> dict:
     with kvstore_client.connect(address, transport="shm", verify=True) as c:
         ns = c.namespace(lay, model=f"bench/peers/{name}")
         # A client that has run a while: its mapping of the pool populated (the SDK does it in
-        # the background at connect, kvstore_client/prefault.py), as LMCache's buffers are
+        # the background at connect, kvstore_client/common/prefault.py), as LMCache's buffers are
         # touched by its round 0.
         if c.pool is not None and c.pool._prefaulter is not None:
             c.pool._prefaulter.join(60)

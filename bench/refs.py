@@ -16,7 +16,7 @@ MIB = 1 << 20
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A page-aligned, pre-faulted uint8 buffer (PERF-NOTES: alignment and page-fault traps)."""
+    """A page-aligned, pre-faulted uint8 buffer (docs/performance.md: alignment, page faults)."""
     buf = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
     buf[:] = 1
     return buf

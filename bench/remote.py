@@ -1,4 +1,4 @@
-"""Remote tier benchmark (issue 8): blocks loaded from Redis against redis-py's own pipelined GET.
+"""Remote tier benchmark: blocks loaded from Redis against redis-py's own pipelined GET.
 
 Why these figures: the remote tier's job is to move encoded blocks between Redis and the host
 pool at the speed Redis itself can serve them, in one round trip per node. The reference is
@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
-from kvstore_client.layout import KVLayout  # noqa: E402
+from kvstore_client.common.layout import KVLayout  # noqa: E402
 
 from tests.redis_fixtures import start_cluster, start_redis  # noqa: E402
 from tiers.codecs import decode, encode  # noqa: E402

@@ -1,4 +1,4 @@
-"""SDK benchmark (issues 3, 19): control-path latency and data-path throughput against references.
+"""SDK benchmark: control-path latency and data-path throughput against references.
 
 Figures, each a ratio against a reference measured in the same run (the machine is shared):
   lookup_p50_vs_echo    p50 of a 64-key `ns.lookup_keys` through the SDK against a bare gRPC
@@ -16,7 +16,7 @@ Figures, each a ratio against a reference measured in the same run (the machine 
   network_vs_redis      (redis-py pipelined SET + GET of the same blocks on a local redis-server)
                         / (SDK store + load of the blocks through the Put/Get streams).
                         Target >= 1.0.
-  verified_get_vs_unverified, auth_lookup_p50_vs_noauth: the cost of issue 13's checks
+  verified_get_vs_unverified, auth_lookup_p50_vs_noauth: the cost of the tenant checks
                         (bench/rpc_security.py). Targets >= 0.9 and <= 1.05.
   events_store_cost, events_load_cost: store and load throughput of a daemon publishing KV
                         events (a consumer subscribed) over one with events off
@@ -26,9 +26,9 @@ Also reported: lookup/echo p99 and calls/s, GB/s of every path, verify-off shm f
 SDK's key hashing rate (`hash_mtokens_per_s`, target >= 10 M tokens/s: an absolute figure, so
 read it on an idle machine) and whether the compiled copy kernel ran (`copy_kernel`).
 
-Both this process and the daemon run with glibc's MALLOC_* tunables raised (PERF-NOTES: fresh
-multi-MiB buffers page-fault; 3.5x on big gRPC messages); glibc reads them only at start, so the
-script re-executes itself once when they are missing.
+Both this process and the daemon run with glibc's MALLOC_* tunables raised (fresh multi-MiB
+buffers page-fault: 3.5x on big gRPC messages, docs/performance.md); glibc reads them only at
+start, so the script re-executes itself once when they are missing.
 
 Usage: .venv/bin/python bench/rpc.py [--quick]. Last line of output: one JSON object.
 """
@@ -145,7 +145,7 @@ def bench_lookup(address: str, echo_sock: str, rounds: int, per_round: int) -> d
 
 
 def _aligned_kv(lay, tokens: int, seed: int):
-    """A page-aligned bf16 tensor [L, 2, tokens, H, D] (PERF-NOTES: copy alignment trap)."""
+    """A page-aligned bf16 tensor [L, 2, tokens, H, D] (docs/performance.md: copy alignment)."""
     import numpy as np
     import torch
     from kvstore_client.buffers import aligned_buffer

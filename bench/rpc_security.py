@@ -1,4 +1,5 @@
-"""The cost of issue 13's checks, for bench/rpc.py (its JSON last line carries both ratios).
+"""The cost of the tenant checks (docs/security.md), for bench/rpc.py (its JSON last line
+carries both ratios).
 
   verified_get_vs_unverified  (Get of 64 cached 2 MiB blocks from a daemon with
                         host.verify_reads off) / (the same Get from one with the check on:

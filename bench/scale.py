@@ -1,12 +1,12 @@
 """How the store scales with the blocks it indexes, and what spilling costs a writer.
 
-Figures (issue 14), each a ratio or a size measured in this run:
+Figures, each a ratio or a size measured in this run:
 - bytes_per_indexed_block: resident memory the daemon gains per block when it rebuilds the
   index of N SSD-resident blocks (packed index row + SSD policy row, the warm-restart path of
   kvstore/store.py without a policy snapshot), at N = 1M. Target <= 300.
   Also reported: ghost_bytes_per_block, what the SSD policy's history of evicted keys adds per
-  resident block once it is full (GHOST_FACTOR remembered keys per block, kvstore/ghost.py),
-  and bytes_per_block_steady, the sum.
+  resident block once it is full (GHOST_FACTOR remembered keys per block,
+  kvstore/policies/evicted_keys.py), and bytes_per_block_steady, the sum.
 - lookup_p50_1m_vs_10k: median Store.lookup latency of a 16-block prompt with 1M blocks
   indexed against 10k. Target <= 1.2.
 - alloc_after_churn_vs_fresh: ExtentAllocator.alloc time after 200k frees of the same size
@@ -95,8 +95,8 @@ def ghost_bytes_per_block(blocks: int) -> float:
     """Memory of the SSD policy's ghost per resident block once full (GHOST_FACTOR keys per
     block of a `blocks`-block tier). Counted from its arrays (it holds no Python object per
     key): the RSS delta is blind here, since the pages the index figure freed are reused."""
-    from kvstore.ghost import GhostKeys
-    from kvstore.policy import SegmentedPolicy
+    from kvstore.policies import SegmentedPolicy
+    from kvstore.policies.evicted_keys import GhostKeys
 
     g = GhostKeys()
     for i in range(SegmentedPolicy.GHOST_FACTOR * blocks):

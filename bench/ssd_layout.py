@@ -40,7 +40,7 @@ MADV_WILLNEED = 3
 
 
 def aligned(n: int) -> mmap.mmap:
-    return mmap.mmap(-1, n)     # page-aligned, reused (PERF-NOTES traps)
+    return mmap.mmap(-1, n)     # page-aligned, reused (docs/performance.md)
 
 
 def resident_fraction(path: str) -> float:

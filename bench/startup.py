@@ -1,4 +1,4 @@
-"""Startup and stop of the real `kvstore serve` (issue 16: an operator's first hour; issue 14).
+"""Startup and stop of the real `kvstore serve`: what an operator waits for, and fast start.
 
 Figures, each the median of `--runs` runs:
   mistake_exit_s    spawn -> exit of `kvstore serve` with a TCP port already in use: the
@@ -9,7 +9,7 @@ Figures, each the median of `--runs` runs:
   start_s           spawn -> health SERVING (prefaults the host pool, opens LMDB).
   idle_sigterm_s    SIGTERM -> exit of a daemon that serves nothing. Target < 1 s.
   mistake_vs_start  mistake_exit_s / start_s: how much of the start a mistake costs (small).
-Issue 14's ratios, against references measured in the same run:
+Ratios against references measured in the same run:
   ready_vs_bare_grpc    daemon with the default config (TCP and a fixed metrics port off),
                         spawn -> SERVING, against a bare grpcio server process with only the
                         health service on a Unix socket. Target <= 2.

@@ -1,6 +1,6 @@
 """Host and SSD tier throughput through the Store API, as ratios against memcpy and raw disk.
 
-Figures (issue 2):
+Figures:
 - host_vs_memcpy: put + get of 64 x 2 MiB blocks through the Store (copy into the slab, then
   acquire, copy out into a reused buffer, release) against numpy copies of the same bytes.
 - ssd_write_vs_disk: demotion of those blocks (encode + payload-file write + index commit +

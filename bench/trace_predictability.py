@@ -1,4 +1,4 @@
-"""How far a reuse predictor could take an eviction policy on a trace (issue 7's evidence).
+"""How far a reuse predictor could take an eviction policy on a trace (docs/eviction.md).
 
 Why: on the Mooncake conversation trace the gap between LRU and the offline optimum comes from
 first reuses of newly written request bodies (a conversation continues or not). An online
@@ -19,7 +19,7 @@ unrealistically good predictor would buy:
 3. LRU over prefix leaves where bodies predicted not to be reused are admitted at the eviction
    end, replayed at 5k / 10k blocks with: no hint (must equal plain LRU), a perfect oracle,
    the in-sample model and the cross-validated model (each at the 30/50/70% score
-   quantile, best kept), next to the issue's bar ``hit_target`` = LRU + (optimum - LRU) / 2.
+   quantile, best kept), next to the target ``hit_target`` = LRU + (optimum - LRU) / 2.
 
     pip install -e '.[bench]'      # scikit-learn
     python bench/trace_predictability.py TRACE.jsonl
@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         res[f"auc_single_{name}"] = round(max(auc, 1 - auc), 3)
     res["hit_lru"] = best_hinted(rows, reqs, None)
     res["hit_oracle"] = best_hinted(rows, reqs, None, labels=y)
-    # the issue's bar: half the LRU-to-optimum gap closed (the optimum from trace_replay)
+    # the target: half the LRU-to-optimum gap closed (the optimum from trace_replay)
     trace = [r["hash_ids"] for r in rows]
     res["hit_target"] = {
         label: round(lru + (100 * replay_opt(trace, cap).ratio - lru) / 2, 2)

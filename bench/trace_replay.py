@@ -1,9 +1,9 @@
-"""Replay a Mooncake-format request trace against the eviction policies (issue 7).
+"""Replay a Mooncake-format request trace against the eviction policies (docs/eviction.md).
 
 Why: the eviction policy is judged by block hit ratio on real prompt traffic, not by
 micro-benchmarks. This replays a trace in process, with prefix semantics (a request hits its
 longest cached leading run of blocks; afterwards all its blocks are stored), against
-`kvstore.policy` exactly as the store drives it, and compares with the offline optimum.
+`kvstore.policies` exactly as the store drives it, and compares with the offline optimum.
 
     python bench/trace_replay.py [--quick] [--plot PNG] [--through-store] [--policies arc]
                                  TRACE.jsonl
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import importlib.util
 import json
 import math
 import os
@@ -43,12 +44,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+# Run from a checkout (as a script, or imported by one beside it) kvstore may not be
+# importable yet; where it is (the tests), the importer's sys.path is left as it was.
+if importlib.util.find_spec("kvstore") is None:
     sys.path.insert(0, str(ROOT))
 
 from kvstore_client.retention import hints as retention_hints  # noqa: E402
 
-from kvstore.policy import make_policy  # noqa: E402
+from kvstore.policies import make_policy  # noqa: E402
 
 Trace = list[list[int]]
 CAPACITIES = [1000, 2000, 5000, 10000, 20000, 50000]
@@ -386,7 +389,7 @@ def replay_store(name: str, trace: Trace, capacity: int) -> Result:
     lookup, acquire the hit prefix (touch + pin), put the missing blocks, release.
     """
     import blake3
-    from kvstore_client.layout import KVLayout, NamespaceSpec
+    from kvstore_client.common.layout import KVLayout, NamespaceSpec
 
     from kvstore.config import load_config
     from kvstore.movement import SLAB_ALIGN

@@ -1,4 +1,4 @@
-"""Issue 17 figures: kvstore as vLLM's secondary tier, its transfers and an engine's TTFT.
+"""vLLM figures: kvstore as vLLM's secondary tier, its transfers and an engine's TTFT.
 
 Measured in one run against one daemon (a temporary one unless `--address` is given); the vLLM
 parts run in the vLLM environment (`.venv-vllm`, or `--vllm-python`), each engine in a process
@@ -298,7 +298,7 @@ def main() -> None:
         sys.stdout.flush()
         os._exit(0)     # skip vLLM's slow interpreter teardown; the output is written
 
-    from kvstore.demo import daemon_address
+    from kvstore_demo.chat import daemon_address
 
     py = vllm_python(args.vllm_python)
     model_dir = Path(args.model_dir or ROOT / "bench" / "out" /

@@ -1,8 +1,9 @@
 """The numba kernel behind getcopy.py: copy committed blocks out of the host pool into a Get
 reply and hash the copy while it is still in L1.
 
-Imported only by `getcopy._build()`. It reuses the xxhash wheel's XXH3-64 entry points that
-kvstore_client's block-copy kernel registers (so the hash is the commit checksum bit for bit).
+Imported only by `getcopy._build()`. It calls the xxhash wheel's XXH3-64 entry points through
+kvstore_client/common/kernel_externs.py, as the SDK's block-copy kernel does (so the hash is the
+commit checksum bit for bit).
 
 Why the copy is hashed, not the slot: the slot is mapped read-write by clients, so it may change
 between a check and the copy that is sent; only a hash of the bytes that leave says something
@@ -15,13 +16,19 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from kvstore_client._blockcopy_kernel import _create, _digest, _free, _memcpy, _reset, _update
+from kvstore_client.common.kernel_externs import memcpy as _memcpy
+from kvstore_client.common.kernel_externs import xxh3_create as _create
+from kvstore_client.common.kernel_externs import xxh3_digest as _digest
+from kvstore_client.common.kernel_externs import xxh3_free as _free
+from kvstore_client.common.kernel_externs import xxh3_reset as _reset
+from kvstore_client.common.kernel_externs import xxh3_update as _update
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def copy_check(dst, src, dst_off, lens, want, chunk):  # pragma: no cover - compiled
     """Copy block j (lens[j] bytes at address src[j]) to dst + dst_off[j] and compare the
-    XXH3-64 of the copy with want[j] (0: unknown, not compared); hashing off when chunk == 0.
+    XXH3-64 of the copy with want[j] (every value, 0 included: kvstore/verify.py); hashing off
+    when chunk == 0.
 
     Returns the index of the first block whose copy does not match (it and the blocks after it
     are not, or not wholly, copied), len(src) when all match, or -1 when the hash state could
@@ -48,7 +55,7 @@ def copy_check(dst, src, dst_off, lens, want, chunk):  # pragma: no cover - comp
             _memcpy(d + off, s + off, k)
             _update(st, d + off, k)        # the copy, just written, still in L1
             off += k
-        if want[j] != 0 and _digest(st) != np.uint64(want[j]):
+        if _digest(st) != np.uint64(want[j]):
             _free(st)
             return j
     _free(st)

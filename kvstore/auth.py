@@ -13,8 +13,14 @@ id (or lease id) grants nothing. Admin tenants act on every namespace.
 
 Why a thread-local for the caller: the servicer's RPC methods parse their own request (the
 namespace id is only known after that), and each call runs on one worker thread from start to
-end (streams included), so the wrapper sets the caller once and the methods check it where
-they need it without a second parse.
+end (streams included), so the gate (kvstore/gate.py) binds the caller once and the methods
+check it where they need it without a second parse.
+
+One answer for "unknown" and "not yours": a namespace id is derived from its spec, owner
+included, so a tenant can compute the id another tenant's model would have. Answering
+PERMISSION_DENIED for a foreign id and NOT_FOUND for an unknown one would tell it whether the
+other tenant registered that model; both get the store's NOT_FOUND text instead, and so do
+another tenant's lease ids.
 """
 
 from __future__ import annotations
@@ -23,16 +29,22 @@ import hashlib
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvstore_client.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from kvstore_client.layout import NamespaceSpec
+from kvstore_client.common.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
+from kvstore_client.common.layout import NamespaceSpec
 
 from .tenants import TENANT_KEY, Tenant
 
-MAX_SESSIONS = 4096            # handshake sessions remembered (oldest forgotten first)
+SESSIONS_PER_TENANT = 4096     # handshake sessions remembered per tenant (limits.*)
+MAX_AUTHORIZATION = 4096       # characters of an authorization metadata value
 
 
 class Auth:
@@ -51,8 +63,15 @@ class Auth:
         self._by_hash = {h: t for t in tenants.values() for h in t.token_sha256}
         self._by_uid = {u: t for t in tenants.values() for u in t.uids}
         self._by_cert = {c: t for t in tenants.values() for c in t.cert_names}
-        self._sessions: OrderedDict[str, Tenant] = OrderedDict()
-        self._seen: dict[str, Tenant] = {}     # metadata value -> tenant (skips the hash)
+        self.sessions_per_tenant = SESSIONS_PER_TENANT
+        # token hash -> tenant; one insertion-ordered dict per tenant, so a tenant that makes
+        # sessions without end forgets its own oldest, never another tenant's.
+        self._sessions: dict[str, Tenant] = {}
+        self._by_tenant: dict[str, OrderedDict[str, None]] = {}
+        # metadata value -> tenant: skips the hash on every call after the first. Only values
+        # of live credentials are kept, and a forgotten session's goes with it (_value_of).
+        self._seen: dict[str, Tenant] = {}
+        self._value_of: dict[str, str] = {}     # session token hash -> its metadata value
         self._lock = threading.Lock()
         self._owners: dict[bytes, str | None] = {}
         self._local = threading.local()
@@ -62,41 +81,49 @@ class Auth:
         """The caller of this RPC (None: the implicit tenant); remembered for the checks."""
         if not self.enabled:
             return None
-        tenant = self._from_metadata(context) or self._from_certificate(context)
+        tenant = (self.from_metadata(context.invocation_metadata() or ())
+                  or self.from_certificate(context))
         if tenant is None:
-            raise Unauthenticated(
-                "no credentials: this daemon has tenants, so every call must carry "
-                "'authorization: Bearer <token>' metadata (kvstore_client.connect(..., "
-                "token=...)); on the Unix socket the SDK can instead prove your uid, if a "
-                "tenant lists it in `uids`" + (", or present a client certificate over mTLS"
-                                               if self.mtls else ""))
+            raise self.no_credentials()
         self._local.tenant = tenant
         return tenant
 
-    def _from_metadata(self, context: Any) -> Tenant | None:
-        for key, value in context.invocation_metadata() or ():
+    def no_credentials(self) -> Unauthenticated:
+        return Unauthenticated(
+            "no credentials: this daemon has tenants, so every call must carry "
+            "'authorization: Bearer <token>' metadata (kvstore_client.connect(..., "
+            "token=...)); on the Unix socket the SDK can instead prove your uid, if a "
+            "tenant lists it in `uids`" + (", or present a client certificate over mTLS"
+                                           if self.mtls else ""))
+
+    def from_metadata(self, metadata: Sequence[tuple[str, Any]]) -> Tenant | None:
+        """The tenant an `authorization: Bearer` entry names (None: no such entry); raises
+        Unauthenticated for a malformed or unknown one. Cheap enough for the gRPC server's
+        own thread (kvstore/gate.py): a dict lookup, or one SHA-256 per new token."""
+        for key, value in metadata:
             if key != "authorization":
                 continue
             if not isinstance(value, str) or not value.startswith("Bearer ") \
-                    or len(value) > 4096:
+                    or len(value) > MAX_AUTHORIZATION:
                 raise Unauthenticated("the authorization metadata must be 'Bearer <token>'")
-            tenant = self._seen.get(value)
-            if tenant is not None:
-                return tenant
+            seen = self._seen.get(value)
+            if seen is not None:
+                return seen
             h = hashlib.sha256(value[7:].encode()).hexdigest()
             tenant = self._by_hash.get(h) or self._sessions.get(h)
-            if tenant is not None:
-                # The hash once per token (forgotten with the sessions, see new_session).
-                if len(self._seen) >= 2 * MAX_SESSIONS:
-                    self._seen.clear()
-                self._seen[value] = tenant
             if tenant is None:
                 raise Unauthenticated("the bearer token matches no tenant of this daemon (or a "
                                       "session of a daemon run that has ended: reconnect)")
+            with self._lock:
+                if h in self._by_hash:
+                    self._seen[value] = tenant
+                elif self._sessions.get(h) is tenant:       # not forgotten meanwhile
+                    self._seen[value] = tenant
+                    self._value_of[h] = value
             return tenant
         return None
 
-    def _from_certificate(self, context: Any) -> Tenant | None:
+    def from_certificate(self, context: Any) -> Tenant | None:
         if not self.mtls:
             return None
         names = (context.auth_context() or {}).get("x509_common_name") or []
@@ -123,13 +150,20 @@ class Auth:
         return self._by_hash.get(hashlib.sha256(token.encode()).hexdigest())
 
     def new_session(self, tenant: Tenant) -> str:
-        """A bearer token standing for `tenant` until the daemon stops (handshake result)."""
+        """A bearer token standing for `tenant` until the daemon stops (handshake result), or
+        until the tenant has made `sessions_per_tenant` newer ones."""
         token = secrets.token_urlsafe(32)
+        h = hashlib.sha256(token.encode()).hexdigest()
         with self._lock:
-            self._sessions[hashlib.sha256(token.encode()).hexdigest()] = tenant
-            while len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
-                self._seen.clear()          # it may hold the forgotten session
+            mine = self._by_tenant.setdefault(tenant.name, OrderedDict())
+            mine[h] = None
+            self._sessions[h] = tenant
+            while len(mine) > self.sessions_per_tenant:
+                old, _ = mine.popitem(last=False)
+                del self._sessions[old]
+                value = self._value_of.pop(old, None)
+                if value is not None:
+                    self._seen.pop(value, None)
         return token
 
     @property
@@ -158,12 +192,11 @@ class Auth:
         owner = self._owners.get(ns_id)
         if owner is None:
             owner = self._owner_of(ns_id)
-            if owner is None:
-                return          # unknown namespace: the store answers NOT_FOUND
-            self._owners[ns_id] = owner
-        if owner != t.name:
-            raise PermissionDenied(f"namespace {ns_id.hex()} belongs to another tenant; tenant "
-                                   f"{t.name} may use only the namespaces it registered")
+            if owner is not None:
+                self._owners[ns_id] = owner
+        if owner != t.name:             # unknown, or another tenant's: one answer
+            raise NotFound(f"unknown namespace {bytes(ns_id).hex()}; register it first "
+                           f"(tenant {t.name} sees only the namespaces it registered)")
 
     def check_tier(self, tier: str) -> None:
         """gpu slots: a tenant with a gpu_quota leases them in its own slabs; the shared slabs
@@ -179,8 +212,13 @@ class Auth:
         if t is None or t.admin:
             return
         ns = self._lease_ns(lease_id)
-        if ns is not None:          # unknown or expired: the store says so
+        if ns is None:              # unknown or expired: the store says so
+            return
+        try:
             self.check_ns(ns)
+        except NotFound:
+            raise NotFound(f"unknown lease {lease_id!r} (released already, or from another "
+                           "daemon run)") from None
 
     def scope(self) -> set[bytes] | None:
         """The namespaces an Evict, Flush or Stats of this caller covers (None: all)."""

@@ -1,11 +1,11 @@
 """The `kvstore` command: `serve` runs the daemon, `status` shows a running one, `demo` demos.
 
 Why `serve` tunes malloc first: without glibc's MALLOC_* settings every multi-MiB gRPC message
-is a fresh mmap and a round of page faults (3.5× slower for 2 MiB messages, PERF-NOTES). glibc
-reads the variables only at exec, so `serve` applies the same four values in-process with
-mallopt(3) before any thread starts (it used to re-execute itself, which cost a second
-interpreter start and import on every start). Values the operator set in the environment are
-left to glibc; `--no-malloc-tuning` skips the whole step.
+is a fresh mmap and a round of page faults (3.5× slower for 2 MiB messages,
+docs/performance.md). glibc reads the variables only at exec, so `serve` applies the same four
+values in-process with mallopt(3) before any thread starts (it used to re-execute itself,
+which cost a second interpreter start and import on every start). Values the operator set in
+the environment are left to glibc; `--no-malloc-tuning` skips the whole step.
 
 Config errors and operator mistakes found before start (kvstore/preflight.py: data folder,
 socket path, ports in use, /dev/shm size, conflicting settings) exit with code 2 and one line
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvstore_client.errors import InvalidArgument
+from kvstore_client.common.errors import InvalidArgument
 
 from .config import ConfigError, StoreConfig, load_config
 
@@ -203,7 +203,7 @@ def format_status(resp: Any) -> str:
 
 def _status_credentials(address: str, timeout: float) -> tuple | None:
     """On a daemon with tenants: $KVSTORE_TOKEN, else the uid handshake (docs/security.md)."""
-    from kvstore_client.handoff import handshake, handshake_path
+    from kvstore_client.common.handoff import handshake, handshake_path
 
     token = os.environ.get("KVSTORE_TOKEN", "")
     path = handshake_path(address[len("unix:"):]) if address.startswith("unix:") else ""
@@ -218,7 +218,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
     from kvstore_client._proto import kvstore_pb2, kvstore_pb2_grpc
-    from kvstore_client.client import grpc_target
+    from kvstore_client.common.address import grpc_target
 
     try:
         # The SDK's reading of addresses: a bare or relative path is a Unix socket.
@@ -248,9 +248,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def run_demo(demo_args: list[str]) -> int:
-    """`kvstore demo ...`: every argument goes to kvstore.demo (imported only now)."""
+    """`kvstore demo ...`: every argument goes to kvstore_demo.chat (imported only now)."""
     try:
-        from .demo import main as demo_main
+        from kvstore_demo.chat import main as demo_main
     except ImportError as e:
         return _fail(f"the demo is not available in this install ({e})", 1)
     return int(demo_main(demo_args) or 0)
@@ -395,7 +395,7 @@ def make_parser() -> argparse.ArgumentParser:
             action.help = _defaults_help()[action.dest]
     plan.set_defaults(func=cmd_plan)
 
-    demo = sub.add_parser("demo", help="run the end-to-end demo (kvstore.demo)",
+    demo = sub.add_parser("demo", help="run the end-to-end demo (kvstore_demo)",
                           add_help=False)
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     demo.set_defaults(func=cmd_demo)

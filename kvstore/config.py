@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore_client.errors import InvalidArgument
+from kvstore_client.common.errors import InvalidArgument
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
@@ -142,7 +142,11 @@ class ServerConfig:
     tcp: str = "127.0.0.1:50551"    # "" disables TCP
     metrics: str = "127.0.0.1:9551"  # "" disables the Prometheus endpoint
     workers: int = 16
-    max_message_bytes: int = 256 << 20
+    max_message_bytes: int = 256 << 20   # the largest message sent (a Get reply batch)
+    # The largest message received, any method: gRPC refuses a longer one from its length
+    # prefix, before the body is buffered (docs/security.md, Limits).
+    max_receive_bytes: int = 4 << 20
+    metrics_tenants: bool = False   # per-tenant series on the metrics endpoint (opt-in)
     shutdown_grace_s: float = 10.0  # on SIGTERM: how long in-flight calls may take to finish
     stop_flush_s: float = 60.0      # on SIGTERM: how long writing host blocks to SSD may take
     lane: bool = True               # the fast lane beside the Unix socket (kvstore/lane.py)
@@ -162,6 +166,10 @@ class ServerConfig:
             raise ConfigError("server.max_message_bytes must be between 4MiB and 2GiB "
                               f"(one message carries at least one block), got "
                               f"{self.max_message_bytes}")
+        if not 4 << 20 <= self.max_receive_bytes <= (2 << 30) - 1:
+            raise ConfigError("server.max_receive_bytes must be between 4MiB (the largest "
+                              "valid request but Put) and 2GiB, got "
+                              f"{self.max_receive_bytes}")
         if not 0 <= self.shutdown_grace_s <= 3600:
             raise ConfigError(f"server.shutdown_grace_s must be in 0..3600, got "
                               f"{self.shutdown_grace_s}")
@@ -292,6 +300,52 @@ class EventsConfig:
 
 
 @dataclass
+class LimitsConfig:
+    """What one caller may hold of the daemon, and for how long (docs/security.md, Limits)."""
+    request_deadline_s: float = 30.0  # a gRPC call's request (all of a Put) and a Get's reply
+    tenant_calls: int = 0           # gRPC calls in flight per tenant (0: server.workers)
+    preauth_calls: int = 8          # mTLS calls in flight while their certificate is matched
+    hello_deadline_s: float = 5.0   # .auth request / .lane hello, from the connect
+    pending_per_uid: int = 16       # unauthenticated .auth or .lane connections per peer uid
+    pending_total: int = 1024       # ... of all peers, per listener
+    lane_per_tenant: int = 64       # lane connections per tenant (no tenants: 256 in all)
+    frame_deadline_s: float = 10.0  # a lane request frame, from its first byte
+    sessions_per_tenant: int = 4096  # handshake sessions remembered per tenant
+    # The store's, per tenant (the implicit one too; 0: no cap): leases held at once and slots
+    # across them (kvstore/leases.py), namespaces registered (each kept for good) and the size
+    # of one namespace spec as persisted (JSON; real ones are well under 1 KiB).
+    leases_per_tenant: int = 4096
+    lease_slots_per_tenant: int = 1 << 18
+    namespaces_per_tenant: int = 1024
+    namespace_spec_bytes: int = 4096
+
+    def check(self) -> None:
+        for key in ("request_deadline_s", "hello_deadline_s", "frame_deadline_s"):
+            v = getattr(self, key)
+            if not 0.1 <= v <= 3600:
+                raise ConfigError(f"limits.{key} must be in 0.1..3600 seconds, got {v}")
+        if not 0 <= self.tenant_calls <= 1024:
+            raise ConfigError(f"limits.tenant_calls must be in 0..1024 (0: server.workers), "
+                              f"got {self.tenant_calls}")
+        for key in ("preauth_calls", "pending_per_uid", "pending_total", "lane_per_tenant",
+                    "sessions_per_tenant"):
+            v = getattr(self, key)
+            if not 1 <= v <= 1 << 20:
+                raise ConfigError(f"limits.{key} must be in 1..{1 << 20}, got {v}")
+        for key in ("leases_per_tenant", "lease_slots_per_tenant", "namespaces_per_tenant"):
+            v = getattr(self, key)
+            if not 0 <= v <= 1 << 30:
+                raise ConfigError(f"limits.{key} must be 0 (no cap) or a count up to "
+                                  f"{1 << 30}, got {v}")
+        if not 512 <= self.namespace_spec_bytes <= 1 << 20:
+            raise ConfigError("limits.namespace_spec_bytes must be in 512..1048576, got "
+                              f"{self.namespace_spec_bytes}")
+        if self.pending_per_uid > self.pending_total:
+            raise ConfigError(f"limits.pending_per_uid ({self.pending_per_uid}) must not be "
+                              f"above limits.pending_total ({self.pending_total})")
+
+
+@dataclass
 class LeaseConfig:
     default_ttl_s: float = 30.0
     max_ttl_s: float = 600.0
@@ -307,6 +361,7 @@ class StoreConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     tenants: dict[str, Any] = field(default_factory=dict)   # kvstore/tenants.py reads them
     log_level: str = "info"
@@ -326,6 +381,7 @@ class StoreConfig:
             raise ConfigError("leases: need 0 < default_ttl_s <= max_ttl_s")
         self.server.check()
         self.auth.check()
+        self.limits.check()
         self.events.check()
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level: expected one of {list(LOG_LEVELS)}, got "
@@ -337,7 +393,7 @@ class StoreConfig:
         return self.server.socket or str(Path(self.data_dir) / "kvstore.sock")
 
 
-_SIZE_KEYS = {"capacity", "max_message_bytes"}
+_SIZE_KEYS = {"capacity", "max_message_bytes", "max_receive_bytes"}
 
 
 def _apply(obj: Any, values: dict[str, Any], where: str) -> None:

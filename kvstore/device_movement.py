@@ -29,8 +29,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvstore_client.errors import DataLoss, InvalidArgument, ResourceExhausted
-from kvstore_client.lazy import lazy_module
+from kvstore_client.common.errors import DataLoss, InvalidArgument, ResourceExhausted
+from kvstore_client.common.lazy import lazy_module
 
 from tiers.host_segments import SegmentedHost
 
@@ -453,7 +453,7 @@ class DeviceMovement:
                 got = host_off.get(id(e))
                 if got is not None:
                     off, s = got
-                    if e.checksum and s != e.checksum:
+                    if s != e.checksum:     # (0 too: every gpu copy's checksum is known)
                         self.host.free(off)
                         self.counters["corrupt_blocks"] += 1
                         self._drop_gpu_copy(e)
@@ -600,7 +600,7 @@ class DeviceMovement:
                     continue
                 dev, off, s = job
                 reserved.remove((e, dev, off))
-                if e.checksum and s != e.checksum:
+                if s != e.checksum:                  # (0 too: kvstore/verify.py)
                     self.gpu[dev].free(off)
                     self.counters["corrupt_blocks"] += 1
                     break                            # never served; the host copy stays
@@ -643,10 +643,8 @@ class DeviceMovement:
         (got,) = self._to_host_checked(t, [(e.gpu, p.offset, e.size)])
         p.source = "gpu"
         p.nbytes = e.size
-        if p.checksum and got != p.checksum:
+        if got != p.checksum:   # a gpu copy's checksum is always known: compared, never taken
             p.error = DataLoss("the gpu copy does not match the block's checksum")
-        elif not p.checksum:
-            p.new_checksum = got
 
     def _flush_gpu_locked(self) -> int:
         """Flush: gpu-only blocks go to SSD, encoded on their device where the codec allows."""

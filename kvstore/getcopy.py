@@ -23,14 +23,16 @@ go out, the caller counts and drops the block, and the rest is a miss. Without t
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvstore_client.lazy import lazy_module
+from kvstore_client.common.lazy import lazy_module
 
+from .keychain import check_distinct
 from .verify import first_mismatch
 
 if TYPE_CHECKING:
@@ -47,6 +49,8 @@ _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 _bytes_addr = ctypes.pythonapi.PyBytes_AsString
 _bytes_addr.restype = ctypes.c_void_p
 _bytes_addr.argtypes = (ctypes.py_object,)
+
+log = logging.getLogger(__name__)
 
 _kernel: Any = None
 _kernel_error: str | None = None
@@ -68,7 +72,16 @@ def _build() -> Any:
                     _kernel = copy_check
                 except Exception as e:  # noqa: BLE001 - numba or xxhash's C API missing
                     _kernel_error = f"{type(e).__name__}: {e}"
+                    # The same bytes, slower; numba is a dependency, so this is a broken
+                    # install, and it must not pass unseen.
+                    log.error("the Get copy kernel did not load; replies take the join + hash "
+                              "path: %s", _kernel_error)
     return _kernel
+
+
+def kernel_status() -> str:
+    """'compiled', or why Get replies take the join + hash path."""
+    return "compiled" if _build() is not None else str(_kernel_error)
 
 
 def warm_up() -> None:
@@ -106,7 +119,7 @@ def _header(key: bytes, n: int) -> bytes:
 def encode(blocks: Sequence[tuple[bytes, np.ndarray]], checksums: Sequence[int],
            check: bool = True, kernel: bool = True) -> Reply:
     """The GetResponse wire bytes of `blocks` [(key, 1-D uint8 view of its slot)], each block's
-    copy checked against `checksums` (0: unknown, not checked) unless check is False.
+    copy checked against `checksums` (every value, 0 included) unless check is False.
 
     kernel=False takes the path used without the compiled kernel (for tests of it).
     """
@@ -178,7 +191,12 @@ def stream(read: Callable[[list[bytes]], Reply], keys: list[bytes], per: int,
     pool has not started by the time it is needed runs on this thread instead (no waiting in
     the queue behind other streams). A stream cut short leaves a read in flight to finish on
     its own (it releases its lease; its reply is dropped).
+
+    The keys must be distinct, checked here over the whole list: each batch's read checks its
+    own, but a list repeating a run of keys in step with the batches would pass those checks
+    and stream the same blocks again and again (kvstore/keychain.py).
     """
+    check_distinct(keys)
     ahead: Future | None = None
     i = 0
     try:

@@ -8,13 +8,15 @@ kernel vouches for, and SCM_RIGHTS hands over a memfd, which no other process ca
 name (docs/security.md). The session token it returns is then the caller's bearer token on the
 gRPC socket.
 
-Protocol, one exchange per connection, every step under a deadline:
+Protocol, one exchange per connection, under one deadline from the connect
+(limits.hello_deadline_s; kvstore/unix_listener.py reads the request of every connection at
+once, so a silent one holds nothing but its own socket):
   client -> daemon   one JSON line: {"v": 1, "token": "<bearer token or empty>"}
   daemon -> client   one JSON line: {"tenant": ..., "session": ..., "pool_size": N or 0,
                      "gpu_pools": [{"device": D, "size": N}, ...]}
                      with fds attached (SCM_RIGHTS): the host pool's first when pool_size > 0,
                      then one per gpu_pools entry (the tenant's own CPU-device slabs),
-                     or {"error": "UNAUTHENTICATED", "message": ...}
+                     or {"error": "UNAUTHENTICATED" (or another status name), "message": ...}
 """
 
 from __future__ import annotations
@@ -22,71 +24,57 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import struct
 from collections.abc import Callable
 
 from .auth import Auth
 from .tenants import Tenant
-from .unix_listener import UnixListener
+from .unix_listener import Caps, UnixListener, refuse
 
 log = logging.getLogger("kvstore.handoff")
 
 SUFFIX = ".auth"
-MAX_REQUEST = 8192
-DEADLINE_S = 5.0
-_UCRED = struct.Struct("3i")      # pid, uid, gid
+REPLY_SEND_S = 1.0    # the reply (one short line and its fds) fits the socket's buffer
 
 PoolFor = Callable[[Tenant], tuple[int, int] | None]   # tenant -> (fd, size) of its own pool
 GpuFor = Callable[[str], list[tuple[int, int, int]]]   # tenant -> [(device, fd, size)]
 MAX_FDS = 17          # the host pool and up to 16 devices' slabs
 
 
-def peer_uid(conn: socket.socket) -> int:
-    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    return _UCRED.unpack(raw)[1]
-
-
 class Handoff:
-    """The handshake listener: one thread, one short exchange per connection."""
+    """The handshake listener: one short exchange per connection, answered on the listener's
+    thread once the request line is in (identifying a caller is a few dict lookups)."""
 
     def __init__(self, path: str, auth: Auth, pool_for: PoolFor | None = None,
-                 mode: int = 0o666, gpu_for: GpuFor | None = None) -> None:
+                 mode: int = 0o666, gpu_for: GpuFor | None = None,
+                 caps: Caps | None = None) -> None:
         self.path = path
         self.auth = auth
         self.pool_for = pool_for
         self.gpu_for = gpu_for
-        self._listener = UnixListener(path, mode, self._handle, "kvstore-handoff")
+        self._listener = UnixListener(path, mode, self._handle, "kvstore-handoff", caps)
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _handle(self, conn: socket.socket, uid: int, line: bytes) -> None:
         with conn:
             try:
-                conn.settimeout(DEADLINE_S)
-                self._serve(conn)
+                conn.settimeout(REPLY_SEND_S)
+                self._serve(conn, uid, line)
             except Exception as exc:   # one bad peer must not end the listener
                 log.warning("handshake failed: %s", exc)
 
-    def _serve(self, conn: socket.socket) -> None:
-        buf = b""
-        while not buf.endswith(b"\n") and len(buf) <= MAX_REQUEST:
-            chunk = conn.recv(MAX_REQUEST)
-            if not chunk:
-                return
-            buf += chunk
+    def _serve(self, conn: socket.socket, uid: int, line: bytes) -> None:
         try:
-            req = json.loads(buf)
+            req = json.loads(line)
             token = req.get("token") or ""
             if not isinstance(token, str):
                 raise ValueError("token must be a string")
         except (ValueError, AttributeError) as exc:
-            self._send(conn, {"error": "INVALID_ARGUMENT",
-                              "message": f"handshake request is not a JSON object: {exc}"})
+            refuse(conn, "INVALID_ARGUMENT", f"handshake request is not a JSON object: {exc}")
             return
-        uid = peer_uid(conn)
         tenant = self.auth.by_token(token) if token else self.auth.by_uid(uid)
         if tenant is None:
             why = ("the token matches no tenant" if token else
                    f"no tenant lists uid {uid} in `uids` and no token was given")
-            self._send(conn, {"error": "UNAUTHENTICATED", "message": why})
+            refuse(conn, "UNAUTHENTICATED", why)
             return
         pool = self.pool_for(tenant) if self.pool_for is not None else None
         gpu = (self.gpu_for(tenant.name) if self.gpu_for is not None else [])[:MAX_FDS - 1]
@@ -102,6 +90,10 @@ class Handoff:
             conn.sendall(data)
         else:
             socket.send_fds(conn, [data], fds)
+
+    @property
+    def refused(self) -> int:
+        return self._listener.refused
 
     def close(self) -> None:
         self._listener.close()

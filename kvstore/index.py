@@ -5,7 +5,7 @@ can reach another namespace's block. A key appears once per tier (dedup): an ent
 residency per tier rather than holding copies.
 
 Why two forms: an SSD tier holds millions of blocks and a Python object per block costs about
-twice the issue's per-block budget (docs/internals.md, "Block index"). Every indexed block has
+twice the per-block budget (docs/internals.md, "Block index"). Every indexed block has
 a *row* in packed arrays (size, checksum, parent, flags, child count) and one dict slot key ->
 row;
 only blocks with live state (a host or GPU copy, pins, a move in flight) or that were asked
@@ -16,7 +16,7 @@ when nothing but the index refers to it (`sys.getrefcount`): an entry held anywh
 demotion batch, a Promotion, a local variable of a thread waiting for the lock, keeps its
 identity, so code that re-checks `index.get(g) is e` after releasing the lock still sees
 exactly what it would with one object per block. Rows stay fixed while a block is indexed,
-so a policy may key its own arrays by row (kvstore/rowleaves.py).
+so a policy may key its own arrays by row (kvstore/policies/packed_leaves.py).
 
 Why lookups follow child links (`peek_run`): a lookup asks for a prompt's chain of blocks,
 each the child of the one before. In a dict of a million keys every probe misses the CPU
@@ -34,62 +34,10 @@ costs one dict probe, never a wrong answer.
 from __future__ import annotations
 
 import sys
-import threading
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
-NS_ID_BYTES = 16
-# The tiers a block can be resident in, as the residency listener names them.
-GPU, HOST, SSD, REMOTE = "gpu", "host", "ssd", "remote"
-
-
-@dataclass(slots=True)
-class Entry:
-    ns_id: bytes
-    key: bytes
-    parent: bytes | None        # parent block key (same namespace), None for a prompt's first block
-    size: int                   # raw block bytes
-    checksum: int               # xxh3-64 of the raw bytes
-    host: int | None = None     # offset in the host slab
-    ssd: bool = False
-    remote: bool = False
-    pins: int = 0               # read leases holding the host copy
-    gpu: int | None = None      # offset in the device slab of device `gpu_dev` (gpu tier)
-    gpu_dev: int = 0
-    gpu_pins: int = 0           # read leases holding the gpu copy
-    children: int = 0           # indexed blocks whose parent this is
-    # Set while the block moves between tiers outside the store lock (kvstore/movement.py):
-    # an acquire promoting it (host copy None; other acquires wait on the event), or an
-    # eviction demoting it to SSD (host copy still there, readable and acquirable). Meanwhile
-    # no delete, eviction or other demotion or promotion touches it.
-    moving: threading.Event | None = None
-    row: int = -1               # the block's row in the index (set by BlockIndex.add)
-
-    @property
-    def gkey(self) -> bytes:
-        return self.ns_id + self.key
-
-    @property
-    def parent_gkey(self) -> bytes | None:
-        return self.ns_id + self.parent if self.parent else None
-
-    @property
-    def resident(self) -> bool:
-        return self.host is not None or self.ssd or self.remote or self.gpu is not None
-
-
-class ResidencyListener(Protocol):
-    """Told of every change of a block's residency (kvstore/events/ publishes them).
-
-    Called under the store lock, after the change: `changed` when block `e` entered (True) or
-    left (False) `tier` (its fields show the new state); `discarded` when it left the index
-    with the tiers its fields still show (each of those is left)."""
-
-    def changed(self, e: Entry, tier: str, entered: bool) -> None: ...
-
-    def discarded(self, e: Entry) -> None: ...
+from .entry import GPU, HOST, NS_ID_BYTES, REMOTE, SSD, Entry, ResidencyListener
 
 
 class _Cold:
@@ -559,17 +507,27 @@ class BlockIndex:
         (flush, GPU write-down) need not look at the packed rows."""
         return list(self._hot.values())
 
-    def residency(self) -> Iterator[tuple[bytes, bool, bool, bool, int]]:
-        """(ns_id, host copy, ssd, remote, size) of every block, without making an Entry for
-        the packed ones (per-tenant usage walks every block on each metrics scrape)."""
+    def residency(self, start: int = 0, stop: int | None = None
+                  ) -> Iterator[tuple[bytes, bool, bool, bool, int]]:
+        """(ns_id, host copy, ssd, remote, size) of every block in rows start..stop, without
+        making an Entry for the packed ones. Per-tenant usage (kvstore/tenant_metrics.py)
+        walks the rows a slice at a time, each under the store lock, not all under it."""
         hot = self._hot
-        for e in list(hot.values()):
-            yield e.ns_id, e.host is not None, e.ssd, e.remote, e.size
         ns_ids, ns, flags, size = self._ns_ids, self._ns, self._flags, self._size
-        for r, g in enumerate(self._keys):
-            if g is not None and g not in hot:
+        for r, g in enumerate(self._keys[start:stop], start):
+            if g is None:
+                continue
+            e = hot.get(g)
+            if e is not None:
+                yield e.ns_id, e.host is not None, e.ssd, e.remote, e.size
+            else:
                 f = flags[r]
                 yield ns_ids[ns[r]], False, bool(f & _SSD), bool(f & _REMOTE), size[r]
+
+    @property
+    def rows(self) -> int:
+        """Rows in use or free: residency's range."""
+        return len(self._keys)
 
     def held(self, start: int, count: int) -> tuple[int, list[tuple[bytes, bool, bool, bool]]]:
         """(gkey, gpu copy, host copy, ssd) of the blocks in rows [start, start + count), and

@@ -3,17 +3,40 @@
 A client that dies simply stops renewing; the reaper then takes its slots back. Expired ids are
 remembered for a while so a late call on one gets "expired" (FAILED_PRECONDITION) rather than a
 confusing "unknown lease" (NOT_FOUND).
+
+Why a deadline heap: the reaper runs under the store lock before every Reserve and Acquire, so
+a scan of all leases made one tenant's thousands of held leases every other tenant's cost. The
+heap hands over only the leases whose deadline has passed. A renewal does not touch the heap:
+when the old entry comes up, the lease is pushed again at its new deadline, so a lease has at
+most one entry (two while a renewal shortened it). A released lease leaves its entry behind
+until it comes up; the heap is rebuilt from the live leases once such leftovers outnumber
+them, so it never grows past a constant times what is held.
+
+Why caps per tenant: a lease costs the daemon memory (its slot records) and, for a read lease,
+pins blocks that then cannot be evicted. A tenant (the implicit one too) may hold at most
+`max_leases` leases over at most `max_slots` slots at once; the store asks `admit` before it
+makes one. The check is done before the store allocates or pins anything, so a refusal undoes
+nothing; calls of one tenant running at once may each pass it, so the caps can be passed by at
+most what those calls hold.
 """
 
 from __future__ import annotations
 
+import heapq
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvstore_client.errors import InvalidArgument, LeaseExpired, NotFound
+from kvstore_client.common.errors import (
+    InvalidArgument,
+    LeaseExpired,
+    NotFound,
+    ResourceExhausted,
+)
+
+COMPACT_SLACK = 1024        # leftover heap entries tolerated beyond the live leases
 
 
 @dataclass
@@ -33,17 +56,26 @@ class Lease:
     deadline: float
     keys: list[bytes] = field(default_factory=list)
     checksums: list[int] = field(default_factory=list)
+    owner: str | None = None       # the tenant its namespace belongs to (None: implicit, nobody)
 
 
 class LeaseTable:
     """Lease bookkeeping only; what a lease holds is released by the store."""
 
     def __init__(self, default_ttl_s: float, max_ttl_s: float,
-                 clock: Callable[[], float] = time.time, remember_expired: int = 4096) -> None:
+                 clock: Callable[[], float] = time.time, remember_expired: int = 4096,
+                 max_leases: int = 0, max_slots: int = 0,
+                 owner_of: Callable[[bytes], str | None] | None = None) -> None:
         self.default_ttl_s = default_ttl_s
         self.max_ttl_s = max_ttl_s
         self.clock = clock
+        self.max_leases = max_leases        # per tenant; 0: no cap
+        self.max_slots = max_slots          # per tenant, across its leases; 0: no cap
+        self.owner_of = owner_of or (lambda ns_id: None)
         self._leases: dict[str, Lease] = {}
+        self._heap: list[tuple[float, str]] = []
+        self._held: Counter = Counter()     # owner -> leases held
+        self._slots: Counter = Counter()    # owner -> slots across them
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._remember = remember_expired
 
@@ -60,14 +92,46 @@ class LeaseTable:
                                   f"{self.max_ttl_s} s; renew the lease instead")
         return float(ttl_s)
 
+    def held(self, owner: str | None) -> tuple[int, int]:
+        """(leases, slots) a tenant holds now."""
+        return self._held[owner], self._slots[owner]
+
+    def admit(self, ns_id: bytes, slots: int) -> None:
+        """ResourceExhausted when a new lease of up to `slots` slots on this namespace would
+        take its tenant past its caps (limits.leases_per_tenant, lease_slots_per_tenant)."""
+        owner = self.owner_of(ns_id)
+        who = f"tenant {owner}" if owner else "this daemon's clients"
+        if self.max_leases and self._held[owner] >= self.max_leases:
+            raise ResourceExhausted(
+                f"{who} already hold{'s' if owner else ''} {self._held[owner]} leases, the "
+                f"limit (limits.leases_per_tenant = {self.max_leases}); release leases (or let "
+                "them expire) before taking more")
+        if self.max_slots and self._slots[owner] + slots > self.max_slots:
+            raise ResourceExhausted(
+                f"{who} hold{'s' if owner else ''} {self._slots[owner]} slots under leases and "
+                f"{slots} more would pass the limit (limits.lease_slots_per_tenant = "
+                f"{self.max_slots}); release leases, or lease fewer blocks at once")
+
     def new(self, kind: str, ns_id: bytes, tier: str, slots: list[Slot],
             ttl_s: float | None = None, keys: list[bytes] | None = None,
             checksums: list[int] | None = None) -> Lease:
+        owner = self.owner_of(ns_id)
         lease = Lease(id=secrets.token_hex(16), ns_id=ns_id, kind=kind, tier=tier, slots=slots,
                       deadline=self.clock() + self.ttl(ttl_s), keys=keys or [],
-                      checksums=checksums or [])
+                      checksums=checksums or [], owner=owner)
         self._leases[lease.id] = lease
+        self._held[owner] += 1
+        self._slots[owner] += len(slots)
+        heapq.heappush(self._heap, (lease.deadline, lease.id))
         return lease
+
+    def _forget(self, lease: Lease) -> None:
+        del self._leases[lease.id]
+        owner = lease.owner
+        self._held[owner] -= 1
+        self._slots[owner] -= len(lease.slots)
+        if not self._held[owner]:
+            del self._held[owner], self._slots[owner]
 
     def _live(self, lease_id: str) -> Lease:
         if not isinstance(lease_id, str) or not lease_id:
@@ -94,20 +158,35 @@ class LeaseTable:
 
     def pop(self, lease_id: str) -> Lease:
         lease = self._live(lease_id)
-        del self._leases[lease_id]
+        self._forget(lease)
+        if len(self._heap) > 2 * len(self._leases) + COMPACT_SLACK:
+            self._heap = [(x.deadline, x.id) for x in self._leases.values()]
+            heapq.heapify(self._heap)
         return lease
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> float:
         lease = self._live(lease_id)
-        lease.deadline = self.clock() + self.ttl(ttl_s)
-        return lease.deadline
+        deadline = self.clock() + self.ttl(ttl_s)
+        if deadline < lease.deadline:       # sooner than its heap entry says: one more entry
+            heapq.heappush(self._heap, (deadline, lease_id))
+        lease.deadline = deadline
+        return deadline
 
     def reap(self) -> list[Lease]:
-        """Remove and return every lease past its deadline."""
+        """Remove and return every lease past its deadline (only those: see the docstring)."""
         now = self.clock()
-        dead = [lease for lease in self._leases.values() if lease.deadline < now]
-        for lease in dead:
-            del self._leases[lease.id]
+        heap = self._heap
+        dead: list[Lease] = []
+        while heap and heap[0][0] < now:
+            _, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                continue                    # released before its deadline
+            if lease.deadline >= now:       # renewed: due again at its new deadline
+                heapq.heappush(heap, (lease.deadline, lease_id))
+                continue
+            self._forget(lease)
+            dead.append(lease)
             self._expired[lease.id] = None
             if len(self._expired) > self._remember:
                 self._expired.popitem(last=False)

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 import xxhash
-from kvstore_client.errors import DataLoss, ResourceExhausted
-from kvstore_client.layout import KVLayout
-from kvstore_client.lazy import lazy_module
+from kvstore_client.common.errors import DataLoss, ResourceExhausted
+from kvstore_client.common.layout import KVLayout
+from kvstore_client.common.lazy import lazy_module
 
 from tiers import frame
 from tiers.ssd import DiskFull
@@ -625,15 +625,16 @@ class TierMovement:
         return values
 
     def _encode_jobs(self, entries: list[Entry]) -> list[tuple]:
-        """What _encode needs per block, taken under the lock: the slot's view, layout, codec
-        and whether to sample the codec's error (one block in ERROR_SAMPLE_EVERY)."""
+        """What _encode needs per block, taken under the lock: the slot's view, layout, codec,
+        whether to sample the codec's error (one block in ERROR_SAMPLE_EVERY) and the checksum
+        the copy must match (None: not checked, host.verify_reads off)."""
         jobs = []
         for e in entries:
             self._encoded += 1
             spec = self.namespaces[e.ns_id].spec
             jobs.append((self.host.view(e.host, e.size), spec.layout, spec.codec,
                          self._encoded % ERROR_SAMPLE_EVERY == 1,
-                         e.checksum if self.config.host.verify_reads else 0))
+                         e.checksum if self.config.host.verify_reads else None))
         return jobs
 
     def _verified(self, entries: list[Entry], values: list[bytes | None]
@@ -678,7 +679,7 @@ class TierMovement:
         def one(job: tuple) -> tuple[bytes | None, Counter]:
             view, layout, codec, sample, checksum = job
             local: Counter = Counter()
-            if checksum:
+            if checksum is not None:
                 # A private copy first: the slot is client-writable (kvstore/verify.py).
                 view = np.array(view)
                 if not matches(view, checksum):
@@ -834,14 +835,26 @@ class TierMovement:
             p.nbytes = len(value[2]) if isinstance(value, tuple) else len(value)
             out = self.host.view(p.offset, p.entry.size)
             try:
-                p.lossy = decode_block(value, layout, out, p.checksum) in LOSSY
+                if isinstance(value, tuple):
+                    codec = value[0]
+                else:
+                    value = frame.unframe(value)        # (checks the payload's hash)
+                    codec = value[0]
+                if p.checksum and codec not in LOSSY:
+                    decode_block(value, layout, out, p.checksum)
+                    return                      # verified against the committed checksum
+                # The block's checksum is to be taken now: after a lossy decode the slot holds
+                # dequantized bytes, and a block known only from Redis has none yet. It is taken
+                # of a private copy of what was decoded (verified by the frame's hash), never of
+                # the slot, which clients map writable: a hash of the slot would vouch for
+                # whatever was written there meanwhile.
+                own = np.empty(p.entry.size, np.uint8)
+                p.lossy = decode_block(value, layout, own, p.checksum) in LOSSY
             except DataLoss as exc:
                 p.error = exc
                 return
-            if not p.checksum or p.lossy:
-                # After a lossy promotion the slot holds dequantized bytes: the checksum read
-                # leases hand out must be theirs (decoding is deterministic, so it stays valid).
-                p.new_checksum = xxhash.xxh3_64_intdigest(out)
+            p.new_checksum = xxhash.xxh3_64_intdigest(own)
+            out[:] = own
 
         def from_remote(p: Promotion) -> None:
             if p.remote_value is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore_client.layout import NamespaceSpec
+from kvstore_client.common.layout import NamespaceSpec
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,18 @@ can make room in it). A tenant with a host quota gets a segment of its own
 (tiers/host_segments.py), so its quota is enforced by construction: it allocates only there and
 evicts only its own blocks, and no other tenant's flood can evict them. Without tenants with a
 host quota every answer is "the one slab, every namespace", exactly as before.
+
+Which pools a namespace's slots may be leased in: only one its owner maps. A tenant with a
+host quota maps its own pool; the shared pool's name goes only to admins and, without
+tenants, to the implicit tenant. Any other tenant stores over Put and loads over Get, where the
+daemon copies every byte itself. A lease in the shared pool would give it slots it cannot
+write, and a Commit of those would publish whatever they last held: another tenant's freed or
+demoted blocks. So such leases are refused (`check_lease_pool`), the same for the gpu tier's
+shared slabs and tenants without a gpu quota. A slot a tenant may lease therefore only ever
+held blocks of namespaces that tenant may read itself.
+
+The namespaces of each owner and of each segment are kept as sets, updated when a namespace is
+registered, so eviction and quota checks never walk every tenant's namespaces.
 """
 
 from __future__ import annotations
@@ -13,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore_client.errors import ResourceExhausted
+from kvstore_client.common.errors import PermissionDenied, ResourceExhausted
 
 from tiers.host_segments import SegmentedHost
 
@@ -36,6 +48,37 @@ class TenantPools:
         self._segmented = bool(pools)
         if pools:
             self.host = SegmentedHost(self.host, pools)
+        self._ns_of_owner: dict[str | None, set[bytes]] = {}
+        self._ns_of_seg: dict[int, set[bytes]] = {}
+
+    def _index_namespace(self, ns_id: bytes) -> None:
+        """Note a namespace just added to `namespaces` under its owner and its segment."""
+        self._ns_of_owner.setdefault(self.owner(ns_id), set()).add(ns_id)
+        if self._segmented:
+            self._ns_of_seg.setdefault(self._seg(ns_id), set()).add(ns_id)
+
+    def namespace_count(self, owner: str | None) -> int:
+        """Namespaces registered by `owner` (None: the implicit tenant, or nobody's)."""
+        return len(self._ns_of_owner.get(owner, ()))
+
+    def check_lease_pool(self, ns_id: bytes, tier: str) -> None:
+        """PermissionDenied unless this namespace's slots on `tier` lie in a pool its owner
+        maps (see the module docstring). Free without tenants."""
+        if not self.tenants:
+            return
+        owner = self.owner(ns_id)
+        t = self.tenants.get(owner) if owner else None
+        if t is None or t.admin:
+            return          # nobody's (only admins reach it), or an admin's: the shared pool
+        quota = "gpu" if tier == "gpu" else "host"
+        if t.quota.get(quota):
+            return
+        what = "gpu slots" if quota == "gpu" else "host pool slots"
+        raise PermissionDenied(
+            f"tenant {t.name} may not lease {what}: it has no {quota}_quota, so its blocks "
+            f"live in the shared {'slabs' if quota == 'gpu' else 'pool'}, which only admins "
+            f"map; store with Put and load with Get (the SDK does so without a pool), or set "
+            f"tenants.{t.name}.{quota}_quota for zero-copy in a pool of its own")
 
     def _split_gpu(self, prefix: str) -> None:
         """Called once the device tiers exist: give each tenant with a gpu_quota a slab of its
@@ -43,7 +86,7 @@ class TenantPools:
         quotas = {n: t.quota["gpu"] for n, t in self.tenants.items() if t.quota.get("gpu")}
         if not quotas or not self.gpu:
             return
-        from tiers.device import open_tenant_segment  # (numpy, CUDA: only with gpu quotas)
+        from tiers.device_open import open_tenant_segment  # (numpy, CUDA: only with gpu quotas)
         from tiers.device_segments import SegmentedDevice
         for dev, shared in list(self.gpu.items()):
             def make(tenant: str, size: int, d: int, kind: str = shared.kind) -> Any:
@@ -64,10 +107,11 @@ class TenantPools:
         return self.host.segment_of_tenant(self.owner(ns_id))
 
     def _seg_namespaces(self, seg: int) -> set[bytes] | None:
-        """The namespaces allocating from segment `seg` (None: all, when unsegmented)."""
+        """The namespaces allocating from segment `seg` (None: all, when unsegmented). The
+        live set, for membership tests only: it grows as namespaces are registered."""
         if not self._segmented:
             return None
-        return {ns for ns in list(self.namespaces) if self._seg(ns) == seg}
+        return self._ns_of_seg.setdefault(seg, set())
 
     def _seg_room(self, seg: int) -> tuple[int, int]:
         """(capacity, used bytes) of a segment (the whole slab when unsegmented)."""
@@ -100,7 +144,7 @@ class TenantPools:
 
     # -- SSD and remote quotas ----------------------------------------------------------------
     def _owned_ns(self, tenant: str) -> set[bytes]:
-        return {ns for ns in list(self.namespaces) if self.owner(ns) == tenant}
+        return set(self._ns_of_owner.get(tenant, ()))
 
     def _tier_bytes(self, ns_ids: set[bytes], tier: str) -> int:
         """Raw block bytes those namespaces hold in `tier` (a walk of their blocks)."""

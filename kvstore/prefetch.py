@@ -83,7 +83,7 @@ class Prefetcher:
 
     def _promote(self, ns_id: bytes, keys: list[bytes]) -> None:
         try:
-            lease = self.store.acquire(ns_id, keys)
+            lease = self.store.acquire(ns_id, keys, for_client=False)
         except Exception as e:  # a closing store, a failed read: the engine sees a miss later
             self.counters["prefetch_failed_blocks"] += len(keys)
             log.debug("prefetch of %d blocks failed: %s", len(keys), e)

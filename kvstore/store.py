@@ -29,16 +29,16 @@ from typing import Any
 import blake3
 import msgpack
 import xxhash
-from kvstore_client.errors import (
+from kvstore_client.common.errors import (
     DataLoss,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
     Unavailable,
 )
-from kvstore_client.hashing import MAX_KEY_BYTES, MIN_KEY_BYTES
-from kvstore_client.layout import NamespaceSpec, check_retention
-from kvstore_client.pinning import pin_host
+from kvstore_client.common.hashing import MAX_KEY_BYTES, MIN_KEY_BYTES
+from kvstore_client.common.layout import NamespaceSpec, check_retention
+from kvstore_client.common.pinning import pin_host
 
 from tiers.host import HostTier
 from tiers.ssd import DiskFull, SSDTier
@@ -48,11 +48,13 @@ from .checksums import xxh3_many
 from .config import StoreConfig
 from .device_movement import DeviceMovement
 from .index import NS_ID_BYTES, BlockIndex, Entry
+from .keychain import check_distinct
 from .leases import Lease, LeaseTable, Slot
 from .movement import REMOTE_CHUNK, Promotion, TierMovement, _aligned
 from .nsinfo import NamespaceInfo
-from .policy import EvictionPolicy, make_policy
+from .policies import EvictionPolicy, make_policy
 from .pools import TenantPools
+from .tenants import TENANT_KEY
 from .verify import first_mismatch
 
 log = logging.getLogger("kvstore.store")
@@ -120,7 +122,6 @@ class Store(DeviceMovement, TenantPools):
         self.tier_counters: dict[str, Counter] = {t: Counter() for t in TIERS}
         self.namespaces: dict[bytes, NamespaceInfo] = {}
         self.index = BlockIndex()
-        self.leases = LeaseTable(config.leases.default_ttl_s, config.leases.max_ttl_s)
         data = Path(config.data_dir)
         data.mkdir(parents=True, exist_ok=True)
         shm_name = config.host.shm_name or "kvstore-" + blake3.blake3(
@@ -128,12 +129,19 @@ class Store(DeviceMovement, TenantPools):
         self._slab = self.host = HostTier(config.host.capacity, shm_name=shm_name,
                                           prefault=False)
         self._setup_pools()             # tenants with a host quota get their own segment
+        lim = config.limits
+        # Leases are counted per tenant; without tenants all are the implicit tenant's, and
+        # finding the owner costs nothing.
+        self.leases = LeaseTable(config.leases.default_ttl_s, config.leases.max_ttl_s,
+                                 max_leases=lim.leases_per_tenant,
+                                 max_slots=lim.lease_slots_per_tenant,
+                                 owner_of=self.owner if self.tenants else None)
         # Page-locked so host<->GPU copies (ours and clients') run at PCIe speed; a no-op
         # without CUDA. It must be unregistered before the slab is unmapped (close order).
         self._host_pin = pin_host(self._slab.buffer)
         self.gpu = {}
         if config.gpu.enabled:      # (numpy and the CUDA bindings only where configured)
-            from tiers.device import open_device_tiers
+            from tiers.device_open import open_device_tiers
             self.gpu = open_device_tiers(config.gpu.capacity, config.gpu.devices,
                                          config.gpu.backend, log, slab_prefix=shm_name + "-")
         self._split_gpu(shm_name + "-")  # tenants with a gpu quota get their own slabs
@@ -201,6 +209,7 @@ class Store(DeviceMovement, TenantPools):
         for ns_id, blob in self.ssd.namespaces().items():
             spec = NamespaceSpec.from_dict(json.loads(blob))
             self.namespaces[ns_id] = NamespaceInfo(ns_id, spec)
+            self._index_namespace(ns_id)
         if self._load_image():
             return
         policy = self.policies["ssd"]
@@ -367,7 +376,10 @@ class Store(DeviceMovement, TenantPools):
         return info
 
     @staticmethod
-    def _keys(keys: Sequence[bytes], allow_empty: bool = False) -> list[bytes]:
+    def _keys(keys: Sequence[bytes], allow_empty: bool = False, chain: bool = False
+              ) -> list[bytes]:
+        """Checked keys; `chain`: a prefix chain (or Locate's set), which names each block
+        once (kvstore/keychain.py)."""
         if not allow_empty and len(keys) == 0:
             raise InvalidArgument("no keys given")
         if len(keys) > MAX_KEYS_PER_CALL:
@@ -377,6 +389,8 @@ class Store(DeviceMovement, TenantPools):
             return []
         lens = list(map(len, keys)) if set(map(type, keys)) == {bytes} else None
         if lens and MIN_KEY_BYTES <= min(lens) and max(lens) <= MAX_KEY_BYTES:
+            if chain:
+                check_distinct(keys)
             return list(keys)               # the common case, checked at C speed
         out = []
         for i, k in enumerate(keys):
@@ -386,6 +400,8 @@ class Store(DeviceMovement, TenantPools):
                 raise InvalidArgument(f"key {i} is {n} bytes; block keys are "
                                       f"{MIN_KEY_BYTES}..{MAX_KEY_BYTES} bytes")
             out.append(bytes(k))
+        if chain:
+            check_distinct(out)
         return out
 
     @staticmethod
@@ -407,6 +423,17 @@ class Store(DeviceMovement, TenantPools):
             raise Unavailable("the gpu tier is not enabled on this daemon")
         raise InvalidArgument(f"tier {tier!r} cannot hold leased slots; use 'host' or 'gpu'")
 
+    def _admit_lease(self, ns_id: bytes, tier: str, slots: int) -> None:
+        """Before a client's lease is made: its namespace's slots lie in a pool its owner maps
+        (kvstore/pools.py) and its tenant is under its lease caps (kvstore/leases.py).
+
+        Reads only (a namespace's owner, the tenant's lease counts), so without the lock: the
+        caps are soft by what calls running at once hold, and an unknown namespace is left to
+        the call to answer NOT_FOUND."""
+        if self.tenants:
+            self.check_lease_pool(ns_id, tier)
+        self.leases.admit(ns_id, slots)
+
     # ----------------------------------------------------------------- namespaces
 
     def register_namespace(self, spec: NamespaceSpec) -> NamespaceInfo:
@@ -420,16 +447,51 @@ class Store(DeviceMovement, TenantPools):
         with self._lock:
             self._check_open()
             info = self.namespaces.get(ns_id)
-            if info is None:
-                info = NamespaceInfo(ns_id, spec)
-                self.namespaces[ns_id] = info
-                if self.ssd is not None:
-                    try:
-                        self.ssd.put_namespace(ns_id, json.dumps(spec.to_dict()).encode())
-                    except DiskFull as exc:   # host still serves it; a restart forgets it
-                        self.counters["ssd_disk_full_errors"] += 1
-                        log.warning("namespace %s not persisted: %s", ns_id.hex(), exc)
-            return info
+            if info is not None:
+                return info
+            blob = self._admit_namespace(spec)
+            info = NamespaceInfo(ns_id, spec)
+            self.namespaces[ns_id] = info
+            self._index_namespace(ns_id)
+            if self.ssd is None:
+                return info
+            self._busy += 1             # close() waits for the write below
+        # The LMDB write (milliseconds) runs without the store lock: a tenant registering
+        # namespaces must not stall every other tenant's calls behind it.
+        try:
+            self.ssd.put_namespace(ns_id, blob)
+        except DiskFull as exc:         # host still serves it; a restart forgets it
+            with self._lock:
+                self.counters["ssd_disk_full_errors"] += 1
+            log.warning("namespace %s not persisted: %s", ns_id.hex(), exc)
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._idle.notify_all()
+        return info
+
+    def _admit_namespace(self, spec: NamespaceSpec) -> bytes:
+        """The spec as persisted, once it is known to fit its tenant's caps (locked).
+
+        Why caps: a namespace is kept in memory and in LMDB for good, and a spec's free-form
+        fields (extra, model, revision) could make one cost hundreds of KiB; a tenant could
+        otherwise register them without end (docs/security.md, "The store's own checks")."""
+        lim = self.config.limits
+        blob = json.dumps(spec.to_dict()).encode()
+        if len(blob) > lim.namespace_spec_bytes:
+            raise InvalidArgument(
+                f"the namespace spec is {len(blob)} bytes as stored, above the daemon's limit "
+                f"of {lim.namespace_spec_bytes} (limits.namespace_spec_bytes); shorten "
+                "spec.extra, model or revision")
+        owner = spec.extra.get(TENANT_KEY)
+        cap = lim.namespaces_per_tenant
+        if cap and self.namespace_count(owner) >= cap:
+            who = f"tenant {owner} has" if owner else "this daemon's clients have"
+            raise ResourceExhausted(
+                f"{who} registered {self.namespace_count(owner)} namespaces, the limit "
+                f"(limits.namespaces_per_tenant = {cap}); namespaces already registered "
+                "still work")
+        return blob
 
     def wants_token_ids(self, ns_id: bytes) -> bool:
         """Whether a stream publishes this namespace's blocks, so Commit should carry their
@@ -446,7 +508,7 @@ class Store(DeviceMovement, TenantPools):
     # ----------------------------------------------------------------- lookup
 
     def lookup(self, ns_id: bytes, keys: Sequence[bytes]) -> LookupResult:
-        keys = self._keys(keys, allow_empty=True)
+        keys = self._keys(keys, allow_empty=True, chain=True)
         with self._lock:
             self._check_open()
             self._ns(ns_id)
@@ -498,7 +560,7 @@ class Store(DeviceMovement, TenantPools):
         For engines that look blocks up one by one (vLLM's tiered offloading). Keys no local
         tier holds are asked of the remote tier in one round trip.
         """
-        keys = self._keys(keys, allow_empty=True)
+        keys = self._keys(keys, allow_empty=True, chain=True)
         out: list[str | None] = []
         with self._lock:
             self._check_open()
@@ -562,6 +624,7 @@ class Store(DeviceMovement, TenantPools):
             raise InvalidArgument(f"count must be a positive integer, got {n!r}")
         if n > MAX_KEYS_PER_CALL:
             raise InvalidArgument(f"count {n} is above the per-call limit {MAX_KEYS_PER_CALL}")
+        self._admit_lease(ns_id, tier, n)
         if tier == "gpu":
             return self._gpu_reserve(ns_id, n, ttl_s, device)
         with self._lock:
@@ -598,11 +661,17 @@ class Store(DeviceMovement, TenantPools):
                token_ids: bytes | Sequence[int] | None = None) -> CommitResult:
         """Publish keys[i] from slot first_slot + i of a write lease; free its other slots.
 
-        `token_ids` (block_tokens per key: little-endian uint32 bytes as Commit carries them,
-        or a sequence of ints) name the blocks' tokens for KV events; kept only where a
-        stream publishes the namespace (kvstore/events/)."""
-        keys = self._keys(keys, allow_empty=True)
+        A checksum of 0 is refused: every host or gpu copy's checksum is checked on every read
+        as it is, so a client may not mark a block "unknown"; without checksums the daemon
+        hashes every block itself. `token_ids` (block_tokens per key: little-endian uint32
+        bytes as Commit carries them, or a sequence of ints) name the blocks' tokens for KV
+        events; kept only where a stream publishes the namespace (kvstore/events/)."""
+        keys = self._keys(keys, allow_empty=True, chain=True)
         parent = self._parent(parent)
+        if checksums and 0 in checksums:
+            i = list(checksums).index(0)
+            raise InvalidArgument(f"checksums[{i}] is 0; send each block's xxh3-64, or no "
+                                  "checksums at all (the daemon then hashes every block)")
         if token_ids is not None and not isinstance(token_ids, bytes):
             from .events.texts import tokens_u32  # in-process callers may pass a sequence
             try:
@@ -747,7 +816,7 @@ class Store(DeviceMovement, TenantPools):
     def put(self, ns_id: bytes, keys: Sequence[bytes], blocks: Sequence,
             parent: bytes | None = None) -> CommitResult:
         """Bytes path: store blocks sent over the network (dedup before copying)."""
-        keys = self._keys(keys)
+        keys = self._keys(keys, chain=True)
         parent = self._parent(parent)
         if len(blocks) != len(keys):
             raise InvalidArgument(f"{len(blocks)} blocks for {len(keys)} keys")
@@ -772,11 +841,13 @@ class Store(DeviceMovement, TenantPools):
                 # store this key meanwhile: _publish then dedups and the slot goes back).
                 self.movement._host_room(_aligned(size), ns_id)
                 off = self.movement._alloc_host(size, ns_id)
-                view = self.host.view(off, size)
-                view[:] = memoryview(b).cast("B")
+                src = memoryview(b).cast("B")
+                self.host.view(off, size)[:] = src
                 prev = parent if i == 0 else keys[i - 1]
+                # The checksum is of the bytes sent, not of the slot: a client mapping the
+                # pool could change the slot in between, and its hash would then vouch for it.
                 placed, e = self._publish(bytes(ns_id), k, prev, off, size,
-                                          xxhash.xxh3_64_intdigest(view))
+                                          xxhash.xxh3_64_intdigest(src))
                 if not placed:
                     self.host.free(off)
                     dups += 1
@@ -791,16 +862,23 @@ class Store(DeviceMovement, TenantPools):
     # ----------------------------------------------------------------- read path
 
     def acquire(self, ns_id: bytes, keys: Sequence[bytes], tier: str = "host",
-                ttl_s: float | None = None, device: int | None = None) -> Lease:
+                ttl_s: float | None = None, device: int | None = None,
+                for_client: bool = True) -> Lease:
         """Pin the longest cached prefix in host memory, promoting from lower tiers.
 
         Blocks to promote get their host slots first, then are read and decoded in parallel
         without the store lock (zstd and torch release the GIL), then installed in order; the
         prefix ends at the first block that is missing or fails to decode.
+        `for_client=False`: a lease the daemon holds itself while it copies (Get, prefetch),
+        allowed in any pool (kvstore/pools.py, check_lease_pool).
         """
         tier = self._tier(tier)
-        keys = self._keys(keys)
+        keys = self._keys(keys, chain=True)
         ttl = self.leases.ttl(ttl_s)
+        if for_client:
+            self._admit_lease(ns_id, tier, len(keys))
+        else:
+            self.leases.admit(ns_id, len(keys))
         if tier == "gpu":
             return self._gpu_acquire(ns_id, keys, ttl, device)
         want = self.movement._remote_wanted(ns_id, keys)
@@ -813,10 +891,8 @@ class Store(DeviceMovement, TenantPools):
         """Acquire in key ranges of REMOTE_CHUNK remote blocks, fetching range i+1 from Redis
         while range i is decoded; the ranges' leases are merged into one."""
         chunks = [want[i:i + REMOTE_CHUNK] for i in range(0, len(want), REMOTE_CHUNK)]
-        where = {ns_id + k: i for i, k in enumerate(keys)}
+        where = {ns_id + k: i for i, k in enumerate(keys)}      # (the keys are distinct)
         ends = [where[c[0]] for c in chunks[1:]] + [len(keys)]
-        if any(b <= a for a, b in zip([0, *ends], ends, strict=False)):  # repeated keys
-            return self._acquire_from(ns_id, keys, tier, ttl, self.movement._fetch_remote(want))
         wait_s = 5 + 4 * self.config.remote.deadline_ms / 1000
         parts: list[Lease] = []
         start = 0
@@ -985,7 +1061,8 @@ class Store(DeviceMovement, TenantPools):
         committed checksums (kvstore/verify.py) and a block that fails is counted, dropped and
         ends the prefix: fn is called again on the blocks before it.
         """
-        lease = self.acquire(ns_id, keys, ttl_s=self.config.leases.default_ttl_s)
+        lease = self.acquire(ns_id, keys, ttl_s=self.config.leases.default_ttl_s,
+                             for_client=False)
         bad: list[bytes] = []
         try:
             views = [(k, memoryview(self.host.view(s.offset, s.length)))
@@ -1012,7 +1089,8 @@ class Store(DeviceMovement, TenantPools):
         """fn(views, checksums) over the longest cached prefix, under a read lease: with_prefix
         without the check, for a caller that checks its own copies (Get, kvstore/getcopy.py)
         and reports a failure with corrupt_host_copy."""
-        lease = self.acquire(ns_id, keys, ttl_s=self.config.leases.default_ttl_s)
+        lease = self.acquire(ns_id, keys, ttl_s=self.config.leases.default_ttl_s,
+                             for_client=False)
         try:
             views = [(k, self.host.view(s.offset, s.length))
                      for k, s in zip(lease.keys, lease.slots, strict=True)]

@@ -21,15 +21,17 @@ import xxhash
 def first_mismatch(copies: Sequence, checksums: Sequence[int]) -> int:
     """Index of the first copy whose xxh3-64 differs from its checksum (len(copies) if none).
 
-    A checksum of 0 means "not known" (a block only seen in Redis so far) and is skipped.
+    Every checksum is compared, 0 included: a host or gpu copy's checksum is the hash of the
+    bytes its committer wrote (clients may not send 0, kvstore/store.py commit), so there is no
+    "unknown" to skip; were 0 skipped, a client could commit 0 and have any bytes served.
     """
     h = xxhash.xxh3_64_intdigest
     for i, (data, want) in enumerate(zip(copies, checksums, strict=False)):
-        if want and h(data) != want:
+        if h(data) != want:
             return i
     return len(copies)
 
 
-def matches(data: object, checksum: int) -> bool:
-    """True when `data` hashes to `checksum` (or the checksum is unknown)."""
-    return not checksum or xxhash.xxh3_64_intdigest(data) == checksum
+def matches(data: object, checksum: int | None) -> bool:
+    """True when `data` hashes to `checksum`; None: not checked (host.verify_reads off)."""
+    return checksum is None or xxhash.xxh3_64_intdigest(data) == checksum

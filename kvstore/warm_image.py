@@ -1,8 +1,8 @@
-"""The store's sections of the SSD index image (tiers/ssd_image.py): index rows and SSD policy.
+"""The store's sections of the SSD index image (tiers/ssd/image.py): index rows and SSD policy.
 
 Why: a warm restart used to read every LMDB record, unpack its msgpack meta, order parents
 before children, fill the index row by row and replay the policy snapshot node by node, a
-Python step per block (about 3 s for 100k blocks under load, issue 14). At a clean stop the
+Python step per block (about 3 s for 100k blocks under load). At a clean stop the
 result of all that is in memory; here it is written as packed arrays, keyed by the same index
 rows, and read back with bulk operations (a dict of the keys, a few list comprehensions).
 
@@ -26,10 +26,11 @@ from typing import Any
 
 import msgpack
 
-from .ghost import GhostKeys
-from .index import _SSD, _STATE, NS_ID_BYTES, BlockIndex
-from .policy import SegmentedPolicy
-from .rowleaves import RowLeaves
+from .entry import NS_ID_BYTES
+from .index import _SSD, _STATE, BlockIndex
+from .policies.evicted_keys import GhostKeys
+from .policies.packed_leaves import RowLeaves
+from .policies.segmented import SegmentedPolicy
 
 VERSION = 3
 INDEX = "store.index"

@@ -1,5 +1,5 @@
-"""The compiled codec kernels (issue 14: codecs at disk speed): tiers/codec_kernels4.py (lossy
-v4) and the lossless v2 kernels in tiers/codec_kernels.py.
+"""The compiled codec kernels (codecs at disk speed): tiers/codecs/lossy_kernels.py (lossy v4)
+and tiers/codecs/lossless_kernels.py (lossless v2).
 
 Those kernels were rewritten for speed without touching the payload formats. What is checked:
 - payloads, and the bytes decoded from them, are exactly those the first v4 / lossless v2
@@ -18,11 +18,12 @@ import hashlib
 
 import numpy as np
 import pytest
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import DataLoss
-from kvstore_client.layout import KVLayout
 
-from tiers import codec_lossless, codec_q4
-from tiers.codec_common import NonFiniteBlock
+from tiers.codecs import lossless as codec_lossless
+from tiers.codecs import lossy as codec_q4
+from tiers.codecs.common import NonFiniteBlock
 
 LOSSY = ["int8", "fp8_e4m3"]
 DTYPES = ["bfloat16", "float16", "float32"]
@@ -295,7 +296,8 @@ def test_scale_exponents_match_the_table_search_for_every_mantissa():
     """codec_kernels4._exps (all comparisons, vectorized) against codec_kernels._exps (table
     and two comparisons, the first v4 encoder's), for every float32 mantissa of need/base at
     several exponents (subnormal included), bases and zeros."""
-    from tiers import codec_kernels, codec_kernels4
+    from tiers.codecs import lossy_kernels as codec_kernels4
+    from tiers.codecs.legacy import lossy_v3_kernels as codec_kernels
 
     thr = np.array([2.0 ** (j / codec_kernels.STEPS) for j in range(codec_kernels.STEPS + 1)],
                    np.float32)

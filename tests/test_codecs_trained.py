@@ -1,4 +1,5 @@
-"""Lossy codecs judged on a trained causal LM (SmolLM2-135M-Instruct, kvstore/trained_model.py):
+"""Lossy codecs judged on a trained causal LM (SmolLM2-135M-Instruct,
+kvstore_demo/trained_model.py):
 worst (layer, head) attention error, size, and next-token agreement on real text; and the v2
 payload that keeps attention-sink keys exact. Skipped where the model is not installed
 (`make setup` installs it)."""
@@ -12,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import DataLoss
-from kvstore_client.layout import KVLayout
 
-from kvstore import trained_model
-from tiers import codec_quant, codecs
+from kvstore_demo import trained_model
+from tiers import codecs
+from tiers.codecs import lossy_torch as codec_quant
 
 ROOT = Path(__file__).resolve().parents[1]
 

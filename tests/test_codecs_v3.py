@@ -1,4 +1,4 @@
-"""The compiled codecs (issues 14/15): lossy payload v3 and lossless payload v2.
+"""The compiled codecs: lossy payload v3 (tiers/codecs/legacy/) and lossless payload v2.
 
 Lossy v3 is no longer written by default (v4 is, tests/test_codecs_v4.py), but every v3 payload
 already stored must still decode: these tests write v3 with its own encoder.
@@ -17,10 +17,13 @@ import struct
 import numpy as np
 import pytest
 import torch
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import DataLoss
-from kvstore_client.layout import KVLayout
 
-from tiers import codec_lossless, codec_q3, codec_quant, codecs
+from tiers import codecs
+from tiers.codecs import lossless as codec_lossless
+from tiers.codecs import lossy_torch as codec_quant
+from tiers.codecs.legacy import lossy_v3 as codec_q3
 
 SMOL = KVLayout(num_layers=3, num_kv_heads=3, head_dim=64, block_tokens=16, dtype="bfloat16")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -1,6 +1,6 @@
-"""Lossy payload v4 (issues 14/15): the default of `int8` and `fp8_e4m3`.
+"""Lossy payload v4: the default of `int8` and `fp8_e4m3`.
 
-Format: docs/codecs.md and tiers/codec_q4.py. What is checked here: the header and the exact
+Format: docs/codecs.md and tiers/codecs/lossy.py. What is checked here: the header and the exact
 payload length, round trips within bounds in every dtype and for head dims the rotation cannot
 take, the tokens kept exact (the value sink's key and value, the outlier key) being bit-exact and
 counted in the size, determinism, non-finite input refused, tiny and zero blocks, and corrupt
@@ -14,10 +14,11 @@ import struct
 import numpy as np
 import pytest
 import torch
+from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import DataLoss
-from kvstore_client.layout import KVLayout
 
-from tiers import codec_q4, codecs
+from tiers import codecs
+from tiers.codecs import lossy as codec_q4
 
 SMOL = KVLayout(num_layers=3, num_kv_heads=3, head_dim=64, block_tokens=16, dtype="bfloat16")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

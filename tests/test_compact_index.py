@@ -1,4 +1,5 @@
-"""The packed block index (kvstore/index.py) and the row-keyed policy state (kvstore/rowleaves.py).
+"""The packed block index (kvstore/index.py) and the row-keyed policy state
+(kvstore/policies/packed_leaves.py).
 
 What must hold: an Entry anyone holds keeps its identity and its changes while the index packs
 the rest; a packed block comes back with exactly the fields it had; rows are reused only after
@@ -18,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import index as index_mod
-from kvstore.ghost import GhostKeys, fingerprint
 from kvstore.index import NS_ID_BYTES, BlockIndex, Entry
-from kvstore.policy import SegmentedPolicy, _unpack, make_policy
+from kvstore.policies import SegmentedPolicy, make_policy
+from kvstore.policies.base import unpack_snapshot as _unpack
+from kvstore.policies.evicted_keys import GhostKeys, fingerprint
 
 from .store_helpers import SMALL, kv_block, make_store, namespace, random_prompt
 

@@ -1,6 +1,6 @@
 """kill -9 during concurrent writes and demotions, then restart, several times over.
 
-What must hold (issue 14): the restart always succeeds, no block is ever served with bytes other
+What must hold: the restart always succeeds, no block is ever served with bytes other
 than the ones written, and every block acknowledged before a Flush that returned is still there.
 Blocks written after the last flush may be lost (host memory was never promised durable).
 """

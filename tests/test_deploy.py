@@ -74,7 +74,7 @@ def test_dashboard_is_a_valid_grafana_dashboard():
         for t in p["targets"]:
             assert _names(t["expr"]), (p["title"], t["expr"])
             assert t["expr"].count("(") == t["expr"].count(")"), t["expr"]
-    # What the issue asks the dashboard to show.
+    # What the dashboard must show.
     exprs = " ".join(t["expr"] for p in graphs for t in p["targets"])
     for needed in ("kvstore_tier_hits_total", "kvstore_tier_used_bytes",
                    "kvstore_tier_capacity_bytes", "kvstore_bytes_moved_total",

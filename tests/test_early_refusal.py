@@ -11,16 +11,18 @@ import grpc
 import pytest
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.common.limits import MAX_KEYS, MAX_REQUEST_BYTES
 from kvstore_client.wire import encode_put
 
-from kvstore.server import MAX_KEYS, MAX_REQUEST_BYTES
 from tests.daemon import cleanup, start_daemon
 from tests.test_server import SMALL_BYTES, chain, register
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    d = start_daemon(tmp_path_factory.mktemp("limits"))
+    # A receive limit above the 4 MiB default, as an operator may set it, so that a message
+    # of a million blocks reaches the parser (by default gRPC refuses it from its length).
+    d = start_daemon(tmp_path_factory.mktemp("limits"), {"server.max_receive_bytes": "64MiB"})
     ch = d.channel()
     try:
         stub = pb_grpc.KVStoreStub(ch)
@@ -39,11 +41,17 @@ def put_raw(ch: grpc.Channel, messages: list[bytes]) -> pb.PutResponse:
 def test_put_with_a_million_blocks_is_refused_at_the_limit(world) -> None:
     _, ch, _, ns = world
     key = b"\x01" * 16
-    msg = encode_put(ns, b"", [(key, b"")] * 1_000_000)
+    # namespace_id last (protobuf fields may come in any order): the block size is not known
+    # while the blocks are read, so only their count can stop the parse
+    msg = encode_put(b"", b"", [(key, b"")] * 1_000_000) + encode_put(ns, b"", [])
     with pytest.raises(grpc.RpcError) as ei:
         put_raw(ch, [msg])
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"more than {MAX_KEYS} blocks (refused at block {MAX_KEYS})" in ei.value.details()
+    # namespace_id first, as the SDK sends it: refused at the first block of the wrong size
+    with pytest.raises(grpc.RpcError) as ei:
+        put_raw(ch, [encode_put(ns, b"", [(key, b"")] * 100_000)])
+    assert ei.value.details().startswith("message 0 blocks[0].data is 0 bytes")
 
 
 def test_put_refused_at_the_first_block_of_the_wrong_size(world) -> None:
@@ -79,7 +87,8 @@ def test_key_requests_above_the_largest_valid_size_are_refused_unparsed(world) -
             getattr(stub, method)(req, timeout=30)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
         assert f"no valid kvstore.v1.{method}Request is larger than" in ei.value.details()
-    # the largest valid request still passes
-    ok = stub.Lookup(pb.LookupRequest(namespace_id=ns, keys=[b"\x03" * 32] * MAX_KEYS),
+    # the largest valid request still passes (distinct keys: a chain names each block once)
+    ok = stub.Lookup(pb.LookupRequest(namespace_id=ns, keys=[i.to_bytes(32, "big")
+                                                             for i in range(MAX_KEYS)]),
                      timeout=30)
     assert ok.prefix_blocks == 0

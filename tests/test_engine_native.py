@@ -11,7 +11,8 @@ from kvstore_client import KVLayout
 from kvstore_client.errors import InvalidArgument, NotFound
 
 from tests.daemon import cleanup, start_daemon
-from tiers import codec_engine, codecs
+from tiers import codecs
+from tiers.codecs import reorder as codec_engine
 
 # A vLLM-CPU-like block: 2 layers, per layer [heads, K/V, tokens, dim].
 DECLARED = dict(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=32, dtype="float32",

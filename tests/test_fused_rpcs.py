@@ -16,7 +16,7 @@ import xxhash
 from kvstore_client import KVLayout, connect
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore_client.shm import attach
+from kvstore_client.common.shm import attach
 
 from tests.daemon import cleanup, start_daemon
 

@@ -6,8 +6,8 @@ import sys
 
 import blake3
 import pytest
+from kvstore_client.common.hashing import block_keys, chain_key
 from kvstore_client.errors import InvalidArgument
-from kvstore_client.hashing import block_keys, chain_key
 
 V1 = "cf4b3aadefde2215ef0bd82688eac3d6"
 
@@ -62,7 +62,7 @@ def test_bad_parameters_are_rejected():
 
 
 def test_same_keys_in_processes_with_different_hash_seeds():
-    code = ("from kvstore_client.hashing import block_keys;"
+    code = ("from kvstore_client.common.hashing import block_keys;"
             "print(','.join(k.hex() for k in block_keys(list(range(100)), 16, "
             "extra_keys=['lora-x'])))")
     outs = set()

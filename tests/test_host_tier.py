@@ -1,4 +1,4 @@
-"""HostTier and kvstore_client.shm: a real shm slab shared with real client processes."""
+"""HostTier and kvstore_client.common.shm: a real shm slab shared with real client processes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from multiprocessing import shared_memory
 
 import numpy as np
 import pytest
+from kvstore_client.common.shm import attach
 from kvstore_client.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvstore_client.shm import attach
 
 from tiers.host import HostTier
 
@@ -88,7 +88,7 @@ def test_other_process_reads_and_writes_and_does_not_unlink(host):
     d = host.describe()
     out = run_client(f"""
         import numpy as np
-        from kvstore_client.shm import attach
+        from kvstore_client.common.shm import attach
         slab = attach({d['name']!r}, {d['size']})
         block = slab.array[{off}:{off} + {2 * MIB}]
         want = np.arange({2 * MIB}, dtype=np.uint64).astype(np.uint8)
@@ -103,7 +103,7 @@ def test_other_process_reads_and_writes_and_does_not_unlink(host):
     # the client has exited: the segment must still be there for the next client
     assert _exists(d["name"])
     out = run_client(f"""
-        from kvstore_client.shm import attach
+        from kvstore_client.common.shm import attach
         s = attach({d['name']!r}, {d['size']})
         print(int(s.array[{off}]))
     """)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from kvstore_client import InvalidArgument
-from kvstore_client.layout import RETENTION_LEVELS
+from kvstore_client.common.layout import RETENTION_LEVELS
 from kvstore_client.retention import SIGNALS, hints, level_for
 
-from kvstore.policy import SegmentedPolicy, make_policy
+from kvstore.policies import SegmentedPolicy, make_policy
 
 
 def test_every_signal_maps_to_a_level_the_daemon_accepts() -> None:

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore_client.shm import attach
+from kvstore_client.common.shm import attach
 
 from tests.daemon import cleanup, start_daemon
 
@@ -175,12 +175,17 @@ def test_health_reflection_and_socket_mode(shared):
 
 
 def test_big_blocks_and_batches_pass(shared):
-    """2.5 MiB blocks, 8 per Put message (20 MiB: 5x gRPC's default limit) and back."""
+    """2.5 MiB blocks, one per Put message, and back in Get batches of several; a Put message
+    above the receive limit (server.max_receive_bytes, 4 MiB) is refused from its length."""
     with shared.channel() as ch:
         stub = pb_grpc.KVStoreStub(ch)
         ns = register(stub, BIG, "test/big").namespace_id
         keys, data = chain(8, 1), blocks(8, BIG_BYTES, 1)
-        res = put(stub, ns, keys, data, per_message=8)
+        with pytest.raises(grpc.RpcError) as ei:
+            put(stub, ns, keys, data, per_message=8)        # 20 MiB in one message
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in ei.value.details()
+        res = put(stub, ns, keys, data, per_message=1)
         assert res.stored == 8
         got, messages = get(stub, ns, keys)
         assert [k for k, _ in got] == keys

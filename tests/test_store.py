@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import xxhash
+from kvstore_client.common.hashing import block_keys
 from kvstore_client.errors import (
     DataLoss,
     InvalidArgument,
@@ -16,7 +17,6 @@ from kvstore_client.errors import (
     NotFound,
     ResourceExhausted,
 )
-from kvstore_client.hashing import block_keys
 
 from kvstore.movement import _aligned
 from tiers.ssd import SSDTier
@@ -133,7 +133,7 @@ def test_second_process_maps_host_slab_and_reads_committed_block(tmp_path):
         slots = [(s.offset, s.length) for s in lease.slots]
         code = (
             "import sys, xxhash\n"
-            "from kvstore_client.shm import attach\n"
+            "from kvstore_client.common.shm import attach\n"
             f"slab = attach({info['name']!r}, {info['size']})\n"
             f"for off, n in {slots!r}:\n"
             "    print(xxhash.xxh3_64_hexdigest(slab.array[off:off + n]))\n"
@@ -295,7 +295,7 @@ def test_client_given_parents_cannot_form_an_unevictable_cycle(tmp_path):
 
 def test_retain_low_orders_eviction_and_reaches_every_tier(tmp_path):
     # "lru" applies a hint at once; the default follows hints only once its full-size twins
-    # show they pay (issue 15; tests/test_policy.py), which a fresh store cannot show yet
+    # show they pay (docs/eviction.md; tests/test_policy.py), which a fresh store cannot show yet
     with make_store(tmp_path, policy="lru") as store:
         ns = namespace(store)
         rng = np.random.default_rng(11)

@@ -95,7 +95,7 @@ def test_lossless_namespace_round_trips_bit_exact_through_ssd(tmp_path):
 
 
 def test_store_uses_the_adaptive_policy_by_default(tmp_path):
-    from kvstore.policy import LRUPolicy, make_policy
+    from kvstore.policies import LRUPolicy, make_policy
     with make_store(tmp_path) as store:
         default = type(make_policy("default"))
         assert default is not LRUPolicy

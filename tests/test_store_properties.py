@@ -19,8 +19,8 @@ import xxhash
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from kvstore_client.common.hashing import block_keys
 from kvstore_client.errors import ResourceExhausted
-from kvstore_client.hashing import block_keys
 
 from .store_helpers import SMALL, kv_block, make_store, namespace
 

@@ -27,7 +27,6 @@ from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client.device_kv import DeviceKV
 
 from kvstore.tenants import hash_token
-from tests import other_uid
 from tests.daemon import cleanup, start_daemon
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="bfloat16")
@@ -169,8 +168,8 @@ CHILD = textwrap.dedent("""
     from tests.test_tenant_gpu import LAYOUT, cache, block_bits, keys_for
     # What the run needs is imported before dropping to the other uid (it cannot read the
     # interpreter's files then).
-    import json, socket, logging, mmap, secrets, numpy.random, kvstore_client.shm
-    import kvstore_client.handoff, kvstore_client.pools
+    import json, socket, logging, mmap, secrets, numpy.random, kvstore_client.common.shm
+    import kvstore_client.common.handoff, kvstore_client.common.pools
     block_bits(cache(1, seed=0), 0)
     role, uid, address = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     os.setgroups([]); os.setgid(uid); os.setuid(uid)      # from here on: another user
@@ -216,10 +215,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_two_uids_cannot_reach_each_others_device_slab() -> None:
-    why = other_uid.skip_reason()
-    if why:
-        pytest.skip(why)
+def test_two_uids_cannot_reach_each_others_device_slab(other_uids: None) -> None:
     if not hasattr(os, "memfd_create"):
         pytest.skip("no memfd_create on this platform")
     base = Path(tempfile.mkdtemp(prefix="kvs-gpuseg-"))
@@ -312,8 +308,8 @@ def test_own_host_pool_and_own_device_slab_together(tmp_path: Path) -> None:
 
 
 def test_segmented_device_splits_batches_by_segment_in_order() -> None:
-    from tiers.device import open_tenant_segment
     from tiers.device_cpu import CpuDeviceTier
+    from tiers.device_open import open_tenant_segment
     from tiers.device_segments import SegmentedDevice
 
     shared = CpuDeviceTier(8 * 4096, 0, slab_name=f"kvs-test-segdev-{os.getpid()}")

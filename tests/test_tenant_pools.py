@@ -24,7 +24,6 @@ from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client._proto import kvstore_pb2_grpc as pbg
 
 from kvstore.tenants import hash_token
-from tests import other_uid
 from tests.daemon import cleanup, start_daemon
 from tests.redis_fixtures import redis_server_fixture  # noqa: F401  (fixture)
 
@@ -33,8 +32,8 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dt
 CHILD = textwrap.dedent("""
     import glob, os, sys
     import numpy as np
-    import json, socket, logging, mmap, secrets, numpy.random, kvstore_client.shm
-    import kvstore_client.handoff
+    import json, socket, logging, mmap, secrets, numpy.random, kvstore_client.common.shm
+    import kvstore_client.common.handoff
     from kvstore_client import connect, KVLayout
     role, uid, address = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     os.setgroups([]); os.setgid(uid); os.setuid(uid)      # from here on: another user
@@ -97,10 +96,7 @@ def tokens(tmp: Path, extra: str) -> Path:
     return p
 
 
-def test_two_uids_cannot_reach_each_others_pool() -> None:
-    why = other_uid.skip_reason()
-    if why:
-        pytest.skip(why)
+def test_two_uids_cannot_reach_each_others_pool(other_uids: None) -> None:
     if not hasattr(os, "memfd_create"):
         pytest.skip("no memfd_create on this platform")
     base = Path(tempfile.mkdtemp(prefix="kvs-pools-"))
@@ -195,7 +191,8 @@ def test_ssd_quota_evicts_own_blocks_first_and_metrics_are_per_tenant(tmp_path: 
         [tenants.b]
         token_sha256 = "{hash_token('b-token')}"
     """))
-    d = start_daemon(tmp_path, {"auth.tokens_file": str(tf)})
+    # per-tenant series are opt-in (the metrics endpoint has no authentication)
+    d = start_daemon(tmp_path, {"auth.tokens_file": str(tf), "server.metrics_tenants": True})
     try:
         with connect(d.address, token="a-token", transport="grpc") as a, \
                 connect(d.address, token="b-token", transport="grpc") as b:

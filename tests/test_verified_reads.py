@@ -130,7 +130,7 @@ def test_store_get_checks_the_copy_it_returns(tmp_path) -> None:
     cfg.host.capacity = 4 << 20
     cfg.ssd.enabled = False
     with Store(cfg) as store:
-        from kvstore_client.layout import NamespaceSpec
+        from kvstore_client.common.layout import NamespaceSpec
         ns = store.register_namespace(NamespaceSpec(model="m", layout=LAYOUT)).ns_id
         keys = [bytes([i]) * 16 for i in range(3)]
         blocks = [bytes([i]) * LAYOUT.block_bytes for i in range(3)]

@@ -2,7 +2,8 @@
 
 Why this module is thin: the raw runtime wrapper (CuPy, or ctypes on libcudart), host
 registration and IPC opening are needed by clients too, and `kvstore_client` may not import
-`tiers`, so they live in `kvstore_client/gpu.py` and are re-exported here. This module adds
+`tiers`, so they live in the SDK's shared layer (`kvstore_client/common/`) and are re-exported
+here. This module adds
 what only the daemon does: allocate a slab with plain cudaMalloc (never through torch's caching
 allocator or CuPy's pools, whose blocks share one IPC handle per segment with offsets), export
 it once, and free it.
@@ -15,19 +16,17 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvstore_client.errors import InvalidArgument, ResourceExhausted
-from kvstore_client.gpu import (
+from kvstore_client.common.cuda_runtime import (
     IPC_HANDLE_BYTES,
     CudaError,
-    PinnedHost,
     cuda_available,
     device_tensor,
     get_runtime,
-    pin_host,
-    register_local_export,
     require_cuda,
-    unregister_local_export,
 )
+from kvstore_client.common.errors import InvalidArgument, ResourceExhausted
+from kvstore_client.common.pinning import PinnedHost, pin_host
+from kvstore_client.common.pools import register_local_export, unregister_local_export
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -16,29 +16,27 @@ a GPU. Everything that only a device can do sits behind this small surface:
 
 Two implementations: `tiers.gpu.GPUTier` (CUDA: cudaMalloc'd slab, IPC handle, streams) and
 `tiers.device_cpu.CpuDeviceTier` (its "device memory" is a shared-memory slab of its own,
-exported by name). `open_device_tiers` picks one per configured device: CUDA where a device
-exists, the CPU device where none does and the operator enabled the tier (it says so in the
-log), or whichever `gpu.backend` names.
+exported by name). `tiers.device_open` picks one per configured device (it imports both; this
+module imports neither).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from kvstore_client.errors import InvalidArgument, KVStoreError
-from kvstore_client.gpu import Transfer, coalesce_runs, cuda_available
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import InvalidArgument
+from kvstore_client.common.layout import KVLayout
+from kvstore_client.common.runs import coalesce_runs
+from kvstore_client.common.transfer import Transfer
 
 from .slab import SlabAllocation
 
 PAGE = 4096
 DEFAULT_WAIT_S = 30.0
-BACKENDS = ("auto", "cuda", "cpu")
 
 Item = tuple[int, int, int]            # (device_offset, other_offset, nbytes)
 
@@ -164,54 +162,3 @@ def check_host(host: Any, to_host: bool) -> None:
         raise InvalidArgument("host buffer must be a 1-D contiguous uint8 numpy array")
     if to_host and not host.flags.writeable:
         raise InvalidArgument("host buffer for a device -> host copy must be writable")
-
-
-def open_device_tiers(capacity: int, devices: Sequence[int], backend: str = "auto",
-                      log: logging.Logger | None = None,
-                      slab_prefix: str = "") -> dict[int, DeviceTier]:
-    """The daemon's device tiers, one per configured device.
-
-    backend "auto": CUDA where this machine has a CUDA device, else the CPU device (logged once,
-    so an operator who enabled the tier sees what serves it); "cuda": CUDA or nothing (a device
-    that fails to start is logged and skipped); "cpu": the CPU device.
-    """
-    log = log or logging.getLogger("kvstore")
-    if backend not in BACKENDS:
-        raise InvalidArgument(f"gpu.backend must be one of {list(BACKENDS)}, got {backend!r}")
-    use_cuda = backend == "cuda" or (backend == "auto" and cuda_available())
-    if backend == "cuda" and not cuda_available():
-        log.warning("gpu tier disabled: no CUDA device on this machine (torch.cuda is "
-                    "unavailable) and gpu.backend=cuda; serving from host/ssd only")
-        return {}
-    tiers: dict[int, DeviceTier] = {}
-    if not use_cuda:
-        from .device_cpu import CpuDeviceTier
-
-        why = ("gpu.backend=cpu" if backend == "cpu"
-               else "no CUDA device on this machine")
-        log.warning("gpu tier: %s; using the CPU device (a shared-memory slab stands in for "
-                    "device memory) on devices %s", why, list(devices))
-        for dev in devices:
-            tiers[dev] = CpuDeviceTier(capacity, dev, slab_name=f"{slab_prefix}gpu{dev}")
-        return tiers
-    from .gpu import GPUTier
-
-    for dev in devices:
-        try:
-            tiers[dev] = GPUTier(capacity, dev, slab_name=f"{slab_prefix}gpu{dev}")
-        except KVStoreError as e:      # Unavailable, or ResourceExhausted: slab does not fit
-            log.warning("gpu tier on cuda:%s disabled: %s", dev, e)
-    return tiers
-
-
-def open_tenant_segment(kind: str, size: int, device: int, name: str) -> DeviceTier:
-    """A tenant's own slab on `device`, of the same kind as the device's shared slab: a memfd
-    (CPU device: it reaches the tenant's clients only as a file descriptor) or a separate CUDA
-    allocation with an IPC handle of its own (handed only to that tenant)."""
-    if kind == "cpu":
-        from .device_cpu import CpuDeviceTier
-
-        return CpuDeviceTier(size, device, slab_name=name, memfd=True)
-    from .gpu import GPUTier  # pragma: no cover - needs a CUDA device
-
-    return GPUTier(size, device, slab_name=name)

@@ -20,12 +20,13 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from kvstore_client.errors import InvalidArgument
-from kvstore_client.gpu import CPU_MEMFD_KIND, CPU_POOL_KIND, FutureEvent, Transfer
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import InvalidArgument
+from kvstore_client.common.layout import KVLayout
+from kvstore_client.common.pools import CPU_MEMFD_KIND, CPU_POOL_KIND
+from kvstore_client.common.transfer import FutureEvent, Transfer
 
 from .device import PAGE, DeviceTier, Item, check_host
-from .host import _create_fresh, _prefault, _unlink
+from .host import _create_fresh, _prefault
 from .slab import ExtentAllocator
 
 
@@ -215,8 +216,3 @@ def _runs(src: np.ndarray, s: np.ndarray, dst: np.ndarray, d: np.ndarray,
           n: np.ndarray) -> None:
     for so, do, nb in zip(s.tolist(), d.tolist(), n.tolist(), strict=True):
         np.copyto(dst[do:do + nb], src[so:so + nb])
-
-
-def remove_leftover(name: str) -> None:
-    """Unlink a CPU-device segment a crashed daemon left behind (tests, restarts)."""
-    _unlink(name)

@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from kvstore_client.errors import InvalidArgument
-from kvstore_client.gpu import Transfer
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.errors import InvalidArgument
+from kvstore_client.common.layout import KVLayout
+from kvstore_client.common.transfer import Transfer
 
 from .device import DeviceTier, Item
 

@@ -8,12 +8,15 @@ flipped bit in the lengths or codec id fails it too.
 Header, 32 bytes, little-endian (struct "<4sBBHQQQ"):
     0   4s   magic b"KVB\\x01"
     4   u8   format version (1)
-    5   u8   codec id (tiers.codecs.CODEC_IDS)
+    5   u8   codec id (CODEC_IDS below)
     6   u16  flags (0; readers reject unknown bits)
     8   u64  raw length: bytes of the decoded block
     16  u64  payload length: bytes after the header
     24  u64  xxh3-64 of the payload, seed = xxh3-64 of header bytes 0..23
     32  ...  payload
+
+Why the codec ids live here: they are part of this header, and the daemon frames and checks
+values (promotion, the remote tier) without importing the codecs themselves (tiers/codecs/).
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from __future__ import annotations
 import struct
 
 import xxhash
-from kvstore_client.errors import DataLoss, InvalidArgument
+from kvstore_client.common.errors import DataLoss, InvalidArgument
 
-from .codec_common import CODEC_IDS, CODEC_NAMES
+# Codec ids as stored in the header; never renumber.
+CODEC_IDS: dict[str, int] = {"raw": 0, "lossless": 1, "fp8_e4m3": 2, "int8": 3}
+CODEC_NAMES: dict[int, str] = {v: k for k, v in CODEC_IDS.items()}
 
 MAGIC = b"KVB\x01"
 VERSION = 1

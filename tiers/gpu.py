@@ -27,9 +27,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from kvstore_client.errors import InvalidArgument, KVStoreError, Unavailable
-from kvstore_client.gpu import PinnedHost, Transfer, pin_host, require_cuda
-from kvstore_client.layout import KVLayout
+from kvstore_client.common.cuda_runtime import require_cuda
+from kvstore_client.common.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore_client.common.layout import KVLayout
+from kvstore_client.common.pinning import PinnedHost, pin_host
+from kvstore_client.common.transfer import Transfer
 
 from .cuda_util import CudaError, DeviceSlab, device_identity
 from .device import DEFAULT_WAIT_S, PAGE, DeviceTier, Item, check_host

@@ -1,10 +1,10 @@
 """Host tier: one preallocated shared-memory slab that engines map once and copy into directly.
 
-Why one slab: clients map it a single time (by name, `kvstore_client.shm.attach`) and then move
-blocks with plain memcpy at offsets the daemon hands out — no per-block syscalls or sockets.
-The slab is pre-faulted at start so the first copies into it do not pay page faults
-(PERF-NOTES: fresh large buffers page-fault), and its base is page-aligned (mmap), so with
-4 KiB-aligned extents every block copy is page-aligned.
+Why one slab: clients map it a single time (by name, `kvstore_client.common.shm.attach`) and
+then move blocks with plain memcpy at offsets the daemon hands out — no per-block syscalls or
+sockets. The slab is pre-faulted at start so the first copies into it do not pay page faults
+(a fresh mapping faults each page on first touch, docs/performance.md), and its base is
+page-aligned (mmap), so with 4 KiB-aligned extents every block copy is page-aligned.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import os
 import secrets
 from typing import TYPE_CHECKING, Any
 
-from kvstore_client import prefault
-from kvstore_client.errors import InvalidArgument
-from kvstore_client.lazy import lazy_module
+from kvstore_client.common import prefault
+from kvstore_client.common.errors import InvalidArgument
+from kvstore_client.common.lazy import lazy_module
 
 from .slab import ExtentAllocator, SlabAllocation
 
@@ -89,7 +89,7 @@ class HostTier(SlabAllocation):
         return self._shm.buf
 
     def describe(self) -> dict:
-        """What a client needs to map the slab: `kvstore_client.shm.attach(name, size)`."""
+        """What a client needs to map the slab: `kvstore_client.common.shm.attach(name, size)`."""
         return {"kind": "shm", "name": self.shm_name, "size": self.capacity}
 
     # -- lifetime -----------------------------------------------------------------------------

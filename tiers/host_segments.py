@@ -19,8 +19,8 @@ import mmap
 import os
 from typing import TYPE_CHECKING
 
-from kvstore_client.errors import InvalidArgument
-from kvstore_client.lazy import lazy_module
+from kvstore_client.common.errors import InvalidArgument
+from kvstore_client.common.lazy import lazy_module
 
 from .host import PAGE, HostTier, _prefault
 from .slab import ExtentAllocator

@@ -7,7 +7,8 @@ from the end of the used region. Only when neither works (the slab is full of fr
 other sizes) do we pay for coalescing adjacent free extents and splitting a larger one.
 
 Every extent is rounded up to `align` (default 4096) so copies in and out of the slab stay
-page-aligned (PERF-NOTES copy-alignment trap). Not thread-safe: the owner (store) holds a lock.
+page-aligned (a copy a few bytes off a page runs up to 3.4x slower, docs/performance.md).
+Not thread-safe: the owner (store) holds a lock.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from array import array
 from collections import deque
 from typing import Any
 
-from kvstore_client.errors import InvalidArgument, ResourceExhausted
+from kvstore_client.common.errors import InvalidArgument, ResourceExhausted
 
 
 class ExtentAllocator:

@@ -1,8 +1,8 @@
 """kvstore SDK: talk to a kvstore daemon from an inference engine.
 
 Why the names load on first use (PEP 562): the daemon imports small parts of this package
-(`errors`, `layout`, the generated stubs) before it can report SERVING, and importing a
-submodule runs this file first. Eager imports here pulled numpy, grpc and every client module
+(its shared layer `common`, the generated stubs) before it can report SERVING, and importing
+a submodule runs this file first. Eager imports here pulled numpy, grpc and every client module
 into the daemon's start (about a third of it). `from kvstore_client import connect` works as
 before; it just imports `kvstore_client.client` at that moment.
 """
@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 # public name -> submodule that defines it
 _WHERE = {
     "Client": "client", "connect": "client",
-    "DataLoss": "errors", "DeadlineExceeded": "errors", "InvalidArgument": "errors",
-    "KVStoreError": "errors", "LeaseExpired": "errors", "NotFound": "errors",
-    "PermissionDenied": "errors", "ResourceExhausted": "errors", "Unauthenticated": "errors",
-    "Unavailable": "errors", "Unimplemented": "errors",
-    "block_keys": "hashing", "chain_key": "hashing",
-    "CODECS": "layout", "KVLayout": "layout", "NamespaceSpec": "layout",
+    "DataLoss": "common.errors", "DeadlineExceeded": "common.errors",
+    "InvalidArgument": "common.errors", "KVStoreError": "common.errors",
+    "LeaseExpired": "common.errors", "NotFound": "common.errors",
+    "PermissionDenied": "common.errors", "ResourceExhausted": "common.errors",
+    "Unauthenticated": "common.errors", "Unavailable": "common.errors",
+    "Unimplemented": "common.errors",
+    "block_keys": "common.hashing", "chain_key": "common.hashing",
+    "CODECS": "common.layout", "KVLayout": "common.layout", "NamespaceSpec": "common.layout",
     "LookupResult": "namespace", "Namespace": "namespace", "Pinned": "namespace",
     "PagedKV": "paged",
 }
@@ -48,7 +50,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:   # for type checkers and IDEs: the same names, imported eagerly
     from .client import Client, connect
-    from .errors import (
+    from .common.errors import (
         DataLoss,
         DeadlineExceeded,
         InvalidArgument,
@@ -61,7 +63,7 @@ if TYPE_CHECKING:   # for type checkers and IDEs: the same names, imported eager
         Unavailable,
         Unimplemented,
     )
-    from .hashing import block_keys, chain_key
-    from .layout import CODECS, KVLayout, NamespaceSpec
+    from .common.hashing import block_keys, chain_key
+    from .common.layout import CODECS, KVLayout, NamespaceSpec
     from .namespace import LookupResult, Namespace, Pinned
     from .paged import PagedKV

@@ -21,37 +21,19 @@ copy; then the slot no longer matches its checksum, and every read drops it as c
 
 from __future__ import annotations
 
-import ctypes
-
-import llvmlite.binding as llvm
 import numba
 import numpy as np
-import xxhash._xxhash as _xx
 from llvmlite import ir
 from numba import types as nt
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-_libxx = ctypes.CDLL(_xx.__file__)
-_libc = ctypes.CDLL(None)
-
-
-def _extern(name: str, lib: ctypes.CDLL, sig: nt.Signature) -> nt.ExternalFunction:
-    """A C function the kernel calls by symbol name (so numba can cache the machine code: the
-    address is registered again, under the same name, in every process)."""
-    llvm.add_symbol(name, ctypes.cast(getattr(lib, name), ctypes.c_void_p).value)
-    return nt.ExternalFunction(name, sig)
-
-
-# Pointers travel as integers (x86-64 and aarch64 pass both in the same registers).
-_u64 = nt.uint64
-_memcpy = _extern("memcpy", _libc, _u64(_u64, _u64, _u64))
-_create = _extern("XXH3_createState", _libxx, _u64())
-_free = _extern("XXH3_freeState", _libxx, nt.intc(_u64))
-_reset = _extern("XXH3_64bits_reset", _libxx, nt.intc(_u64))
-_update = _extern("XXH3_64bits_update", _libxx, nt.intc(_u64, _u64, _u64))
-_digest = _extern("XXH3_64bits_digest", _libxx, _u64(_u64))
-
+from .common.kernel_externs import memcpy as _memcpy
+from .common.kernel_externs import xxh3_create as _create
+from .common.kernel_externs import xxh3_digest as _digest
+from .common.kernel_externs import xxh3_free as _free
+from .common.kernel_externs import xxh3_reset as _reset
+from .common.kernel_externs import xxh3_update as _update
 
 _NT_ALIGN = 32      # bytes per streaming store (and the alignment it needs)
 
@@ -161,17 +143,6 @@ _INIT = np.array([0xC2B2AE3D, 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B1
                  dtype=np.uint64)
 X3_BLOCK = 1024               # XXH3's block with the default secret: 16 stripes of 64 bytes
 _M32 = np.uint64(0xFFFFFFFF)
-
-
-@intrinsic
-def _ld64(typingctx, addr):  # pragma: no cover - compiled
-    """The 8 bytes at `addr` as a little-endian uint64 (unaligned load)."""
-    sig = nt.uint64(nt.uint64)
-
-    def codegen(context, builder, signature, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        return builder.load(ptr, align=1)
-    return sig, codegen
 
 
 @intrinsic

@@ -2,7 +2,7 @@
 
 Why a module of its own: the dense (`namespace.py`) and paged (`paged.py`) layouts, and the GPU
 path, all move blocks as same-size integers so copies never convert, and all need the same
-page-aligned, pre-faulted staging buffers (PERF-NOTES: alignment and page-fault traps). torch
+page-aligned, pre-faulted staging buffers (docs/performance.md: alignment and page faults). torch
 is optional: it is looked up in `sys.modules`, never imported here.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidArgument
-from .layout import KVLayout
+from .common.errors import InvalidArgument
+from .common.layout import KVLayout
 
 PAGE = 4096
 
@@ -95,7 +95,7 @@ def copy_block(dst: Any, src: Any) -> None:
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A page-aligned, pre-faulted uint8 buffer (PERF-NOTES: alignment and page-fault traps)."""
+    """A page-aligned, pre-faulted uint8 buffer (docs/performance.md: alignment, page faults)."""
     mm = mmap.mmap(-1, max(PAGE, nbytes))
     arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
     arr[::PAGE] = 0

@@ -25,7 +25,8 @@ import grpc
 from ._proto import kvstore_pb2 as pb
 from ._proto import kvstore_pb2_grpc as pbg
 from .blockcopy import default_threads
-from .errors import (
+from .common.address import grpc_target
+from .common.errors import (
     InvalidArgument,
     KVStoreError,
     LeaseExpired,
@@ -34,11 +35,11 @@ from .errors import (
     Unavailable,
     from_rpc_error,
 )
-from .handoff import Session, handshake, handshake_path
-from .hashing import DEFAULT_KEY_BYTES, ExtraKey
+from .common.handoff import Session, handshake, handshake_path
+from .common.hashing import DEFAULT_KEY_BYTES, ExtraKey
+from .common.lane_wire import METHOD_ID, lane_path
+from .common.layout import KVLayout, NamespaceSpec
 from .lane import LaneClient, NotSent, available
-from .lane_wire import METHOD_ID, lane_path
-from .layout import KVLayout, NamespaceSpec
 from .leases import LeaseKeeper
 from .namespace import Namespace
 from .wire import spec_to_proto
@@ -57,34 +58,13 @@ TRANSPORTS = ("auto", "shm", "grpc")
 
 # ----------------------------------------------------------------------------------- addresses
 
-def grpc_target(address: str) -> tuple[str, bool]:
-    """(gRPC target, same host?) for a socket path, "unix:..." or "host:port" address."""
-    if not isinstance(address, str) or not address.strip():
-        raise InvalidArgument("address must be a Unix socket path, 'unix:///path' or "
-                              f"'host:port', got {address!r}")
-    a = address.strip()
-    if a.startswith("unix:"):
-        path = a[len("unix:"):]
-        if path.startswith("//"):
-            path = path[2:]
-        return "unix:" + os.path.abspath(path), True
-    if a.startswith(("/", ".", "~")) or ":" not in a:
-        return "unix:" + os.path.abspath(os.path.expanduser(a)), True
-    host, sep, port = a.rpartition(":")
-    if not sep or not port.isdigit():
-        raise InvalidArgument(f"cannot read {address!r} as an address: use a Unix socket path, "
-                              "'unix:///path' or 'host:port'")
-    local = host.strip("[]") in ("localhost", "127.0.0.1", "::1", "")
-    return a, local
-
-
 # ------------------------------------------------------------------------------ the client
 
 class _Pool:
     """The mapped host pool, with the segment identity to notice a restarted daemon."""
 
     def __init__(self, name: str, size: int, fd: int | None = None) -> None:
-        from . import prefault, shm  # only clients that map the pool need them
+        from .common import prefault, shm  # only clients that map the pool need them
         self.name, self.size = name, size
         self.fd_backed = fd is not None
         # A tenant's own pool comes as a memfd from the handshake; it has no name to stat, and
@@ -92,7 +72,7 @@ class _Pool:
         self.slab = shm.attach_fd(fd, size) if fd is not None else shm.attach(name, size)
         self.ino = None if self.fd_backed else self._ino()
         # Take this process's page faults on the pool now, in the background, not in the
-        # engine's first copies into each slot (kvstore_client/prefault.py).
+        # engine's first copies into each slot (kvstore_client/common/prefault.py).
         self._prefaulter = prefault.start(self.slab._mmap, size) if size else None
 
     def _ino(self) -> tuple[int, int] | None:
@@ -138,6 +118,7 @@ class Client:
         self.copy_threads = copy_threads or default_threads()
         # LookupReserve / LookupAcquire until a daemon answers UNIMPLEMENTED (an older one).
         self.fused_rpcs = True
+        self.put_pieces = False         # set from RegisterNamespace's protocol (_adopt)
         self._lock = threading.RLock()
         self._closed = False
         self._reached = False           # a daemon answered once (see call())
@@ -279,6 +260,8 @@ class Client:
                 self.gpu_pools = [p for p in self.gpu_pools if "fd" not in p]
             if not self._token:
                 self.metadata = (("authorization", f"Bearer {self._session.token}"),)
+                if self._lane is not None:      # its hello carries the session too
+                    self._lane.renew(self._session.token)
 
     def session_current(self) -> bool:
         """False when the daemon restarted since the handshake (its fds are of a dead run)."""
@@ -339,6 +322,7 @@ class Client:
         changed = resp.daemon_id != self.daemon_id
         self.daemon_id = resp.daemon_id
         self.leases.carry = resp.protocol >= 2     # Acquire and Commit carry releases
+        self.put_pieces = resp.protocol >= 3       # a Put block may span messages
         if self._lane_path is not None and (changed or self._lane is None):
             if self._lane is not None:
                 self._lane.close()
@@ -405,12 +389,6 @@ class Client:
                 self.ensure_session(refresh=True)
             for ns in list(self._namespaces):
                 ns._register()
-
-    def _check_fresh(self) -> None:
-        """Resync if the pool segment changed since we mapped it (the daemon restarted)."""
-        pool = self._pool
-        if pool is not None and not pool.current():
-            self.resync()
 
     # -- public -----------------------------------------------------------------------------
     def namespace(self, layout: KVLayout, *, model: str, revision: str = "",

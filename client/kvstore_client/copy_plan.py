@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidArgument
-from .layout import KVLayout
+from .common.errors import InvalidArgument
+from .common.layout import KVLayout
 
 # More runs per block than this means the cache layout has no usable contiguous dimension.
 MAX_RUNS_PER_BLOCK = 1 << 20
@@ -181,20 +181,6 @@ def plan_block_runs(geoms: Sequence[TensorGeom], layout: KVLayout, block_ids: An
     engine = sp.eng_off[None, :] + blocks[:, None] * sp.eng_stride[None, :]
     pool = pool_addr + slots[:, None] + sp.part_off[None, :]
     return RunPlan(engine.reshape(-1), pool.reshape(-1), sp.run_bytes)
-
-
-def coalesce_runs(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge runs that continue each other on both sides (fewer, larger copies)."""
-    if src.size == 0:
-        return src, dst, nbytes
-    order = np.argsort(src, kind="stable")
-    s, d, n = src[order], dst[order], nbytes[order]
-    joins = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
-    head = np.concatenate(([True], ~joins))
-    group = np.cumsum(head) - 1
-    sizes = np.bincount(group, weights=n).astype(np.int64)
-    return s[head], d[head], sizes
 
 
 def copy_width(*values: Any) -> int:

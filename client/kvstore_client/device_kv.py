@@ -23,9 +23,9 @@ import numpy as np
 import xxhash
 
 from ._proto import kvstore_pb2 as pb
-from .errors import DataLoss, InvalidArgument, LeaseExpired, NotFound
+from .common.errors import DataLoss, InvalidArgument, LeaseExpired, NotFound
+from .common.pools import open_pool
 from .paged_copy import PagedCopier, PagedKVCache
-from .pools import open_pool
 
 if TYPE_CHECKING:
     from .namespace import Namespace

@@ -18,19 +18,7 @@ paths needs them, and then a missing piece raises `Unavailable` naming what is m
 
 from __future__ import annotations
 
-from .copy_plan import (
-    MAX_RUNS_PER_BLOCK,
-    RunPlan,
-    StaticPlan,
-    TensorGeom,
-    check_batch,
-    check_distinct,
-    coalesce_runs,
-    copy_width,
-    plan_block_runs,
-    static_plan,
-)
-from .cuda_runtime import (
+from .common.cuda_runtime import (
     IPC_HANDLE_BYTES,
     CudaError,
     CudaRuntime,
@@ -39,10 +27,9 @@ from .cuda_runtime import (
     get_runtime,
     require_cuda,
 )
-from .errors import Unavailable
-from .paged_copy import PagedCopier, PagedKVCache
-from .pinning import PinnedHost, pin_host
-from .pools import (
+from .common.errors import Unavailable
+from .common.pinning import PinnedHost, pin_host
+from .common.pools import (
     CPU_MEMFD_KIND,
     CPU_POOL_KIND,
     CUDA_POOL_KIND,
@@ -56,7 +43,20 @@ from .pools import (
     register_local_export,
     unregister_local_export,
 )
-from .transfer import FutureEvent, Transfer
+from .common.runs import coalesce_runs
+from .common.transfer import FutureEvent, Transfer
+from .copy_plan import (
+    MAX_RUNS_PER_BLOCK,
+    RunPlan,
+    StaticPlan,
+    TensorGeom,
+    check_batch,
+    check_distinct,
+    copy_width,
+    plan_block_runs,
+    static_plan,
+)
+from .paged_copy import PagedCopier, PagedKVCache
 
 __all__ = [
     "CPU_MEMFD_KIND", "CPU_POOL_KIND", "CUDA_POOL_KIND", "IPC_HANDLE_BYTES", "MAX_RUNS_PER_BLOCK",

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import InvalidArgument
-from .layout import KVLayout
+from .common.errors import InvalidArgument
+from .common.layout import KVLayout
 
 _TORCH_TO_NS: dict[torch.dtype, str] = {
     torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -231,7 +231,8 @@ class PrefixCacheRunner:
         self.model = model
         self.layout = layout
         self._dtype = _NS_TO_TORCH[layout.dtype]
-        self._buf: torch.Tensor | None = None  # reused load buffer (see PERF-NOTES: page faults)
+        # reused: a fresh one page-faults on every load (docs/performance.md)
+        self._buf: torch.Tensor | None = None
 
     @classmethod
     def create(cls, client: Any, model: Any, model_name: str, *, revision: str = "",

@@ -5,7 +5,13 @@ each other's calls. A connection whose daemon went away is found at the call's s
 socket reports a closed peer at once), before the request left: the call then goes over gRPC
 instead and the pool is dropped. Once the request is out, a lost connection is an Unavailable
 error (the daemon may or may not have served it), a late answer a DeadlineExceeded error, and
-that connection is closed (an answer must never reach the wrong call).
+that connection is closed (an answer must never reach the wrong call). Every wait is bounded
+by one deadline for the whole call (or the whole hello), not one per read.
+
+A daemon that refuses a new connection (its tenant's lane connections are all in use, too many
+connections wait to authenticate, a token it does not take) is asked again after a back-off
+that doubles from RETRY_S to RETRY_MAX_S; calls go over gRPC meanwhile, which says the same
+things per call where they apply.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ import stat
 import threading
 import time
 
-from .errors import from_code
-from .lane_wire import CODES, HEADER, METHOD_ID, VERSION, recv_exact, recv_line
+from .common.errors import from_code
+from .common.lane_wire import CODES, HEADER, METHOD_ID, VERSION, recv_exact, recv_line
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +33,8 @@ MAX_IDLE = 8                  # idle connections kept per client
 # An idle connection older than this is closed rather than used: the daemon closes its end
 # after 300 s idle (kvstore/lane.py), and a request sent as it does so would be lost in flight.
 IDLE_S = 60.0
+RETRY_S = 1.0                 # after a refused hello: first back-off, doubled per refusal
+RETRY_MAX_S = 60.0
 
 
 class NotSent(Exception):
@@ -41,11 +49,15 @@ class LaneClient:
         self._idle: list[tuple[socket.socket, float]] = []
         self._lock = threading.Lock()
         self._pid = os.getpid()
-        self.broken = False
+        self.broken = False             # closed: the lane is not used again
+        self._retry_at = 0.0            # refused: not asked again before this (monotonic)
+        self._backoff = RETRY_S
+        self.refusals = 0
 
     def call(self, method: str, raw: bytes, timeout: float) -> bytes:
         """The response bytes of `method`; errors as the SDK's exceptions; NotSent when the
         request could not be sent (no lane, or the daemon behind it is gone)."""
+        deadline = time.monotonic() + timeout
         sock = self._take()
         try:
             sock.settimeout(timeout)
@@ -55,8 +67,8 @@ class LaneClient:
             self.drop()
             raise NotSent(str(e)) from None
         try:
-            n, code = HEADER.unpack(recv_exact(sock, HEADER.size))
-            body = recv_exact(sock, n)
+            n, code = HEADER.unpack(recv_exact(sock, HEADER.size, deadline))
+            body = recv_exact(sock, n, deadline)
         except TimeoutError:
             sock.close()
             raise from_code("DEADLINE_EXCEEDED", f"{method} over the lane {self.path} did not "
@@ -75,7 +87,9 @@ class LaneClient:
 
     def _take(self) -> socket.socket:
         if self.broken:
-            raise NotSent("lane disabled")
+            raise NotSent("lane closed")
+        if self._retry_at and time.monotonic() < self._retry_at:
+            raise NotSent("lane refused a connection a moment ago")
         with self._lock:
             if self._pid != os.getpid():         # a forked child: the parent's sockets
                 self._idle, self._pid = [], os.getpid()
@@ -95,23 +109,38 @@ class LaneClient:
         sock.close()
 
     def _open(self) -> socket.socket:
+        deadline = time.monotonic() + self.timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(self.timeout)
             sock.connect(self.path)
             sock.sendall((json.dumps({"v": VERSION, "token": self.token}) + "\n").encode())
-            reply = json.loads(recv_line(sock))
+            reply = json.loads(recv_line(sock, deadline=deadline))
         except (OSError, EOFError, ValueError) as e:
             sock.close()
+            self._refused(f"cannot open the lane {self.path}: {e}")
             raise NotSent(f"cannot open the lane {self.path}: {e}") from None
         if not isinstance(reply, dict) or reply.get("ok") is not True:
             sock.close()
-            # Refused (no room for another connection, or a token it does not take): the
-            # client stays on gRPC, which says the same things per call where they apply.
-            self.broken = True
-            log.info("kvstore: lane %s refused: %s", self.path, reply)
+            self._refused(f"lane {self.path} refused: {reply}")
             raise NotSent(f"lane refused: {reply}")
+        self._backoff, self._retry_at = RETRY_S, 0.0
         return sock
+
+    def renew(self, token: str) -> None:
+        """A new session token (the client made a fresh handshake): new connections say it,
+        the ones opened with the old are dropped, and a refusal's back-off is over."""
+        self.token = token
+        self._backoff, self._retry_at = RETRY_S, 0.0
+        self.drop()
+
+    def _refused(self, why: str) -> None:
+        """Go over gRPC for a while, then ask the lane again (module docstring)."""
+        self.refusals += 1
+        self._retry_at = time.monotonic() + self._backoff
+        log.info("kvstore: %s; calls go over gRPC, the lane is tried again in %.0f s", why,
+                 self._backoff)
+        self._backoff = min(self._backoff * 2, RETRY_MAX_S)
 
     def drop(self) -> None:
         """Close the idle connections (the daemon behind them went away)."""

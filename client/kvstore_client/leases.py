@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import KVStoreError
+from .common.errors import KVStoreError
 
 log = logging.getLogger(__name__)
 

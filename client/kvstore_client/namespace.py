@@ -22,7 +22,7 @@ import xxhash
 from . import blockcopy
 from ._proto import kvstore_pb2 as pb
 from .buffers import PAGE, _is_tensor, aligned_buffer, check_seq, copy_block, raw_view, slot_view
-from .errors import (
+from .common.errors import (
     DataLoss,
     InvalidArgument,
     LeaseExpired,
@@ -30,9 +30,9 @@ from .errors import (
     Unimplemented,
     from_rpc_error,
 )
-from .hashing import DEFAULT_KEY_BYTES, ExtraKey, block_keys
-from .layout import NamespaceSpec, check_retention
-from .wire import decode_get, encode_put
+from .common.hashing import DEFAULT_KEY_BYTES, ExtraKey, block_keys
+from .common.layout import NamespaceSpec, check_retention
+from .wire import decode_get, encode_put, split_put
 
 if TYPE_CHECKING:
     from .client import Client, _Pool
@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 # reads bytes the copy just left in cache.
 _CHUNK_BYTES = 4 << 20
 # Put streams carry about this many block bytes per message (and per RPC at most _PUT_RPC_BYTES),
-# bounding the client's temporary memory.
+# bounding the client's temporary memory; a daemon receives messages of at most 4 MiB by default
+# (server.max_receive_bytes), so a bigger block goes alone, split across messages, where the
+# daemon takes that (protocol 3).
 _PUT_MESSAGE_BYTES = 2 << 20
 _PUT_RPC_BYTES = 64 << 20
 # A Reserve asks for at most this share of the host pool (the daemon refuses batches that do not
@@ -141,7 +143,7 @@ class Namespace:
     # -- keys -------------------------------------------------------------------------------
     def keys(self, token_ids: Sequence[int] | np.ndarray, *, parent: bytes | None = None,
              block_extra_keys: Sequence[Sequence[ExtraKey]] | None = None) -> list[bytes]:
-        """Reference keys (kvstore_client.hashing.block_keys) of every full block."""
+        """Reference keys (kvstore_client.common.hashing.block_keys) of every full block."""
         if self.spec.hash_scheme != "kvstore-blake3-v1":
             raise InvalidArgument(f"namespace uses hash scheme {self.spec.hash_scheme!r}: pass "
                                   "your own keys to lookup_keys/store_keys/load_keys")
@@ -478,6 +480,7 @@ class Namespace:
         stride = (bb + PAGE - 1) // PAGE * PAGE
         per_rpc = max(1, _PUT_RPC_BYTES // stride)
         per_msg = max(1, _PUT_MESSAGE_BYTES // bb)
+        split = bb > _PUT_MESSAGE_BYTES and client.put_pieces
         stored = 0
         i = start
         while i < len(keys):
@@ -495,8 +498,11 @@ class Namespace:
                     blocks = [(keys[i + j], parts(i + j) if parts is not None
                                else base[offsets[j]:offsets[j] + bb])
                               for j in range(m0, min(n, m0 + per_msg))]
-                    yield encode_put(self.ns_id if m0 == 0 else b"",
-                                     parent if m0 == 0 else b"", blocks)
+                    ns_id, par = (self.ns_id, parent) if m0 == 0 else (b"", b"")
+                    if split:
+                        yield from split_put(ns_id, par, blocks[0], _PUT_MESSAGE_BYTES)
+                    else:
+                        yield encode_put(ns_id, par, blocks)
             try:
                 r = client._put(msgs(), timeout=client.timeout, wait_for_ready=True,
                                 metadata=client.metadata)

@@ -32,8 +32,8 @@ import numpy as np
 
 from . import blockcopy
 from .buffers import _is_tensor, _torch, aligned_buffer, raw_view
-from .errors import InvalidArgument
-from .layout import KVLayout
+from .common.errors import InvalidArgument
+from .common.layout import KVLayout
 from .namespace import Namespace
 
 _INT = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}

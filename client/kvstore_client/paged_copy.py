@@ -16,20 +16,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .common.cuda_runtime import device_tensor, require_cuda
+from .common.errors import InvalidArgument, Unavailable
+from .common.layout import KVLayout
+from .common.pools import host_tensor
+from .common.runs import coalesce_runs
+from .common.transfer import Transfer
 from .copy_plan import (
     RunPlan,
     TensorGeom,
     check_batch,
     check_distinct,
-    coalesce_runs,
     copy_width,
     static_plan,
 )
-from .cuda_runtime import device_tensor, require_cuda
-from .errors import InvalidArgument, Unavailable
-from .layout import KVLayout
-from .pools import host_tensor
-from .transfer import Transfer
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch

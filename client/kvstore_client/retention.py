@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .errors import InvalidArgument
+from .common.errors import InvalidArgument
 
 SIGNAL_LEVELS: dict[str, str] = {
     "request_finished": "normal",

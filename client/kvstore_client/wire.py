@@ -7,14 +7,14 @@ server does the mirror image (kvstore/server.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ._proto import kvstore_pb2 as pb
-from .errors import DataLoss
-from .layout import NamespaceSpec
+from .common.errors import DataLoss
+from .common.layout import NamespaceSpec
 
 
 def _varint(n: int) -> bytes:
@@ -58,46 +58,73 @@ def encode_put(ns_id: bytes, parent: bytes, blocks: Sequence[tuple[bytes, Any]])
     return b"".join(parts)
 
 
-def _skip(buf: memoryview, i: int, wire: int) -> int:
-    if wire == 0:
-        return _read_varint(buf, i)[1]
-    if wire == 1:
-        return i + 8
-    if wire == 2:
-        n, i = _read_varint(buf, i)
-        return i + n
-    if wire == 5:
-        return i + 4
-    raise DataLoss(f"malformed Get response from the daemon (wire type {wire})")
+def split_put(ns_id: bytes, parent: bytes, block: tuple[bytes, Any], size: int
+              ) -> Iterator[bytes]:
+    """The PutRequests of one block sent alone in pieces of at most `size` bytes: the first
+    with its key, the rest with no key (protocol 3, kvstore.proto PutRequest)."""
+    key, data = block
+    pieces = data if isinstance(data, list) else [data]
+    flat = [memoryview(p).cast("B") if not isinstance(p, np.ndarray)
+            else memoryview(np.ascontiguousarray(p).reshape(-1).view(np.uint8)) for p in pieces]
+    first = True
+    chunk: list[Any] = []
+    room = size
+    for view in flat:
+        while len(view):
+            take, view = view[:room], view[room:]
+            chunk.append(take)
+            room -= len(take)
+            if not room:
+                yield encode_put(ns_id, parent, [(key, chunk)]) if first \
+                    else encode_put(b"", b"", [(b"", chunk)])
+                first, chunk, room = False, [], size
+    if chunk:
+        yield encode_put(ns_id, parent, [(key, chunk)]) if first \
+            else encode_put(b"", b"", [(b"", chunk)])
+
+
+def _malformed(what: str) -> DataLoss:
+    return DataLoss(f"malformed Get response from the daemon ({what})")
 
 
 def decode_get(raw: bytes) -> list[tuple[bytes, int, int]]:
-    """[(key, data offset, data length)] of a serialized GetResponse, offsets into `raw`."""
-    buf = memoryview(raw)
+    """[(key, data offset, data length)] of a serialized GetResponse, offsets into `raw`.
+
+    Fields other than blocks, key and data are refused, not skipped one at a time: a reply of
+    nothing but unknown fields would otherwise cost a Python step per field.
+    """
+    try:
+        return _decode_get(memoryview(raw))
+    except IndexError:
+        raise _malformed("truncated varint") from None
+
+
+def _decode_get(buf: memoryview) -> list[tuple[bytes, int, int]]:
     out: list[tuple[bytes, int, int]] = []
     i, end = 0, len(buf)
     while i < end:
         tag, i = _read_varint(buf, i)
         if tag != 0x0A:
-            i = _skip(buf, i, tag & 7)
-            continue
+            raise _malformed(f"field {tag >> 3}, wire type {tag & 7}, is not a block")
         n, i = _read_varint(buf, i)
         j, bend = i, i + n
+        if bend > end:
+            raise _malformed("truncated block")
         key, doff, dlen = b"", -1, 0
         while j < bend:
             t, j = _read_varint(buf, j)
+            m, j = _read_varint(buf, j)
+            if j + m > bend:
+                raise _malformed("truncated field")
             if t == 0x0A:
-                m, j = _read_varint(buf, j)
                 key = bytes(buf[j:j + m])
-                j += m
             elif t == 0x12:
-                m, j = _read_varint(buf, j)
                 doff, dlen = j, m
-                j += m
             else:
-                j = _skip(buf, j, t & 7)
-        if doff < 0 or bend > end:
-            raise DataLoss("malformed Get response from the daemon (block without data)")
+                raise _malformed(f"block field {t >> 3}, wire type {t & 7}")
+            j += m
+        if doff < 0:
+            raise _malformed("block without data")
         out.append((key, doff, dlen))
         i = bend
     return out

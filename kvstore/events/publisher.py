@@ -25,9 +25,9 @@ from typing import Any
 
 import msgpack
 import zmq
-from kvstore_client.errors import KVStoreError
+from kvstore_client.common.errors import KVStoreError
 
-from ..index import GPU, HOST, SSD
+from ..entry import GPU, HOST, SSD
 from . import wire
 from .recorder import Item, Recorder
 from .relay import Relay, TokenCache

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from typing import Any
 
 import zmq
-from kvstore_client.vllm.keyspace import fold_key
+from kvstore_client.common.engine_keys import fold_vllm_key as fold_key
 
 from . import wire
 from .stream import bind

@@ -19,7 +19,7 @@ from typing import Any
 
 import blake3
 
-from ..layout import KVLayout
+from ..common.layout import KVLayout
 from .pages import PageGeometry
 
 log = logging.getLogger("kvstore.sglang")

@@ -30,7 +30,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 def _rows(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """A [blocks, row words] view in the widest integer type the rows divide into: gathers of
-    int64 rows run about 10x faster than of bytes (PERF-NOTES)."""
+    int64 rows run about 10x faster than of bytes (docs/performance.md)."""
     t = t if t.dtype == torch.int8 else t.view(torch.int8)
     if t.dim() != 2:
         t = t.reshape(t.shape[0], -1)

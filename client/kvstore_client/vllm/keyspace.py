@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import blake3
 
+from ..common.engine_keys import fold_vllm_key
+
 _PROBE_TOKENS = tuple(range(1, 17))
 _ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 _NON_CRYPTO = ("xxhash", "xxhash_cbor")
@@ -67,10 +69,4 @@ def detect() -> KeySpace | None:
     return KeySpace(algo, fingerprint, random_seed)
 
 
-def fold_key(offload_key: bytes) -> bytes:
-    """A daemon block key (32 bytes) for one of vLLM's offload keys (block hash + group index).
-
-    vLLM's keys are 36 bytes with sha256 and shorter with xxhash; blake3 folds every length into
-    the daemon's key size without weakening a cryptographic hash.
-    """
-    return blake3.blake3(bytes(offload_key)).digest(32)
+fold_key = fold_vllm_key

@@ -1,0 +1,591 @@
+"""Denial-of-service budget: what an unauthenticated local user and a hostile tenant cost the
+daemon and tenant A (docs/security.md, Limits).
+
+One daemon with two tenants, A and B (tokens, neither with a host pool of its own), and TCP on
+loopback. Tenant A runs an engine's loop in this process: store a prompt of BLOCKS blocks over
+Put, load it back over Get, delete it (freed slots keep A's bytes: the shared-pool attack
+below reads them if it can). Its store + load latency is measured quiet, then under attack:
+- an unauthenticated process (another uid when run as root) holds ATTACK_CONNS stalled
+  connections on every listener: gRPC on the Unix socket and on TCP (the HTTP/2 preface a byte
+  at a time), `<socket>.auth` and `<socket>.lane` (a byte at a time, never a line; reconnecting
+  whatever the daemon closes), plus gRPC calls without a token whose message never comes;
+- tenant B floods with its own token: empty Put streams held open, lane frames that announce
+  more than they send (past and below the frame cap), 64 MiB gRPC messages, Put messages of
+  unknown fields, Get and Acquire naming one block 65,536 times, namespaces and leases without
+  end, and reads of A's blocks (A's namespace id, computed; slots of the shared pool reserved
+  and committed unwritten, then read back).
+A metrics scraper (per-tenant series on) runs in both phases.
+
+Figures (last line, JSON):
+  attack_p99_vs_quiet       A's p99 store + load latency under attack / quiet. Target <= 2.0.
+  attack_rss_growth_mib     daemon RSS, highest under attack - highest in the quiet phase.
+                            Target <= 64.
+  max_request_cpu_s         the most daemon CPU seconds one request of the attacks cost, each
+                            sent alone to an otherwise idle daemon (probes, before the attack;
+                            per kind in `request_cpu_s`). Target <= 1.0.
+  cross_tenant_bytes_read   bytes of A's blocks that B got back by any call. Target = 0.
+Also: A's p50/p99 each phase, how many attacker connections the daemon let wait, B's refusals.
+
+Usage: python bench/dos.py [--quick]. Read figures on a quiet machine (the run uses both cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = b"A-SECRET-KVBLOCK"          # in every 64 bytes of A's blocks
+ATTACK_CONNS = 300
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+TOKENS = {"a": "dos-token-a", "b": "dos-token-b"}
+PACE_S = 0.05                         # between one flood request of B's and its next
+FLOODS = ("empty_streams", "oversize", "repeated_keys", "namespaces", "leases",
+          "shared_pool_read", "foreign_namespace")
+TENANT_CALLS = 16                     # limits.tenant_calls of the bench's daemon
+EMPTY_STREAMS = 12                    # B's Put streams held open with nothing sent: with B's
+                                      # other floods, past its cap (some are refused)
+
+
+# ------------------------------------------------------------------- the unauthenticated user
+
+def run_unauth(sock: str, tcp: str, conns: int, other_uid: bool) -> None:
+    """Hold `conns` stalled connections on each listener, trickling a byte per second each,
+    reconnecting (at most once a second per slot) whatever the daemon closes; and keep gRPC
+    calls without a token open. Runs until stdin closes."""
+    # grpc's modules load lazily: one call made before dropping privileges loads them while
+    # the interpreter's files are still readable.
+    import grpc
+    ch = grpc.insecure_channel(f"unix:{sock}")
+    put = ch.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=lambda b: b,
+                          response_deserializer=lambda b: b)
+    try:
+        put.future(iter(()), timeout=10).result()
+    except grpc.RpcError:
+        pass
+    if other_uid:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    host, _, port = tcp.rpartition(":")
+    targets = [("grpc-unix", (socket.AF_UNIX, sock), H2_PREFACE),
+               ("grpc-tcp", (socket.AF_INET, (host, int(port))), H2_PREFACE),
+               ("auth", (socket.AF_UNIX, sock + ".auth"), b" " * 64),
+               ("lane", (socket.AF_UNIX, sock + ".lane"), b" " * 64)]
+    slots = [[name, addr, trickle, None, 0, 0.0] for name, addr, trickle in targets
+             for _ in range(conns)]       # name, addr, bytes, socket, sent, retry at
+    closed = {name: 0 for name, _, _ in targets}      # connections the daemon ended
+
+    def connect(slot: list) -> None:
+        fam, a = slot[1]
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(a)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            s.close()
+            slot[5] = time.monotonic() + 1.0
+            return
+        slot[3], slot[4] = s, 0
+
+    for slot in slots:
+        connect(slot)
+    stop = threading.Event()
+    threading.Thread(target=_stalled_grpc, args=(ch, put, stop), daemon=True).start()
+    print("ready", flush=True)
+    while not select.select([sys.stdin], [], [], 1.0)[0]:
+        now = time.monotonic()
+        for slot in slots:
+            s = slot[3]
+            if s is None:
+                if now >= slot[5]:
+                    connect(slot)
+                continue
+            try:
+                if s.recv(4096, socket.MSG_DONTWAIT) == b"":      # a refusal line, then EOF
+                    raise ConnectionResetError
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                s.close()
+                slot[3], slot[5] = None, now + 1.0
+                closed[slot[0]] += 1
+                continue
+            try:
+                data = slot[2]
+                s.send(data[slot[4] % len(data):slot[4] % len(data) + 1])
+                slot[4] += 1
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                s.close()
+                slot[3], slot[5] = None, now + 1.0
+    stop.set()
+    print(json.dumps({"closed_by_daemon": closed}), flush=True)
+
+
+def _stalled_grpc(ch, put, stop: threading.Event) -> None:
+    """32 gRPC calls without a token whose message never comes, renewed as they end."""
+    def never():
+        stop.wait()
+        return
+        yield b""
+    live: list = []
+    while not stop.is_set():
+        live = [f for f in live if not f.done()]
+        while len(live) < 32:
+            live.append(put.future(never(), timeout=60))
+        stop.wait(0.2)
+    ch.close()
+
+
+# ------------------------------------------------------------------------ tenant B, hostile
+
+def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None:
+    """Flood with B's own token until stdin closes (but the kinds in `without`); print B's
+    findings as JSON."""
+    import grpc
+    from kvstore_client._proto import kvstore_pb2 as pb
+    from kvstore_client._proto import kvstore_pb2_grpc as pbg
+    from kvstore_client.common.lane_wire import HEADER, MAX_FRAME, METHOD_ID
+    from kvstore_client.common.layout import KVLayout, NamespaceSpec
+    from kvstore_client.wire import decode_get, encode_put, spec_to_proto
+
+    md = (("authorization", f"Bearer {TOKENS['b']}"),)
+    stop = threading.Event()
+    found = {"cross_tenant_bytes_read": 0, "refused": 0, "namespaces": 0, "leases": 0,
+             "errors": {}}
+    lock = threading.Lock()
+    ch = grpc.insecure_channel(f"unix:{sock}", options=[
+        ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
+    stub = pbg.KVStoreStub(ch)
+    tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_tokens=16,
+                    dtype="bfloat16")
+    reg = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec_to_proto(
+        NamespaceSpec(model="b-tiny", layout=tiny))), timeout=30, metadata=md)
+    ns_b, bb_b = reg.namespace_id, reg.block_bytes
+    key = b"\x07" * 16
+    put = ch.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=lambda b: b,
+                          response_deserializer=pb.PutResponse.FromString)
+    put(iter([encode_put(ns_b, b"", [(key, bytes(bb_b))])]), timeout=30, metadata=md)
+    a_ns = bytes.fromhex(a_ns_hex)
+
+    def note(e: Exception, what: str = "") -> None:
+        name = e.code().name if isinstance(e, grpc.RpcError) else type(e).__name__
+        name = f"{what}:{name}" if what else name
+        with lock:
+            found["errors"][name] = found["errors"].get(name, 0) + 1
+
+    def loop(fn) -> None:
+        """`fn` again and again, PACE_S apart: a sustained flood that leaves this process's
+        own CPU (on the daemon's machine) to the daemon and tenant A."""
+        while not stop.is_set():
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - a refusal is the expected answer
+                note(e, fn.__name__)
+            stop.wait(PACE_S)
+
+    def empty_puts() -> None:
+        def never():
+            stop.wait()
+            return
+            yield b""
+        live = []
+        while not stop.is_set():
+            live = [f for f in live if not f.done()]
+            while len(live) < EMPTY_STREAMS:
+                live.append(put.future(never(), timeout=60, metadata=md))
+            stop.wait(0.2)
+
+    def oversize() -> None:
+        lane = sock + ".lane"
+        for announce in (64 << 20, MAX_FRAME + 1, MAX_FRAME):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(lane)
+            s.sendall(json.dumps({"v": 1, "token": TOKENS["b"]}).encode() + b"\n")
+            if b'"ok"' not in s.recv(4096):
+                with lock:
+                    found["refused"] += 1
+                s.close()
+                continue
+            s.sendall(HEADER.pack(announce, METHOD_ID["Commit"]) + b"\0" * 4096)
+            threading.Timer(15, s.close).start()
+        lookup = ch.unary_unary("/kvstore.v1.KVStore/Lookup", request_serializer=lambda b: b,
+                                response_deserializer=lambda b: b)
+        try:
+            lookup(bytes(64 << 20), timeout=30, metadata=md)
+        except grpc.RpcError as e:
+            note(e)
+        junk = b"\x38\x01" * ((4 << 20) // 2 - 512)
+        try:
+            put(iter([junk] * 4), timeout=30, metadata=md)
+        except grpc.RpcError as e:
+            note(e)
+
+    def repeated_keys() -> None:
+        for _msg in stub.Get(pb.GetRequest(namespace_id=ns_b, keys=[key] * 65536),
+                             timeout=30, metadata=md):
+            pass
+        lease = stub.Acquire(pb.AcquireRequest(namespace_id=ns_b, keys=[key] * 65536),
+                             timeout=30, metadata=md).lease
+        stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), timeout=30, metadata=md)
+
+    counter = [0]
+
+    def namespaces() -> None:
+        counter[0] += 1
+        stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec_to_proto(
+            NamespaceSpec(model=f"b-flood-{counter[0]}", layout=tiny))), timeout=30,
+            metadata=md)
+        with lock:
+            found["namespaces"] += 1
+
+    def leases() -> None:
+        stub.Reserve(pb.ReserveRequest(namespace_id=ns_b, count=1), timeout=30, metadata=md)
+        with lock:
+            found["leases"] += 1
+
+    def read_a_namespace() -> None:
+        # A's namespace id (computed or leaked): refused as unknown, or bytes
+        for msg in stub.Get(pb.GetRequest(namespace_id=a_ns, keys=[key]), timeout=30,
+                            metadata=md):
+            count(msg)
+
+    def read_a() -> None:
+        # shared-pool slots reserved and committed unwritten, read back (finding 1)
+        big = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec_to_proto(
+            NamespaceSpec(model="b-same-size", layout=KVLayout(
+                num_layers=1, num_kv_heads=1, head_dim=block_bytes // 64, block_tokens=16,
+                dtype="bfloat16")))), timeout=30, metadata=md).namespace_id
+        lease = stub.Reserve(pb.ReserveRequest(namespace_id=big, count=16), timeout=30,
+                             metadata=md).lease
+        keys = [os.urandom(16) for _ in lease.slots]
+        stub.Commit(pb.CommitRequest(lease_id=lease.lease_id, keys=keys), timeout=30,
+                    metadata=md)
+        for msg in stub.Get(pb.GetRequest(namespace_id=big, keys=keys), timeout=30,
+                            metadata=md):
+            count(msg)
+        stub.Delete(pb.DeleteRequest(namespace_id=big, all=True), timeout=30, metadata=md)
+
+    def count(raw: bytes) -> None:
+        for _k, off, n in decode_get(raw):
+            if MARKER in raw[off:off + n]:
+                with lock:
+                    found["cross_tenant_bytes_read"] += n
+
+    get = ch.unary_stream("/kvstore.v1.KVStore/Get",
+                          request_serializer=pb.GetRequest.SerializeToString,
+                          response_deserializer=lambda b: b)
+    stub.Get = get                      # raw replies: B counts A's bytes in them
+    floods = {"empty_streams": empty_puts, "oversize": lambda: loop(oversize),
+              "repeated_keys": lambda: loop(repeated_keys),
+              "namespaces": lambda: loop(namespaces), "leases": lambda: loop(leases),
+              "shared_pool_read": lambda: loop(read_a),
+              "foreign_namespace": lambda: loop(read_a_namespace)}
+    threads = [threading.Thread(target=w, daemon=True) for k, w in floods.items()
+               if k not in without]
+    for t in threads:
+        t.start()
+    print("ready", flush=True)
+    sys.stdin.read()
+    stop.set()
+    for t in threads:
+        t.join(35)
+    print(json.dumps(found), flush=True)
+    os._exit(0)                         # leftover timers and channels
+
+
+# ------------------------------------------------------------------------- the bench itself
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(len(s) * q))] if s else float("nan")
+
+
+class TenantA:
+    """An engine's store / load / delete loop over Put and Get, its blocks marked."""
+
+    def __init__(self, address: str, blocks: int) -> None:
+        import numpy as np
+        import torch
+        from kvstore_client import KVLayout, connect
+
+        self.np, self.torch = np, torch
+        self.lay = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=16,
+                            dtype="bfloat16")                  # 32 KiB blocks
+        self.blocks = blocks
+        self.client = connect(address, token=TOKENS["a"])
+        self.ns = self.client.namespace(self.lay, model="a-engine")
+        n = blocks * 16
+        raw = np.frombuffer((MARKER * 4 + bytes(range(64)) * 15)[:1024] * (
+            self.lay.block_bytes * blocks // 1024), dtype=np.uint8)
+        self.kv = torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(
+            4, 2, n, 2, 64)
+        self.out = torch.zeros_like(self.kv)
+        self.round = 0
+
+    def once(self) -> float:
+        self.round += 1
+        ids = self.np.arange(self.blocks * 16) + self.round * 10**6
+        t0 = time.perf_counter()
+        assert self.ns.store(ids, self.kv) == self.blocks
+        assert self.ns.load(ids, out=self.out) == self.blocks * 16
+        dt = time.perf_counter() - t0
+        self.ns.delete(self.ns.keys(ids))
+        return dt
+
+
+def phase(a: TenantA, pid: int, seconds: float, scrape_url: str | None) -> dict:
+    stop = threading.Event()
+    rss: list[float] = []
+
+    def sample() -> None:
+        while not stop.wait(0.05):
+            rss.append(_rss_mib(pid))
+
+    def scrape() -> None:
+        import urllib.request
+        while not stop.wait(1.0):
+            try:
+                urllib.request.urlopen(scrape_url, timeout=10).read()
+            except OSError:
+                pass
+    threads = [threading.Thread(target=sample, daemon=True)]
+    if scrape_url:
+        threads.append(threading.Thread(target=scrape, daemon=True))
+    for t in threads:
+        t.start()
+    lat: list[float] = []
+    errors = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            lat.append(a.once())
+        except Exception as e:  # noqa: BLE001 - a failed store/load counts, and is said
+            errors += 1
+            print(f"  tenant A's round failed: {type(e).__name__}: {e}", flush=True)
+    stop.set()
+    for t in threads:
+        t.join(5)
+    return {"p50_ms": round(_pct(lat, 0.5) * 1e3, 2), "p99_ms": round(_pct(lat, 0.99) * 1e3, 2),
+            "rounds": len(lat), "errors": errors, "rss_max_mib": round(max(rss or [0]), 1)}
+
+
+def probes(address: str, sock: str, pid: int, a_ns: bytes) -> dict[str, float]:
+    """Daemon CPU seconds of each attack request, sent alone to an idle daemon."""
+    import grpc
+    from kvstore_client._proto import kvstore_pb2 as pb
+    from kvstore_client._proto import kvstore_pb2_grpc as pbg
+    from kvstore_client.common.lane_wire import HEADER, MAX_FRAME, METHOD_ID
+    from kvstore_client.common.layout import KVLayout, NamespaceSpec
+    from kvstore_client.wire import encode_put, spec_to_proto
+
+    md = (("authorization", f"Bearer {TOKENS['b']}"),)
+    ch = grpc.insecure_channel(address, options=[
+        ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
+    stub = pbg.KVStoreStub(ch)
+    tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_tokens=16,
+                    dtype="bfloat16")
+    reg = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec_to_proto(
+        NamespaceSpec(model="b-probe", layout=tiny))), timeout=30, metadata=md)
+    ns, key = reg.namespace_id, b"\x05" * 16
+    put = ch.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=lambda b: b,
+                          response_deserializer=lambda b: b)
+    put(iter([encode_put(ns, b"", [(key, bytes(reg.block_bytes))])]), timeout=30, metadata=md)
+    raw_lookup = ch.unary_unary("/kvstore.v1.KVStore/Lookup", request_serializer=lambda b: b,
+                                response_deserializer=lambda b: b)
+    junk = b"\x38\x01" * ((4 << 20) // 2 - 512)
+
+    def lane_frame(announce: int, body: bytes) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(30)
+        s.connect(sock + ".lane")
+        s.sendall(json.dumps({"v": 1, "token": TOKENS["b"]}).encode() + b"\n")
+        s.recv(4096)
+        s.sendall(HEADER.pack(announce, METHOD_ID["Lookup"]) + body)
+        try:
+            s.recv(65536)
+        except OSError:
+            pass
+        s.close()
+
+    kinds = {
+        "unauthenticated_192mib_lookup": lambda: raw_lookup(bytes(192 << 20), timeout=60),
+        "lookup_64mib": lambda: raw_lookup(bytes(64 << 20), timeout=60, metadata=md),
+        "put_unknown_fields_16mib": lambda: put(iter([junk] * 4), timeout=60, metadata=md),
+        "get_one_key_65536_times": lambda: list(stub.Get(pb.GetRequest(
+            namespace_id=ns, keys=[key] * 65536), timeout=60, metadata=md)),
+        "acquire_one_key_65536_times": lambda: stub.Acquire(pb.AcquireRequest(
+            namespace_id=ns, keys=[key] * 65536, ttl_s=1), timeout=60, metadata=md),
+        "lookup_65536_keys": lambda: stub.Lookup(pb.LookupRequest(
+            namespace_id=ns, keys=[os.urandom(32) for _ in range(65536)]), timeout=60,
+            metadata=md),
+        "lookup_of_a_namespace": lambda: stub.Lookup(pb.LookupRequest(
+            namespace_id=a_ns, keys=[key]), timeout=60, metadata=md),
+        "lane_frame_64mib_announced": lambda: lane_frame(64 << 20, b"\0" * 4096),
+        "lane_frame_at_cap_garbage": lambda: lane_frame(MAX_FRAME, os.urandom(MAX_FRAME)),
+    }
+    out: dict[str, float] = {}
+    time.sleep(1.0)
+    t0, c0 = time.monotonic(), _cpu_s(pid)
+    time.sleep(1.0)
+    idle = (_cpu_s(pid) - c0) / (time.monotonic() - t0)     # background work per second
+    for name, fn in kinds.items():
+        c0, t0 = _cpu_s(pid), time.monotonic()
+        try:
+            fn()
+        except grpc.RpcError:
+            pass                                            # refused: what we measure
+        time.sleep(0.1)                                     # the daemon's tail of it
+        used = _cpu_s(pid) - c0 - idle * (time.monotonic() - t0)
+        out[name] = round(max(0.0, used), 3)
+    ch.close()
+    return out
+
+
+def spawn(role: list[str]) -> subprocess.Popen:
+    """This script in another role (the unauthenticated one drops to uid 65534 itself)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "client"),
+                                                        *sys.path])}
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *role],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+
+
+def wait_line(p: subprocess.Popen, timeout: float) -> str:
+    r, _, _ = select.select([p.stdout], [], [], timeout)
+    if not r:
+        raise RuntimeError("an attacker process did not start")
+    return p.stdout.readline().strip()
+
+
+def other_uid_ok() -> bool:
+    """Whether a child under another uid can import from this checkout (tests/other_uid.py
+    says why not where it cannot)."""
+    if os.geteuid() != 0:
+        return False
+    return all(d.stat().st_mode & 0o001 for d in (ROOT, *ROOT.parents))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--role", choices=("unauth", "b"))
+    ap.add_argument("--without", nargs="*", default=[], choices=FLOODS,
+                    help="leave these kinds out of B's flood (to see what each costs)")
+    ap.add_argument("args", nargs="*")
+    args = ap.parse_args()
+    if args.role == "unauth":
+        run_unauth(args.args[0], args.args[1], int(args.args[2]), args.args[3] == "1")
+        return
+    if args.role == "b":
+        run_b(args.args[0], args.args[1], int(args.args[2]), set(args.args[3:]))
+        return
+    sys.path[:0] = [str(ROOT), str(ROOT / "client")]
+    from kvstore.tenants import hash_token
+    from tests.daemon import cleanup, start_daemon
+
+    quiet_s, attack_s, blocks = (6.0, 8.0, 16) if args.quick else (20.0, 30.0, 32)
+    base = Path(tempfile.mkdtemp(prefix="kvs-dos-"))
+    base.chmod(0o755)
+    tf = base / "tenants.toml"
+    tf.write_text(textwrap.dedent(f"""
+        [tenants.a]
+        token_sha256 = "{hash_token(TOKENS['a'])}"
+        [tenants.b]
+        token_sha256 = "{hash_token(TOKENS['b'])}"
+    """))
+    d = start_daemon(base, {"auth.tokens_file": str(tf), "server.tcp": "127.0.0.1:0",
+                            "server.metrics_tenants": True, "host.capacity": "256MiB",
+                            "limits.tenant_calls": TENANT_CALLS})
+    attackers: list[subprocess.Popen] = []
+    try:
+        end = time.monotonic() + 120
+        while "codec kernels loaded" not in d.output() and time.monotonic() < end:
+            time.sleep(0.2)                                  # after-start work done
+        pid = d.proc.pid
+        a = TenantA(d.address, blocks)
+        for _ in range(3):
+            a.once()                                         # warm
+        print(f"load average {os.getloadavg()[0]:.2f}; probing single requests ...",
+              flush=True)
+        cpu = probes(d.address, d.socket, pid, a.ns.ns_id)
+        for k, v in cpu.items():
+            print(f"  {k:34s} {v:6.3f} s of daemon CPU", flush=True)
+        quiet = phase(a, pid, quiet_s, d.metrics_url)
+        print(f"quiet:  {quiet}", flush=True)
+        other = other_uid_ok()
+        unauth = spawn(["--role", "unauth", d.socket, d.tcp, str(ATTACK_CONNS),
+                        "1" if other else "0"])
+        b = spawn(["--role", "b", d.socket, a.ns.ns_id.hex(), str(a.lay.block_bytes),
+                   *args.without])
+        attackers = [unauth, b]
+        for p in attackers:
+            if wait_line(p, 60) != "ready":
+                raise RuntimeError("an attacker did not get ready")
+        attack = phase(a, pid, attack_s, d.metrics_url)
+        print(f"attack: {attack}", flush=True)
+        results = []
+        for p in attackers:
+            p.stdin.close()
+            try:
+                results.append(json.loads(wait_line(p, 60) or "{}"))
+            except (RuntimeError, ValueError):
+                results.append({})
+        held, found = results
+        print(f"unauthenticated ({'uid 65534' if other else 'this uid'}): {held}", flush=True)
+        if not other:
+            print("  (run as root from a checkout other users can read for another uid: "
+                  "then the per-uid caps keep its connections apart from A's)", flush=True)
+        print(f"tenant B: {found}", flush=True)
+        a.client.close()
+        figures = {
+            "attack_p99_vs_quiet": round(attack["p99_ms"] / quiet["p99_ms"], 2),
+            "attack_rss_growth_mib": round(max(0.0, attack["rss_max_mib"]
+                                               - quiet["rss_max_mib"]), 1),
+            "max_request_cpu_s": max(cpu.values()),
+            "cross_tenant_bytes_read": int(found.get("cross_tenant_bytes_read", -1)),
+            "quiet_p99_ms": quiet["p99_ms"], "attack_p99_ms": attack["p99_ms"],
+            "attack_errors": attack["errors"], "request_cpu_s": cpu,
+            "unauthenticated_other_uid": other, "b_floods_left_out": args.without,
+            "load_average": round(os.getloadavg()[0], 2),
+        }
+        print(json.dumps(figures), flush=True)
+    finally:
+        for p in attackers:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        cleanup(d)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The client half of the daemon's Unix-socket handshake (daemon side: kvstore/handoff.py).
+
+Why: on a daemon with tenants, a process on the same host proves who it is by its uid (the
+kernel reports it to the daemon, nothing to configure or leak) or by its token, and receives a
+session token for its gRPC calls and, where its tenant has one, its own host pool as a file
+descriptor: memory no other tenant's process can open by any name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+from .errors import DeadlineExceeded, KVStoreError, Unavailable, from_code
+
+SUFFIX = ".auth"
+MAX_REPLY = 8192
+MAX_FDS = 17          # the host pool and up to 16 devices' slabs
+
+
+@dataclass
+class Session:
+    tenant: str
+    token: str
+    pool_fd: int | None       # the tenant's own host pool (memfd), owned by the caller
+    pool_size: int
+    # device -> (fd, size): the tenant's own CPU-device slabs (memfds), owned by the caller
+    gpu_fds: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # The handshake socket's inode: each daemon run makes a new one, so a changed inode says
+    # the fds above belong to a run that is gone (a token client sees no other sign of it).
+    socket_ino: int | None = None
+
+    def current(self, path: str) -> bool:
+        try:
+            return os.stat(path).st_ino == self.socket_ino
+        except OSError:
+            return False
+
+    def close_fds(self) -> None:
+        """Close the fds nobody mapped (a fresh handshake hands out new ones)."""
+        fds = [f for f, _ in self.gpu_fds.values()]
+        if self.pool_fd is not None:
+            fds.append(self.pool_fd)
+        self.pool_fd, self.gpu_fds = None, {}
+        for fd in fds:
+            os.close(fd)
+
+
+def handshake_path(socket_path: str) -> str:
+    return socket_path + SUFFIX
+
+
+def handshake(path: str, token: str = "", timeout: float = 5.0) -> Session:
+    """One exchange with the daemon's handshake socket, whole within `timeout` seconds (one
+    deadline, not one per read). Raises only the SDK's errors: Unavailable (no daemon there,
+    or it closed the connection), DeadlineExceeded (no answer in time), or the status the
+    daemon refused with (Unauthenticated, ResourceExhausted, ...)."""
+    deadline = time.monotonic() + timeout
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds: list[int] = []
+    try:
+        try:
+            ino = os.stat(path).st_ino
+            s.settimeout(timeout)
+            s.connect(path)
+        except TimeoutError:
+            raise DeadlineExceeded(f"the daemon's handshake socket {path} did not accept the "
+                                   f"connection within {timeout:g} s") from None
+        except OSError as e:
+            raise Unavailable(f"cannot reach the daemon's handshake socket {path}: "
+                              f"{e.strerror or e}") from None
+        try:
+            s.settimeout(max(0.001, deadline - time.monotonic()))
+            s.sendall((json.dumps({"v": 1, "token": token}) + "\n").encode())
+            data = b""
+            while not data.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                s.settimeout(left)
+                msg, got, _flags, _addr = socket.recv_fds(s, MAX_REPLY, MAX_FDS)
+                fds += got
+                if not msg:
+                    break
+                data += msg
+                if len(data) > MAX_REPLY:
+                    raise ValueError("reply too long")
+        except TimeoutError:
+            raise DeadlineExceeded(f"the daemon's handshake at {path} did not answer within "
+                                   f"{timeout:g} s") from None
+        except (OSError, ValueError) as e:
+            raise Unavailable(f"the daemon's handshake at {path} failed: {e}") from None
+    except KVStoreError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    finally:
+        s.close()
+    try:
+        reply = json.loads(data)
+        if not isinstance(reply, dict):
+            raise ValueError("not an object")
+    except ValueError:
+        for fd in fds:
+            os.close(fd)
+        raise Unavailable(f"the daemon's handshake at {path} answered no JSON line") from None
+    if "error" in reply:
+        for fd in fds:
+            os.close(fd)
+        raise from_code(str(reply["error"]),
+                        f"handshake with {path}: {reply.get('message', reply['error'])}")
+    try:
+        size = int(reply.get("pool_size") or 0)
+        tenant, session = str(reply["tenant"]), str(reply["session"])
+        devices = [(int(e["device"]), int(e["size"])) for e in reply.get("gpu_pools") or []]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        for fd in fds:
+            os.close(fd)
+        raise Unavailable(f"the daemon's handshake at {path} answered a malformed reply "
+                          f"({type(e).__name__}: {e})") from None
+    fd = fds[0] if fds and size else None
+    rest = fds[1 if fd is not None else 0:]
+    gpu: dict[int, tuple[int, int]] = {}
+    for device, nbytes in devices:
+        if not rest:
+            break
+        gpu[device] = (rest.pop(0), nbytes)
+    for extra in rest:
+        os.close(extra)
+    return Session(tenant=tenant, token=session, pool_fd=fd, pool_size=size, gpu_fds=gpu,
+                   socket_ino=ino)
