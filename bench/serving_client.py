@@ -4,6 +4,12 @@ the first token, and the engines' own counters.
 Why streamed: time to first token is the time until the first streamed chunk that carries a
 generated token; the whole response's time gives the request's latency. Prompts go as lists
 of token ids, so neither the router nor the engine needs a tokenizer.
+
+The generated token ids come back as logprob tokens (`logprobs: 0`; the engine runs with
+`--return-tokens-as-token-ids`, which names them `token_id:N`), not through vLLM's own
+`return_token_ids` field: vllm-router 0.1.17 reads a request body holding a field it does not
+know as opaque, and then credits no cached prefix to any worker, so every `kv_aware`
+decision would be blind.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ def complete(port: int, model: str, prompt: list[int], max_tokens: int,
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
                        "temperature": 0.0, "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True},
-                       "return_token_ids": True}).encode()
+                       "logprobs": 0}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=deadline_s)
     t0 = time.perf_counter()
     end = time.monotonic() + deadline_s
@@ -62,7 +68,7 @@ def complete(port: int, model: str, prompt: list[int], max_tokens: int,
                 break
             chunk = json.loads(data)
             for choice in chunk.get("choices") or ():
-                got = choice.get("token_ids") or []
+                got = _token_ids(choice)
                 if got and ttft is None:
                     ttft = time.perf_counter() - t0
                 tokens += got
@@ -76,6 +82,18 @@ def complete(port: int, model: str, prompt: list[int], max_tokens: int,
     return Completion(ttft, latency, tokens, int(usage["prompt_tokens"]), int(cached))
 
 
+def _token_ids(choice: dict) -> list[int]:
+    """The generated ids of one streamed choice, from its logprob tokens (`token_id:N`)."""
+    out = []
+    for t in (choice.get("logprobs") or {}).get("tokens") or ():
+        if not (isinstance(t, str) and t.startswith(_TOKEN_PREFIX)):
+            raise RuntimeError(f"a logprob token {t!r} is not `{_TOKEN_PREFIX}N`: is the engine "
+                               "running with --return-tokens-as-token-ids?")
+        out.append(int(t[len(_TOKEN_PREFIX):]))
+    return out
+
+
+_TOKEN_PREFIX = "token_id:"
 _METRIC = re.compile(r'^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$')
 _SOURCE = re.compile(r'source="([a-z_]+)"')
 WANTED = ("vllm:prompt_tokens_by_source_total", "vllm:external_prefix_cache_hits_total",
