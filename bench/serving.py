@@ -37,12 +37,15 @@ as a ratio to `rr_none`; raw milliseconds, hit and prefill counts (vLLM's own co
 source), requests per node, the same figures for the requests after the restart, and whether
 every setup produced the same greedy tokens (`outputs_equal`).
 
-    python bench/serving.py [--quick] [--dry-run] [--setups a,b] [--trace FILE]
+    python bench/serving.py [--quick] [--dry-run] [--workload-only] [--setups a,b] [--trace FILE]
 
-The last line is one JSON object. `--quick` takes a few minutes on an idle 2-core machine
-(engine starts dominate: the API server and its engine core process each import vLLM).
-`--dry-run` builds the workload only and starts nothing. Environments: `.venv-vllm` (vLLM),
-`.venv-routers` (vllm-router), redis-server on PATH; the plot (matplotlib) goes to
+The last line is one JSON object. `--quick` takes minutes (engine starts dominate: the API
+server and its engine core process each import vLLM, about 20 CPU seconds each).
+`--dry-run` runs every setup's harness in seconds with stand-in engines
+(bench/serving_standin.py) and everything else real: daemons, Redis, event relays, vllm-router,
+the restart, the report; its figures say nothing about performance. `--workload-only` builds
+and describes the workload and starts nothing. Environments: `.venv-vllm` (vLLM; not needed by
+a dry run), `.venv-routers` (vllm-router), redis-server on PATH; the plot (matplotlib) goes to
 bench/out/serving/ttft_per_turn.png.
 """
 
@@ -83,10 +86,13 @@ from bench.serving_fleet import (  # noqa: E402
     Sizes,
     http_get,
     router_decisions,
+    router_heard,
     start_daemon,
     start_engine,
     start_redis,
     start_router,
+    start_standin,
+    stop_all,
     wait_daemon,
     wait_http,
     wait_redis,
@@ -97,9 +103,11 @@ TOKENS_PER_BLOCK = 128          # per 512-token trace block
 MAX_TOKENS = 8                  # greedy tokens per request
 MAX_PROMPT_TOKENS = 3072        # longer conversations are left out (time, and the GPU cache)
 GAP_S = 0.25                    # between requests
+DRY_GAP_S = 0.02                # stand-ins announce a request's blocks before they answer it
 ENGINE_START_S = 900.0          # two vLLM imports per engine; minutes on a loaded machine
 DAEMON_START_S = 120.0
 ROUTER_START_S = 60.0
+ROUTER_HEARD_S = 60.0           # the router's first event batch from a warmed engine
 NODES = 2
 WARMUP_TOKENS = 512
 
@@ -145,6 +153,7 @@ class Context:
     out: Path
     gap_s: float
     common_prefix: list[int] = field(default_factory=list)
+    dry_run: bool = False       # stand-in engines (bench/serving_standin.py), the rest real
     say: Any = print
 
 
@@ -178,29 +187,52 @@ def _counters(node: Node) -> dict[str, float]:
     return engine_counters(body.decode(errors="replace")) if status == 200 else {}
 
 
-def _start_engines(setup: Setup, nodes: list[Node], ctx: Context, which: list[int],
-                   run: SetupRun, services: list[Service]) -> None:
+def _launch_engines(setup: Setup, nodes: list[Node], ctx: Context, which: list[int],
+                    services: list[Service]) -> float:
     t0 = time.monotonic()
     for i in which:
         if nodes[i].engine is None:
-            nodes[i].engine = start_engine(setup, nodes[i], ctx.sizes, ctx.vllm_python,
-                                           ctx.model, ROOT)
+            nodes[i].engine = (
+                start_standin(setup, nodes[i], sys.executable, ROOT) if ctx.dry_run else
+                start_engine(setup, nodes[i], ctx.sizes, ctx.vllm_python, ctx.model, ROOT))
             services.append(nodes[i].engine)
         else:
             nodes[i].engine.start()
+    return t0
+
+
+def _await_engines(nodes: list[Node], which: list[int], run: SetupRun, t0: float) -> None:
     for i in which:
         wait_http(nodes[i].engine, nodes[i].engine_port, "/health", ENGINE_START_S)
     run.start_s.append(round(time.monotonic() - t0, 1))
 
 
-def _warm_up_engines(nodes: list[Node], ctx: Context, which: list[int]) -> None:
+def _warm_up_engines(setup: Setup, nodes: list[Node], ctx: Context, which: list[int],
+                     router: Service) -> None:
     """Straight to the engines, once the router listens to their events. At a setup's start
     the warm-up prompts begin with the prefix all conversations share (the trace's system
-    prompt), as on a fleet that has been serving; a restarted engine's do not."""
+    prompt), as on a fleet that has been serving; a restarted engine's do not. Where the
+    router routes on events, this returns once it logged a batch from each warmed engine's
+    stream after the warm-up began (the warm-up's blocks, or the stream's 5 s keep-alive), so
+    the replay never starts on a router that has not heard the engines yet."""
+    heard = router_heard(router.output(1 << 26))
     for i in which:
         first = nodes[i].engine.starts == 1
         _warm_up(nodes[i].engine_port, 1000 * nodes[i].engine.starts + i,
                  ctx.common_prefix if first else [])
+    if setup.events:
+        end = time.monotonic() + ROUTER_HEARD_S
+        while True:
+            now = router_heard(router.output(1 << 26))
+            if all(now.get(nodes[i].url, 0) > heard.get(nodes[i].url, 0) for i in which):
+                break
+            router.check()
+            if time.monotonic() > end:
+                raise RuntimeError(
+                    f"vllm-router logged no KV event batch from "
+                    f"{[nodes[i].url for i in which]} within {ROUTER_HEARD_S:.0f} s of the "
+                    f"warm-up; its output ({router.log}):\n{router.output()}")
+            time.sleep(0.05)
     time.sleep(ctx.gap_s)
 
 
@@ -235,21 +267,26 @@ def run_setup(setup: Setup, ctx: Context) -> SetupRun:
             services.append(redis)
             wait_redis(redis, port, DAEMON_START_S)
             redis_url = f"redis://127.0.0.1:{port}"
+        # Everything starts at once: an engine connects to its daemon only at its first
+        # request, its event publisher reconnects until the daemon's relay binds, and the
+        # router waits for healthy workers.
         if setup.kvstore:
             for n in nodes:
                 n.daemon = start_daemon(setup, n, ctx.sizes, sys.executable, _daemon_env(),
                                         redis_url)
                 services.append(n.daemon)
-            for n in nodes:
-                wait_daemon(n.daemon, n, DAEMON_START_S)
         ctx.say(f"[{setup.name}] starting {NODES} engines")
-        _start_engines(setup, nodes, ctx, list(range(NODES)), run, services)
+        t0 = _launch_engines(setup, nodes, ctx, list(range(NODES)), services)
         if setup.events:
             tap = EventTap({f"node{n.index}": n.event_source(setup) for n in nodes})
         router, rport = start_router(setup, nodes, folder, ctx.router_bin)
         services.append(router)
+        for n in nodes:
+            if n.daemon is not None:
+                wait_daemon(n.daemon, n, DAEMON_START_S)
+        _await_engines(nodes, list(range(NODES)), run, t0)
         wait_http(router, rport, "/readiness", ROUTER_START_S)
-        _warm_up_engines(nodes, ctx, list(range(NODES)))
+        _warm_up_engines(setup, nodes, ctx, list(range(NODES)), router)
         run.loadavg.append(_loadavg())
         ctx.say(f"[{setup.name}] engines up in {run.start_s[0]} s; replaying "
                 f"{len(ctx.requests)} requests")
@@ -263,8 +300,9 @@ def run_setup(setup: Setup, ctx: Context) -> SetupRun:
                 victim.engine.stop()
                 ctx.say(f"[{setup.name}] restarting node {victim.index}'s engine before "
                         f"request {req.index}")
-                _start_engines(setup, nodes, ctx, [victim.index], run, services)
-                _warm_up_engines(nodes, ctx, [victim.index])
+                t0 = _launch_engines(setup, nodes, ctx, [victim.index], services)
+                _await_engines(nodes, [victim.index], run, t0)
+                _warm_up_engines(setup, nodes, ctx, [victim.index], router)
                 router.check()
             before = [_count_posts(n.engine) for n in nodes]
             done: Completion = complete(rport, MODEL_NAME, req.tokens, MAX_TOKENS)
@@ -290,8 +328,7 @@ def run_setup(setup: Setup, ctx: Context) -> SetupRun:
     finally:
         if tap is not None:
             tap.close()
-        for s in reversed(services):
-            s.stop()
+        stop_all(services)
         for s in services:
             try:
                 shutil.copy(s.log, logs / f"{s.log.parent.name}-{s.log.name}")
@@ -457,6 +494,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer conversations (a few minutes)")
     ap.add_argument("--dry-run", action="store_true",
+                    help="the harness with stand-in engines: seconds, no figure that means "
+                    "anything")
+    ap.add_argument("--workload-only", action="store_true",
                     help="build and describe the workload only; start nothing")
     ap.add_argument("--setups", default=",".join(s.name for s in SETUPS),
                     help="comma-separated subset of: " + ", ".join(s.name for s in SETUPS))
@@ -467,8 +507,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--turns", type=int, default=8, help="turns replayed per conversation")
     ap.add_argument("--tokens-per-block", type=int, default=TOKENS_PER_BLOCK,
                     help="prompt tokens per 512-token trace block")
-    ap.add_argument("--gap-ms", type=float, default=GAP_S * 1000,
-                    help="pause between requests")
+    ap.add_argument("--gap-ms", type=float, default=None,
+                    help=f"pause between requests (default {GAP_S * 1000:.0f}, "
+                    f"{DRY_GAP_S * 1000:.0f} in a dry run)")
     ap.add_argument("--restart-node", type=int, default=-1,
                     help="the node whose engine restarts mid-run (default: the one that "
                     "served the most requests until then)")
@@ -477,11 +518,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--redis-server", default="redis-server")
     ap.add_argument("--model-dir", default="", help="the random model's folder (default: "
                     "bench/out/serving-model-<size>, made once)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "serving"),
-                    help="folder for the plot, the per-request records and the logs")
+    ap.add_argument("--out", default="", help="folder for the plot, the per-request records "
+                    "and the logs (default bench/out/serving, bench/out/serving-dry for a dry "
+                    "run)")
     args = ap.parse_args(argv)
     if not args.conversations:
         args.conversations = 6 if args.quick else 10
+    if not args.out:
+        args.out = str(ROOT / "bench" / "out" / ("serving-dry" if args.dry_run else "serving"))
+    if args.gap_ms is None:
+        args.gap_ms = (DRY_GAP_S if args.dry_run else GAP_S) * 1000
     known = {s.name for s in SETUPS}
     args.setup_list = [s for s in args.setups.split(",") if s]
     bad = [s for s in args.setup_list if s not in known]
@@ -515,26 +561,28 @@ def main(argv: list[str] | None = None) -> None:
             "setups": args.setup_list, "max_tokens": MAX_TOKENS,
             "gpu_cache_tokens": sizes.gpu_blocks * 32,
             "common_prefix_tokens": len(workload.common_prefix(requests))}
-    if args.dry_run:
+    if args.workload_only:
         for k, v in info.items():
             print(f"{k:<28}{v!s:>14}")
-        print(json.dumps({"dry_run": True, **head}))
+        print(json.dumps({"workload_only": True, **head}))
         return
     ctx = Context(
         requests=requests, restart_at=restart_at, restart_node=args.restart_node, sizes=sizes,
         model=Path(args.model_dir) if args.model_dir else ROOT / "bench" / "out" /
         f"serving-model-{MODEL['layers']}x{MODEL['hidden']}",
-        vllm_python=_tool(args.vllm_python, "the vLLM environment's python",
-                          "`make vllm-env` builds .venv-vllm; or pass --vllm-python"),
+        vllm_python="" if args.dry_run else _tool(
+            args.vllm_python, "the vLLM environment's python",
+            "`make vllm-env` builds .venv-vllm; or pass --vllm-python"),
         router_bin=_tool(args.router_bin, "vllm-router",
                          "`make routers-env` builds .venv-routers; or pass --router-bin"),
         redis_bin=(_tool(args.redis_server, "redis-server", "`make redis` installs it")
                    if "rr_kvstore_redis" in args.setup_list else ""),
         out=Path(args.out), gap_s=args.gap_ms / 1000,
-        common_prefix=workload.common_prefix(requests),
+        common_prefix=workload.common_prefix(requests), dry_run=args.dry_run,
         say=lambda m: print(m, file=sys.stderr, flush=True))
     ctx.out.mkdir(parents=True, exist_ok=True)
-    ensure_model(ctx.vllm_python, ctx.model)
+    if not ctx.dry_run:
+        ensure_model(ctx.vllm_python, ctx.model)
     chosen = [s for s in SETUPS if s.name in args.setup_list]
     runs: list[SetupRun] = []
     for s in chosen:
@@ -546,6 +594,7 @@ def main(argv: list[str] | None = None) -> None:
     res = report(runs, ctx)
     png = plot(runs, ctx, ctx.out / "ttft_per_turn.png")
     res.update(head)
+    res["dry_run"] = ctx.dry_run
     res["plot"] = str(png.relative_to(ROOT)) if png and png.is_relative_to(ROOT) else (
         str(png) if png else None)
     res["wall_s"] = round(time.monotonic() - t_start, 1)

@@ -127,18 +127,35 @@ class Service:
 
     def stop(self, deadline_s: float = STOP_DEADLINE_S) -> None:
         """SIGTERM to its session, SIGKILL to it after the deadline."""
+        self.terminate()
+        self.finish(deadline_s)
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+
+    def finish(self, deadline_s: float) -> None:
+        """Wait for it to exit after terminate(), then SIGKILL whatever is left of its
+        session (what it spawned and left behind)."""
         if self.proc is None:
             return
-        pgid = self.proc.pid
-        if self.proc.poll() is None:
-            _signal_group(pgid, signal.SIGTERM)
-            try:
-                self.proc.wait(deadline_s)
-            except subprocess.TimeoutExpired:
-                pass
-        _signal_group(pgid, signal.SIGKILL)     # whatever it spawned and left behind
+        try:
+            self.proc.wait(max(deadline_s, 0.0))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.wait(10)
+
+
+def stop_all(services: list[Service], deadline_s: float = STOP_DEADLINE_S) -> None:
+    """Stop them all at once (each one's stop is mostly waiting: a daemon flushes, an engine
+    drains), within one deadline."""
+    for s in services:
+        s.terminate()
+    end = time.monotonic() + deadline_s
+    for s in services:
+        s.finish(end - time.monotonic())
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -300,6 +317,7 @@ def engine_argv(setup: Setup, node: Node, sizes: Sizes, python: str, model: Path
             "--max-model-len", str(sizes.max_model_len), "--block-size", str(ENGINE_BLOCK),
             "--num-gpu-blocks-override", str(sizes.gpu_blocks), "--enforce-eager",
             "--seed", "0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--return-tokens-as-token-ids",
             "--max-num-seqs", "4"]
     tc = transfer_config(setup, node, sizes)
     if tc is not None:
@@ -337,10 +355,27 @@ def start_engine(setup: Setup, node: Node, sizes: Sizes, python: str, model: Pat
                    cwd=node.folder).start()
 
 
+def start_standin(setup: Setup, node: Node, python: str, root: Path) -> Service:
+    """The dry run's engine (bench/serving_standin.py): the same port and event endpoint."""
+    argv = [python, "-m", "bench.serving_standin", "--port", str(node.engine_port),
+            "--model", MODEL_NAME, "--block-size", str(ENGINE_BLOCK)]
+    if setup.events:
+        # who subscribes to the engine's own endpoint: the daemon's relay behind kvstore,
+        # else the router and the bench's tap
+        argv += ["--events", node.engine_events(setup),
+                 "--subscribers", "1" if setup.events == "kvstore" else "2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+    return Service(f"stand-in engine of node {node.index}", argv, env,
+                   node.folder / "engine.log", cwd=root).start()
+
+
 # -- vllm-router ------------------------------------------------------------------------------
 
 def router_argv(setup: Setup, nodes: list[Node], port: int, binary: str) -> list[str]:
+    # its metrics listener has a fixed default port: a second router on the machine fails
     argv = [binary, "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--worker-urls", *(n.url for n in nodes), "--policy", setup.policy,
             "--log-level", "debug" if setup.policy == "kv_aware" else "info"]
     if setup.policy == "kv_aware":
@@ -363,6 +398,19 @@ def router_decisions(log_text: str) -> list[tuple[str, int, int]]:
         m = _DECISION.search(line)
         if m:
             out.append((m.group(1), int(m.group(2)), int(m.group(3))))
+    return out
+
+
+_HEARD = re.compile(r'kv_index (?:live sequence advanced source=(\S+)|(\S+): restart seq)')
+
+
+def router_heard(log_text: str) -> dict[str, int]:
+    """Event batches vllm-router logged as received, per worker URL (its debug log: a batch
+    that advanced a stream's sequence, or one that restarted it)."""
+    out: dict[str, int] = {}
+    for m in _HEARD.finditer(_ANSI.sub("", log_text)):
+        url = (m.group(1) or m.group(2)).strip('"')
+        out[url] = out.get(url, 0) + 1
     return out
 
 

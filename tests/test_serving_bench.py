@@ -1,7 +1,8 @@
 """bench/serving.py: the parts that run without engines (the full run starts vLLM engines and
-a router for minutes, so it is a benchmark, not a test). `--help`, a `--dry-run` on a small
-synthetic trace in the Mooncake format, the trace search's error, and the conversation
-extraction the workload rests on."""
+a router for minutes, so it is a benchmark, not a test). `--help`, `--workload-only` on a small
+synthetic trace in the Mooncake format, the trace search's error, the conversation extraction
+the workload rests on, and `--dry-run`: every setup's harness with stand-in engines and
+everything else real (daemons, redis-server, vllm-router)."""
 
 from __future__ import annotations
 
@@ -87,9 +88,13 @@ def test_find_trace_says_where_it_looked(tmp_path, monkeypatch):
     assert workload.find_trace("", root=tmp_path / "wt" / "checkout") == found
 
 
-def _bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+SETUPS = ["rr_none", "rr_kvstore", "rr_kvstore_redis", "kv_aware", "vllm_native"]
+
+
+def _bench(*args: str, env: dict[str, str] | None = None,
+           timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "bench" / "serving.py"), *args],
-                          capture_output=True, text=True, timeout=120, env=env,
+                          capture_output=True, text=True, timeout=timeout, env=env,
                           stdin=subprocess.DEVNULL)
 
 
@@ -99,22 +104,86 @@ def test_help():
     assert "--dry-run" in p.stdout and "--quick" in p.stdout
 
 
-def test_dry_run_builds_the_workload_and_starts_nothing(tmp_path):
+def test_workload_only_builds_the_workload_and_starts_nothing(tmp_path):
     trace = _trace(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "KVSTORE_TRACES"}
-    # tools that do not exist: a dry run must not need them
-    p = _bench("--dry-run", "--quick", "--trace", str(trace), "--conversations", "3",
+    # tools that do not exist: describing the workload must not need them
+    p = _bench("--workload-only", "--quick", "--trace", str(trace), "--conversations", "3",
                "--turns", "3", "--tokens-per-block", "64", "--router-bin",
                str(tmp_path / "no-router"), "--vllm-python", str(tmp_path / "no-python"),
                env=env)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["dry_run"] is True
+    assert out["workload_only"] is True
     assert out["workload"]["requests"] == 9 and out["workload"]["conversations"] == 3
     assert out["restart_before_request"] == 4
-    assert out["setups"] == ["rr_none", "rr_kvstore", "rr_kvstore_redis", "kv_aware",
-                             "vllm_native"]
-    bad = _bench("--dry-run", "--trace", str(tmp_path / "missing.jsonl"), env=env)
+    assert out["setups"] == SETUPS
+    bad = _bench("--workload-only", "--trace", str(tmp_path / "missing.jsonl"), env=env)
     assert bad.returncode != 0 and "missing.jsonl" in bad.stderr
-    bad = _bench("--dry-run", "--setups", "rr_none,nope", "--trace", str(trace), env=env)
+    bad = _bench("--workload-only", "--setups", "rr_none,nope", "--trace", str(trace), env=env)
     assert bad.returncode != 0 and "nope" in bad.stderr
+
+
+def trace_path() -> Path:
+    """The Mooncake conversation trace, where tests find it: the folder named by
+    KVSTORE_TRACES, else ../shared/traces beside the checkout. Missing, the test fails."""
+    places = []
+    if os.environ.get("KVSTORE_TRACES"):
+        places.append(Path(os.environ["KVSTORE_TRACES"]) / workload.TRACE_NAME)
+    places.append(ROOT.parent / "shared" / "traces" / workload.TRACE_NAME)
+    for p in places:
+        if p.is_file():
+            return p
+    pytest.fail(f"{workload.TRACE_NAME} not found; looked in: {', '.join(map(str, places))}",
+                pytrace=False)
+
+
+def test_dry_run_wires_every_setup(tmp_path):
+    """Every setup's harness end to end on the real trace, in seconds: real kvstore daemons
+    (with the kv_aware setup's event relays), a real redis-server, the real vllm-router with
+    each setup's arguments, the mid-run restart, the report, the plot and the JSON line; only
+    the engines are stand-ins (bench/serving_standin.py). The router must credit cached
+    prefixes from the events it hears, with the request body the bench sends (a body field
+    vllm-router does not know makes it credit nothing, and kv_aware routing blind)."""
+    out_dir = tmp_path / "out"
+    p = _bench("--dry-run", "--conversations", "3", "--turns", "3", "--trace",
+               str(trace_path()), "--out", str(out_dir), timeout=600)
+    assert p.returncode == 0, p.stderr[-6000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["dry_run"] is True and out["setups"] == SETUPS
+    assert out["outputs_equal"] is True
+    n = out["workload"]["requests"]
+    assert n == 9 and out["restart_before_request"] == 4
+    for s in SETUPS:
+        assert sum(out[f"{s}_requests_per_node"]) == n, s       # each request on one node
+        assert out[f"{s}_restarted_node"] in (0, 1), s
+        assert out[f"{s}_prefill_tokens"] > 0, s
+    for key in ("kv_aware_ttft_p50_vs_rr_kvstore", "kv_aware_ttft_p50_vs_rr_none",
+                "kv_aware_prefill_tokens_vs_rr_none", "kv_aware_ttft_p50_vs_vllm_native",
+                "rr_kvstore_redis_rps_vs_rr_none", "vllm_native_ttft_p90_vs_rr_none"):
+        assert isinstance(out[key], float), key
+    assert set(out["targets_met"]) == {"kv_aware_ttft_p50_vs_rr_kvstore",
+                                       "kv_aware_ttft_p50_vs_rr_none",
+                                       "kv_aware_prefill_tokens_vs_rr_none",
+                                       "kv_aware_ttft_p50_vs_vllm_native"}
+    # the routers on events heard the engines and credited what they announced
+    for s in ("kv_aware", "vllm_native"):
+        assert out[f"{s}_router_credited_tokens"] > 0, (s, p.stderr[-3000:])
+        streams = out[f"{s}_events"]
+        assert set(streams) == {"node0", "node1"}
+        assert all(c.get("stored_GPU", 0) > 0 for c in streams.values()), streams
+    # what the restart did to the restarted engine's stream: kvstore's relay started it over
+    # with AllBlocksCleared; the engine's own stream went back to sequence 0
+    def since_restart(setup: str, what: str) -> int:
+        node = f"node{out[f'{setup}_restarted_node']}"
+        return (out[f"{setup}_events"][node].get(what, 0)
+                - out[f"{setup}_events_before_restart"][node].get(what, 0))
+
+    assert since_restart("kv_aware", "cleared") == 1, out["kv_aware_events"]
+    assert since_restart("vllm_native", "seq_back") == 1, out["vllm_native_events"]
+    for s in ("rr_none", "rr_kvstore", "rr_kvstore_redis"):
+        assert out[f"{s}_router_credited_tokens"] is None and out[f"{s}_events"] == {}
+    records = json.loads((out_dir / "records.json").read_text())
+    assert set(records) == set(SETUPS)
+    assert all(len(r["records"]) == n for r in records.values())
+    assert (out_dir / "ttft_per_turn.png").stat().st_size > 0
