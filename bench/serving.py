@@ -55,7 +55,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,6 +96,7 @@ from bench.serving_fleet import (  # noqa: E402
     wait_http,
     wait_redis,
 )
+from bench.serving_report import Record, SetupRun, plot, report, setup_figures  # noqa: E402
 
 MODEL = {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 2}
 TOKENS_PER_BLOCK = 128          # per 512-token trace block
@@ -110,34 +110,6 @@ ROUTER_START_S = 60.0
 ROUTER_HEARD_S = 60.0           # the router's first event batch from a warmed engine
 NODES = 2
 WARMUP_TOKENS = 512
-
-
-@dataclass
-class Record:
-    index: int
-    conversation: int
-    turn: int
-    node: int
-    after_restart: bool
-    ttft_ms: float
-    latency_ms: float
-    prompt_tokens: int
-    cached_tokens: int
-    tokens: list[int]
-    router_credited_tokens: int | None = None   # kv_aware: the prefix its events credited
-
-
-@dataclass
-class SetupRun:
-    setup: Setup
-    records: list[Record] = field(default_factory=list)
-    counters: dict[str, float] = field(default_factory=dict)
-    events_before_restart: dict[str, dict[str, int]] = field(default_factory=dict)
-    events: dict[str, dict[str, int]] = field(default_factory=dict)
-    start_s: list[float] = field(default_factory=list)      # engine starts, seconds
-    wall_s: float = 0.0
-    restarted_node: int = -1
-    loadavg: list[float] = field(default_factory=list)     # 1-min, replay start and end
 
 
 @dataclass
@@ -353,120 +325,6 @@ def _daemon_env() -> dict[str, str]:
     return env
 
 
-# -- figures ----------------------------------------------------------------------------------
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    if len(xs) == 1:
-        return xs[0]
-    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
-
-
-def setup_figures(run: SetupRun) -> dict[str, Any]:
-    recs = run.records
-    after = [r for r in recs if r.after_restart]
-    ttft = [r.ttft_ms for r in recs]
-    c = run.counters
-    return {
-        "ttft_p50_ms": round(_pct(ttft, 50), 1),
-        "ttft_p90_ms": round(_pct(ttft, 90), 1),
-        "prefill_tokens": sum(r.prompt_tokens - r.cached_tokens for r in recs),
-        "cached_tokens": sum(r.cached_tokens for r in recs),
-        "rps": round(len(recs) / (sum(r.latency_ms for r in recs) / 1000), 3),
-        "ttft_p50_after_restart_ms": round(_pct([r.ttft_ms for r in after], 50), 1),
-        "prefill_tokens_after_restart": sum(r.prompt_tokens - r.cached_tokens for r in after),
-        "router_credited_tokens": (sum(r.router_credited_tokens for r in recs)
-                                   if recs and all(r.router_credited_tokens is not None
-                                                   for r in recs) else None),
-        "gpu_hit_tokens": int(c.get("prompt_tokens_local_cache_hit", 0)),
-        "tier_hit_tokens": int(c.get("prompt_tokens_external_kv_transfer", 0)),
-        "computed_tokens": int(c.get("prompt_tokens_local_compute", 0)),
-        "kvstore_loaded_chunks": int(c.get("kvstore_loaded_chunks", 0)),
-        "requests_per_node": [sum(r.node == i for r in recs) for i in range(NODES)],
-        "restarted_node": run.restarted_node,
-        "events": run.events,
-        "events_before_restart": run.events_before_restart,
-        "engine_start_s": run.start_s,
-        "loadavg": run.loadavg,
-        "wall_s": run.wall_s,
-    }
-
-
-RATIOS = (("ttft_p50", "ttft_p50_ms"), ("ttft_p90", "ttft_p90_ms"),
-          ("prefill_tokens", "prefill_tokens"), ("rps", "rps"))
-TARGETS = (("kv_aware_ttft_p50_vs_rr_kvstore", 0.5), ("kv_aware_ttft_p50_vs_rr_none", 0.3),
-           ("kv_aware_prefill_tokens_vs_rr_none", 0.3),
-           ("kv_aware_ttft_p50_vs_vllm_native", 1.0))
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b else None
-
-
-def report(runs: list[SetupRun], ctx: Context) -> dict[str, Any]:
-    figs = {r.setup.name: setup_figures(r) for r in runs}
-    out: dict[str, Any] = {}
-    for name, f in figs.items():
-        for k, v in f.items():
-            out[f"{name}_{k}"] = v
-    base = figs.get("rr_none")
-    for name, f in figs.items():
-        if base is None or name == "rr_none":
-            continue
-        for label, key in RATIOS:
-            out[f"{name}_{label}_vs_rr_none"] = _ratio(f[key], base[key])
-    kv = figs.get("kv_aware")
-    for other in ("rr_kvstore", "vllm_native"):
-        if kv is not None and other in figs:
-            out[f"kv_aware_ttft_p50_vs_{other}"] = _ratio(kv["ttft_p50_ms"],
-                                                         figs[other]["ttft_p50_ms"])
-            out[f"kv_aware_ttft_p50_after_restart_vs_{other}"] = _ratio(
-                kv["ttft_p50_after_restart_ms"], figs[other]["ttft_p50_after_restart_ms"])
-    outputs = [[r.tokens for r in run.records] for run in runs]
-    out["outputs_equal"] = all(o == outputs[0] for o in outputs)
-    met = {k: out.get(k) is not None and out[k] <= bound for k, bound in TARGETS
-           if k in out}
-    out["targets_met"] = met
-    out["restart_before_request"] = ctx.restart_at
-    out["requests_after_restart"] = len(ctx.requests) - ctx.restart_at
-    return out
-
-
-def plot(runs: list[SetupRun], ctx: Context, path: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    turns = max(r.turn for r in ctx.requests) + 1
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for run in runs:
-        by_turn = [statistics.median([r.ttft_ms for r in run.records if r.turn == t] or [0])
-                   for t in range(turns)]
-        left.plot(range(1, turns + 1), by_turn, marker="o", label=run.setup.name)
-        right.plot([r.index for r in run.records], [r.ttft_ms for r in run.records],
-                   marker=".", linewidth=0.8, label=run.setup.name)
-    left.set_xlabel("turn of the conversation")
-    left.set_ylabel("TTFT, median over conversations (ms)")
-    left.set_yscale("log")
-    left.legend(fontsize=8)
-    right.axvline(ctx.restart_at - 0.5, color="grey", linestyle="--")
-    right.text(ctx.restart_at - 0.3, 0.02, " an engine restarted",
-               color="grey", fontsize=8, transform=right.get_xaxis_transform(), va="bottom")
-    right.set_xlabel("request (replay order)")
-    right.set_ylabel("TTFT (ms)")
-    right.set_yscale("log")
-    fig.suptitle(f"{len(ctx.requests)} requests, {len({r.conversation for r in ctx.requests})}"
-                 " conversations of the Mooncake trace, 2 nodes, vllm-router")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
 # -- main -------------------------------------------------------------------------------------
 
 def ensure_model(py: str, folder: Path) -> Path:
@@ -589,10 +447,11 @@ def main(argv: list[str] | None = None) -> None:
         runs.append(run_setup(s, ctx))
         # kept as each setup ends: a later setup that fails loses nothing measured before
         (ctx.out / "records.json").write_text(json.dumps(
-            {r.setup.name: {"figures": setup_figures(r), "records": [vars(x) for x in r.records]}
+            {r.setup.name: {"figures": setup_figures(r, NODES),
+                            "records": [vars(x) for x in r.records]}
              for r in runs}))
-    res = report(runs, ctx)
-    png = plot(runs, ctx, ctx.out / "ttft_per_turn.png")
+    res = report(runs, NODES, restart_at, len(requests))
+    png = plot(runs, requests, restart_at, ctx.out / "ttft_per_turn.png")
     res.update(head)
     res["dry_run"] = ctx.dry_run
     res["plot"] = str(png.relative_to(ROOT)) if png and png.is_relative_to(ROOT) else (
@@ -608,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'setup':<18}{'TTFT p50 ms':>12}{'p90 ms':>10}{'prefilled':>11}{'rps':>8}"
           f"{'p50 after restart':>19}{'per node':>12}")
     for r in runs:
-        f = setup_figures(r)
+        f = setup_figures(r, NODES)
         print(f"{r.setup.name:<18}{f['ttft_p50_ms']:>12}{f['ttft_p90_ms']:>10}"
               f"{f['prefill_tokens']:>11}{f['rps']:>8}{f['ttft_p50_after_restart_ms']:>19}"
               f"{str(f['requests_per_node']):>12}")
