@@ -39,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 START_DEADLINE_S = 60.0     # importing torch on a loaded 2-core machine can take a while
 STOP_DEADLINE_S = 30.0
+DUMP_DEADLINE_S = 10.0     # for a hung daemon to write its threads' stacks (stop())
 MAX_MESSAGE = 256 << 20
 # Longest path a sockaddr_un holds is 107 bytes; pytest's tmp_path can be longer than that.
 _MAX_SOCKET_PATH = 100
@@ -178,10 +179,21 @@ class Daemon:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                self._dump_threads()
                 self.kill()
-                raise DaemonError(f"daemon ignored SIGTERM for {timeout:.0f} s; output:\n"
-                                  f"{self.output()}") from None
+                raise DaemonError(f"daemon ignored SIGTERM for {timeout:.0f} s; output "
+                                  f"(ending with its threads' stacks):\n{self.output()}"
+                                  ) from None
         return self.proc.returncode
+
+    def _dump_threads(self) -> None:
+        """Have a hung daemon print every thread's stack into its log (faulthandler, enabled
+        by PYTHONFAULTHANDLER, writes them on SIGABRT), so the failure says where it hung."""
+        try:
+            self.proc.send_signal(signal.SIGABRT)
+            self.proc.wait(DUMP_DEADLINE_S)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: no flush, the socket file and shm segment stay behind."""
@@ -220,6 +232,7 @@ def start_daemon(tmp_path: Path, config_overrides: dict[str, Any] | None = None,
     settings.update(flatten(config_overrides))
     settings = {k: v for k, v in settings.items() if v is not None}
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    full_env["PYTHONFAULTHANDLER"] = "1"     # a stop that hangs dumps its stacks (stop())
     full_env.update(env or {})
     sock, short_dir = _socket_path(tmp_path)
     d = Daemon(data_dir, sock, settings, full_env, tmp_path)

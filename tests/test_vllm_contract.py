@@ -24,6 +24,9 @@ from tests.vllm_versions import MATRIX
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_DEADLINE_S = 600.0
+# The engine run is one subprocess behind a module fixture, bounded by RUN_DEADLINE_S; the
+# suite's default per-test timeout (300 s) would cut it short first on a loaded machine.
+pytestmark = pytest.mark.timeout(RUN_DEADLINE_S + 60)
 
 
 def _missing(why: str) -> None:
