@@ -16,6 +16,7 @@ import logging
 import os
 import stat
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -193,8 +194,10 @@ class Client:
                 return _RESPONSE[method].FromString(body)
             except NotSent:
                 pass                        # not sent: over gRPC below
+        t_end = time.monotonic() + (timeout or self.timeout)
         try:
-            resp = self._invoke(method, request, timeout, wait=not first)
+            resp = self._first_invoke(method, request, timeout, t_end) if first else \
+                self._invoke(method, request, timeout, wait=True)
         except grpc.RpcError as e:
             if first and e.code() == grpc.StatusCode.UNAVAILABLE:
                 raise Unavailable(f"no kvstore daemon at {self.address} ({e.details()}); "
@@ -221,6 +224,21 @@ class Client:
         return getattr(self._stub, method).future(
             request, timeout=timeout or self.timeout, wait_for_ready=True,
             metadata=self.metadata)
+
+    def _first_invoke(self, method: str, request: Any, timeout: float | None,
+                      t_end: float) -> Any:
+        """The first call fails fast where no daemon listens (a refused connection), so a
+        wrong address is one clear error, not a wait. A connection attempt that timed out is
+        different: a daemon is there but slow to answer the HTTP/2 handshake (a loaded
+        machine), so the call waits for it, within the same deadline."""
+        try:
+            return self._invoke(method, request, timeout, wait=False)
+        except grpc.RpcError as e:
+            left = t_end - time.monotonic()
+            if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0 \
+                    or "timed out" not in (e.details() or "").lower():
+                raise
+            return self._invoke(method, request, left, wait=True)
 
     def _invoke(self, method: str, request: Any, timeout: float | None, wait: bool) -> Any:
         return getattr(self._stub, method)(request, timeout=timeout or self.timeout,
