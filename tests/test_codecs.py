@@ -333,3 +333,22 @@ def test_fuzz_corrupted_valid_payload_only_data_loss(codec, pos, xor):
         codecs.decode(codec, bytes(p), LAYOUT, out)
     except DataLoss:
         pass
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_float_view_and_error_need_no_torch_and_match_it(dtype):
+    """The daemon samples lossy error with numpy alone (no torch import on a request path);
+    the values and the error must equal torch's."""
+    import torch
+
+    from tiers.codecs import as_float32, relative_error
+
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, generator=g).to(tdt)
+    x_hat = (x.float() + 0.01 * torch.randn(4096, generator=g)).to(tdt)
+    a = as_float32(x.view(torch.uint8).numpy(), dtype)
+    b = as_float32(x_hat.view(torch.uint8).numpy(), dtype)
+    assert np.array_equal(a, x.float().numpy())
+    assert relative_error(a, b) == pytest.approx(relative_error(x.float(), x_hat.float()),
+                                                 rel=1e-5)

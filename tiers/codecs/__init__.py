@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..frame import CODEC_IDS, CODEC_NAMES
-from .accuracy import attention_error, measure_error, relative_error
+from .accuracy import as_float32, attention_error, measure_error, relative_error
 from .common import NonFiniteBlock
 from .dispatch import LOSSY, _quant, decode, encode, encode_tensor, warm_up
 
@@ -52,4 +52,4 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["CODEC_IDS", "CODEC_NAMES", "LOSSY", "NonFiniteBlock", "QuantScheme", "SCHEMES",
            "TORCH_DTYPES", "attention_error", "decode", "encode", "encode_tensor",
-           "measure_error", "relative_error", "warm_up"]
+           "measure_error", "relative_error", "warm_up", "as_float32"]

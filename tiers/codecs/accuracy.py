@@ -19,8 +19,31 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
 
+def as_float32(block: np.ndarray, dtype: str) -> np.ndarray:
+    """A raw block's bytes (1-D uint8) as float32 values, in numpy alone.
+
+    The daemon samples the error of its lossy demotions on the request path; importing torch
+    there (seconds on a loaded machine) for a dtype numpy lacks would stall that request.
+    bfloat16 is the top half of a float32, so it widens by a shift.
+    """
+    raw = np.ascontiguousarray(block).reshape(-1)
+    if dtype == "bfloat16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float16":
+        return raw.view(np.float16).astype(np.float32)
+    if dtype == "float32":
+        return raw.view(np.float32)
+    raise ValueError(f"no float view of dtype {dtype!r}")
+
+
 def relative_error(x: np.ndarray | torch.Tensor, x_hat: np.ndarray | torch.Tensor) -> float:
     """‖x̂ − x‖ / ‖x‖ over all elements (0 when both are zero)."""
+    if isinstance(x, np.ndarray) and isinstance(x_hat, np.ndarray):
+        a = x.astype(np.float64, copy=False).reshape(-1)
+        b = x_hat.astype(np.float64, copy=False).reshape(-1)
+        den = float(np.linalg.norm(a))
+        num = float(np.linalg.norm(b - a))
+        return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
     import torch
 
     x = torch.as_tensor(x, dtype=torch.float32)
