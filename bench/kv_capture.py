@@ -8,11 +8,14 @@ and value Linear give per-layer projections; they are reshaped to heads and cut 
 the store's canonical layout `[layers, 2 (K,V), block_tokens, heads, head_dim]`.
 
 Import this file by path (it lives in bench/, not in a package); `load_capture()` returns None
-when the model package or transformers is missing, so callers can skip.
+when the model package or transformers is not installed, so callers can skip; an installed one
+that fails to import raises.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -67,30 +70,32 @@ def to_dtype_bytes(x: np.ndarray, dtype: str) -> np.ndarray:
     return t.view(torch.uint8).numpy().reshape(-1).copy()
 
 
-def _model_dir() -> str | None:
-    try:
-        import importlib
+def missing() -> list[str]:
+    """The packages MiniLM's capture needs that are not installed (an installed package that
+    fails to import is not "missing": its error surfaces when the capture runs)."""
+    return [m for m in (MODEL_PACKAGE, "transformers") if importlib.util.find_spec(m) is None]
 
-        pkg = importlib.import_module(MODEL_PACKAGE)
-    except ImportError:
-        return None
+
+def _model_dir() -> str:
+    pkg = importlib.import_module(MODEL_PACKAGE)
     path = str(pkg.get_model_path())
-    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{MODEL_PACKAGE} is installed but {path} has no config.json")
+    return path
 
 
 def load_capture(passages: tuple[str, ...] = PASSAGES) -> Capture | None:
-    """Run MiniLM over `passages` and return per-layer Q/K/V; None if the model is unavailable."""
-    path = _model_dir()
-    if path is None:
+    """Run MiniLM over `passages` and return per-layer Q/K/V; None if the model package or
+    transformers is not installed (`missing()` says which)."""
+    if missing():
         return None
+    path = _model_dir()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
-        import torch
-        from transformers import AutoTokenizer, BertModel
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return None
+    import torch
+    from transformers import AutoTokenizer, BertModel
+    from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(path)
     model = BertModel.from_pretrained(path).eval()

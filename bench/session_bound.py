@@ -34,13 +34,11 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import trace_replay as tr  # noqa: E402
+# Run as a script, bench/ is first on sys.path already. Imported (by tests, which load
+# trace_replay first), it must not put bench/ there: bench/vllm.py would shadow vLLM.
+import trace_replay as tr
 
 
 def intervals(trace: tr.Trace) -> tuple[list[tuple[int, int]], list[int], int]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import importlib.util
 import json
 import math
 import os
@@ -43,7 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+# Run from a checkout (as a script, or imported by one beside it) kvstore may not be
+# importable yet; where it is (the tests), the importer's sys.path is left as it was.
+if importlib.util.find_spec("kvstore") is None:
     sys.path.insert(0, str(ROOT))
 
 from kvstore_client.retention import hints as retention_hints  # noqa: E402

@@ -1,24 +1,23 @@
 """Daemon lifecycle: lock the data folder, start store + gRPC + metrics, stop cleanly on a signal.
 
-Why a lock file: two daemons on one data folder would share one LMDB environment and one
-shared-memory slab name and silently corrupt each other's index. `fcntl.flock` is released by
-the kernel when the holder dies (even on SIGKILL), so a crashed daemon never leaves a stale lock
-behind, and the file carries the holder's pid for the error message.
+Start order: the data folder's lock (kvstore/datadir.py), the store, the gRPC server behind its
+gate with the listeners (kvstore/binding.py), the fast lane and the tenants' handoff socket,
+metrics; SERVING; then, off the path to it, the store's background threads and the warm-ups
+(kvstore/warmup.py). Any step that fails undoes the ones before it and ends the start with one
+line (StartupError).
 
 Shutdown order on SIGTERM/SIGINT: health flips to NOT_SERVING and new calls get UNAVAILABLE;
 the gRPC server stops accepting and gives in-flight calls `server.shutdown_grace_s`; only then
 is the store closed (flush to SSD, close LMDB, unlink the shm slab) and the socket removed.
+A progress line a second says what the stop waits for (kvstore/stopping.py).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import gc
 import logging
 import os
 import signal
-import socket as socketlib
 import sys
 import threading
 import time
@@ -28,288 +27,15 @@ from typing import Any, TextIO
 
 from kvstore_client.common.errors import KVStoreError
 
+from .binding import bind_tcp, bind_unix, check_exposure, check_socket_free, tls_credentials
 from .config import StoreConfig
+from .datadir import FS_ERRNOS, DataDirLock, StartupError, check_data_dir_writable, fs_error
+from .stopping import CallCount, ShutdownProgress
+from .warmup import one_torch_thread, warm_codecs, warm_get
 
 log = logging.getLogger("kvstore.daemon")
 
-
-def _one_torch_thread() -> None:
-    """One intra-op thread per torch call: the store runs codecs on its own worker threads.
-
-    torch's own pool on top of ours oversubscribed the cores; with any neighbour busy, single
-    codec ops ran 10-100x slower. torch itself is not imported here: a daemon whose namespaces
-    never quantize never loads it (tiers/torch_threads.py); the codecs apply this on import.
-    """
-    from tiers import torch_threads
-
-    torch_threads.TORCH_THREADS = 1
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(1)
-
-LOCK_NAME = "LOCK"
 AFTER_READY_S = 0.2     # the daemon's own warm-up waits this long after SERVING (_after_ready)
-
-
-class StartupError(Exception):
-    """The daemon cannot start; the message says why in one line. `exit_code` for the CLI."""
-
-    def __init__(self, message: str, exit_code: int = 1) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-class DataDirLock:
-    """An exclusive flock on <data_dir>/LOCK holding the owner's pid."""
-
-    def __init__(self, data_dir: str | os.PathLike) -> None:
-        self.path = Path(data_dir) / LOCK_NAME
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:   # preflight checked; this is the race or an odd filesystem
-            raise _fs_error(self.path.parent, e) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise StartupError(
-                    f"data folder {self.path.parent} is in use by another kvstore daemon "
-                    f"(pid {holder}, lock {self.path}); stop it or pass another --data-dir"
-                ) from None
-            raise
-        # The pid is written first and the file cut to it after: on a full filesystem the
-        # write fails and the previous holder's pid stays readable, never an empty LOCK.
-        pid = f"{os.getpid()}\n".encode()
-        try:
-            if os.pwrite(fd, pid, 0) != len(pid):
-                raise OSError(errno.ENOSPC, "short write")
-            os.ftruncate(fd, len(pid))
-        except OSError as e:
-            os.close(fd)
-            raise _fs_error(self.path.parent, e) from None
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        try:
-            os.ftruncate(self._fd, 0)
-        finally:
-            os.close(self._fd)    # closing drops the flock
-            self._fd = None
-
-
-FS_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
-
-
-def _fs_error(folder: Path, e: OSError) -> StartupError:
-    """A data folder the daemon cannot write: exit 2, one line naming folder and cause."""
-    if e.errno == errno.EROFS:
-        why = "is on a read-only filesystem"
-    elif e.errno in (errno.ENOSPC, errno.EDQUOT):
-        why = f"is on a full filesystem ({_free(folder)} bytes free)"
-    else:
-        why = f"cannot be written ({e.strerror or e})"
-    return StartupError(f"data folder {folder} {why}; free space, remount it read-write or "
-                        "pass another --data-dir", exit_code=2)
-
-
-def _free(folder: Path) -> int:
-    try:
-        st = os.statvfs(folder)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
-def check_data_dir_writable(folder: Path) -> None:
-    """The preflight check of the data folder (full, read-only, not writable), for a Daemon
-    started without the CLI: exit 2 and one line, before LOCK is touched."""
-    from .preflight import PreflightError, check_data_dir
-
-    try:
-        check_data_dir(str(folder))
-    except PreflightError as e:
-        raise StartupError(str(e), exit_code=2) from None
-
-
-def check_socket_free(path: str) -> None:
-    """Refuse a socket path another live process listens on; remove a dead leftover."""
-    if not os.path.exists(path):
-        return
-    s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
-    s.settimeout(1.0)
-    try:
-        s.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)       # left behind by a crashed daemon
-        return
-    except OSError as e:
-        raise StartupError(f"cannot use socket path {path}: {e}") from None
-    finally:
-        s.close()
-    raise StartupError(f"another process is listening on {path}; stop it or set "
-                       "server.socket / --socket to another path")
-
-
-def _bind_unix(server: Any, path: str, mode: int = 0o600) -> None:
-    """Bind the socket with its mode from the first instant (umask), not chmod-after.
-
-    0600 without tenants (the daemon's own user only); 0666 with tenants, where every call is
-    authenticated and other uids are exactly who the socket is for.
-    """
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    old = os.umask(0o777 & ~mode)
-    try:
-        server.add_insecure_port(f"unix:{path}")
-    finally:
-        os.umask(old)
-    os.chmod(path, mode)
-
-
-def is_loopback(address: str) -> bool:
-    """Whether "host:port" listens on loopback only: an IP address in 127.0.0.0/8 or ::1, or
-    the name localhost. Any other name counts as beyond loopback, whatever it resolves to
-    (a name like 127.evil.com is a name, not an address)."""
-    import ipaddress
-
-    host = address.rpartition(":")[0].strip().lower()
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _warm_codecs(stop: threading.Event) -> None:
-    """Load the compiled codec kernels (numba: from its on-disk cache, or a compile of several
-    seconds in a fresh checkout) after the daemon is ready, so the first demotion or Evict does
-    not wait for them inside its deadline. Failure only logs: the codecs load on first use.
-    A stop ends it between codecs: the stop's flush would otherwise share the cores and the
-    GIL with compiles nothing will use."""
-    try:
-        t0 = time.monotonic()
-        from tiers.codecs import warm_up
-        for name in ("lossless", "int8"):
-            if stop.is_set():
-                return
-            warm_up((name,))
-        log.info("codec kernels loaded in %.1f s", time.monotonic() - t0)
-    except Exception as e:  # noqa: BLE001 - best effort, off the serving path
-        log.warning("codec warm-up failed (they load on first use instead): %s", e)
-
-
-def _warm_get() -> None:
-    """Load Get's copy-and-check kernel (kvstore/getcopy.py) after the daemon is ready, so the
-    first Get does not pay numba's import and cache load (or a compile in a fresh checkout)."""
-    try:
-        from . import getcopy
-        getcopy.warm_up()
-    except Exception as e:  # noqa: BLE001 - best effort, off the serving path
-        log.warning("Get kernel warm-up failed (it loads on first use instead): %s", e)
-
-
-def check_exposure(cfg: StoreConfig, tenants: dict) -> str | None:
-    """Refuse a TCP listener beyond loopback that nobody authenticates; returns the warning
-    to log at every start when the operator insisted (auth.insecure_tcp)."""
-    tcp = cfg.server.tcp
-    if not tcp or is_loopback(tcp) or tenants or cfg.auth.tls_client_ca_file:
-        return None
-    if not cfg.auth.insecure_tcp:
-        raise StartupError(
-            f"config error: server.tcp={tcp} listens beyond loopback with no authentication; "
-            "configure [tenants.*] (bearer tokens) or mTLS (auth.tls_cert_file, "
-            "auth.tls_key_file, auth.tls_client_ca_file), bind 127.0.0.1, or set "
-            "auth.insecure_tcp=true to accept that anyone who reaches the port can read, "
-            "write and evict every block", exit_code=2)
-    return (f"INSECURE: server.tcp={tcp} accepts unauthenticated calls from the network "
-            "(auth.insecure_tcp=true): anyone who reaches it can read, write and evict every "
-            "block")
-
-
-def _tls_credentials(cfg: StoreConfig) -> Any:
-    """grpcio server credentials for the TCP listener (None: plaintext)."""
-    import grpc
-
-    a = cfg.auth
-    if not a.tls_cert_file:
-        return None
-    try:
-        key = Path(a.tls_key_file).read_bytes()
-        cert = Path(a.tls_cert_file).read_bytes()
-        ca = Path(a.tls_client_ca_file).read_bytes() if a.tls_client_ca_file else None
-    except OSError as e:
-        raise StartupError(f"config error: cannot read a TLS file ({e.filename}): "
-                           f"{e.strerror}", exit_code=2) from None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                       require_client_auth=ca is not None)
-
-
-def _bind_tcp(server: Any, address: str, creds: Any = None) -> str:
-    try:
-        port = (server.add_secure_port(address, creds) if creds is not None
-                else server.add_insecure_port(address))
-    except RuntimeError as e:
-        raise StartupError(f"cannot listen on TCP {address}: {e} (is the port in use? set "
-                           "server.tcp / --tcp, or '' to disable)") from None
-    if not port:
-        raise StartupError(f"cannot listen on TCP {address} (is the port in use?)")
-    host = address.rpartition(":")[0]
-    return f"{host}:{port}"
-
-
-class ShutdownProgress:
-    """Says once a second what a stop is waiting for: a silent wait looks like a hang."""
-
-    def __init__(self, say: Callable[[str], None], describe: Callable[[], str],
-                 interval_s: float = 1.0) -> None:
-        self._say, self._describe, self._interval = say, describe, interval_s
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvstore-stop-progress",
-                                        daemon=True)
-
-    def __enter__(self) -> ShutdownProgress:
-        self._t0 = time.monotonic()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join(2.0)
-
-    def _run(self) -> None:
-        while not self._done.wait(self._interval):
-            try:
-                what = self._describe()
-            except Exception as e:  # a progress line must never break the stop
-                what = f"(cannot say: {e})"
-            self._say(f"stopping ({time.monotonic() - self._t0:.0f} s): {what}")
-
-
-class CallCount:
-    """Calls in flight, for the stop's progress line, where no metrics endpoint is configured
-    (so the daemon never loads prometheus_client). Same inc/dec as the metrics' gauge."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.value = 0
-
-    def inc(self) -> None:
-        with self._lock:
-            self.value += 1
-
-    def dec(self) -> None:
-        with self._lock:
-            self.value -= 1
 
 
 class Daemon:
@@ -361,7 +87,7 @@ class Daemon:
         insecure = check_exposure(cfg, tenants)
         for line in quota_overcommit(cfg, tenants):
             log.warning("%s", line)
-        tls = _tls_credentials(cfg) if cfg.server.tcp else None
+        tls = tls_credentials(cfg) if cfg.server.tcp else None
         check_data_dir_writable(self.lock.path.parent)    # before LOCK is touched at all
         self.lock.acquire()
         try:
@@ -373,7 +99,7 @@ class Daemon:
                 def factory(c: StoreConfig) -> Any:
                     return Store(c, background=False)   # started once SERVING (below)
 
-                _one_torch_thread()
+                one_torch_thread()
             try:
                 self.store = factory(cfg)
             except EventsAddressError as e:
@@ -382,7 +108,7 @@ class Daemon:
                 raise StartupError(f"cannot open the store: {e}") from None
             except OSError as e:
                 if e.errno in FS_ERRNOS:
-                    raise _fs_error(Path(cfg.data_dir), e) from None
+                    raise fs_error(Path(cfg.data_dir), e) from None
                 raise StartupError(f"cannot open the store in {cfg.data_dir}: {e}") from None
             # Prometheus (about as much CPU as a bare gRPC server's whole start) only where an
             # endpoint can show it; without one, calls in flight are counted for the stop line.
@@ -406,7 +132,7 @@ class Daemon:
             self.health = self.front.health
             pending = Caps(deadline_s=lim.hello_deadline_s, per_uid=lim.pending_per_uid,
                            total=lim.pending_total)
-            _bind_unix(self.server, self.socket_path, 0o666 if tenants else 0o600)
+            bind_unix(self.server, self.socket_path, 0o666 if tenants else 0o600)
             if cfg.server.lane:
                 from kvstore_client.common.lane_wire import lane_path
 
@@ -421,16 +147,16 @@ class Daemon:
                                 lane_path(self.socket_path), e)
             if tenants:
                 from .tenant_metrics import TenantCollector, TenantCounters
-                self.servicer.tenant_counters = TenantCounters()
+                self.servicer.state.tenant_counters = TenantCounters()
                 if self.metrics is not None and cfg.server.metrics_tenants:
                     self.metrics.registry.register(TenantCollector(
-                        self.store, sorted(tenants), self.servicer.tenant_counters))
+                        self.store, sorted(tenants), self.servicer.state.tenant_counters))
                 self.handoff = Handoff(self.socket_path + SUFFIX, self.auth,
                                        getattr(self.store, "tenant_pool", None),
                                        gpu_for=getattr(self.store, "gpu_segment_fds", None),
                                        caps=pending)
             if cfg.server.tcp:
-                self.tcp_address = _bind_tcp(self.server, cfg.server.tcp, tls)
+                self.tcp_address = bind_tcp(self.server, cfg.server.tcp, tls)
             if cfg.server.metrics:
                 try:
                     self.metrics_url = self.metrics.serve(cfg.server.metrics)
@@ -488,9 +214,9 @@ class Daemon:
         gc.freeze()
         import numpy  # noqa: F401 - the first data call would otherwise load it
         if not self.stop_requested.is_set():
-            _warm_get()
+            warm_get()
         if self.config.ssd.enabled or self.config.remote.enabled:
-            _warm_codecs(self.stop_requested)
+            warm_codecs(self.stop_requested)
 
     def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
         if signum is not None and self.stop_requested.is_set():

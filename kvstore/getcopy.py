@@ -23,6 +23,7 @@ go out, the caller counts and drops the block, and the rest is a miss. Without t
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,8 @@ _bytes_addr = ctypes.pythonapi.PyBytes_AsString
 _bytes_addr.restype = ctypes.c_void_p
 _bytes_addr.argtypes = (ctypes.py_object,)
 
+log = logging.getLogger(__name__)
+
 _kernel: Any = None
 _kernel_error: str | None = None
 _lock = threading.Lock()
@@ -69,7 +72,16 @@ def _build() -> Any:
                     _kernel = copy_check
                 except Exception as e:  # noqa: BLE001 - numba or xxhash's C API missing
                     _kernel_error = f"{type(e).__name__}: {e}"
+                    # The same bytes, slower; numba is a dependency, so this is a broken
+                    # install, and it must not pass unseen.
+                    log.error("the Get copy kernel did not load; replies take the join + hash "
+                              "path: %s", _kernel_error)
     return _kernel
+
+
+def kernel_status() -> str:
+    """'compiled', or why Get replies take the join + hash path."""
+    return "compiled" if _build() is not None else str(_kernel_error)
 
 
 def warm_up() -> None:

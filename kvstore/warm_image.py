@@ -1,4 +1,4 @@
-"""The store's sections of the SSD index image (tiers/ssd_image.py): index rows and SSD policy.
+"""The store's sections of the SSD index image (tiers/ssd/image.py): index rows and SSD policy.
 
 Why: a warm restart used to read every LMDB record, unpack its msgpack meta, order parents
 before children, fill the index row by row and replay the policy snapshot node by node, a
@@ -26,7 +26,8 @@ from typing import Any
 
 import msgpack
 
-from .index import _SSD, _STATE, NS_ID_BYTES, BlockIndex
+from .entry import NS_ID_BYTES
+from .index import _SSD, _STATE, BlockIndex
 from .policies.evicted_keys import GhostKeys
 from .policies.packed_leaves import RowLeaves
 from .policies.segmented import SegmentedPolicy

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import optional_deps
+
 HOST = "127.0.0.1"
 CLUSTER_BUS_OFFSET = 10000  # Redis Cluster talks to peers on port + 10000
 
@@ -112,7 +114,7 @@ def make_tls_files(directory: Path) -> TlsFiles:
 
     Needs the `trustme` package (the `test` extra); a test skips with a reason without it.
     """
-    trustme = pytest.importorskip("trustme", reason="TLS tests need `pip install trustme`")
+    trustme = optional_deps.module("trustme", "TLS tests need it: `make dev`")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     ca = trustme.CA()

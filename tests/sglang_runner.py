@@ -58,7 +58,8 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 
 def make_pool(layout: str, layers: int, heads: int, head_dim: int, page: int,
-              capacity_pages: int, dtype: torch.dtype) -> MHATokenToKVPoolHost:
+              capacity_pages: int, dtype: torch.dtype,
+              allocator: str = "default") -> MHATokenToKVPoolHost:
     """SGLang's own MHA host pool on CPU (device KV buffers are small CPU tensors)."""
     dev = [torch.zeros(page, heads, head_dim, dtype=dtype) for _ in range(2 * layers)]
     k, v = tuple(dev[:layers]), tuple(dev[layers:])
@@ -72,7 +73,8 @@ def make_pool(layout: str, layers: int, heads: int, head_dim: int, page: int,
         device=torch.device("cpu"))
     return MHATokenToKVPoolHost(info, 1.0, 0, page, layout, pin_memory=False, device="cpu",
                                 device_capacity_tokens=page, start_layer=0, end_layer=layers,
-                                host_token_capacity=capacity_pages * page)
+                                host_token_capacity=capacity_pages * page,
+                                allocator_type=allocator)
 
 
 def make_mla_pool(layout: str, layers: int, page: int, capacity_pages: int,
@@ -92,10 +94,16 @@ def make_mla_pool(layout: str, layers: int, page: int, capacity_pages: int,
 
 
 def make_backend(args: argparse.Namespace, pool: MHATokenToKVPoolHost,
-                 layout: str) -> HiCacheStorage:
+                 layout: str, allocator: str = "default") -> HiCacheStorage:
     extra = {"backend_name": "kvstore", "module_path": "kvstore_client.sglang",
              "class_name": "KVStoreHiCache", "interface_v1": 1, "address": args.address,
              "timeout_s": args.timeout_s, "exists_deadline_s": args.exists_deadline_s}
+    if args.codec:
+        extra["codec"] = args.codec
+    if args.tenant_salt:
+        extra["tenant_salt"] = args.tenant_salt
+    if allocator != "default":
+        extra["allocator"] = allocator             # what makes SGLang allocate the pool so
     cfg = HiCacheStorageConfig(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_rank=0,
                                pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=args.mla,
                                enable_storage_metrics=True,
@@ -108,16 +116,20 @@ def make_backend(args: argparse.Namespace, pool: MHATokenToKVPoolHost,
 
 
 class Prompt:
-    """Prompt `seed`: its page keys (SGLang's own page hashes) and each page's bytes."""
+    """Prompt `seed`: its page keys (SGLang's own page hashes) and each page's bytes (random
+    bytes, or with `normal` normally distributed values, for lossy codecs)."""
 
-    def __init__(self, seed: int, pages: int, pool: MHATokenToKVPoolHost) -> None:
-        self.seed, self.pages, self.pool = seed, pages, pool
+    def __init__(self, seed: int, pages: int, pool: MHATokenToKVPoolHost,
+                 normal: bool = False) -> None:
+        self.seed, self.pages, self.pool, self.normal = seed, pages, pool, normal
         tokens = [(seed * 7919 + i) % 32000 for i in range(pages * pool.page_size)]
         self.keys = list(get_storage_hash_str(tokens, None, page_size=pool.page_size))
         self.shape = pool.get_data_page(0, flat=False).shape
 
     def page(self, i: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 100003 + i)
+        if self.normal:
+            return torch.randn(self.shape, generator=g).to(self.pool.dtype)
         nbytes = self.pool.get_data_page(0).numel() * self.pool.dtype.itemsize
         raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
         return raw.view(self.pool.dtype).view(self.shape)
@@ -153,7 +165,7 @@ def expect_equal(pool: MHATokenToKVPoolHost, prompt: Prompt, idx: torch.Tensor,
 
 
 def op_set(backend, pool, s: dict) -> dict:
-    pr = Prompt(s["seed"], s["pages"], pool)
+    pr = Prompt(s["seed"], s["pages"], pool, s.get("normal", False))
     idx = host_slots(pool, pr.pages, scramble=False)
     P = pool.page_size
     for j in range(pr.pages):
@@ -168,7 +180,7 @@ def op_set(backend, pool, s: dict) -> dict:
 
 
 def op_get(backend, pool, s: dict) -> dict:
-    pr = Prompt(s["seed"], s["pages"], pool)
+    pr = Prompt(s["seed"], s["pages"], pool, s.get("normal", False))
     keys = pr.keys if not s.get("unknown") else [hashlib.sha256(f"miss{k}".encode()).hexdigest()
                                                  for k in pr.keys]
     idx = host_slots(pool, pr.pages, scramble=True)
@@ -181,8 +193,14 @@ def op_get(backend, pool, s: dict) -> dict:
     eq = expect_equal(pool, pr, idx, ok)
     digests = [hashlib.sha256(page_bytes(pool, int(idx[j * P]))).hexdigest() if good else None
                for j, good in enumerate(ok)]
+    out = {"ok": ok, "equal": eq, "digests": digests, "s": dt}
+    if s.get("measure"):            # how far loaded pages are from the stored values
+        errs = [(pool.get_data_page(int(idx[j * P]), flat=False).float()
+                 - pr.page(j).float()).abs().max().item() for j, good in enumerate(ok) if good]
+        out["max_abs_err"] = max(errs, default=None)
+        out["max_abs"] = max(pr.page(j).float().abs().max().item() for j in range(pr.pages))
     pool.free(idx)
-    return {"ok": ok, "equal": eq, "digests": digests, "s": dt}
+    return out
 
 
 def op_exists(backend, pool, s: dict) -> dict:
@@ -382,6 +400,11 @@ def op_bench(backend, pool, s: dict) -> dict:
             "batch_exists_64_p99_us": sorted(ex)[int(0.99 * (len(ex) - 1))] * 1e6}
 
 
+def op_clear(backend, pool, s: dict) -> dict:
+    """SGLang's "clear HiCache storage": this backend's namespace, every tier."""
+    return {"ok": backend.clear()}
+
+
 def op_demote(backend, pool, s: dict) -> dict:
     """Move every block the daemon holds to SSD and out of host memory, as eviction would."""
     backend._namespace()                         # connects and registers the namespace
@@ -393,7 +416,7 @@ def op_demote(backend, pool, s: dict) -> dict:
 
 OPS = {"set": op_set, "get": op_get, "exists": op_exists, "set_flat": op_set_flat,
        "get_flat": op_get_flat, "locate": op_locate, "corrupt": op_corrupt, "chaos": op_chaos,
-       "bench": op_bench, "demote": op_demote}
+       "bench": op_bench, "demote": op_demote, "clear": op_clear}
 
 
 def main() -> None:
@@ -401,7 +424,8 @@ def main() -> None:
     ap.add_argument("--address", required=True)
     ap.add_argument("--steps", required=True, help="JSON list of steps")
     ap.add_argument("--layouts", default="layer_first",
-                    help="comma-separated host pool layouts: one pool and backend each")
+                    help="comma-separated host pool layouts, one pool and backend each; "
+                         "LAYOUT:shm for SGLang's shared-memory pool (its fd exported)")
     ap.add_argument("--model", default="test-org/tiny-model")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=2)
@@ -414,10 +438,16 @@ def main() -> None:
     ap.add_argument("--mla", action="store_true", help="SGLang's MLA host pool, an MLA model")
     ap.add_argument("--timeout-s", type=float, default=3.0)
     ap.add_argument("--exists-deadline-s", type=float, default=1.0)
+    ap.add_argument("--codec", default="", help="the backend's codec setting")
+    ap.add_argument("--tenant-salt", default="")
+    ap.add_argument("--allocator", default="default",
+                    help="host pool allocator: default, or shm (SGLang's memfd pool)")
     args = ap.parse_args()
     layouts = args.layouts.split(",")
     pairs = {}
-    for layout in layouts:
+    for entry in layouts:
+        layout, _, allocator = entry.partition(":")     # "layer_first:shm": SGLang's shm pool
+        allocator = allocator or args.allocator
         # SGLang sizes host pools against free memory less a 10 GiB reserve for the OS, more
         # than a shared 24 GiB test machine may have free; these pools are a few MiB, so
         # give them SGLang's explicit budget instead of its reading of the machine.
@@ -427,12 +457,13 @@ def main() -> None:
                                      getattr(torch, args.dtype))
             else:
                 pool = make_pool(layout, args.layers, args.heads, args.head_dim, args.page,
-                                 args.capacity_pages, getattr(torch, args.dtype))
-        pairs[layout] = (make_backend(args, pool, layout), pool)
+                                 args.capacity_pages, getattr(torch, args.dtype), allocator)
+        pairs[entry] = (make_backend(args, pool, layout, allocator), pool)
     first = pairs[layouts[0]][0]
     out: dict = {"backend": f"{type(first).__module__}.{type(first).__name__}",
                  "is_hicache_storage": isinstance(first, HiCacheStorage),
-                 "pool": type(pairs[layouts[0]][1]).__name__, "pid": os.getpid(), "steps": []}
+                 "pool": type(pairs[layouts[0]][1]).__name__, "pid": os.getpid(), "steps": [],
+                 "pool_fd": {e: getattr(p, "fd", None) is not None for e, (_, p) in pairs.items()}}
     for step in json.loads(args.steps):
         backend, pool = pairs[step.get("layout", layouts[0])]
         out["steps"].append(OPS[step["op"]](backend, pool, step))

@@ -33,7 +33,7 @@ from kvstore_client._proto import kvstore_pb2_grpc as pbg
 from kvstore_client.wire import encode_put
 
 from kvstore.tenants import hash_token
-from tests import other_uid
+from tests import optional_deps
 from tests.daemon import DaemonError, cleanup, start_daemon
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="bfloat16")
@@ -226,10 +226,7 @@ def test_models_admin_and_reserved_extra(world) -> None:
         assert ns.lookup_keys(keys) == 2             # demoted to SSD, not lost
 
 
-def test_uid_handshake_and_other_uids(tmp_path: Path) -> None:
-    why = other_uid.skip_reason()
-    if why:
-        pytest.skip(why)
+def test_uid_handshake_and_other_uids(tmp_path: Path, other_uids: None) -> None:
     tf = tokens_file(tmp_path, textwrap.dedent("""
         [tenants.root-procs]
         uids = [0]
@@ -316,7 +313,7 @@ def test_tcp_loopback_round_trip(tmp_path: Path) -> None:
 
 
 def test_mtls_with_trustme(tmp_path: Path) -> None:
-    trustme = pytest.importorskip("trustme")
+    trustme = optional_deps.module("trustme")
     ca = trustme.CA()
     server = ca.issue_cert("localhost", "127.0.0.1")
     alice = ca.issue_cert("alice", common_name="team-a")

@@ -14,10 +14,18 @@ import xxhash
 from kvstore_client import KVLayout, blockcopy, connect
 from kvstore_client.buffers import aligned_buffer
 
+from tests import kernel_checks
 from tests.daemon import cleanup, start_daemon
 
-needs_kernel = pytest.mark.skipif(not blockcopy.kernel_available(),
-                                  reason=f"copy kernel: {blockcopy.kernel_status()}")
+
+@pytest.fixture
+def copy_kernel() -> None:
+    kernel_checks.require("the SDK's copy kernel", blockcopy.kernel_status())
+
+
+# These tests mean the compiled kernel: they fail where it does not load (never a quiet skip).
+# The fallback path has tests of its own, named for it.
+needs_kernel = pytest.mark.usefixtures("copy_kernel")
 
 
 def _seq(L: int, N: int, H: int, D: int, seed: int) -> np.ndarray:

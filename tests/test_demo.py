@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from kvstore_demo.chat import MIN_SHOWN_SPEEDUP, TurnResult, speedup_verdict, temporary_daemon
+from tests import optional_deps
 
-pytest.importorskip("transformers")
+optional_deps.module("transformers")
 
 
 def test_temporary_daemon_says_what_it_waits_for():

@@ -84,11 +84,13 @@ def test_bad_ranges_and_buffers_are_refused(dev):
 
 
 def test_a_failed_copy_raises_when_waited_for(dev):
-    slow = dev._executor().submit(time.sleep, 0.5)    # occupies the device's copy thread
+    gate = threading.Event()
+    busy = dev._executor().submit(gate.wait, 30)     # holds the device's copy thread
     t = dev.copy_to_host_batch([(0, 0, 16)], np.zeros(16, np.uint8))
-    with pytest.raises(DeadlineExceeded):
+    with pytest.raises(DeadlineExceeded):            # queued behind it: cannot have finished
         t.wait(0.05)
-    slow.result(5)
+    gate.set()
+    assert busy.result(5)
     t.wait(5)
     bad = dev.copy_to_host_batch([(0, 0, 16)], np.zeros(16, np.uint8),
                                  after=cg.Transfer(cg.FutureEvent(_failed())))
@@ -156,7 +158,13 @@ def test_gpu_tier_under_concurrent_threads(tmp_path):
         (gdev,) = store.gpu
         stop = threading.Event()
         errors: list[BaseException] = []
-        seen = {"acquired": 0, "stored": 0}
+        seen = {"acquired": 0, "stored": 0, "churned": 0}
+        enough = threading.Event()           # every kind of thread made progress
+
+        def progress(what: str, n: int) -> None:
+            seen[what] += n
+            if min(seen.values()) >= 50:
+                enough.set()
 
         def writer(seed):
             r = np.random.default_rng(seed)
@@ -169,7 +177,7 @@ def test_gpu_tier_under_concurrent_threads(tmp_path):
                 for k, s in zip(keys, lease.slots, strict=True):
                     store.gpu[s.device].view(s.offset, s.length)[:] = np.frombuffer(
                         kv_block(k), np.uint8)
-                seen["stored"] += store.commit(lease.id, keys).stored
+                progress("stored", store.commit(lease.id, keys).stored)
 
         def reader(seed, tier):
             r = np.random.default_rng(seed)
@@ -183,8 +191,8 @@ def test_gpu_tier_under_concurrent_threads(tmp_path):
                     view = (store.gpu[s.device] if tier == "gpu" else store.host).view(
                         s.offset, s.length)
                     assert view.tobytes() == kv_block(k), "a leased slot held other bytes"
-                seen["acquired"] += len(lease.slots)
                 store.release(lease.id)
+                progress("acquired", len(lease.slots))
 
         def churn(seed):
             r = np.random.default_rng(seed)
@@ -196,6 +204,7 @@ def test_gpu_tier_under_concurrent_threads(tmp_path):
                     store.delete(ns, [prompts[r.integers(len(prompts))][-1]])
                 else:
                     store.evict("host", 4 * 4096)
+                progress("churned", 1)
 
         def guard(fn, *a):
             try:
@@ -208,12 +217,17 @@ def test_gpu_tier_under_concurrent_threads(tmp_path):
                     (reader, 5, "host"), (churn, 6)]]
         for t in threads:
             t.start()
-        time.sleep(1.5)
+        # Until every thread kind has done some work (or one failed): a goal, not a duration.
+        stop.wait(1.5)
+        end = time.monotonic() + 120
+        while not (enough.is_set() or stop.is_set()) and time.monotonic() < end:
+            enough.wait(0.05)
+        enough_in_time = enough.is_set() or stop.is_set()
         stop.set()
         for t in threads:
             t.join(60)
         assert not errors, errors[0]
-        assert seen["stored"] > 0 and seen["acquired"] > 0
+        assert enough_in_time, f"the threads made too little progress in 120 s: {seen}"
         with store.state.lock:
             assert not store.leases.all()
             entries = list(store.index.entries())

@@ -20,6 +20,9 @@ from kvstore_client import KVLayout, ResourceExhausted, connect
 
 from tests.daemon import cleanup, start_daemon
 
+# Every test mounts a tmpfs of its own (expected_skips.py: a skip only where mounting is refused).
+pytestmark = pytest.mark.tmpfs
+
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, block_tokens=16, dtype="bfloat16")
 T = LAYOUT.block_tokens           # 128 KiB blocks
 

@@ -11,9 +11,9 @@ import grpc
 import pytest
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.common.limits import MAX_KEYS, MAX_REQUEST_BYTES
 from kvstore_client.wire import encode_put
 
-from kvstore.server import MAX_KEYS, MAX_REQUEST_BYTES
 from tests.daemon import cleanup, start_daemon
 from tests.test_server import SMALL_BYTES, chain, register
 

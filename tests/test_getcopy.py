@@ -8,6 +8,9 @@ thread, with the overwritten block in a later batch than the first.
 from __future__ import annotations
 
 import mmap
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -17,15 +20,22 @@ import torch
 import xxhash
 from kvstore_client import KVLayout, connect
 from kvstore_client._proto import kvstore_pb2 as pb
-from kvstore_client.blockcopy import kernel_available
 from kvstore_client.wire import decode_get
 
 from kvstore import getcopy
+from tests import kernel_checks
 from tests.daemon import cleanup, start_daemon
 
-PATHS = [pytest.param(True, id="kernel", marks=pytest.mark.skipif(
-    not kernel_available(), reason="numba kernel unavailable")),
-    pytest.param(False, id="join")]
+# The compiled kernel (it must load: a test of it never passes on the fallback) and the
+# fallback, the join + hash path taken without it.
+PATHS = [pytest.param(True, id="kernel"), pytest.param(False, id="fallback-join")]
+
+
+@pytest.fixture(autouse=True)
+def _kernel_loads(request: pytest.FixtureRequest) -> None:
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("kernel") is True:
+        kernel_checks.require("the daemon's Get copy kernel", getcopy.kernel_status())
 
 
 def _pool(sizes: list[int], seed: int = 0) -> tuple[np.ndarray, list[tuple[bytes, np.ndarray]]]:
@@ -176,3 +186,34 @@ def test_daemon_get_stops_at_a_block_overwritten_in_a_later_batch(tmp_path) -> N
             assert ns.lookup_keys(keys) == 9        # dropped: a miss from now on
     finally:
         cleanup(d)
+
+
+def test_a_kernel_that_does_not_load_is_logged_and_the_fallback_serves() -> None:
+    """The daemon's kernel broken (its module cannot be imported): encode(kernel=True) still
+    builds the right reply, on the fallback, and says why once, at error level; kernel_status
+    names the cause (`make test`'s build step fails on it)."""
+    script = textwrap.dedent("""
+        import logging, sys
+        import numpy as np
+        sys.modules["kvstore._getcopy_kernel"] = None      # its import now fails
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+        from kvstore import getcopy
+        import xxhash
+        src = np.arange(3 * getcopy.CHUNK, dtype=np.uint8)
+        views = [(b"a", src[:100_000]), (b"b", src[100_000:])]
+        sums = [xxhash.xxh3_64_intdigest(v) for _, v in views]
+        for _ in range(2):
+            r = getcopy.encode(views, sums, kernel=True)
+            assert r == getcopy.encode(views, sums, kernel=False), "not the fallback's reply"
+            assert r.blocks == 2 and r.bad is None
+        print("STATUS", getcopy.kernel_status())
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "STATUS ModuleNotFoundError: import of kvstore._getcopy_kernel halted" in p.stdout, \
+        p.stdout
+    logged = [line for line in p.stderr.splitlines() if "kernel did not load" in line]
+    assert len(logged) == 1, p.stderr                  # once, not per reply
+    assert logged[0].startswith("ERROR kvstore.getcopy the Get copy kernel did not load")
+    assert "kvstore._getcopy_kernel" in logged[0]

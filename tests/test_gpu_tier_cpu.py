@@ -30,6 +30,7 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dt
 T = LAYOUT.block_tokens
 BB = LAYOUT.block_bytes                      # 16 KiB a block
 DEADLINE_S = 30.0
+LEASE_TTL_S = 5.0           # the killed client's leases (below DEADLINE_S: they expire in it)
 
 # The engine both sides run: a vLLM-layout paged cache whose block b holds seed-derived KV.
 ENGINE = """
@@ -193,6 +194,11 @@ def test_watermark_eviction_demotes_to_host_then_ssd_and_acquire_promotes_back(
 
 
 def test_sigkilled_client_holding_gpu_slots_leaks_nothing(daemon) -> None:
+    """A client holding gpu slots is SIGKILLed: its leases expire, its slots come back.
+
+    While it lives, the child renews its two leases when the test asks, right before each
+    check, so a check needs the lease to outlast one RPC, not a renewal thread to keep pace on
+    a loaded machine; once killed, nothing renews them and they expire within LEASE_TTL_S."""
     with connect(daemon.address) as c:
         ns = c.namespace(LAYOUT, model="gpu/crash")
         c.evict("gpu")                           # other tests' blocks: out of the way
@@ -200,33 +206,44 @@ def test_sigkilled_client_holding_gpu_slots_leaks_nothing(daemon) -> None:
         assert DeviceKV(ns, cache).store_keys(keys_for(ns, 3, 4), range(4)) == 4
         base = tiers(c)["gpu"]["used_bytes"]
         child = subprocess.Popen([sys.executable, "-c", ENGINE + textwrap.dedent(f"""
-            import time
             from kvstore_client._proto import kvstore_pb2 as pb
-            c = kvstore_client.connect({daemon.address!r}, transport="shm", lease_ttl_s=1.0)
+            ttl = {LEASE_TTL_S}
+            c = kvstore_client.connect({daemon.address!r}, transport="shm")
             ns = c.namespace(LAYOUT, model="gpu/crash")
             # a write lease on 6 fresh gpu slots and a read lease on the stored blocks
             w = c.call("Reserve", pb.ReserveRequest(namespace_id=ns.ns_id, count=6,
-                                                    tier="gpu", ttl_s=1.0)).lease
-            c.leases.add(w.lease_id, w.deadline)
+                                                    tier="gpu", ttl_s=ttl)).lease
             r = c.call("Acquire", pb.AcquireRequest(namespace_id=ns.ns_id,
                                                     keys=keys_for(ns, 3, 4), tier="gpu",
-                                                    ttl_s=1.0)).lease
-            c.leases.add(r.lease_id, r.deadline)
+                                                    ttl_s=ttl)).lease
             print("HOLDING", len(w.slots), len(r.slots), flush=True)
-            time.sleep(600)
-        """)], cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for _ in sys.stdin:                  # the test asks before each of its checks
+                for lid in (w.lease_id, r.lease_id):
+                    c.call("RenewLease", pb.RenewLeaseRequest(lease_id=lid, ttl_s=ttl))
+                print("RENEWED", flush=True)
+        """)], cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE)
+
+        def renewed() -> None:
+            child.stdin.write("renew\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "RENEWED", child.stderr.read()
+
         try:
             line = child.stdout.readline()
             assert line.split() == ["HOLDING", "6", "4"], child.stderr.read()
+            renewed()
             assert tiers(c)["gpu"]["used_bytes"] == base + 6 * BB
+            renewed()
             assert c.stats()["active_leases"] == 2
+            renewed()
             c.evict("gpu")                       # pinned by the child's read lease: stays
             assert ns.lookup_result(keys_for(ns, 3, 4)).per_tier["gpu"] == 4
         finally:
             os.kill(child.pid, signal.SIGKILL)
             child.wait(10)
-            child.stdout.close()
-            child.stderr.close()
+            for f in (child.stdin, child.stdout, child.stderr):
+                f.close()
         poll(lambda: c.stats()["active_leases"] == 0, "the dead client's leases expiring")
         poll(lambda: tiers(c)["gpu"]["used_bytes"] == base, "its gpu slots coming back")
         c.evict("gpu")                           # unpinned now: demoted to host

@@ -17,7 +17,7 @@ import pytest
 import torch
 from kvstore_client import KVLayout, LeaseExpired, NotFound, connect
 from kvstore_client._proto import kvstore_pb2 as pb
-from kvstore_client.common.lane_wire import HEADER, METHOD_ID, lane_path
+from kvstore_client.common.lane_wire import CODES, HEADER, METHOD_ID, lane_path, recv_exact
 
 from kvstore.tenants import hash_token
 from tests.daemon import cleanup, start_daemon
@@ -179,23 +179,46 @@ def test_tenants_need_a_token_and_stay_apart_on_the_lane(tmp_path: Path) -> None
             assert reply["error"] == "UNAUTHENTICATED"
             assert closed_by_peer(s)
             s.close()
-        with connect(d.address, token=tokens["a"]) as a, \
-                connect(d.address, token=tokens["b"]) as b:
+        # A 60 s deadline: this is about who may do what, not how fast, and the first Get of a
+        # fresh daemon waits for its copy kernel to load, which a starved machine stretches
+        # past the default 10 s.
+        with connect(d.address, token=tokens["a"], timeout=60) as a, \
+                connect(d.address, token=tokens["b"], timeout=60) as b:
             na, nb = a.namespace(LAYOUT, model="m"), b.namespace(LAYOUT, model="m")
             ids, kv = prompt(40, 4), make_kv(40, 4)
             assert na.store(ids, kv) == 4
             assert a._lane is not None and b._lane is not None
+            a.leases.flush(spares=True)     # A's store leaves no lease for its thread to send
             before = lane_calls()
             lease = a.call("Acquire", pb.AcquireRequest(namespace_id=na.ns_id,
                                                          keys=na.keys(ids))).lease
-            # another tenant's ids answer as unknown ones do (no oracle of what A registered)
-            with pytest.raises(NotFound, match="unknown namespace"):
-                b.call("Acquire", pb.AcquireRequest(namespace_id=na.ns_id, keys=na.keys(ids)))
-            with pytest.raises(NotFound, match="unknown lease"):
-                b.call("Release", pb.ReleaseRequest(lease_id=lease.lease_id))
-            with pytest.raises(NotFound, match="unknown namespace"):
-                b.call("Lookup", pb.LookupRequest(namespace_id=na.ns_id, keys=na.keys(ids)))
-            assert lane_calls() - before >= 1
+            assert lane_calls() - before == 1                   # A's Acquire took the lane
+            # B's attempts, sent on B's own lane connection (its SDK lane client, so they
+            # cannot go over gRPC instead): each answers as an unknown id does (no oracle of
+            # what A registered), as it does over gRPC.
+            for method, req, what in (
+                    ("Acquire", pb.AcquireRequest(namespace_id=na.ns_id, keys=na.keys(ids)),
+                     "unknown namespace"),
+                    ("Release", pb.ReleaseRequest(lease_id=lease.lease_id), "unknown lease"),
+                    ("RenewLease", pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=60),
+                     "unknown lease"),
+                    ("Lookup", pb.LookupRequest(namespace_id=na.ns_id, keys=na.keys(ids)),
+                     "unknown namespace")):
+                with pytest.raises(NotFound, match=what):
+                    b._lane.call(method, req.SerializeToString(), 10)
+                with pytest.raises(NotFound, match=what):
+                    b.call(method, req)                         # the SDK's own route
+            # On a raw lane connection that said only B's token, too.
+            s, reply = hello(path, json.dumps({"v": 1, "token": tokens["b"]}).encode() + b"\n")
+            assert reply.get("ok") is True, reply
+            raw = pb.AcquireRequest(namespace_id=na.ns_id, keys=na.keys(ids)).SerializeToString()
+            s.sendall(HEADER.pack(len(raw), METHOD_ID["Acquire"]) + raw)
+            n, code = HEADER.unpack(recv_exact(s, HEADER.size))
+            assert CODES[code] == "NOT_FOUND", (code, recv_exact(s, n))
+            assert b"unknown namespace" in recv_exact(s, n)
+            s.close()
+            # None of it was served: only A's call counts as a lane call.
+            assert lane_calls() - before == 1
             a.release(lease.lease_id)
             assert nb.lookup(ids) == 0
             out = torch.zeros_like(kv)

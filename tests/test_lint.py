@@ -22,7 +22,8 @@ def _copy_checkout(dst: Path) -> None:
     """The checkout as a fresh clone has it: no virtualenvs, caches, data or build output."""
     ignore = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.egg-info", "build",
                                     "dist", "data", ".pytest_cache", ".ruff_cache",
-                                    ".hypothesis", "bench")
+                                    ".hypothesis", "bench", ".engine-tests", "models",
+                                    ".pydeps")
     shutil.copytree(ROOT, dst, ignore=ignore, symlinks=True)
     shutil.copytree(ROOT / "bench", dst / "bench",
                     ignore=shutil.ignore_patterns("__pycache__", "out"))

@@ -10,7 +10,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-import pytest
+from tests import optional_deps
 
 ROOT = Path(__file__).resolve().parent.parent
 STUBS = ROOT / "client" / "kvstore_client" / "_proto"
@@ -30,7 +30,7 @@ def normalize(text: str) -> str:
 
 
 def _generate() -> dict[str, str]:
-    pytest.importorskip("grpc_tools", reason="grpcio-tools is a test dependency")
+    optional_deps.module("grpc_tools", "grpcio-tools is a test dependency: `make dev`")
     spec = importlib.util.spec_from_file_location("kvstore_proto_generate",
                                                   ROOT / "proto" / "generate.py")
     module = importlib.util.module_from_spec(spec)

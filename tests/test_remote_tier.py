@@ -30,15 +30,24 @@ from tests.redis_fixtures import (  # noqa: F401 - pytest fixtures used by name
     start_redis,
 )
 from tiers.frame import frame, unframe
-from tiers.remote import RemoteTier, make_key
+from tiers.remote import SOCKET_GRACE_S, RemoteTier, make_key
 
 pytestmark = pytest.mark.redis
 
 DEADLINE_MS = 200
-# A bound only a hang breaks (a hung server never answers: without the deadline a call would
-# wait forever), never a busy machine; what the tier did is checked through its own counters
-# (errors, skipped_down) and state, which do not depend on how loaded the 2 cores are.
-HANG_S = 20.0
+# What a call may take beyond its deadline: waking the thread that waits, and the bookkeeping of
+# a failed batch, on a loaded 2-core machine. A call that ignored the deadline would wait for the
+# sockets (SOCKET_GRACE_S after it) or for ever; that the tier's own deadline ended the wait is
+# checked by its `timeouts` counter, which does not depend on the load.
+MARGIN_S = 1.0
+assert MARGIN_S <= SOCKET_GRACE_S
+
+
+def assert_bounded(t0: float, deadline_s: float = DEADLINE_MS / 1000) -> None:
+    """The time since t0 is within the deadline plus MARGIN_S."""
+    took = time.monotonic() - t0
+    assert took < deadline_s + MARGIN_S, (f"took {took:.2f} s for a deadline of {deadline_s} s "
+                                          f"(+ {MARGIN_S} s margin)")
 
 
 @dataclass
@@ -228,18 +237,21 @@ def test_hung_server_costs_at_most_the_deadline_then_recovers(redis_server):
         t.put_many(pairs(keys, vals))
         redis_server.pause()                             # SIGSTOP: accepts, never answers
         try:
+            before = t.stats
             t0 = time.monotonic()
             assert t.exists_many(keys) == [False] * 8
-            assert time.monotonic() - t0 < HANG_S
+            assert_bounded(t0)
+            s = t.stats
+            # The tier's own deadline ended the wait (not a socket timeout): a timeout counted.
+            assert s["timeouts"] == before["timeouts"] + 1, s
+            assert s["errors"] == before["errors"] + 1 and not s["up"]
             t0 = time.monotonic()
             assert t.get_many(keys, deadline_s=DEADLINE_MS / 1000) == [None] * 8
             assert t.exists_many(keys) == [False] * 8    # down: skipped, no new wait
-            assert time.monotonic() - t0 < HANG_S
-            s = t.stats
-            # The outer deadline or the socket's own timeout may fire first (which one depends
-            # on how busy the machine is); both count as errors and mark the node down.
-            assert not s["up"] and s["errors"] >= 1
-            assert s["skipped_down"] >= 1
+            assert_bounded(t0)
+            s2 = t.stats
+            assert s2["skipped_down"] >= s["skipped_down"] + 1
+            assert s2["timeouts"] == s["timeouts"]        # nothing waited on the down node
         finally:
             redis_server.resume()
         assert wait_until(lambda: t.exists_many(keys) == [True] * 8)
@@ -257,7 +269,7 @@ def test_dead_server_never_raises_and_reconnects_after_restart(redis_server):
             assert t.exists_many(keys) == [False] * 4
             assert t.get_many(keys) == [None] * 4
             assert t.put_many(pairs(keys, vals)) == 0
-            assert time.monotonic() - t0 < HANG_S
+            assert_bounded(t0)                           # refused at once, or skipped
         assert not t.stats["up"] and t.stats["errors"] >= 1
         redis_server.start()                             # same port, empty (no persistence)
         assert wait_until(lambda: t.put_many(pairs(keys, vals)) == 4 * len(vals[0]))
@@ -285,7 +297,7 @@ def test_constructed_while_server_is_down(tmp_path):
             keys = gkeys(2)
             t0 = time.monotonic()
             assert t.exists_many(keys) == [False, False]
-            assert time.monotonic() - t0 < HANG_S
+            assert_bounded(t0)
             proc.start()
             v = framed(100)
             assert wait_until(lambda: t.put_many([(keys[0], v)]) == len(v))
@@ -377,7 +389,7 @@ def test_cluster_node_down_misses_only_its_keys_then_recovers(redis_cluster):
             for _ in range(3):
                 t0 = time.monotonic()
                 found = t.exists_many(keys)
-                assert time.monotonic() - t0 < HANG_S
+                assert_bounded(t0)
                 assert found == [not v for v in on_victim]   # live nodes still serve
             got = t.get_many(keys)
             assert all((g is None) if v else (g == val)
@@ -401,9 +413,11 @@ def test_cluster_hung_node_is_bounded_by_the_deadline(redis_cluster):
         on_victim = [redis_cluster.node_for_key(make_key(b"hung:", k)) is victim for k in keys]
         victim.pause()
         try:
+            before = t.stats["timeouts"]
             t0 = time.monotonic()
             found = t.exists_many(keys)
-            assert time.monotonic() - t0 < HANG_S
+            assert_bounded(t0)
+            assert t.stats["timeouts"] == before + 1     # the hung node's batch, by the deadline
             assert found == [not v for v in on_victim]
         finally:
             victim.resume()
@@ -566,16 +580,20 @@ def test_two_daemons_share_a_prefix_and_survive_redis_outage(redis_cluster, tmp_
 
     from tests.daemon import cleanup, start_daemon
 
+    # The routing deadline: a write-through that a loaded machine makes miss 200 ms is
+    # dropped, and B could never find that block (deadlines are pinned by the tests above).
     remote = {"remote.enabled": True, "remote.urls": ",".join(redis_cluster.urls),
               "remote.cluster": True, "remote.key_prefix": "dmn:",
-              "remote.deadline_ms": DEADLINE_MS}
+              "remote.deadline_ms": ROUTING_DEADLINE_MS}
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16)
     a = start_daemon(tmp_path / "a", {**remote, "remote.write_through": True})
     b = None
     try:
         b = start_daemon(tmp_path / "b", {**remote, "ssd.enabled": False})
-        na = kvstore_client.connect(a.address).namespace(layout, model="shared-model")
-        nb = kvstore_client.connect(b.address).namespace(layout, model="shared-model")
+        # 60 s client deadlines: B's first load promotes from Redis while the fresh daemon
+        # still loads its codec kernels, which a starved machine stretches past 10 s.
+        na = kvstore_client.connect(a.address, timeout=60).namespace(layout, model="shared-model")
+        nb = kvstore_client.connect(b.address, timeout=60).namespace(layout, model="shared-model")
         toks = list(range(16 * 6))
         kv = torch.randn(2, 2, 96, 2, 64).to(torch.bfloat16)
         assert na.store(toks, kv) == 6
@@ -588,7 +606,7 @@ def test_two_daemons_share_a_prefix_and_survive_redis_outage(redis_cluster, tmp_
         try:
             t0 = time.monotonic()
             assert nb.lookup(more) == 96                  # local prefix, remote part a miss
-            assert time.monotonic() - t0 < HANG_S
+            assert_bounded(t0, ROUTING_DEADLINE_MS / 1000 + 1.0)   # and an RPC to the daemon
             out2 = torch.zeros_like(kv)
             assert nb.load(toks, out2) == 96 and torch.equal(out2, kv)   # still serving
             assert b.alive()

@@ -14,9 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load(name: str):
+    """A bench script as a module, loaded by path: bench/ never goes on sys.path, where it
+    would shadow real packages for the rest of the session (bench/vllm.py is not vLLM)."""
     if name in sys.modules:
         return sys.modules[name]
-    sys.path.insert(0, str(ROOT / "bench"))
+    if name == "session_bound":
+        _load("trace_replay")           # it imports trace_replay by name
     spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod

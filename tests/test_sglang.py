@@ -147,9 +147,10 @@ def test_promote_ahead_from_ssd(sgl_daemon) -> None:
 
 def test_mla_pages_are_one_copy_for_every_tp_rank(sgl_daemon) -> None:
     """SGLang's MLA host pool: TP rank 0 (the storage writer) stores, TP rank 1 of the same
-    model, in another process, reads the same pages; rank 1 never writes (its sets are
-    no-ops reported as done, as SGLang expects of MLA replicas). The writer copies with the
-    SDK's kernel, the reader with the numpy fallback (no numba): the same bytes either way."""
+    model, in another process, reads the same pages. A replica rank asked to store (SGLang's
+    controller does not ask it) stores into the same namespace, and what it reports stored
+    is there. The writer copies with the SDK's kernel, the reader with the numpy fallback (no
+    numba): the same bytes either way."""
     mla = ("--mla", "--tp-size", "2")
     w = run(sgl_daemon.address, [{"op": "set", "seed": 41, "pages": 8}],
             args=(*mla, "--tp-rank", "0"))
@@ -165,7 +166,7 @@ def test_mla_pages_are_one_copy_for_every_tp_rank(sgl_daemon) -> None:
     ex, get, replica_set, replica_ex = r["steps"]
     assert ex["n"] == 8 and get["ok"] == [True] * 8 and get["equal"] == [True] * 8
     assert get["digests"] == w["steps"][0]["digests"]
-    assert replica_set["ok"] == [True] * 4 and replica_ex["n"] == 0
+    assert replica_set["ok"] == [True] * 4 and replica_ex["n"] == 4
     assert r["stats"]["layer_first"]["engine_layout"].startswith(
         "sglang-hicache:MLATokenToKVPoolHost:layer_first")
 
@@ -197,6 +198,61 @@ def test_mha_tp_ranks_keep_their_own_pages_across_processes(sgl_daemon) -> None:
     assert get0["digests"] == r0["steps"][0]["digests"]
     assert ex0["n"] == 0
     assert other_size["steps"][0]["n"] == 0
+
+
+def test_every_host_pool_layout_clear_and_tenant_salt(sgl_daemon) -> None:
+    """page_first_direct and page_head pools store and load byte-equal across processes, each
+    in a namespace of its own; `clear()` (SGLang's "clear HiCache storage") empties its own
+    namespace and no other; a backend with another `tenant_salt` sees none of these pages."""
+    layouts = "page_first_direct,page_head,layer_first"
+    salt = ("--tenant-salt", "tenant-a")
+    w = run(sgl_daemon.address, [
+        {"op": "set", "seed": 101, "pages": 6, "layout": "page_first_direct"},
+        {"op": "set", "seed": 102, "pages": 6, "layout": "page_head"},
+        {"op": "set", "seed": 103, "pages": 6, "layout": "layer_first"},
+    ], layouts=layouts, args=salt)
+    assert [st["ok"] for st in w["steps"]] == [[True] * 6] * 3
+    r = run(sgl_daemon.address, [
+        {"op": "get", "seed": 101, "pages": 6, "layout": "page_first_direct"},
+        {"op": "get", "seed": 102, "pages": 6, "layout": "page_head"},
+        {"op": "exists", "seed": 101, "pages": 6, "layout": "page_head"},
+        {"op": "exists", "seed": 103, "pages": 6, "layout": "layer_first"},
+        {"op": "clear", "layout": "layer_first"},
+        {"op": "exists", "seed": 103, "pages": 6, "layout": "layer_first"},
+        {"op": "exists", "seed": 101, "pages": 6, "layout": "page_first_direct"},
+        {"op": "exists", "seed": 102, "pages": 6, "layout": "page_head"},
+    ], layouts=layouts, args=salt)
+    pfd, ph, cross, before, clear, after, kept_pfd, kept_ph = r["steps"]
+    for got, wrote in ((pfd, w["steps"][0]), (ph, w["steps"][1])):
+        assert got["ok"] == [True] * 6 and got["equal"] == [True] * 6
+        assert got["digests"] == wrote["digests"]
+    assert cross["n"] == 0                       # a page-head pool never reads another layout
+    assert before["n"] == 6 and clear["ok"] is True and after["n"] == 0
+    assert kept_pfd["n"] == 6 and kept_ph["n"] == 6
+    assert r["stats"]["page_head"]["engine_layout"].startswith(
+        "sglang-hicache:MHATokenToKVPoolHost:page_head")
+    other = run(sgl_daemon.address, [
+        {"op": "exists", "seed": 101, "pages": 6, "layout": "page_first_direct"},
+        {"op": "exists", "seed": 102, "pages": 6, "layout": "page_head"},
+    ], layouts="page_first_direct,page_head", args=("--tenant-salt", "tenant-b"))
+    assert [st["n"] for st in other["steps"]] == [0, 0]
+
+
+def test_lossy_codec_through_the_extra_config(sgl_daemon) -> None:
+    """`"codec": "int8"` in SGLang's extra config: the MHA pool's layout is declared, the
+    daemon quantizes pages on their way to SSD, and pages loaded from there are close to, not
+    equal to, what was stored (K and V of each head quantized apart)."""
+    r = run(sgl_daemon.address, [
+        {"op": "set", "seed": 111, "pages": 4, "normal": True},
+        {"op": "demote"},
+        {"op": "get", "seed": 111, "pages": 4, "normal": True, "measure": True},
+    ], args=("--codec", "int8"))
+    put, demote, get = r["steps"]
+    st = r["stats"]["layer_first"]
+    assert put["ok"] == [True] * 4 and demote["evicted_blocks"] >= 4
+    assert st["codec"] == "int8"
+    assert get["ok"] == [True] * 4 and get["equal"] != [True] * 4
+    assert 0 < get["max_abs_err"] < 0.1 * get["max_abs"]
 
 
 def test_daemon_killed_mid_batch_is_misses_then_recovers(tmp_path) -> None:

@@ -115,7 +115,7 @@ def test_reopen_keeps_everything(tmp_path):
 
 
 def test_scan_meta_spans_batches_and_allows_writes(ssd, monkeypatch):
-    import tiers.ssd as mod
+    import tiers.ssd.index as mod
     monkeypatch.setattr(mod, "_SCAN_BATCH", 7)
     ssd.put_many([(k(i), b"v", b"%d" % i) for i in range(50)])
     seen = []
@@ -148,7 +148,7 @@ def test_evict_before_put_loop_never_hits_map_full(tmp_path):
 
 
 def test_map_grows_instead_of_failing(tmp_path, monkeypatch):
-    import tiers.ssd as mod
+    import tiers.ssd.index as mod
     monkeypatch.setattr(mod, "MAP_SLACK", 2 * MIB)          # a tiny index map, on purpose
     t = SSDTier(str(tmp_path / "ssd"), capacity=1 * MIB)
     try:
@@ -191,7 +191,7 @@ def test_freed_extents_are_reused_and_accounting_stays_exact(tmp_path):
 
 
 def mod_grow_step() -> int:
-    import tiers.ssd as mod
+    import tiers.ssd.payload as mod
     return mod.GROW_STEP
 
 
@@ -233,7 +233,7 @@ def test_corrupt_payload_is_data_loss_never_bytes(tmp_path):
 
 
 def test_buffered_fallback_when_o_direct_is_refused(tmp_path, monkeypatch):
-    import tiers.ssd as mod
+    import tiers.ssd.payload as mod
     monkeypatch.setattr(mod, "_open_direct", lambda path: None)
     t = SSDTier(str(tmp_path / "ssd"), capacity=64 * MIB)
     try:
@@ -324,7 +324,7 @@ def test_bad_capacity(tmp_path):
 
 
 def test_scan_meta_progress_bar_for_large_tiers(ssd, monkeypatch, capsys):
-    import tiers.ssd as mod
+    import tiers.ssd.tier as mod
     ssd.put_many([(k(i), b"v", b"") for i in range(30)])
     monkeypatch.setattr(mod, "PROGRESS_MIN_ENTRIES", 1000)
     assert len(list(ssd.scan_meta())) == 30

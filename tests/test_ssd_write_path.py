@@ -87,7 +87,7 @@ def test_put_filled_rejects_bad_items(ssd):
 def test_batches_of_many_runs_land_whole(ssd, monkeypatch):
     """Runs are filled on the caller and written by the tier's writer thread while the next
     is filled; with small runs a batch is many of them, and every value must still land."""
-    import tiers.ssd as mod
+    import tiers.ssd.payload as mod
     monkeypatch.setattr(mod, "RUN_BYTES", 64 << 10)
     values = [val(i, 20_000 + 997 * i) for i in range(40)]
     ssd.put_many([(k(i), v, b"") for i, v in enumerate(values)])
@@ -106,7 +106,7 @@ def test_a_failed_write_among_queued_runs_stores_nothing_and_leaves_none_in_flig
     nothing, and the tier takes the same batch again afterwards."""
     import threading
 
-    import tiers.ssd as mod
+    import tiers.ssd.payload as mod
     monkeypatch.setattr(mod, "RUN_BYTES", 64 << 10)
     real = mod._pwrite_all
     lock = threading.Lock()
@@ -117,7 +117,8 @@ def test_a_failed_write_among_queued_runs_stores_nothing_and_leaves_none_in_flig
             state["started"] += 1
             n = state["started"]
         try:
-            time.sleep(0.002)               # let the caller queue the next runs meanwhile
+            # No pause needed for the queue: put_filled submits run 4 before it waits for
+            # run 3, so run 4 is always queued behind the write that fails.
             if state["fail"] and n == 3:
                 raise OSError(errno.EIO, "Input/output error")
             real(fd, data, offset)
@@ -141,12 +142,13 @@ def test_a_failed_write_among_queued_runs_stores_nothing_and_leaves_none_in_flig
     assert ssd.used_bytes == used + sum(map(len, values))
 
 
+@pytest.mark.o_direct
 def test_o_direct_refused_mid_way_falls_back_to_buffered_writes(ssd, monkeypatch):
-    import tiers.ssd as mod
+    import tiers.ssd.payload as mod
     if not ssd.direct_io:
         pytest.skip("this filesystem refuses O_DIRECT at open already")
     real = mod._pwrite_all
-    direct = ssd._dfd
+    direct = ssd._payload.dfd
 
     def pwrite(fd: int, data: memoryview, offset: int) -> None:
         if fd == direct:
@@ -272,7 +274,7 @@ def test_flush_writes_raw_blocks_under_the_lock(tmp_path):
 
 
 def test_visit_many_reads_runs_and_reports_each_key(ssd, monkeypatch):
-    import tiers.ssd as mod
+    import tiers.ssd.payload as mod
     monkeypatch.setattr(mod, "READ_RUN_BYTES", 3 * 64 << 10)   # runs of about three values
     values = [val(i, 50_000 + 101 * i) for i in range(10)]
     ssd.put_many([(k(i), v, b"") for i, v in enumerate(values)])
@@ -293,8 +295,7 @@ def test_visit_many_refuses_a_corrupt_value_and_serves_its_neighbours(tmp_path):
         values = [val(i, 40_000) for i in range(3)]
         t.put_many([(k(i), v, b"") for i, v in enumerate(values)])
         t.sync()
-        with t._read() as txn:                         # where the middle value lies
-            off = int.from_bytes(txn.get(k(1), db=t._index)[:8], "little")
+        off = t._index.record(k(1))[0]                 # where the middle value lies
         fd = os.open(t.data_files()[0], os.O_RDWR)
         try:
             os.pwrite(fd, b"\x00\x01\x02", off + 1000)

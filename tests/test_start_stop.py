@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,10 +20,10 @@ import sys
 import numpy as np
 from kvstore_client import KVLayout, NamespaceSpec, block_keys
 from kvstore.config import StoreConfig
-from kvstore.daemon import _one_torch_thread
+from kvstore.warmup import one_torch_thread
 from kvstore.store import Store
 
-_one_torch_thread()
+one_torch_thread()
 cfg = StoreConfig(data_dir=sys.argv[1])
 cfg.host.capacity = 1 << 20
 cfg.ssd.capacity = 16 << 20
@@ -147,18 +148,21 @@ def test_flush_covers_blocks_the_background_demoter_is_writing(tmp_path, monkeyp
     store = make_store(tmp_path, host_capacity=1 << 20)
     try:
         put_filled = store.ssd.put_filled
+        writing = threading.Event()
 
         def slow(items, fill):            # a slow disk: batches stay in flight for a while
+            writing.set()
             time.sleep(0.02)
             return put_filled(items, fill)
         monkeypatch.setattr(store.ssd, "put_filled", slow)
         ns = namespace(store)
         for r in range(4):
             store.evict("host")               # empty, then ~95%: two demoter batches
+            writing.clear()
             _, keys = random_prompt(np.random.default_rng(10 + r), 242)
             store.put(ns, keys, [kv_block(k) for k in keys])
-            time.sleep(0.01)
-            store.flush()
+            assert writing.wait(30), "the background demoter wrote nothing"
+            store.flush()                     # while the demoter's batch is on the disk
             missing = [k for k in keys if not store.ssd.contains(ns + k)]
             assert not missing, f"round {r}: {len(missing)} blocks not on SSD after flush"
     finally:

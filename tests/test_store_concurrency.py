@@ -22,7 +22,8 @@ from kvstore.state import aligned as _aligned
 
 from .store_helpers import kv_block, make_store, namespace, random_prompt
 
-SECONDS = 1.5
+SECONDS = 1.5          # each hammer runs at least this long
+GOAL_DEADLINE_S = 120  # ... and on until what its test needs happened, or fails after this
 
 
 @pytest.fixture
@@ -61,9 +62,14 @@ def expected(key: bytes) -> bytes:
 
 
 def hammer(seconds: float, workers: list[Callable[[], None]],
-           allowed: tuple[type[BaseException], ...] = ()) -> dict[str, int]:
+           allowed: tuple[type[BaseException], ...] = (),
+           until: Callable[[dict[str, int]], bool] | None = None) -> dict[str, int]:
     """Run each worker in a loop on its own thread; the first unexpected error fails the test.
-    Returns how often each allowed error was raised."""
+    Returns how often each allowed error was raised.
+
+    Runs `seconds`, then on until `until(seen)` holds (what the test needs to have happened:
+    a demotion, a reaped lease...; on a loaded machine that can take longer), failing after
+    GOAL_DEADLINE_S."""
     stop = threading.Event()
     errors: list[BaseException] = []
     seen: dict[str, int] = {}
@@ -81,13 +87,29 @@ def hammer(seconds: float, workers: list[Callable[[], None]],
     for t in threads:
         t.start()
     stop.wait(seconds)
+    end = time.monotonic() + GOAL_DEADLINE_S
+    reached = until is None or until(seen)
+    while not reached and not stop.is_set() and time.monotonic() < end:
+        stop.wait(0.05)
+        reached = until(seen)
     stop.set()
     for t in threads:
         t.join(30)
     assert not any(t.is_alive() for t in threads), "a worker is stuck (deadlock?)"
     if errors:
         raise errors[0]
+    assert reached, f"what the test waits for did not happen within {GOAL_DEADLINE_S} s: {seen}"
     return seen
+
+
+def tier_count(store, tier: str, name: str) -> int:
+    with store.state.lock:
+        return int(store.tier_counters[tier][name])
+
+
+def counter(store, name: str) -> int:
+    with store.state.lock:
+        return int(store.counters[name])
 
 
 def check_lease(store, ns, keys, lease) -> None:
@@ -203,7 +225,8 @@ def test_same_blocks_promoted_by_many_threads_get_one_slot(tmp_path, slow_fill):
         ns = namespace(store)
         prompts = prompts_on_ssd(store, ns)
         readers = [reader(store, ns, prompts, np.random.default_rng(i)) for i in range(4)]
-        hammer(SECONDS, [*readers, evictor(store), checker(store)])
+        hammer(SECONDS, [*readers, evictor(store), checker(store)],
+               until=lambda _: tier_count(store, "host", "promotions") > 20)
         check_quiet(store)
         assert store.stats()["tiers"]["host"]["promotions"] > 20
 
@@ -221,7 +244,8 @@ def test_delete_and_rewrite_while_promoting(tmp_path, slow_fill):
             store.put(ns, keys, [expected(k) for k in keys])    # the same bytes, a new copy
             store.evict("host")
         readers = [reader(store, ns, prompts, np.random.default_rng(i)) for i in range(3)]
-        hammer(SECONDS, [*readers, churn, checker(store)])
+        hammer(SECONDS, [*readers, churn, checker(store)],
+               until=lambda _: counter(store, "deleted_blocks") > 0)
         check_quiet(store)
         assert store.stats()["counters"]["deleted_blocks"] > 0
 
@@ -239,7 +263,10 @@ def test_demotion_under_pressure_while_promoting(tmp_path, slow_fill):
             keys = random_prompt(rng, 6)[1]
             store.put(ns, keys, [expected(k) for k in keys])
         readers = [reader(store, ns, prompts, np.random.default_rng(i)) for i in range(3)]
-        hammer(SECONDS, [*readers, write, write, checker(store)], allowed=(ResourceExhausted,))
+        hammer(SECONDS, [*readers, write, write, checker(store)], allowed=(ResourceExhausted,),
+               until=lambda _: min(tier_count(store, "host", "demotions"),
+                                   tier_count(store, "host", "promotions"),
+                                   tier_count(store, "ssd", "evictions")) > 0)
         check_quiet(store)
         stats = store.stats()["tiers"]
         assert stats["host"]["demotions"] > 0 and stats["host"]["promotions"] > 0
@@ -264,7 +291,8 @@ def test_ssd_eviction_while_promoting(tmp_path, slow_fill):
             store.evict("host")
             time.sleep(0.005)
         readers = [reader(store, ns, prompts, np.random.default_rng(i)) for i in range(3)]
-        hammer(SECONDS, [*readers, evict_ssd, refill, checker(store)])
+        hammer(SECONDS, [*readers, evict_ssd, refill, checker(store)],
+               until=lambda _: tier_count(store, "ssd", "evictions") > 0)
         check_quiet(store)
         assert store.stats()["tiers"]["ssd"]["evictions"] > 0
 
@@ -290,7 +318,8 @@ def test_reaper_expires_leases_while_promotions_are_in_flight(tmp_path, slow_fil
             store.release(lease.id)
         seen = hammer(SECONDS, [*readers, overstay, abandon_write, evictor(store),
                                 checker(store)],
-                      allowed=(LeaseExpired, NotFound, ResourceExhausted))
+                      allowed=(LeaseExpired, NotFound, ResourceExhausted),
+                      until=lambda seen: seen.get("LeaseExpired", 0) > 0)
         assert seen.get("LeaseExpired", 0) > 0
         deadline = time.monotonic() + 5
         while store.stats()["active_leases"] and time.monotonic() < deadline:
@@ -346,6 +375,15 @@ def hammer_once(workers: list[Callable[[], None]]) -> None:
         raise errors[0]
 
 
+def close_once(store, moves: str) -> None:
+    """Close the store while the hammer runs, once a few host `moves` (promotions, demotions)
+    happened, so more are in flight (a wait on that, with a deadline; not a guessed sleep)."""
+    end = time.monotonic() + GOAL_DEADLINE_S
+    while tier_count(store, "host", moves) < 3 and time.monotonic() < end:
+        time.sleep(0.005)
+    store.close()
+
+
 def test_close_waits_for_promotions_in_flight(tmp_path, slow_fill):
     store = make_store(tmp_path)
     slow_fill(store)
@@ -358,12 +396,10 @@ def test_close_waits_for_promotions_in_flight(tmp_path, slow_fill):
         lease = store.acquire(ns, prompts[int(rng.integers(len(prompts)))])
         store.release(lease.id)
 
-    def close_soon() -> None:
-        time.sleep(0.3)
-        store.close()
-    closer = threading.Thread(target=close_soon)
+    closer = threading.Thread(target=close_once, args=(store, "promotions"))
     closer.start()
-    seen = hammer(1.0, [read, read, read, evictor(store)], allowed=(Unavailable,))
+    seen = hammer(1.0, [read, read, read, evictor(store)], allowed=(Unavailable,),
+                  until=lambda seen: seen.get("Unavailable", 0) > 0)
     closer.join()
     assert seen.get("Unavailable", 0) > 0
     assert store.state.busy == 0 and store.state.shut
@@ -459,7 +495,10 @@ def test_demotion_races_lookups_acquires_and_puts(tmp_path, slow_demote):
         hammer(SECONDS, [*readers, lookups(store, ns, prompts, np.random.default_rng(5)),
                          rewrite, writer(store, ns, np.random.default_rng(6)),
                          writer(store, ns, np.random.default_rng(7)),
-                         evictor(store), checker(store)])
+                         evictor(store), checker(store)],
+               until=lambda _: (tier_count(store, "host", "demotions") > 20
+                                and tier_count(store, "host", "promotions") > 0
+                                and counter(store, "duplicate_blocks") > 0))
         check_quiet(store)
         stats = store.stats()
         assert stats["tiers"]["host"]["demotions"] > 20
@@ -486,7 +525,9 @@ def test_delete_while_demoting(tmp_path, slow_demote):
             time.sleep(0.001)
         readers = [reader(store, ns, prompts, np.random.default_rng(i)) for i in range(2)]
         hammer(SECONDS, [*readers, churn, churn, writer(store, ns, np.random.default_rng(8)),
-                         evictor(store), checker(store)])
+                         evictor(store), checker(store)],
+               until=lambda _: (counter(store, "deleted_blocks") > 0
+                                and tier_count(store, "host", "demotions") > 0))
         check_quiet(store)
         assert store.stats()["counters"]["deleted_blocks"] > 0
         assert store.stats()["tiers"]["host"]["demotions"] > 0
@@ -578,7 +619,7 @@ def test_demotion_failures_while_hammered(tmp_path, monkeypatch):
         readers = [reader(store, ns, prompts, np.random.default_rng(i)) for i in range(2)]
         seen = hammer(SECONDS, [*readers, lookups(store, ns, prompts, np.random.default_rng(3)),
                                 write, write, evictor(store), checker(store)],
-                      allowed=(Injected,))
+                      allowed=(Injected,), until=lambda seen: seen.get("Injected", 0) > 0)
         assert seen.get("Injected", 0) > 0
         check_quiet(store)
         monkeypatch.setattr(store.ssd, "put_filled", put_filled)
@@ -604,12 +645,10 @@ def test_close_waits_for_demotions_in_flight(tmp_path, slow_demote):
             stored.append(keys)
         return one
 
-    def close_soon() -> None:
-        time.sleep(0.3)
-        store.close()
-    closer = threading.Thread(target=close_soon)
+    closer = threading.Thread(target=close_once, args=(store, "demotions"))
     closer.start()
-    seen = hammer(1.0, [*(write(r) for r in rngs), evictor(store)], allowed=(Unavailable,))
+    seen = hammer(1.0, [*(write(r) for r in rngs), evictor(store)], allowed=(Unavailable,),
+                  until=lambda seen: seen.get("Unavailable", 0) > 0)
     closer.join()
     assert seen.get("Unavailable", 0) > 0
     assert store.state.busy == 0 and store.state.shut and not store.state.demotions
@@ -696,8 +735,10 @@ def test_allocation_waits_for_demotions_in_flight(tmp_path):
         putting = threading.Thread(
             target=lambda: result.append(store.put(ns, new, [expected(new[0])])))
         putting.start()
-        time.sleep(0.2)
-        assert not result, "the put found room in a full host"
+        # A negative: given 0.2 s, the put must not finish (no room until the demotion ends).
+        # A slow machine can only make it pass more often, never fail a correct store.
+        putting.join(0.2)
+        assert putting.is_alive() and not result, "the put found room in a full host"
         assert store.lookup(ns, full).prefix_blocks == len(full)   # the lock is free meanwhile
         go.set()
         evicting.join(30)

@@ -27,7 +27,6 @@ from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client.device_kv import DeviceKV
 
 from kvstore.tenants import hash_token
-from tests import other_uid
 from tests.daemon import cleanup, start_daemon
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="bfloat16")
@@ -216,10 +215,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_two_uids_cannot_reach_each_others_device_slab() -> None:
-    why = other_uid.skip_reason()
-    if why:
-        pytest.skip(why)
+def test_two_uids_cannot_reach_each_others_device_slab(other_uids: None) -> None:
     if not hasattr(os, "memfd_create"):
         pytest.skip("no memfd_create on this platform")
     base = Path(tempfile.mkdtemp(prefix="kvs-gpuseg-"))

@@ -24,7 +24,6 @@ from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client._proto import kvstore_pb2_grpc as pbg
 
 from kvstore.tenants import hash_token
-from tests import other_uid
 from tests.daemon import cleanup, start_daemon
 from tests.redis_fixtures import redis_server_fixture  # noqa: F401  (fixture)
 
@@ -97,10 +96,7 @@ def tokens(tmp: Path, extra: str) -> Path:
     return p
 
 
-def test_two_uids_cannot_reach_each_others_pool() -> None:
-    why = other_uid.skip_reason()
-    if why:
-        pytest.skip(why)
+def test_two_uids_cannot_reach_each_others_pool(other_uids: None) -> None:
     if not hasattr(os, "memfd_create"):
         pytest.skip("no memfd_create on this platform")
     base = Path(tempfile.mkdtemp(prefix="kvs-pools-"))

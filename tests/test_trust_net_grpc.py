@@ -22,7 +22,7 @@ from kvstore_client._proto import kvstore_pb2_grpc as pbg
 from kvstore_client.common.layout import NamespaceSpec
 from kvstore_client.wire import encode_put
 
-from kvstore.daemon import is_loopback
+from kvstore.binding import is_loopback
 from kvstore.tenants import TENANT_KEY
 from tests.daemon import DaemonError, cleanup, start_daemon
 from tests.trust_net_helpers import (

@@ -1,6 +1,7 @@
 """vLLM's real tiering manager with kvstore's tier, against a real daemon.
 
-tests/vllm_manager.py runs in the vLLM environment (`.venv-vllm`): it builds vLLM's
+tests/vllm_manager.py runs in each vLLM environment of the matrix (`.venv-vllm` for 0.32,
+`.venv-vllm033` for 0.33; tests/test_vllm_contract.py lists them): it builds vLLM's
 TieringOffloadingSpec and TieringOffloadingManager (small CPU primary tier, KVStoreTier loaded by
 vLLM's tier factory) and calls the manager as vLLM's offloading connector does. These tests start
 one daemon, run that script once, and check what the engine saw: store -> cascade -> primary
@@ -19,24 +20,26 @@ from typing import Any
 import pytest
 
 from tests.daemon import cleanup, start_daemon
+from tests.vllm_versions import MATRIX
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_DEADLINE_S = 600.0
 
 
-def _need_vllm() -> Path:
-    py = ROOT / ".venv-vllm" / "bin" / "python"
+def _need_vllm(version: str) -> Path:
+    py = ROOT / MATRIX[version] / "bin" / "python"
     if py.exists():
         return py
-    why = f"the vLLM environment is missing ({py} does not exist); `make vllm-env` builds it"
+    why = f"the vLLM {version} environment is missing ({py} does not exist); `make test` builds it"
     if os.environ.get("CI"):
         pytest.fail(why)
     pytest.skip(why)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    py = _need_vllm()
+@pytest.fixture(scope="module", params=sorted(MATRIX))
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+        ) -> dict[str, Any]:
+    py = _need_vllm(request.param)
     tmp = tmp_path_factory.mktemp("vllm-manager")
     d = start_daemon(tmp, {"host": {"capacity": "64MiB"}, "ssd": {"capacity": "256MiB"}})
     out = tmp / "result.json"
@@ -56,6 +59,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         f"vllm_manager.py failed (rc {proc.returncode}):\n{proc.stderr[-5000:]}")
     result = json.loads(out.read_text())
     result["stderr"] = proc.stderr
+    assert result["vllm"] == request.param, result["vllm"]
     return result
 
 
@@ -114,7 +118,7 @@ def test_daemon_down_misses_within_deadline(run: dict[str, Any]) -> None:
     assert s["settled"]
     assert s["jobs"] and not any(j["success"] for j in s["jobs"]), "stores to nowhere succeeded"
     assert all(a[-1] == "MISS" and "HIT" not in a for a in s["answers"]["answers"])
-    assert max(s["answers"]["first_s"]) <= s["deadline_s"] + 2.0
+    assert max(s["answers"]["retry_s"]) < s["deadline_s"]     # no RETRY past the deadline
     assert s["tier"]["vllm:kvstore_store_failed_chunks"] > 0
 
 
@@ -123,11 +127,11 @@ def test_daemon_hung_fails_jobs_and_misses(run: dict[str, Any]) -> None:
     assert s["first"] == ["HIT_PENDING"] * 4
     assert s["settled"], "a promotion against a hung daemon never finished"
     promotion = s["jobs"][-1]
-    assert promotion["success"] is False and promotion["successful_keys"] == []
+    assert promotion["success"] is False and promotion["successful_keys"] is None
     assert s["promote_fail_s"] <= s["timeout_s"] + 5.0
     assert s["in_primary"] == ["MISS"] * 4, "a failed promotion left chunks in the primary tier"
     assert all(a == ["RETRY", "MISS"] for a in s["other_answers"]["answers"])
-    assert max(s["other_answers"]["first_s"]) <= s["deadline_s"] + 2.0
+    assert max(s["other_answers"]["retry_s"]) < s["deadline_s"]   # none past the deadline
 
 
 def test_corrupt_block_fails_its_job_and_is_recomputed(run: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""The SSD index image (tiers/ssd_image.py, kvstore/warm_image.py): a restart from it rebuilds
+"""The SSD index image (tiers/ssd/image.py, kvstore/warm_image.py): a restart from it rebuilds
 exactly what the scan of LMDB rebuilds, and an image that is stale (LMDB written since, a kill
 -9 after writing), corrupt, truncated or from another stop is never used."""
 
@@ -21,10 +21,10 @@ from kvstore import warm_image
 from kvstore.store import Store
 from tests.daemon import cleanup, start_daemon
 from tests.store_helpers import SMALL, kv_block, make_store, namespace, random_prompt
-from tiers import ssd_image
 from tiers.slab import ExtentAllocator
 from tiers.ssd import SSDTier
-from tiers.ssd_image import NAME
+from tiers.ssd import image as ssd_image
+from tiers.ssd.image import NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,7 +48,7 @@ def _state(store: Store) -> tuple:
         e = idx.read(g)
         blocks[g] = (e.size, e.checksum, e.parent_gkey, e.children, e.ssd)
     ssd = store.ssd
-    alloc = ssd._alloc
+    alloc = ssd._payload.alloc
     free = sum(alloc._free.values())    # the image keeps free extents as they were; the scan
                                         # rebuilds each gap as one: the same free bytes
     pol = store.policies["ssd"]

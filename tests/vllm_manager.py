@@ -66,7 +66,11 @@ class Engine:
     count = 0
 
     def __init__(self, address: str, *, primary_chunks: int = PRIMARY_CHUNKS,
-                 **tier: Any) -> None:
+                 parallel: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
+                 dtype: str = "float32", **tier: Any) -> None:
+        """parallel / config: OffloadingParallelConfig / OffloadingConfig fields to override
+        (a chunk is CHUNK_BYTES whatever the topology: each worker's share of it, or one copy
+        when the layout is replicated); tier: the tier's settings."""
         from vllm.v1.kv_offload.config import (
             OffloadingCacheConfig,
             OffloadingConfig,
@@ -82,19 +86,23 @@ class Engine:
         tier_cfg = {"type": "KVStoreTier", "module_path": "kvstore_client.vllm.tier",
                     "address": address, "lookup_deadline_s": 2.0, "timeout_s": 5.0, **tier}
         self.extra = {"cpu_bytes_to_use": primary_chunks * stride, "secondary_tiers": [tier_cfg]}
-        cfg = OffloadingConfig(
+        par = dict(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                   data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                   is_parallelism_agnostic=False)
+        par.update(parallel or {})
+        fields: dict[str, Any] = dict(
             groups=(OffloadingGroupConfig(tokens_per_block=BLOCK_TOKENS,
                                           layer_names=("model.layers.0.self_attn.attn",),
                                           group_id=0),),
             worker_kv_bytes_per_block=CHUNK_BYTES, enable_kv_cache_events=False,
             extra_config=self.extra, engine_id=self.name,
-            model=OffloadingModelConfig(name="kvstore-test/manager-model", dtype="float32"),
+            model=OffloadingModelConfig(name="kvstore-test/manager-model", dtype=dtype),
             cache=OffloadingCacheConfig(tokens_per_hash=BLOCK_TOKENS, blocks_per_chunk=1),
-            parallel=OffloadingParallelConfig(
-                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                is_parallelism_agnostic=False),
-            kv_cache_layout="NHD")
+            parallel=OffloadingParallelConfig(**par), kv_cache_layout="NHD")
+        fields.update(config or {})
+        copies = 1 if fields.get("replicated_layout") else par["world_size"]
+        fields["worker_kv_bytes_per_block"] = CHUNK_BYTES // copies
+        cfg = OffloadingConfig(**fields)
         self.spec_cls = TieringOffloadingSpec
         self.spec = TieringOffloadingSpec(cfg)
         self.mgr = self.spec.get_manager()
@@ -163,11 +171,16 @@ class Engine:
     def lookup_until(self, keys: list[bytes], deadline_s: float, *,
                      stop: str = "HIT", min_s: float = 0.0) -> dict[str, Any]:
         """Scan the keys each step, as the scheduler scans a waiting request, until every key
-        answers `stop` (or the deadline). Returns each key's distinct answers in order and the
-        seconds until its first `stop` answer."""
+        answers `stop` (or the deadline). Returns each key's distinct answers in order, the
+        seconds until its first `stop` answer, and `retry_s`: the latest a key still answered
+        RETRY before that, in seconds after its first answer (at most what the tier measured
+        against its lookup deadline, whatever the load: from the end of the first call to the
+        start of the later one)."""
         c = self.ctx()
         seqs: dict[bytes, list[str]] = {k: [] for k in keys}
         first: dict[bytes, float] = {}
+        asked: dict[bytes, float] = {}
+        retry: dict[bytes, float] = {}
         t0 = time.monotonic()
         end = t0 + deadline_s
         while True:
@@ -175,11 +188,15 @@ class Engine:
             for k in keys:
                 if k in first and stop == "HIT":
                     continue
+                t_call = time.monotonic()
                 try:
                     r = self.mgr.lookup(k, c).name
                 except Exception:
                     self.exceptions.append(traceback.format_exc())
                     r = "EXCEPTION"
+                asked.setdefault(k, time.monotonic())
+                if r == "RETRY" and k not in first:
+                    retry[k] = max(0.0, t_call - asked[k])
                 if not seqs[k] or seqs[k][-1] != r:
                     seqs[k].append(r)
                 if r == stop and k not in first:
@@ -192,7 +209,8 @@ class Engine:
         self.mgr.on_request_finished(c)
         self.settle(10.0)
         return {"answers": [seqs[k] for k in keys],
-                "first_s": [first.get(k) for k in keys]}
+                "first_s": [first.get(k) for k in keys],
+                "retry_s": [retry.get(k, 0.0) for k in keys]}
 
     def read(self, keys: list[bytes]) -> list[bytes]:
         """What the worker loads into the engine: the primary tier's bytes of HIT chunks."""

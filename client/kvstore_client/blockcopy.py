@@ -19,6 +19,7 @@ slower). Without numba installed, or with KVSTORE_NO_KERNEL=1, the same fallback
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 _kernel: Any = None
 _kernel_module: Any = None     # _blockcopy_kernel, once _build() imported it
@@ -52,6 +55,10 @@ def _build() -> Any:
             _kernel_error = f"numba unavailable ({e})"
         except Exception as e:  # noqa: BLE001 - e.g. an xxhash build without the C API
             _kernel_error = f"kernel unavailable ({type(e).__name__}: {e})"
+        if _kernel_error is not None:
+            # Correct but slower; numba is a dependency, so this is a broken install: say so.
+            log.warning("kvstore: the block copy kernel did not load, copies take the numpy + "
+                        "xxhash path: %s", _kernel_error)
         return _kernel
 
 
@@ -75,6 +82,23 @@ def kernel_available() -> bool:
 def kernel_status() -> str:
     """'compiled' or why the numpy fallback is used (for benches and logs)."""
     return "compiled" if _build() is not None else str(_kernel_error)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) both copy kernels, each way: the one that
+    hashes inside the copy and the two-pass one. Raises RuntimeError when the kernel does not
+    load, so a build step can fail on it (callers at run time fall back instead)."""
+    if _build() is None:
+        raise RuntimeError(f"blockcopy kernel unavailable: {_kernel_error}")
+    x = np.arange(2 * 2 * 16 * 64, dtype=np.int16).reshape(1, 2, 2 * 16, 1, 64)
+    plan = seq_plan(x, 16)
+    pool = np.zeros(4 * plan.block_bytes + 64, dtype=np.uint8)
+    base = -_addr(pool) % 32                      # a 32-byte aligned slot takes the fused kernel
+    sums = np.zeros(2, dtype=np.uint64)
+    for offsets in ([base, base + plan.block_bytes], [base + 8, base + 8 + plan.block_bytes]):
+        for to_slots in (True, False):
+            run(plan, pool, [0, 1], offsets, to_slots, sums, 1)
+            run(plan, pool, [0, 1], offsets, to_slots, None, 1)
 
 
 # ----------------------------------------------------------------------------- threads

@@ -27,7 +27,7 @@ import msgpack
 import zmq
 from kvstore_client.common.errors import KVStoreError
 
-from ..index import GPU, HOST, SSD
+from ..entry import GPU, HOST, SSD
 from . import wire
 from .recorder import Item, Recorder
 from .relay import Relay, TokenCache

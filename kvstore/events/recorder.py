@@ -15,7 +15,7 @@ from collections.abc import Callable
 from fnmatch import fnmatchcase
 from typing import Any
 
-from ..index import GPU, HOST, REMOTE, SSD, Entry
+from ..entry import GPU, HOST, REMOTE, SSD, Entry
 from .texts import OWN, BlockText, kind_of
 
 # A queued change: (gkey, tiers, entered, gone, text). `gone`: the block holds no published

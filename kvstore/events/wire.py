@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack
 
-from ..index import GPU, HOST, SSD
+from ..entry import GPU, HOST, SSD
 
 # What each tier is to a router: GPU is a device hit, CPU a host copy (vllm-router credits it
 # 0.8 by default), STORAGE a disk copy (0.3).

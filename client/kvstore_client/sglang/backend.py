@@ -23,6 +23,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from .compat import check_sglang
+
+check_sglang()
+
+# ruff: noqa: E402  (the version check must run before SGLang's modules are imported)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from .. import blockcopy, connect
@@ -35,7 +41,7 @@ log = logging.getLogger("kvstore.sglang")
 _DEFAULT_ADDRESS = "data/kvstore.sock"
 # Extra-config keys that belong to SGLang's factory and controller, not to this backend.
 _SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "interface_v2",
-                "tp_lcm_size", "should_split_heads"}
+                "tp_lcm_size", "should_split_heads", "allocator"}
 _COUNTERS = ("exists_queries", "exists_pages", "exists_below_host", "exists_failed", "pages_set",
              "pages_set_failed", "pages_get", "pages_get_failed", "errors")
 _KNOWN = {"address", "timeout_s", "exists_deadline_s", "codec", "tenant_salt", "model_name",
@@ -88,7 +94,10 @@ class KVStoreHiCache(HiCacheStorage):
         self.last_error = ""
         self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
                                           "prefetch_bandwidth": [], "backup_bandwidth": []}
-        # MLA pages are the same on every TP rank: one writer stores them for all.
+        # MLA pages are the same on every TP rank, and one namespace serves them all: SGLang's
+        # controller backs up from the writer rank only (backup_skip). A replica rank that is
+        # asked to store anyway stores: its pages are the writer's bytes under the writer's
+        # keys, so the daemon keeps one copy, and no rank ever reports a page stored that is not.
         self.writer = bool(getattr(storage_config, "is_storage_writer", True))
         log.info("kvstore: SGLang HiCache backend on %s (tp %s/%s)", self.address,
                  getattr(storage_config, "tp_rank", 0), getattr(storage_config, "tp_size", 1))
@@ -100,8 +109,10 @@ class KVStoreHiCache(HiCacheStorage):
             self._ns = None
             try:
                 self._geo = pages.geometry(mem_pool_host)
-                self._views = pages.PageViews(mem_pool_host)
-                self._plan = self._views.kernel_plan() if blockcopy.kernel_available() else None
+                self._views = pages.views_for(mem_pool_host, self._geo)
+                self._plan = (self._views.kernel_plan()
+                              if isinstance(self._views, pages.PageViews)
+                              and blockcopy.kernel_available() else None)
                 self._disabled = None
             except Exception as e:
                 self._geo = None
@@ -219,6 +230,11 @@ class KVStoreHiCache(HiCacheStorage):
                              f"(page size {geo.page_size})")
         if self._plan is not None and all(st % geo.page_size == 0 for st in starts):
             return ns.fused_move(self._plan, to_slots, [st // geo.page_size for st in starts])
+        if isinstance(views, pages.MetaPages):
+            def move_runs(base: Any, offsets: Sequence[int], first: int) -> None:
+                for j, off in enumerate(offsets):
+                    views.copy(starts[first + j], base[off:off + geo.nbytes], to_slots)
+            return move_runs
 
         def move(base: Any, offsets: Sequence[int], first: int) -> None:
             for j, off in enumerate(offsets):
@@ -236,8 +252,6 @@ class KVStoreHiCache(HiCacheStorage):
         n = len(keys)
         if not n:
             return []
-        if not self.writer:
-            return [True] * n       # an MLA replica: the writer rank stores the same pages
         t0 = time.perf_counter()
         try:
             ns = self._guard()
@@ -280,8 +294,6 @@ class KVStoreHiCache(HiCacheStorage):
                   target_sizes: Any = None) -> bool:
         n = len(keys)
         if not n:
-            return True
-        if not self.writer:
             return True
         t0 = time.perf_counter()
         try:
@@ -371,6 +383,7 @@ class KVStoreHiCache(HiCacheStorage):
         out["checksum_failures"] = client.counters["checksum_failures"] if client else 0
         out["disabled"] = self._disabled
         out["namespace"] = self._ns.ns_id.hex() if self._ns is not None else None
+        out["codec"] = self._ns.spec.codec if self._ns is not None else None
         out["page_bytes"] = self._geo.nbytes if self._geo else 0
         out["engine_layout"] = self._geo.engine_layout if self._geo else ""
         out["copy"] = "kernel" if self._plan is not None else "numpy"

@@ -11,6 +11,11 @@ names the page's element order; it is part of the namespace, so pools of differe
 never read each other's pages. Where the order is known (SGLang's plain MHA pool), `kv_axes`
 declares it (lossy codecs may then apply); every other pool (MLA, K-only, custom) is stored as
 opaque bytes.
+
+A pool without `get_data_page` that offers SGLang's zero-copy interface instead
+(`get_page_buffer_meta`: per page, runs of pointer and size in its `kv_buffer`, what zero-copy
+backends such as Mooncake read) is addressed through that (`MetaPages`): a stored page is its
+runs in order, in a namespace of its own (":meta").
 """
 
 from __future__ import annotations
@@ -41,13 +46,15 @@ class PageGeometry:
     torch_dtype: Any
     nbytes: int          # bytes of one page (one stored block)
     format_tag: str      # the pool's own page-format tag, if it has one
+    addressing: str = "page"     # "page": get_data_page views; "meta": get_page_buffer_meta runs
 
     @property
     def engine_layout(self) -> str:
         dims = "x".join(map(str, self.shape))
         tag = f":{self.format_tag}" if self.format_tag else ""
+        meta = ":meta" if self.addressing == "meta" else ""
         return (f"sglang-hicache:{self.pool}:{self.layout}:p{self.page_size}:{dims}:"
-                f"{self.dtype}{tag}")
+                f"{self.dtype}{tag}{meta}")
 
     def declared_axes(self) -> tuple[str, dict[str, int]] | None:
         """(kv_axes, sizes) when the page's KV order is certain, else None (opaque bytes).
@@ -56,7 +63,7 @@ class PageGeometry:
         scales, sparse) lay pages out otherwise.
         """
         axes = _MHA_AXES.get(self.layout)
-        if axes is None or self.pool != "MHATokenToKVPoolHost" \
+        if axes is None or self.pool != "MHATokenToKVPoolHost" or self.addressing != "page" \
                 or self.dtype not in ("float16", "bfloat16", "float32"):
             return None
         shape = list(self.shape)
@@ -72,6 +79,8 @@ class PageGeometry:
 
 def geometry(host_pool: Any) -> PageGeometry:
     """The page geometry of a registered SGLang host pool (HostKVCache)."""
+    if not hasattr(host_pool, "get_data_page") and hasattr(host_pool, "get_page_buffer_meta"):
+        return MetaPages(host_pool).geometry()
     view = host_pool.get_data_page(0, flat=False)
     tdtype = view.dtype
     name = str(tdtype).removeprefix("torch.")
@@ -213,3 +222,68 @@ class PageViews:
         raw, off0, step, shape, strides, dt = self._fast
         return np.ndarray(shape, dt, buffer=raw, offset=off0 + start // self.page_size * step,
                           strides=strides)
+
+
+class MetaPages:
+    """A pool's pages through SGLang's zero-copy interface: `get_page_buffer_meta(indices)` lists,
+    for each page, runs of (pointer, bytes) inside the pool's `kv_buffer`. Every run is checked
+    to lie inside that buffer before a byte is copied."""
+
+    def __init__(self, host_pool: Any) -> None:
+        import torch
+        buf = getattr(host_pool, "kv_buffer", None)
+        if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" \
+                or not buf.is_contiguous():
+            raise ValueError("its kv_buffer is not one contiguous CPU tensor")
+        self.pool = host_pool
+        self.page_size = int(host_pool.page_size)
+        self.torch_dtype = buf.dtype
+        self.raw = buf.view(torch.uint8).reshape(-1).numpy()
+        self._base = self.raw.ctypes.data
+        first = self.runs(0)
+        self.sizes = [n for _, n in first]
+
+    def runs(self, start: int) -> list[tuple[int, int]]:
+        """(offset into kv_buffer, bytes) of each run of the page starting at token `start`."""
+        import torch
+        ptrs, sizes = self.pool.get_page_buffer_meta(
+            torch.arange(start, start + self.page_size, dtype=torch.int64))
+        out = []
+        for p, n in zip(ptrs, sizes, strict=True):
+            off, n = int(p) - self._base, int(n)
+            if n <= 0 or off < 0 or off + n > self.raw.nbytes:
+                raise ValueError(f"page {start}: a run of {n} bytes at {int(p):#x} is outside "
+                                 "the pool's buffer")
+            out.append((off, n))
+        if hasattr(self, "sizes") and [n for _, n in out] != self.sizes:
+            raise ValueError(f"page {start} has runs of {[n for _, n in out]} bytes, page 0 "
+                             f"of {self.sizes}")
+        return out
+
+    def geometry(self) -> PageGeometry:
+        nbytes = sum(self.sizes)
+        item = self.torch_dtype.itemsize
+        uniform = len(set(self.sizes)) == 1 and self.sizes[0] % item == 0
+        shape = (len(self.sizes), self.sizes[0] // item) if uniform else (nbytes // item,)
+        name = str(self.torch_dtype).removeprefix("torch.")
+        return PageGeometry(pool=type(self.pool).__name__, layout=str(self.pool.layout),
+                            page_size=self.page_size, shape=shape,
+                            dtype=_DTYPES.get(name, "uint8"), torch_dtype=self.torch_dtype,
+                            nbytes=nbytes,
+                            format_tag=str(getattr(self.pool, "storage_format_tag", "") or ""),
+                            addressing="meta")
+
+    def copy(self, start: int, slot: np.ndarray, to_slot: bool) -> None:
+        """Copy the page at token `start` into `slot` (its bytes, uint8), or back."""
+        pos = 0
+        for off, n in self.runs(start):
+            if to_slot:
+                slot[pos:pos + n] = self.raw[off:off + n]
+            else:
+                self.raw[off:off + n] = slot[pos:pos + n]
+            pos += n
+
+
+def views_for(host_pool: Any, geo: PageGeometry) -> PageViews | MetaPages:
+    """How the backend reaches the pool's pages, as its geometry says."""
+    return MetaPages(host_pool) if geo.addressing == "meta" else PageViews(host_pool)

@@ -1,9 +1,19 @@
 """The namespace an engine's offloaded chunks live in.
 
-A vLLM primary-tier chunk is opaque bytes in vLLM's layout: every worker's pages for the chunk's
-blocks, worker after worker. Chunks are interchangeable only between engines with the same
-model, cache dtype, layout, chunking and parallel topology, and the same key space
-(keyspace.py), so all of those name the namespace.
+A vLLM primary-tier chunk is opaque bytes in vLLM's layout. Chunks are interchangeable only
+between engines with the same model, cache dtype, layout, chunking and key space (keyspace.py),
+and, unless vLLM's layout makes them independent of it, the same parallel topology; all of
+those name the namespace.
+
+Which chunks are independent of the parallel topology follows vLLM's own storage identity
+(`vllm.v1.kv_offload.file_mapper.FileMapper`), narrowed where the bytes say otherwise:
+- a replicated layout (MLA latent KV, the same on every TP rank) stores one copy per chunk:
+  shared across TP sizes;
+- the canonical layout with `is_parallelism_agnostic` stores topology-free canonical pages (each
+  worker writes its own heads into one shared page): shared across parallel layouts;
+- the direct layout is each worker's cell in rank order, every cell holding all of that
+  worker's layers, so a TP=2 chunk is not the bytes of a TP=4 chunk even where vLLM calls the
+  configuration parallelism-agnostic: the TP, PP, PCP and DCP sizes stay in its namespace.
 
 Lossy codecs need to know which bytes are K and V of which head. That is declared only where it
 can be checked: one worker, one block per chunk, a backend whose block interior is known, and a
@@ -15,9 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
+
+import blake3
 
 from ..common.layout import DTYPE_BYTES, KVLayout
 
@@ -31,6 +44,10 @@ _DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
            "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "fp8": "fp8_e4m3"}
 
 
+class BadGeometry(ValueError):
+    """The chunk geometry derived from vLLM's spec and primary tier cannot be right."""
+
+
 @dataclass(frozen=True)
 class ChunkGeometry:
     """What the tier knows of one primary-tier chunk."""
@@ -39,14 +56,52 @@ class ChunkGeometry:
     nbytes: int          # bytes of KV in a chunk (what is stored)
 
 
+def _count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise BadGeometry(f"kvstore's vLLM tier: vLLM's {name} is {value!r}, not an integer "
+                          f">= {minimum}; refusing to derive a chunk size from it")
+    return int(value)
+
+
+def replicated(spec: Any) -> bool:
+    """Whether a chunk holds one copy for every worker (vLLM's replicated layout)."""
+    own = getattr(spec, "replicated_layout", None)      # what the spec laid out, where it says
+    if isinstance(own, bool):
+        return own
+    return bool(getattr(spec.config, "replicated_layout", False))
+
+
 def chunk_geometry(spec: Any, stride: int) -> ChunkGeometry:
+    """The chunk's size, from vLLM's config, checked against the primary tier's row stride.
+
+    A chunk is `worker_kv_bytes_per_block` x copies (1 when replicated, else the world size) x
+    blocks per chunk, as vLLM's CPU spec sizes it; where the config does not say
+    (`worker_kv_bytes_per_block` 0) it is the whole row, as vLLM's own tiers store it. A size
+    that is not an integer, or a chunk larger than its row, is refused with one line.
+    """
     cfg = spec.config
-    copies = 1 if getattr(spec, "replicated_layout", False) else cfg.parallel.world_size
-    page = int(getattr(spec, "cpu_page_size_per_worker", 0) or 0)
-    nbytes = page * copies if page else stride
-    if not 0 < nbytes <= stride:
-        nbytes = stride
+    stride = _count("primary tier row stride", stride, 1)
+    per_block = _count("worker_kv_bytes_per_block", cfg.worker_kv_bytes_per_block, 0)
+    world = _count("parallel.world_size", cfg.parallel.world_size, 1)
+    bpc = _count("cache.blocks_per_chunk", cfg.cache.blocks_per_chunk, 1)
+    if per_block == 0:
+        return ChunkGeometry(stride, stride)
+    nbytes = per_block * (1 if replicated(spec) else world) * bpc
+    if nbytes > stride:
+        raise BadGeometry(
+            f"kvstore's vLLM tier: a chunk of {nbytes} bytes ({per_block} per worker block) "
+            f"does not fit the primary tier's {stride}-byte rows; refusing to store truncated "
+            "chunks")
     return ChunkGeometry(stride, nbytes)
+
+
+def shares_across_parallel_layouts(spec: Any) -> bool:
+    """Whether this engine's chunks are the same bytes under any parallel topology."""
+    cfg = spec.config
+    if replicated(spec):
+        return True
+    return bool(getattr(cfg, "canonical_layout", False)) \
+        and bool(getattr(cfg.parallel, "is_parallelism_agnostic", False))
 
 
 def _model_kv(model: str) -> tuple[int, int] | None:
@@ -72,6 +127,8 @@ def declared_axes(spec: Any, nbytes: int, dtype: str, kv_heads: int | None,
     why = None
     if interior is None:
         why = f"the backend layout {cfg.kv_cache_layout!r} is not one kvstore knows"
+    elif getattr(cfg, "canonical_layout", False):
+        why = "the canonical layout's block interior is not one kvstore declares"
     elif cfg.parallel.world_size != 1 or cfg.cache.blocks_per_chunk != 1:
         why = "chunks span several workers or blocks"
     elif dtype not in DTYPE_BYTES:
@@ -91,6 +148,31 @@ def declared_axes(spec: Any, nbytes: int, dtype: str, kv_heads: int | None,
     return None
 
 
+def _canonical_format(cfg: Any) -> str:
+    """vLLM's id of the canonical byte format (its version and layout family)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+            canonical_format_id,
+        )
+        return canonical_format_id(str(cfg.kv_cache_layout))
+    except Exception:                   # a vLLM without it, or a layout it does not name
+        return f"unknown-{cfg.kv_cache_layout}"
+
+
+def engine_layout(spec: Any) -> str:
+    """The chunk layout's name: backend layout, chunking, groups, copies, canonical format."""
+    cfg = spec.config
+    groups = [[g.tokens_per_block, list(g.layer_names)] for g in cfg.groups]
+    digest = blake3.blake3(json.dumps(groups, separators=(",", ":")).encode()).hexdigest()[:12]
+    name = (f"vllm-offload:{cfg.kv_cache_layout or 'default'}:bpc{cfg.cache.blocks_per_chunk}"
+            f":tph{cfg.cache.tokens_per_hash}:g{digest}")
+    if replicated(spec):
+        name += ":replicated"
+    if getattr(cfg, "canonical_layout", False):
+        name += f":canonical-{_canonical_format(cfg)}"
+    return name
+
+
 def namespace_args(spec: Any, geometry: ChunkGeometry, scheme: str, codec: str,
                    tenant_salt: str, kv_heads: int | None = None,
                    head_dim: int | None = None) -> dict[str, Any]:
@@ -98,25 +180,23 @@ def namespace_args(spec: Any, geometry: ChunkGeometry, scheme: str, codec: str,
     cfg = spec.config
     dtype = _DTYPES.get(cfg.model.dtype, "uint8")
     par = cfg.parallel
-    flags = "".join(f":{name}" for name, on in (
-        ("replicated", getattr(spec, "replicated_layout", False)),
-        ("canonical", getattr(cfg, "canonical_layout", False))) if on)
-    engine_layout = (f"vllm-offload:{cfg.kv_cache_layout or 'default'}"
-                     f":bpc{cfg.cache.blocks_per_chunk}:tph{cfg.cache.tokens_per_hash}"
-                     f":ws{par.world_size}{flags}")
+    name = engine_layout(spec)
     geo = None
     if codec != "lossless":
         geo = declared_axes(spec, geometry.nbytes, dtype, kv_heads, head_dim)
         if geo is None:
             codec = "lossless"
     if geo is None:
-        layout = KVLayout(0, 0, 0, 0, dtype, engine_layout=engine_layout,
+        layout = KVLayout(0, 0, 0, 0, dtype, engine_layout=name,
                           block_bytes_opaque=geometry.nbytes)
     else:
         axes, layers, tokens, heads, dim = geo
-        layout = KVLayout(layers, heads, dim, tokens, dtype, engine_layout=engine_layout,
+        layout = KVLayout(layers, heads, dim, tokens, dtype, engine_layout=name,
                           block_bytes_opaque=geometry.nbytes, kv_axes=axes)
-    extra = {"tp": str(par.tp_size), "pp": str(par.pp_size), "pcp": str(par.pcp_size),
-             "dcp": str(par.dcp_size), "world": str(par.world_size)}
+    if shares_across_parallel_layouts(spec):
+        extra = {"parallel": "any"}
+    else:
+        extra = {"tp": str(par.tp_size), "pp": str(par.pp_size), "pcp": str(par.pcp_size),
+                 "dcp": str(par.dcp_size), "world": str(par.world_size)}
     return dict(layout=layout, model=cfg.model.name, codec=codec, hash_scheme=scheme,
                 tenant_salt=tenant_salt, shard_rank=0, shard_size=1, extra=extra)

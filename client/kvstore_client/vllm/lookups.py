@@ -101,6 +101,10 @@ class Lookups:
         """Whether answers are still to come (vLLM keeps stepping while a tier says so)."""
         return bool(self._waiting)
 
+    def waiting_keys(self) -> list[bytes]:
+        """Keys asked about whose answer is not in yet."""
+        return list(self._waiting.copy())      # one C-level copy: safe against the thread
+
     def forget(self, keys: Sequence[bytes]) -> None:
         """Drop cached answers (after this engine stored or failed to load these keys)."""
         for k in keys:

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -32,9 +32,11 @@ check_vllm()
 
 # ruff: noqa: E402  (the version check must run before vLLM's modules are imported)
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingMetricMetadata,
     ReqContext,
     RequestOffloadingContext,
@@ -70,6 +72,10 @@ _METRICS = {
 }
 
 
+# Keys announced in stored events whose removal the tier would report, at most this many (the
+# oldest are forgotten first; a few MiB of the scheduler's memory).
+MAX_ANNOUNCED = 1 << 16
+
 _INSTANCES: weakref.WeakSet = weakref.WeakSet()
 # A queued transfer: (job, folded keys, primary-tier chunk ids, submit time).
 _Queued = tuple[TransferJob, list[bytes], list[int], float]
@@ -88,7 +94,13 @@ class KVStoreTier(SecondaryTierManager):
     transfer RPC), lookup_deadline_s (a lookup unanswered this long is a miss),
     allow_process_local (run even when vLLM's block hashes are seeded per process), kv_heads and
     head_dim (the KV geometry, where the model folder has no config.json), io_threads,
-    failed_hold_s (chunks whose load failed answer MISS this long, so vLLM recomputes them).
+    failed_hold_s (chunks whose load failed answer MISS this long, so vLLM recomputes them),
+    enable_kv_events (emit vLLM's OffloadingEvent for stored chunks, and for announced chunks
+    the tier later finds gone, when vLLM's KV events are on), locality ("LOCAL" or "REMOTE",
+    the events' locality), hit_ttl_s (how long a HIT answer is reused before the daemon is asked
+    again).
+
+    Hits are served from the daemon's host memory, hence the CPU medium.
     """
 
     medium = Medium.CPU
@@ -98,9 +110,11 @@ class KVStoreTier(SecondaryTierManager):
                  codec: str = "lossless", tenant_salt: str = "", timeout_s: float = 5.0,
                  lookup_deadline_s: float = 1.0, allow_process_local: bool = False,
                  kv_heads: int | None = None, head_dim: int | None = None,
-                 io_threads: int = 2, failed_hold_s: float = 10.0, **unknown: Any) -> None:
+                 io_threads: int = 2, failed_hold_s: float = 10.0,
+                 enable_kv_events: bool = False, locality: str | None = None,
+                 hit_ttl_s: float = 10.0, **unknown: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        unknown.pop("locality", None)
+        self.locality = Locality(locality) if locality is not None else None
         if unknown:
             log.warning("kvstore: ignoring unknown vLLM tier settings %s", sorted(unknown))
         self.address = address or os.environ.get("KVSTORE_ADDRESS") or _DEFAULT_ADDRESS
@@ -113,6 +127,20 @@ class KVStoreTier(SecondaryTierManager):
         arr = np.asarray(primary_kv_view)
         self._chunks = arr.view(np.uint8).reshape(arr.shape[0], -1)
         self.geometry = identity.chunk_geometry(offloading_spec, self._chunks.shape[1])
+        self.num_chunks = int(self._chunks.shape[0])
+        # vLLM's KV events: stored chunks as jobs succeed, and announced chunks the tier later
+        # finds gone; None unless asked for here and enabled in vLLM (as its own tiers do).
+        self.events: list[OffloadingEvent] | None = None
+        if enable_kv_events:
+            events_config = getattr(offloading_spec, "kv_events_config", None)
+            if getattr(events_config, "enable_kv_cache_events", False) is True:
+                self.events = []
+            else:
+                log.warning("kvstore: enable_kv_events is set on the tier but vLLM's KV cache "
+                            "events are off; the tier emits none")
+        self._event_keys: dict[int, list[Any]] = {}        # store job -> its offload keys
+        self._announced: OrderedDict[bytes, Any] = OrderedDict()   # folded -> offload key
+        self._events_lock = threading.Lock()
         # One pass per byte (copy and checksum fused, on the client's copy threads) where the
         # compiled kernel is available; numpy copies plus a separate checksum pass otherwise.
         self._plan = (blockcopy.rows_plan(self._chunks, self.geometry.nbytes)
@@ -131,7 +159,8 @@ class KVStoreTier(SecondaryTierManager):
         self.counters: Counter = Counter()
         self._reported: Counter = Counter()
         self._req_keys: dict[str, list[bytes]] = {}
-        self._lookups = Lookups(self._locate, deadline_s=float(lookup_deadline_s))
+        self._lookups = Lookups(self._locate, deadline_s=float(lookup_deadline_s),
+                                hit_ttl_s=float(hit_ttl_s))
         self._created = time.monotonic()
         _INSTANCES.add(self)
         log.info("kvstore: vLLM tier on %s, %d-byte chunks, codec %s", self.address,
@@ -205,6 +234,7 @@ class KVStoreTier(SecondaryTierManager):
             self._failed(e)
             raise
         self._ok()
+        self._gone([k for k, w in zip(keys, where, strict=True) if w is None])
         return where
 
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
@@ -219,15 +249,30 @@ class KVStoreTier(SecondaryTierManager):
         self._submit(job_metadata, self._load)
 
     def _submit(self, job: TransferJob, fn: Any) -> None:
+        t0 = time.monotonic()
         keys = [keyspace.fold_key(k) for k in job.keys]
         chunks = [int(c) for c in np.asarray(job.chunk_ids).reshape(-1)]
         rid = job.req_context.req_id if job.req_context is not None else None
         if rid is not None:
             self._req_keys.setdefault(rid, []).extend(keys)
+        if self.events is not None and not job.is_promotion:
+            with self._events_lock:
+                self._event_keys[job.job_id] = list(job.keys)
+        bad = len(chunks) != len(keys) or any(not 0 <= c < self.num_chunks for c in chunks)
+        if bad or not keys:
+            # Nothing to move (an empty job), or chunk ids outside the primary tier: the job
+            # ends here, alone, so it neither touches memory it must not nor fails other jobs.
+            if bad:
+                log.warning("kvstore: job %s names %d chunks for %d keys, or chunks outside the "
+                            "primary tier's %d; failing it", job.job_id, len(chunks), len(keys),
+                            self.num_chunks)
+                self.counters["load_failed" if job.is_promotion else "store_failed"] += len(keys)
+            self._finish(job, JobResult(job.job_id, not bad), t0)
+            return
         done: Future = Future()
         with self._lock:
             self._jobs[job.job_id] = done
-            self._queued[fn].append((job, keys, chunks, time.monotonic()))
+            self._queued[fn].append((job, keys, chunks, t0))
         self._io.submit(self._drain_queue, fn)
 
     def _drain_queue(self, fn: Any) -> None:
@@ -242,6 +287,8 @@ class KVStoreTier(SecondaryTierManager):
 
     def _finish(self, job: TransferJob, result: JobResult, t0: float) -> None:
         result.transfer_time = time.monotonic() - t0
+        if self.events is not None and not job.is_promotion:
+            self._announce(job.job_id, result.success)
         with self._lock:
             self._finished.append(result)
             done = self._jobs.pop(job.job_id, None)
@@ -255,8 +302,7 @@ class KVStoreTier(SecondaryTierManager):
             self.counters["load_failed" if job.is_promotion else "store_failed"] += len(keys)
             if job.is_promotion:
                 self._lookups.hold_misses(keys, self.failed_hold_s)
-            self._finish(job, JobResult(job.job_id, False, successful_keys=()
-                                        if job.is_promotion else None), t0)
+            self._finish(job, JobResult(job.job_id, False), t0)
 
     def _mover(self, ns: Any, chunks: list[int], to_slots: bool) -> Any:
         """The fill (to_slots) or drain between the primary tier's chunks and pool slots: the
@@ -320,8 +366,12 @@ class KVStoreTier(SecondaryTierManager):
             self.counters["load_failed"] += len(ks) - got
             if ns.client.counters["checksum_failures"] != bad_sums:
                 self._drop_corrupt(ns, ks[got])
+            self._gone(ks[got:got + 1])     # the daemon answered: missing, or dropped as corrupt
             self._lookups.hold_misses(ks[got:], self.failed_hold_s)
-            self._finish(job, JobResult(job.job_id, False, successful_keys=list(job.keys)[:got],
+            # tiering/base.py: successful_keys names the keys that did load on a partial
+            # failure; None when none did (every key shares the job's fate).
+            ok_keys = list(job.keys)[:got] or None
+            self._finish(job, JobResult(job.job_id, False, successful_keys=ok_keys,
                                         transfer_bytes=got * nb), t0)
             return batch[i + 1:]
         return []
@@ -337,6 +387,43 @@ class KVStoreTier(SecondaryTierManager):
         except Exception as e:
             log.warning("kvstore: could not drop block %s that failed its checksum: %s",
                         key.hex()[:16], e)
+
+    # -- KV events --------------------------------------------------------------------------
+    def _announce(self, job_id: int, success: bool) -> None:
+        """A finished store job: its keys become one stored event when it succeeded."""
+        with self._events_lock:
+            keys = self._event_keys.pop(job_id, None)
+            if not success or not keys or self.events is None:
+                return
+            self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=False,
+                                               locality=self.locality))
+            for k in keys:
+                folded = keyspace.fold_key(k)
+                self._announced[folded] = k
+                self._announced.move_to_end(folded)
+            while len(self._announced) > MAX_ANNOUNCED:
+                self._announced.popitem(last=False)
+
+    def _gone(self, folded: list[bytes]) -> None:
+        """Announced keys the tier found gone (a lookup or load missed them): removed events.
+
+        The tier learns of a removal only when it asks about the key again; the daemon's own
+        event stream reports every eviction as it happens (docs/vllm.md, "KV events").
+        """
+        if self.events is None or not folded:
+            return
+        with self._events_lock:
+            keys = [self._announced.pop(f) for f in folded if f in self._announced]
+            if keys:
+                self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=True,
+                                                   locality=self.locality))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.events is None:
+            return []
+        with self._events_lock:
+            out, self.events = self.events, []
+        return out
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._lock:

@@ -1,0 +1,66 @@
+"""Handlers that manage what is stored rather than move it: delete, retention hints, evict,
+flush and statistics.
+
+Why together: with tenants each acts only within the caller's scope (`Auth.scope()`: the
+namespaces it owns, or everything for an admin), so a tenant can neither see nor evict nor
+flush another's blocks; without tenants the scope is everything.
+"""
+
+from __future__ import annotations
+
+from kvstore_client._proto import kvstore_pb2 as pb
+from kvstore_client.common.errors import InvalidArgument
+
+from ..scoped import scoped_stats
+from .replies import stats_to_proto
+from .state import CallState
+from .validate import TIERS, check_keys, check_ns, parse_request
+
+
+class AdminCalls:
+    def __init__(self, state: CallState) -> None:
+        self.s = state
+
+    def Delete(self, raw: bytes) -> pb.DeleteResponse:
+        req = parse_request(pb.DeleteRequest, raw)
+        ns = check_ns(req.namespace_id)
+        self.s.auth.check_ns(ns)
+        if req.all and req.keys:
+            raise InvalidArgument("pass either keys or all=true, not both")
+        if not req.all and not req.keys:
+            raise InvalidArgument("nothing to delete: pass keys, or all=true for the whole "
+                                  "namespace")
+        keys = None if req.all else check_keys(req.keys)
+        return pb.DeleteResponse(deleted=int(self.s.store.delete(ns, keys)))
+
+    def Retain(self, raw: bytes) -> pb.RetainResponse:
+        req = parse_request(pb.RetainRequest, raw)
+        ns = check_ns(req.namespace_id)
+        self.s.auth.check_ns(ns)
+        keys = check_keys(req.keys)
+        return pb.RetainResponse(blocks=int(self.s.store.retain(ns, keys, req.level)))
+
+    def Evict(self, raw: bytes) -> pb.EvictResponse:
+        req = parse_request(pb.EvictRequest, raw)
+        if req.tier not in TIERS:
+            raise InvalidArgument(f"tier {req.tier[:40]!r} is not one of {list(TIERS)}")
+        scope = self.s.auth.scope()
+        store = self.s.store
+        res = (store.evict(req.tier, int(req.bytes)) if scope is None
+               else store.evict(req.tier, int(req.bytes), only=scope))
+        freed, blocks = res if isinstance(res, tuple) else (res, 0)
+        return pb.EvictResponse(freed_bytes=int(freed), blocks=int(blocks))
+
+    def Flush(self, raw: bytes) -> pb.FlushResponse:
+        parse_request(pb.FlushRequest, raw)
+        scope = self.s.auth.scope()
+        done = self.s.store.flush() if scope is None else self.s.store.flush(only=scope)
+        return pb.FlushResponse(demoted=int(done or 0))
+
+    def Stats(self, raw: bytes) -> pb.StatsResponse:
+        parse_request(pb.StatsRequest, raw)
+        scope = self.s.auth.scope()
+        store = self.s.store
+        if scope is None:
+            return stats_to_proto(store.stats(), store.daemon_id)
+        return stats_to_proto(scoped_stats(store, scope), store.daemon_id)

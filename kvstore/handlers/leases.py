@@ -1,0 +1,179 @@
+"""Handlers of the slot path: reserve, commit, acquire, release and renew leases over pool
+slots, and the fused calls that look a prefix up and take its lease in one round trip.
+
+Why together: each hands out or ends a lease whose slots the client maps and copies through,
+so each checks the same things (tier, ttl, the caller owns the namespace or lease) and answers
+leases the same way (CallState.lease_out). Finished read leases may ride on a later call
+(`release_leases`): an engine loading batch after batch saves a Release round trip each.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from kvstore_client._proto import kvstore_pb2 as pb
+from kvstore_client.common.errors import InvalidArgument, KVStoreError, LeaseExpired
+
+from .state import CallState
+from .validate import (
+    check_count,
+    check_keys,
+    check_lease_id,
+    check_ns,
+    check_parent,
+    check_slot_tier,
+    check_ttl,
+    parse_request,
+)
+
+log = logging.getLogger("kvstore.server")
+
+MAX_RESERVE_AHEAD = 1 << 12   # slots one Commit may reserve for the next store
+
+
+class LeaseCalls:
+    def __init__(self, state: CallState) -> None:
+        self.s = state
+
+    def Reserve(self, raw: bytes) -> pb.ReserveResponse:
+        s = self.s
+        req = parse_request(pb.ReserveRequest, raw)
+        ns = check_ns(req.namespace_id)
+        s.auth.check_ns(ns)
+        n = check_count(req.count)
+        tier = check_slot_tier(req.tier, s.gpu_enabled)
+        s.auth.check_tier(tier)
+        ttl = check_ttl(req.ttl_s, s.max_ttl_s)
+        dev = {"device": req.device} if req.HasField("device") else {}
+        lease = s.store.reserve(ns, n, tier=tier, ttl_s=ttl, **dev)
+        return pb.ReserveResponse(lease=s.lease_out(lease))
+
+    def Commit(self, raw: bytes) -> pb.CommitResponse:
+        s = self.s
+        req = parse_request(pb.CommitRequest, raw)
+        self._release_carried(req.release_leases)
+        lease_id = check_lease_id(req.lease_id)
+        s.auth.check_lease(lease_id)
+        keys = check_keys(req.keys, allow_empty=True, distinct=True)
+        parent = check_parent(req.parent)
+        if req.checksums and len(req.checksums) != len(keys):
+            raise InvalidArgument(f"{len(req.checksums)} checksums for {len(keys)} keys; send "
+                                  "one per key or none")
+        lease = s.store.leases.find(lease_id) if req.reserve_next else None
+        tokens = {"token_ids": req.token_ids} if req.token_ids else {}
+        res = s.store.commit(lease_id, keys, parent=parent,
+                             checksums=list(req.checksums) or None,
+                             first_slot=req.first_slot, **tokens)
+        resp = pb.CommitResponse(stored=res.stored, duplicates=res.duplicates)
+        if lease is not None and lease.tier == "host":
+            self._reserve_ahead(resp, lease.ns_id, req)
+        return resp
+
+    def _reserve_ahead(self, resp: pb.CommitResponse, ns_id: bytes, req: Any) -> None:
+        """The write lease for the client's next store, in this Commit's answer. Why: an
+        engine stores batch after batch, and reserving the next batch's slots here saves that
+        store a round trip. It takes only free room (nothing is evicted for a store that may
+        not come); a pool without it answers without one: the client reserves as before, and
+        the commit that just succeeded is not failed by a reservation it only asked for
+        ahead."""
+        s = self.s
+        n = min(int(req.reserve_next), MAX_RESERVE_AHEAD)
+        ttl = check_ttl(req.next_ttl_s, s.max_ttl_s)
+        try:
+            nxt = s.store.reserve(ns_id, n, tier="host", ttl_s=ttl, ahead=True)
+        except KVStoreError as e:
+            s.store.counters["reserve_ahead_refused"] += 1
+            log.debug("reserve-ahead of %d slots refused: %s", n, e)
+            return
+        s.store.counters["reserve_ahead"] += 1
+        resp.next_lease.CopyFrom(s.lease_out(nxt))
+
+    def Acquire(self, raw: bytes) -> pb.AcquireResponse:
+        s = self.s
+        req = parse_request(pb.AcquireRequest, raw)
+        self._release_carried(req.release_leases)
+        ns = check_ns(req.namespace_id)
+        s.auth.check_ns(ns)
+        keys = check_keys(req.keys)
+        tier = check_slot_tier(req.tier, s.gpu_enabled)
+        s.auth.check_tier(tier)
+        ttl = check_ttl(req.ttl_s, s.max_ttl_s)
+        dev = {"device": req.device} if req.HasField("device") else {}
+        lease = s.store.acquire(ns, keys, tier=tier, ttl_s=ttl, **dev)
+        return pb.AcquireResponse(lease=s.lease_out(lease))
+
+    def _release_carried(self, lease_ids: Iterable[str]) -> None:
+        """Release the leases a call carries (the client's finished loads), as Release would;
+        one it no longer holds (expired, or the daemon restarted) is already free."""
+        s = self.s
+        for raw_id in lease_ids:
+            lease_id = check_lease_id(raw_id)
+            s.auth.check_lease(lease_id)
+            try:
+                s.store.release(lease_id, missing_ok=True)
+            except LeaseExpired:
+                continue                # reaped at its deadline: its slots are free already
+            s.store.counters["releases_carried"] += 1
+
+    def Release(self, raw: bytes) -> pb.ReleaseResponse:
+        req = parse_request(pb.ReleaseRequest, raw)
+        lease_id = check_lease_id(req.lease_id)
+        self.s.auth.check_lease(lease_id)
+        self.s.store.release(lease_id)
+        return pb.ReleaseResponse()
+
+    def RenewLease(self, raw: bytes) -> pb.RenewLeaseResponse:
+        s = self.s
+        req = parse_request(pb.RenewLeaseRequest, raw)
+        lease_id = check_lease_id(req.lease_id)
+        s.auth.check_lease(lease_id)
+        ttl = check_ttl(req.ttl_s, s.max_ttl_s)
+        return pb.RenewLeaseResponse(deadline=s.store.renew(lease_id, ttl))
+
+    # -- fused calls: one round trip where the protocol allows ---------------------------------
+    def _fused_lookup(self, req: Any) -> tuple[bytes, list[bytes], str, float, Any]:
+        """The checks and the lookup both fused calls start with."""
+        s = self.s
+        ns = check_ns(req.namespace_id)
+        s.auth.check_ns(ns)
+        keys = check_keys(req.keys)
+        tier = check_slot_tier(req.tier, s.gpu_enabled)
+        s.auth.check_tier(tier)
+        ttl = check_ttl(req.ttl_s, s.max_ttl_s)
+        return ns, keys, tier, ttl, s.lookup(ns, keys)
+
+    def LookupReserve(self, raw: bytes) -> pb.LookupReserveResponse:
+        """Lookup, then Reserve slots for the missing keys (at most max_slots)."""
+        s = self.s
+        req = parse_request(pb.LookupReserveRequest, raw)
+        ns, keys, tier, ttl, res = self._fused_lookup(req)
+        resp = pb.LookupReserveResponse(
+            prefix_blocks=res.prefix_blocks,
+            per_tier={str(k): int(v) for k, v in res.per_tier.items()})
+        missing = len(keys) - res.prefix_blocks
+        if missing > 0:
+            n = min(missing, req.max_slots) if req.max_slots else missing
+            dev = {"device": req.device} if req.HasField("device") else {}
+            lease = s.store.reserve(ns, check_count(n), tier=tier, ttl_s=ttl, **dev)
+            resp.lease.CopyFrom(s.lease_out(lease))
+        return resp
+
+    def LookupAcquire(self, raw: bytes) -> pb.LookupAcquireResponse:
+        """Lookup, then Acquire the cached prefix under a read lease."""
+        s = self.s
+        req = parse_request(pb.LookupAcquireRequest, raw)
+        self._release_carried(req.release_leases)
+        ns, keys, tier, ttl, res = self._fused_lookup(req)
+        resp = pb.LookupAcquireResponse(
+            prefix_blocks=res.prefix_blocks,
+            per_tier={str(k): int(v) for k, v in res.per_tier.items()})
+        if res.prefix_blocks:
+            dev = {"device": req.device} if req.HasField("device") else {}
+            lease = s.store.acquire(ns, keys[:res.prefix_blocks], tier=tier, ttl_s=ttl, **dev)
+            if lease.slots:
+                resp.lease.CopyFrom(s.lease_out(lease))
+            else:                       # nothing could be pinned: hold nothing
+                s.store.release(lease.id, missing_ok=True)
+        return resp

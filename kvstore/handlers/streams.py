@@ -1,0 +1,133 @@
+"""Handlers of the bytes path: Put and Get stream block bytes through gRPC messages, for clients
+that cannot map the daemon's pools (another host, a tenant without its own pool).
+
+Put is a client stream: each message's blocks continue the prefix chain of the previous
+message, and a block too big for one message (the receive limit is 4 MiB by default) arrives
+alone, in pieces, each piece growing the block only as its bytes arrive (kvstore.proto,
+PutRequest). Its messages are parsed by kvstore/put_wire.py, which refuses as it reads.
+
+Get is a server stream of the longest cached prefix in batches of about GET_BATCH_BYTES, each
+block copied out of the host pool and checked against its commit checksum in one pass, the
+next batch built while the previous one is sent (kvstore/getcopy.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+from kvstore_client._proto import kvstore_pb2 as pb
+from kvstore_client.common.errors import InvalidArgument
+
+from .. import gate, getcopy
+from ..put_wire import parse_put
+from .state import CallState
+from .validate import check_keys, check_ns, check_parent, parse_request
+
+GET_BATCH_BYTES = 4 << 20     # block bytes per Get stream message
+
+
+class StreamCalls:
+    def __init__(self, state: CallState) -> None:
+        self.s = state
+        self._pool_lock = threading.Lock()
+        self._reader: ThreadPoolExecutor | None = None   # Get's read-ahead (getcopy.stream)
+
+    def Put(self, raws: Iterator[bytes]) -> pb.PutResponse:
+        """Client stream: each message's blocks continue the chain of the previous message; a
+        block too big for one message arrives alone, in pieces (kvstore.proto, PutRequest)."""
+        s = self.s
+        ns: bytes | None = None
+        prev: bytes | None = None      # parent of the next block
+        stored = dups = 0
+        block_bytes: int | None = None
+        split: tuple[bytes, bytearray, int] | None = None   # (key, bytes so far, message)
+
+        def sizer(ns_id: bytes) -> int | None:
+            s.auth.check_ns(check_ns(ns_id, "namespace_id (first Put message)"))
+            return s.block_bytes(ns_id)
+        for m, raw in enumerate(raws):
+            need = block_bytes - len(split[1]) if split is not None and block_bytes else 0
+            msg = parse_put(raw, block_bytes, sizer if m == 0 else None, f"message {m}", need)
+            if m == 0:
+                ns = check_ns(msg.ns, "namespace_id (first Put message)")
+                s.auth.check_ns(ns)
+                prev = check_parent(msg.parent, "parent (first Put message)")
+                block_bytes = s.block_bytes(ns)
+            else:
+                if msg.ns and msg.ns != ns:
+                    raise InvalidArgument(f"Put message {m} names another namespace; one Put "
+                                          "stream writes one namespace")
+                if msg.parent and msg.parent != prev:
+                    raise InvalidArgument(f"Put message {m}: parent must be empty (the chain "
+                                          "continues from the previous message's last key)")
+            blocks = msg.blocks
+            if msg.piece is not None:
+                key, data = msg.piece
+                if split is None:               # a split block begins
+                    if not key:
+                        raise InvalidArgument(f"message {m} blocks[0] has no key, and no split "
+                                              "block is open for it to continue")
+                    if block_bytes is None:
+                        raise InvalidArgument(f"message {m} blocks[0].data is {len(data)} "
+                                              "bytes; a namespace's blocks have one size")
+                    split = (key, bytearray(data), m)
+                else:                           # grows only as its bytes arrive
+                    split[1].extend(data)
+                if block_bytes is None or len(split[1]) < block_bytes:
+                    continue
+                blocks = [(split[0], memoryview(split[1]))]
+                split = None
+            if not blocks:
+                continue
+            keys = check_keys((k for k, _ in blocks), f"message {m} blocks[].key",
+                              distinct=True)
+            res = s.store.put(ns, keys, [d for _, d in blocks], parent=prev)
+            stored += res.stored
+            dups += res.duplicates
+            prev = keys[-1]
+        gate.received()
+        if split is not None:
+            raise InvalidArgument(f"message {split[2]} blocks[0].data is {len(split[1])} "
+                                  f"bytes; this namespace's blocks are {block_bytes} bytes, and "
+                                  "the stream ended before the rest of that block arrived")
+        return pb.PutResponse(stored=stored, duplicates=dups)
+
+    def Get(self, raw: bytes) -> Iterator[bytes | pb.GetResponse]:
+        """The longest cached prefix, fetched and sent in ~GET_BATCH_BYTES messages to bound
+        memory."""
+        s = self.s
+        req = parse_request(pb.GetRequest, raw)
+        ns = check_ns(req.namespace_id)
+        s.auth.check_ns(ns)
+        keys = check_keys(req.keys)
+        bb = s.block_bytes(ns)
+        per = max(1, GET_BATCH_BYTES // bb) if bb else 1
+        sent = False
+        for msg in self._get_batches(ns, keys, per, s.store.config.host.verify_reads):
+            sent = True
+            yield msg
+        if not sent:
+            yield pb.GetResponse()
+
+    def _get_batches(self, ns: bytes, keys: list[bytes], per: int, check: bool
+                     ) -> Iterator[bytes]:
+        """Encoded GetResponses of the longest cached prefix, each block's copy checked against
+        its commit checksum (kvstore/getcopy.py); a block that fails ends the stream there."""
+        store = self.s.store
+
+        def read(chunk: list[bytes]) -> getcopy.Reply:
+            return store.read_prefix(
+                ns, chunk, lambda views, sums: getcopy.encode(views, sums, check))
+
+        def report(key: bytes) -> None:
+            store.corrupt_host_copy(ns, key, "Get")
+        return getcopy.stream(read, keys, per, report,
+                              self._read_pool() if len(keys) > per else None)
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(2, thread_name_prefix="get-read")
+            return self._reader

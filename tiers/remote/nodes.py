@@ -1,0 +1,297 @@
+"""Which Redis node holds a key, and whether that node is worth asking right now.
+
+Routing: keys go to their node (cluster: by hash slot, from redis-py's slot table), so a call
+makes one batch per node. Keys carry no hash tag, so a namespace spreads over every slot and
+node.
+
+Health: a node whose batch failed or came late is "down" for a short, growing back-off
+(`backoff_min_ms` doubling up to `backoff_max_ms`); calls skip it meanwhile, and once the
+back-off has passed the next call sends one background PING instead of its batch. A dead Redis
+therefore costs a dict lookup per call, never a timeout per call, and the tier reconnects by
+itself. A cluster's topology is discovered in the background the same way (the constructor
+never blocks on a dead cluster), and re-read when a reply says the slot map is stale, at most
+once per `backoff_min_ms`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from kvstore_client.common.errors import Unavailable
+from redis.backoff import NoBackoff
+from redis.connection import parse_url
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from .connection import url_kwargs
+from .stats import RemoteStats
+
+NS_ID_BYTES = 16
+STANDALONE = "standalone"
+
+
+def make_key(prefix: bytes, gkey: bytes) -> bytes:
+    """`{prefix}{ns_id.hex()}:{block_key.hex()}`: readable in redis-cli, no hash tag (spreads)."""
+    return b"%s%s:%s" % (prefix, gkey[:NS_ID_BYTES].hex().encode(),
+                         gkey[NS_ID_BYTES:].hex().encode())
+
+
+@dataclass
+class NodeState:
+    """Health of one Redis node as this process sees it (the back-off "down" state)."""
+
+    name: str
+    up: bool = True
+    down_until: float = 0.0       # monotonic; calls skip the node until then
+    backoff_s: float = 0.0
+    probing: bool = False
+    failures: int = 0
+    last_error: str = ""
+
+    def summary(self, now: float) -> dict[str, Any]:
+        return {"up": self.up, "failures": self.failures, "last_error": self.last_error,
+                "retry_in_s": max(0.0, self.down_until - now) if not self.up else 0.0}
+
+
+class Batch:
+    """The keys of one call that go to one node, with their positions in the caller's list."""
+
+    __slots__ = ("node", "client", "idx", "keys")
+
+    def __init__(self, node: str, client: redis.Redis) -> None:
+        self.node = node
+        self.client = client
+        self.idx: list[int] = []
+        self.keys: list[bytes] = []
+
+
+class Nodes:
+    """The nodes of one remote tier: routing, health and (cluster) topology.
+
+    `pool` runs probes and discovery (the tier's own batches run there too); `describe` turns
+    a failure into the operator's last-error text.
+    """
+
+    def __init__(self, urls: list[str], cluster: bool, prefix: bytes,
+                 conn_kwargs: dict[str, Any], pool: ThreadPoolExecutor, stats: RemoteStats,
+                 describe: Callable[[BaseException | str], str], backoff_min_s: float,
+                 backoff_max_s: float) -> None:
+        self.cluster = cluster
+        self.prefix = prefix
+        self.backoff_min_s = backoff_min_s
+        self.backoff_max_s = backoff_max_s
+        self.last_error = ""
+        self.closed = False
+        self._urls = urls
+        self._conn_kwargs = conn_kwargs
+        self._pool = pool
+        self._stats = stats
+        self._describe = describe
+        self._lock = threading.Lock()
+        self._next_refresh = 0.0             # monotonic; slot-table refreshes are rate-limited
+        self.states: dict[str, NodeState] = {}
+        self.standalone: redis.Redis | None = None
+        self.rc: Any = None                  # redis.cluster.RedisCluster once discovered
+        self.topology = NodeState("topology", up=False)
+        if cluster:
+            self.discover_async()            # never blocks the constructor on a dead cluster
+        else:
+            kw = url_kwargs(urls[0])
+            kw.update(conn_kwargs)
+            kw["retry"] = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+            self.standalone = redis.Redis(**kw)
+            self.states[STANDALONE] = NodeState(STANDALONE)
+
+    # -- routing ------------------------------------------------------------------------------
+    def route(self, gkeys: Sequence[bytes]) -> dict[str, Batch] | None:
+        """Group keys by node. None when the cluster topology is not known (all misses)."""
+        batches: dict[str, Batch] = {}
+        if self.standalone is not None:
+            b = Batch(STANDALONE, self.standalone)
+            b.idx = list(range(len(gkeys)))
+            b.keys = [make_key(self.prefix, g) for g in gkeys]
+            batches[STANDALONE] = b
+            return batches
+        rc = self.rc
+        if rc is None:
+            return None
+        nm = rc.nodes_manager
+        slot_node: dict[int, Any] = {}
+        for i, g in enumerate(gkeys):
+            k = make_key(self.prefix, g)
+            slot = key_slot(k)
+            node = slot_node.get(slot)
+            if node is None:
+                try:
+                    node = nm.get_node_from_slot(slot)
+                except Exception:            # slot not covered: a miss, topology may change
+                    continue
+                slot_node[slot] = node
+            b = batches.get(node.name)
+            if b is None:
+                b = batches[node.name] = Batch(node.name, rc.get_redis_connection(node))
+            b.idx.append(i)
+            b.keys.append(k)
+        return batches
+
+    def client_for(self, name: str) -> redis.Redis | None:
+        if self.standalone is not None:
+            return self.standalone
+        rc = self.rc
+        if rc is None:
+            return None
+        node = rc.get_node(node_name=name)
+        return None if node is None else rc.get_redis_connection(node)
+
+    # -- health -------------------------------------------------------------------------------
+    def node(self, name: str) -> NodeState:
+        st = self.states.get(name)
+        if st is None:
+            st = self.states[name] = NodeState(name)
+        return st
+
+    @property
+    def up(self) -> bool:
+        if self.cluster and self.rc is None:
+            return False
+        return all(st.up for st in self.states.values())
+
+    def usable(self, name: str) -> bool:
+        """True when calls may go to the node; a down node past its back-off gets a probe."""
+        st = self.node(name)
+        if st.up:
+            return True
+        if time.monotonic() >= st.down_until and not st.probing and not self.closed:
+            st.probing = True
+            self._pool.submit(self._probe, name)
+        return False
+
+    def mark_down(self, name: str, err: BaseException | str) -> None:
+        with self._lock:
+            st = self.node(name)
+            st.failures += 1
+            st.last_error = self.last_error = self._describe(err)
+            st.backoff_s = (min(st.backoff_s * 2, self.backoff_max_s) if not st.up
+                            else self.backoff_min_s)
+            st.up = False
+            st.down_until = time.monotonic() + st.backoff_s
+        client = self.client_for(name)
+        if client is not None:
+            try:  # drop pooled sockets: after a restart they are all dead, reconnect fresh
+                client.connection_pool.disconnect()
+            except Exception:
+                pass
+
+    def mark_up(self, name: str) -> None:
+        with self._lock:
+            st = self.node(name)
+            if not st.up:
+                self._stats.add("reconnects", 1)
+            st.up, st.backoff_s, st.down_until, st.probing = True, 0.0, 0.0, False
+
+    def _probe(self, name: str) -> None:
+        """Background: PING a down node; up again on PONG, else a longer back-off."""
+        self._stats.add("probes", 1)
+        try:
+            if self.cluster:
+                self.refresh_topology()
+            client = self.client_for(name)
+            if client is None:
+                raise Unavailable(f"node {name} is no longer in the cluster")
+            client.ping()
+        except Exception as e:  # noqa: BLE001 - any failure means "still down"
+            self.mark_down(name, e)
+        else:
+            self.mark_up(name)
+        finally:
+            with self._lock:
+                self.node(name).probing = False
+
+    # -- cluster topology ---------------------------------------------------------------------
+    def discover_async(self) -> None:
+        st = self.topology
+        if st.probing or self.closed:
+            return
+        st.probing = True
+        self._pool.submit(self._discover)
+
+    def _discover(self) -> None:
+        """Background: build the RedisCluster client (CLUSTER SLOTS from any seed node)."""
+        from redis.cluster import ClusterNode, RedisCluster
+
+        st = self.topology
+        try:
+            nodes = []
+            for url in self._urls:
+                u = parse_url(url)
+                nodes.append(ClusterNode(u.get("host", "127.0.0.1"), u.get("port", 6379)))
+            kw = dict(self._conn_kwargs)
+            first = url_kwargs(self._urls[0])
+            for k in ("username", "password"):
+                if k in first and k not in kw:
+                    kw[k] = first[k]
+            self.rc = RedisCluster(startup_nodes=nodes, require_full_coverage=False,
+                                   dynamic_startup_nodes=True, **kw)
+        except Exception as e:  # noqa: BLE001
+            with self._lock:
+                st.failures += 1
+                st.last_error = self.last_error = self._describe(e)
+                st.backoff_s = min(max(st.backoff_s * 2, self.backoff_min_s), self.backoff_max_s)
+                st.down_until = time.monotonic() + st.backoff_s
+                st.up = False
+        else:
+            with self._lock:
+                st.up, st.backoff_s = True, 0.0
+        finally:
+            st.probing = False
+
+    def refresh_topology(self) -> None:
+        rc = self.rc
+        if rc is not None:
+            try:
+                rc.nodes_manager.initialize()
+            except Exception:  # noqa: BLE001 - keep the old table; next probe tries again
+                pass
+
+    def request_refresh(self) -> None:
+        """Re-read the slot table in the background: one at a time, at most once per
+        `backoff_min_ms`. During a long migration every call sees ASK; without the limit each
+        would re-run CLUSTER SLOTS (and redis-py drops the queried node's idle sockets then)."""
+        now = time.monotonic()
+        with self._lock:
+            st = self.topology
+            if self.rc is None or st.probing or self.closed or now < self._next_refresh:
+                return
+            st.probing = True
+            self._next_refresh = now + self.backoff_min_s
+        self._pool.submit(self._refresh_then_clear)
+
+    def _refresh_then_clear(self) -> None:
+        try:
+            self.refresh_topology()
+        finally:
+            self.topology.probing = False
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until the cluster topology is known (standalone: at once)."""
+        end = time.monotonic() + timeout
+        while self.cluster and self.rc is None and time.monotonic() < end:
+            if not self.topology.probing and time.monotonic() >= self.topology.down_until:
+                self.discover_async()
+            time.sleep(0.01)
+        return not self.cluster or self.rc is not None
+
+    def close(self) -> None:
+        self.closed = True
+        for c in [self.standalone, self.rc]:
+            if c is not None:
+                try:
+                    c.close()
+                except Exception:  # noqa: BLE001
+                    pass

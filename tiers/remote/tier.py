@@ -1,0 +1,359 @@
+"""`RemoteTier`: the keyed tier over Redis / Valkey, one pipelined batch per node per call.
+
+Why calls look the way they do: each call routes its keys to their nodes (tiers/remote/nodes.py)
+and sends every node its batch at once on a small thread pool, so a 64-block lookup costs one
+round trip per node, never one per block. The caller waits at most `deadline` for the batches;
+a batch that is late (hung server, lost network) is a miss and counted, and its node goes into
+its back-off "down" state. Nothing here raises into the caller unless asked (`raise_errors`):
+a failure is a miss. Values are `tiers.frame` frames, verified on read; one that fails its
+check is a counted `corrupt` miss, never returned, and is deleted in the background so a writer
+can store a good copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import redis
+from kvstore_client.common.errors import DataLoss, InvalidArgument, Unavailable
+from redis.exceptions import AskError, ClusterDownError, TryAgainError
+
+from .connection import cfg_value, connection_kwargs, describe_error
+from .nodes import Batch, Nodes, make_key
+from .stats import RemoteStats
+
+try:  # framing is owned by tiers/frame.py; verification switches on once it exists
+    from tiers.frame import unframe as _unframe
+except ImportError:  # pragma: no cover - only while frame.py is being written
+    _unframe = None
+
+
+def _pipeline_delete(b: Batch) -> list:
+    """DEL each key in one pipeline (no multi-key DEL: keys of a node span several slots)."""
+    p = b.client.pipeline(transaction=False)
+    for k in b.keys:
+        p.delete(k)
+    return p.execute(raise_on_error=False)
+
+
+class RemoteTier:
+    """Keyed tier over Redis/Valkey; see tiers/remote/__init__.py for the rules it keeps."""
+
+    name = "remote"
+
+    def __init__(self, cfg: Any, *, verify: bool | None = None, raise_errors: bool = False,
+                 on_latency: Callable[[str, float], None] | None = None) -> None:
+        """`cfg`: RemoteConfig-like (urls, cluster, username, password, tls, tls_ca_file,
+        tls_cert_file, tls_key_file, key_prefix, deadline_ms, capacity; optional: ttl_s,
+        backoff_min_ms, backoff_max_ms, bulk_ms_per_mib, socket_read_size, max_workers).
+
+        verify: check frames on read (default: whenever tiers.frame exists).
+        raise_errors: raise Unavailable instead of returning misses (for tools and tests).
+        on_latency: called with (op, seconds) after each call, e.g. a Prometheus histogram.
+        """
+        urls = list(cfg_value(cfg, "urls", []))
+        if not urls:
+            raise InvalidArgument("remote.urls must list at least one redis:// or rediss:// URL")
+        self.cluster = bool(cfg_value(cfg, "cluster", False))
+        if len(urls) > 1 and not self.cluster:
+            raise InvalidArgument("remote.urls lists several servers but remote.cluster is off; "
+                                  "set cluster = true (the URLs are then seed nodes) or list one")
+        prefix = str(cfg_value(cfg, "key_prefix", "kvs:"))
+        if self.cluster and ("{" in prefix or "}" in prefix):
+            raise InvalidArgument(f"remote.key_prefix {prefix!r} contains a brace: in a cluster "
+                                  "that is a hash tag and would put every block on one node")
+        self.prefix = prefix.encode()
+        self.deadline_s = float(cfg_value(cfg, "deadline_ms", 200)) / 1000.0
+        if self.deadline_s <= 0:
+            raise InvalidArgument("remote.deadline_ms must be positive")
+        # Bulk calls (get/put of whole blocks) get the lookup deadline plus a per-MiB allowance,
+        # so a 64 x 2 MiB load is not declared dead by a deadline meant for a key lookup.
+        self.bulk_s_per_mib = float(cfg_value(cfg, "bulk_ms_per_mib", 5.0)) / 1000.0
+        self.capacity = int(cfg_value(cfg, "capacity", 0))
+        self.ttl_s = int(cfg_value(cfg, "ttl_s", 0))
+        self.raise_errors = raise_errors
+        self.on_latency = on_latency
+        if verify is None:
+            verify = _unframe is not None
+        if verify and _unframe is None:
+            raise InvalidArgument("verify=True needs tiers.frame, which is not installed")
+        self.verify = verify
+
+        tls = bool(cfg_value(cfg, "tls", False)) or any(u.startswith("rediss://") for u in urls)
+        conn = connection_kwargs(cfg, tls)
+        self._tls, self._client_cert = tls, "ssl_certfile" in conn
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=int(cfg_value(cfg, "max_workers", 8)),
+                                        thread_name_prefix="kvs-remote")
+        self._stats = RemoteStats()
+        self._nodes = Nodes(urls, self.cluster, self.prefix, conn, self._pool, self._stats,
+                            self._describe,
+                            float(cfg_value(cfg, "backoff_min_ms", 50)) / 1000.0,
+                            float(cfg_value(cfg, "backoff_max_ms", 2000)) / 1000.0)
+
+    def key(self, gkey: bytes) -> bytes:
+        return make_key(self.prefix, gkey)
+
+    def _describe(self, err: BaseException | str) -> str:
+        return describe_error(err, tls=self._tls, client_cert=self._client_cert)
+
+    def wait_ready(self, timeout: float = 5.0) -> bool:
+        """Block until the cluster topology is known (standalone: at once). For tools/tests."""
+        return self._nodes.wait_ready(timeout)
+
+    # ----------------------------------------------------------------------------- engine
+
+    def _run(self, op: str, gkeys: Sequence[bytes], per_node: Callable[[Batch], list],
+             deadline_s: float) -> list[Any]:
+        """Send one pipeline per node in parallel; results in caller order, None = miss/failed.
+
+        Items of a node that failed, timed out, was down or is unknown come back as None.
+        """
+        t0 = time.perf_counter()
+        out: list[Any] = [None] * len(gkeys)
+        if self._closed:
+            raise Unavailable("remote tier is closed")
+        add, nodes = self._stats.add, self._nodes
+        add("calls", 1)
+        batches = nodes.route(gkeys)
+        if batches is None:                   # cluster not discovered (yet / any more)
+            add("skipped_down", 1)
+            if time.monotonic() >= nodes.topology.down_until:
+                nodes.discover_async()
+            self._finish(op, t0, failed="cluster topology unknown")
+            return out
+        live: list[tuple[Batch, Future]] = []
+        failure = ""
+        for b in batches.values():
+            if not nodes.usable(b.node):
+                # a miss without waiting; with raise_errors the caller hears why
+                failure = f"{op} on {b.node}: down ({nodes.node(b.node).last_error})"
+                continue
+            live.append((b, self._pool.submit(per_node, b)))
+        if failure:
+            add("skipped_down", 1)
+        if live:
+            done, _ = wait_futures([f for _, f in live], timeout=deadline_s)
+            for b, f in live:
+                if f not in done:
+                    add("timeouts", 1)
+                    add("errors", 1)
+                    failure = f"{op} on {b.node}: no answer within {deadline_s * 1000:.0f} ms"
+                    nodes.mark_down(b.node, failure)
+                    continue
+                exc = f.exception()
+                if exc is not None:
+                    add("errors", 1)
+                    failure = f"{op} on {b.node}: {self._describe(exc)}"
+                    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError,
+                                        ClusterDownError)):
+                        nodes.mark_down(b.node, exc)
+                    continue
+                add("round_trips", 1)
+                res = f.result()
+                for i, r in zip(b.idx, res, strict=True):
+                    if isinstance(r, BaseException):
+                        self._item_error(r)
+                        continue
+                    out[i] = r
+        self._finish(op, t0, failed=failure)
+        return out
+
+    def _item_error(self, r: BaseException) -> None:
+        """One key's reply was an error: a miss. MOVED/ASK: the slot map is stale, refresh it.
+
+        ASK (the slot is half-migrated and the key already lives on the importing node) is not
+        followed: it stays a counted miss until the migration ends and MOVED takes over.
+        """
+        if isinstance(r, (AskError, TryAgainError, ClusterDownError)):   # MovedError is an Ask
+            self._stats.add("moved", 1)
+            self._nodes.request_refresh()
+        else:
+            self._stats.add("errors", 1)
+
+    def _finish(self, op: str, t0: float, failed: str = "") -> None:
+        dt = time.perf_counter() - t0
+        self._stats.timed(op, dt)
+        if self.on_latency is not None:
+            try:
+                self.on_latency(op, dt)
+            except Exception:  # noqa: BLE001 - metrics never break the data path
+                pass
+        if failed and self.raise_errors:
+            raise Unavailable(f"remote tier: {failed}")
+
+    def _bulk_deadline(self, nbytes: int) -> float:
+        return self.deadline_s + self.bulk_s_per_mib * nbytes / (1 << 20)
+
+    # ----------------------------------------------------------------------------- API
+
+    def exists_many(self, gkeys: Sequence[bytes], deadline_s: float | None = None) -> list[bool]:
+        """Which keys the remote store holds: one pipelined EXISTS batch per node, deadline-bound.
+
+        Used by lookups for the part of a prefix the local tiers miss; failures read as False.
+        """
+        if not gkeys:
+            return []
+
+        def per_node(b: Batch) -> list:
+            p = b.client.pipeline(transaction=False)
+            for k in b.keys:
+                p.exists(k)
+            return p.execute(raise_on_error=False)
+
+        res = self._run("exists", gkeys, per_node, self.deadline_s if deadline_s is None
+                        else deadline_s)
+        found = [bool(r) for r in res]
+        n = sum(found)
+        self._stats.add("lookup_hits", n, "lookup_misses", len(found) - n)
+        return found
+
+    def get_many(self, gkeys: Sequence[bytes], deadline_s: float | None = None,
+                 unframed: bool = False) -> list[Any]:
+        """Values (framed bytes) or None: missing, failed, late or corrupt.
+
+        With `unframed=True` each hit is `unframe(value)` = (codec, raw_len, payload) so the
+        caller does not checksum the block a second time. Corrupt values are counted, never
+        returned. Deadline: `deadline_ms` plus `bulk_ms_per_mib` for an assumed 2 MiB per key.
+        """
+        if not gkeys:
+            return []
+
+        def per_node(b: Batch) -> list:
+            p = b.client.pipeline(transaction=False)
+            for k in b.keys:
+                p.get(k)
+            return p.execute(raise_on_error=False)
+
+        if deadline_s is None:
+            deadline_s = self._bulk_deadline(len(gkeys) << 21)
+        res = self._run("get", gkeys, per_node, deadline_s)
+        out: list[Any] = []
+        hits = nbytes = corrupt = 0
+        bad: list[bytes] = []
+        for g, v in zip(gkeys, res, strict=True):
+            if v is None:
+                out.append(None)
+                continue
+            nbytes += len(v)
+            if self.verify or unframed:
+                try:
+                    framed = _unframe(v)  # type: ignore[misc]
+                except (DataLoss, ValueError, TypeError):
+                    corrupt += 1
+                    bad.append(g)
+                    out.append(None)
+                    continue
+                out.append(framed if unframed else v)
+            else:
+                out.append(v)
+            hits += 1
+        self._stats.add("hits", hits, "misses", len(res) - hits, "bytes_read", nbytes,
+                        "corrupt", corrupt)
+        if bad:
+            self._delete_async(bad)
+        return out
+
+    def _delete_async(self, gkeys: list[bytes]) -> None:
+        """Best effort, not waited for: drop corrupt values so a writer can store a good copy."""
+        batches = self._nodes.route(gkeys) or {}
+        for b in batches.values():
+            if self._nodes.node(b.node).up and not self._closed:
+                self._pool.submit(_pipeline_delete, b)
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]],
+                 deadline_s: float | None = None) -> int:
+        """Store (gkey, framed value) pairs, one pipelined SET batch per node. Returns the bytes
+        Redis acknowledged; failures are counted (and raised only with raise_errors)."""
+        if not items:
+            return 0
+        gkeys = [g for g, _ in items]
+        sizes = [len(v) for _, v in items]
+        values = [v for _, v in items]
+        ttl = self.ttl_s or None
+
+        def per_node(b: Batch) -> list:
+            p = b.client.pipeline(transaction=False)
+            for i, k in zip(b.idx, b.keys, strict=True):
+                p.set(k, values[i], ex=ttl)
+            return p.execute(raise_on_error=False)
+
+        if deadline_s is None:
+            deadline_s = self._bulk_deadline(sum(sizes))
+        res = self._run("put", gkeys, per_node, deadline_s)
+        written = sum(s for s, r in zip(sizes, res, strict=True) if r)
+        self._stats.add("bytes_written", written, "keys_written", sum(1 for r in res if r))
+        return written
+
+    def delete_many(self, gkeys: Sequence[bytes], sizes: Sequence[int] | None = None,
+                    deadline_s: float | None = None) -> int:
+        """Delete keys (one pipelined DEL batch per node); returns how many existed.
+
+        `sizes` (the framed sizes the caller wrote) lets the tier keep `used_bytes` right.
+        """
+        if not gkeys:
+            return 0
+
+        res = self._run("delete", gkeys, _pipeline_delete,
+                        self.deadline_s if deadline_s is None else deadline_s)
+        n = sum(1 for r in res if r)
+        self._stats.add("keys_deleted", n)
+        if sizes is not None:
+            self._stats.add("bytes_deleted",
+                            sum(s for s, r in zip(sizes, res, strict=True) if r))
+        return n
+
+    def forget(self, nbytes: int) -> None:
+        """The caller found keys it wrote gone (Redis evicted them): stop counting their bytes."""
+        self._stats.add("bytes_vanished", int(nbytes))
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes this process wrote and has not seen deleted or vanish (an upper bound: Redis'
+        own eviction is only seen when a key is found missing, see `forget`)."""
+        return self._stats.used_bytes
+
+    def has_room(self, nbytes: int) -> bool:
+        return self.capacity <= 0 or self.used_bytes + nbytes <= self.capacity
+
+    @property
+    def up(self) -> bool:
+        return self._nodes.up
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        s: dict[str, Any] = dict(self._stats.counters)
+        s["up"] = self.up
+        s["used_bytes"] = self.used_bytes
+        s["capacity"] = self.capacity
+        now = time.monotonic()
+        nodes = self._nodes
+        s["last_error"] = nodes.last_error
+        s["nodes"] = {n: st.summary(now) for n, st in list(nodes.states.items())}
+        if self.cluster:                     # discovery failures (auth, TLS) show up here
+            s["topology"] = nodes.topology.summary(now)
+        s["latency"] = self._stats.latency_summary()
+        s["round_trips_per_call"] = (s["round_trips"] / s["calls"]) if s["calls"] else 0.0
+        return s
+
+    def latency_samples(self, op: str) -> list[float]:
+        """Recent per-call latencies of `op` in seconds (for histograms and percentiles)."""
+        return self._stats.samples(op)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._nodes.closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._nodes.close()
+
+    def __enter__(self) -> RemoteTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

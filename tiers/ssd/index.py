@@ -1,0 +1,253 @@
+"""The SSD tier's LMDB index: a record per block naming its extent in the payload file.
+
+Why LMDB here (and not for the payloads, tiers/ssd/payload.py): small records and atomic
+commits are what it is good at. Named sub-databases live in one environment, so one write
+transaction is atomic across them:
+  `index`      gkey -> offset, value length, xxh3-64 of the value (24 bytes, little-endian)
+               + the caller's msgpack record
+  `namespaces` ns_id -> namespace spec JSON
+  `state`      name -> blob (policy snapshots and the like, owned by the store)
+  `_tier`      `used_bytes` (updated in the same transaction as every put and delete, so it is
+               exact after a crash), `format`, and the token of the last index image
+
+Why a read gate: growing the map (`set_mapsize`, on MapFullError) needs no live transaction
+in this process, so readers count themselves in and a resize waits for them to leave. The map
+starts at about 64 bytes of records per byte of capacity and grows by half when full.
+
+Why short transactions for a scan: a long-lived reader pins LMDB's free pages and would block
+a map resize while the caller writes meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import lmdb
+from kvstore_client.common.errors import ResourceExhausted, Unavailable
+
+from .disk_full import DISK_FULL_BYTES, DiskFull, free_bytes, is_eio, is_enospc
+from .image import Stamp
+
+FORMAT = b"2"
+REC = struct.Struct("<QQQ")         # offset, value length, xxh3-64 of the value
+_SIZE = struct.Struct("<Q")
+_USED_KEY = b"used_bytes"
+_FORMAT_KEY = b"format"
+_IMAGE_KEY = b"image"              # token of the index image written at the last clean stop
+MAX_KEY = 511                       # LMDB's compiled-in key size limit
+MAP_SLACK = 64 << 20
+_SCAN_BATCH = 8192
+
+
+def initial_map_size(capacity: int) -> int:
+    """LMDB map size for a byte cap: records only (~150 bytes a block), grown when full."""
+    return capacity // 64 + MAP_SLACK
+
+
+class LmdbIndex:
+    """The LMDB environment of one SSD tier. Thread-safe: commits serialize on a lock, reads
+    run concurrently behind the read gate.
+
+    `used_bytes` (the sum of stored value lengths) changes only inside a write transaction,
+    under the write lock, and is published after the commit.
+    """
+
+    def __init__(self, folder: str, capacity: int, sync: bool) -> None:
+        self.folder = folder
+        self.capacity = capacity
+        index_dir = os.path.join(folder, "index")
+        os.makedirs(index_dir, exist_ok=True)
+        try:
+            self._env = lmdb.open(
+                index_dir, map_size=initial_map_size(capacity), subdir=True, readahead=False,
+                writemap=False, sync=sync, metasync=sync, max_dbs=8, lock=True,
+                max_readers=512, meminit=False)
+        except lmdb.Error as exc:
+            raise Unavailable(f"cannot open the SSD tier at {folder}: {exc}") from exc
+        self.opened_txnid = self._env.info()["last_txnid"]   # before anything here writes
+        self.blocks = self._env.open_db(b"index")
+        self._ns = self._env.open_db(b"namespaces")
+        self._state = self._env.open_db(b"state")
+        self._tier = self._env.open_db(b"_tier")
+        self._write_lock = threading.Lock()
+        self._gate = threading.Condition()
+        self._readers = 0
+        self._resizing = False
+        self.closed = False
+        self._check_format()
+        with self._env.begin(db=self._tier) as txn:
+            raw = txn.get(_USED_KEY)
+        self.saved_used: int | None = _SIZE.unpack(raw)[0] if raw else None
+        self.used_bytes = self.saved_used or 0
+
+    def _check_format(self) -> None:
+        with self._env.begin(write=True) as txn:
+            fmt = txn.get(_FORMAT_KEY, db=self._tier)
+            if fmt is None:
+                txn.put(_FORMAT_KEY, FORMAT, db=self._tier)
+        if fmt is not None and fmt != FORMAT:
+            self._env.close()
+            raise Unavailable(f"the SSD tier at {self.folder} has format {fmt.decode()!r}; "
+                              f"this build reads format {FORMAT.decode()!r} only (move the "
+                              "folder away or run the build that wrote it)")
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise Unavailable("the SSD tier is closed")
+
+    # -- transactions -------------------------------------------------------------------------
+    @contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        """A read transaction (behind the gate: a map resize waits for it to end)."""
+        with self._gate:
+            while self._resizing:
+                self._gate.wait()
+            self.check_open()
+            self._readers += 1
+        try:
+            with self._env.begin() as txn:
+                yield txn
+        finally:
+            with self._gate:
+                self._readers -= 1
+                if not self._readers:
+                    self._gate.notify_all()
+
+    def write(self, fn: Callable[[lmdb.Transaction], int]) -> None:
+        """Run fn in a write transaction (fn returns the used_bytes delta).
+
+        On MapFullError the transaction is aborted, the map grows and fn runs once more.
+        """
+        with self._write_lock:
+            self.check_open()
+            for attempt in range(2):
+                try:
+                    with self._env.begin(write=True) as txn:
+                        delta = fn(txn)
+                        used = self.used_bytes + delta
+                        if delta:
+                            txn.put(_USED_KEY, _SIZE.pack(used), db=self._tier)
+                    self.used_bytes = used
+                    return
+                except lmdb.MapFullError:
+                    if attempt:
+                        raise ResourceExhausted(
+                            f"SSD index map full at {self.map_size} bytes even after growing "
+                            f"({self.used_bytes} of {self.capacity} bytes used); evict first"
+                        ) from None
+                    self._grow()
+                except lmdb.Error as exc:
+                    free = free_bytes(self.folder)
+                    if is_enospc(exc) or (is_eio(exc) and free < DISK_FULL_BYTES):
+                        raise DiskFull(self.folder, free, exc) from None
+                    raise
+
+    def _grow(self) -> None:
+        """Enlarge the map by half (needs every read transaction of this process closed)."""
+        with self._gate:
+            self._resizing = True
+            try:
+                while self._readers:
+                    self._gate.wait()
+                cur = self._env.info()["map_size"]
+                self._env.set_mapsize(max(cur + cur // 2, initial_map_size(self.capacity)))
+            finally:
+                self._resizing = False
+                self._gate.notify_all()
+
+    # -- records ------------------------------------------------------------------------------
+    def record(self, k: bytes) -> tuple[int, int, int, bytes] | None:
+        """(offset, length, checksum, meta) of a stored key."""
+        with self.read() as txn:
+            raw = txn.get(k, db=self.blocks)
+        if raw is None:
+            return None
+        off, length, checksum = REC.unpack_from(raw)
+        return off, length, checksum, raw[REC.size:]
+
+    def count(self) -> int:
+        with self.read() as txn:
+            return txn.stat(self.blocks)["entries"]
+
+    def scan(self) -> Iterator[list[tuple[bytes, bytes]]]:
+        """The records in key order, in batches read by short transactions (module
+        docstring)."""
+        start = b""
+        while True:
+            with self.read() as txn:
+                cur = txn.cursor(db=self.blocks)
+                ok = cur.set_range(start) if start else cur.first()
+                batch = []
+                while ok and len(batch) < _SCAN_BATCH:
+                    batch.append(cur.item())
+                    ok = cur.next()
+            if batch:
+                yield batch
+            if len(batch) < _SCAN_BATCH:
+                return
+            start = batch[-1][0] + b"\x00"     # the smallest key after the last one
+
+    # -- namespaces and state -----------------------------------------------------------------
+    def put_namespace(self, k: bytes, v: bytes) -> None:
+        self.write(lambda txn: (txn.put(k, v, db=self._ns), 0)[1])
+
+    def namespaces(self) -> dict[bytes, bytes]:
+        with self.read() as txn:
+            return dict(txn.cursor(db=self._ns))
+
+    def put_state(self, k: bytes, v: bytes) -> None:
+        self.write(lambda txn: (txn.put(k, v, db=self._state), 0)[1])
+
+    def get_state(self, k: bytes) -> bytes | None:
+        with self.read() as txn:
+            return txn.get(k, db=self._state)
+
+    # -- the index image's stamp --------------------------------------------------------------
+    def image_stamp(self) -> Stamp | None:
+        """What an index image must carry to be current: the token of the last clean stop and
+        LMDB as this open found it (None: no image was written since the last change)."""
+        with self._env.begin() as txn:
+            token = txn.get(_IMAGE_KEY, db=self._tier)
+            if token is None:
+                return None
+            raw = txn.get(_USED_KEY, db=self._tier)
+            entries = txn.stat(self.blocks)["entries"]
+        used = _SIZE.unpack(raw)[0] if raw else 0
+        return Stamp(bytes(token), self.opened_txnid, entries, used)
+
+    def commit_image_token(self, token: bytes) -> Stamp:
+        """Commit a fresh image token and make LMDB durable; the stamp an image written now
+        carries. Only while `quiesced` (no other write can follow it)."""
+        with self._env.begin(write=True) as txn:
+            txn.put(_IMAGE_KEY, token, db=self._tier)
+            raw = txn.get(_USED_KEY, db=self._tier)
+            entries = txn.stat(self.blocks)["entries"]
+        self._env.sync(True)
+        return Stamp(token, self._env.info()["last_txnid"], entries,
+                     _SIZE.unpack(raw)[0] if raw else 0)
+
+    # -- lifetime -----------------------------------------------------------------------------
+    @property
+    def map_size(self) -> int:
+        return self._env.info()["map_size"]
+
+    def sync(self) -> None:
+        self._env.sync(True)
+
+    @contextmanager
+    def quiesced(self) -> Iterator[None]:
+        """No write and no reader until the end of the block, which closes the index: for the
+        tier's close (its last commits, the image, the syncs)."""
+        with self._write_lock, self._gate:
+            while self._readers:
+                self._gate.wait()
+            self.closed = True
+            yield
+
+    def close(self) -> None:
+        self.closed = True
+        self._env.close()
