@@ -404,4 +404,5 @@ def test_tenant_pools_keep_namespace_sets_not_walks(tmp_path: Path) -> None:
         assert s.pools.segment_namespaces(0) == set(nb)
         assert s.pools.namespace_count("b") == 50 and s.pools.owned_namespaces("a") == {na}
     with Store(cfg) as s:                # after a restart, from LMDB
-        assert s.pools.segment_namespaces(s.pools.segment_of(na)) == {na} and s.pools.namespace_count("b") == 50
+        assert s.pools.segment_namespaces(s.pools.segment_of(na)) == {na}
+        assert s.pools.namespace_count("b") == 50
