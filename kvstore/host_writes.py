@@ -68,7 +68,7 @@ class HostWrites:
             try:
                 for _ in range(n):
                     offsets.append(room.alloc(size, ns_id))
-            except ResourceExhausted:
+            except BaseException:           # full, or a demotion that failed
                 for off in offsets:
                     host.free(off)
                 raise
@@ -218,7 +218,7 @@ class HostWrites:
                                           f"blocks are {size} bytes")
             dups = 0
             todo: list[tuple[int, int]] = []        # (index into keys, slot)
-            full: ResourceExhausted | None = None
+            failed: BaseException | None = None
             for i, k in enumerate(keys):
                 e = st.index.get(ns_id + k)
                 if e is not None and e.host is not None:
@@ -231,17 +231,23 @@ class HostWrites:
                 try:
                     room.make_room(aligned(size), ns_id)
                     todo.append((i, room.alloc(size, ns_id)))
-                except ResourceExhausted as exc:
-                    full = exc               # the blocks before this one are still stored
+                except BaseException as exc:   # full, or a demotion that failed: the
+                    failed = exc                # blocks before this one are still stored
                     break
             sums: list[int] = []
-            with st.unlocked():
-                for i, off in todo:
-                    src = memoryview(blocks[i]).cast("B")
-                    st.host.view(off, size)[:] = src
-                    # The checksum is of the bytes sent, not of the slot: a client mapping the
-                    # pool could change the slot meanwhile, and its hash would vouch for that.
-                    sums.append(xxhash.xxh3_64_intdigest(src))
+            try:
+                with st.unlocked():
+                    for i, off in todo:
+                        src = memoryview(blocks[i]).cast("B")
+                        st.host.view(off, size)[:] = src
+                        # The checksum is of the bytes sent, not of the slot: a client mapping
+                        # the pool could change the slot meanwhile, and its hash would vouch
+                        # for that.
+                        sums.append(xxhash.xxh3_64_intdigest(src))
+            except BaseException:
+                for _, off in todo:          # nothing published yet: every slot goes back
+                    st.host.free(off)
+                raise
             stored = 0
             published = []
             for (i, off), checksum in zip(todo, sums, strict=True):
@@ -253,8 +259,8 @@ class HostWrites:
                     continue
                 published.append(e)
                 stored += 1
-            if full is not None:
-                raise full
+            if failed is not None:
+                raise failed
             st.counters["bytes_client_to_host"] += stored * size
             self._note_put(bytes(ns_id), keys)
             self._write_through(published)

@@ -36,7 +36,8 @@ def open_tiers(state: StoreState, data: Path, shm_name: str) -> tuple[TenantPool
     and the host slab's page-locking (released after the devices, before the slab). On an
     error whatever was opened is closed again."""
     config = state.config
-    state.host = slab = HostTier(config.host.capacity, shm_name=shm_name, prefault=False)
+    slab = HostTier(config.host.capacity, shm_name=shm_name, prefault=False)
+    state.attach(host=slab)
     pools = TenantPools(state)      # tenants with a host quota get their own segment
     # Page-locked so host<->GPU copies (ours and clients') run at PCIe speed; a no-op without
     # CUDA. It must be unregistered before the slab is unmapped (close order).
@@ -44,8 +45,9 @@ def open_tiers(state: StoreState, data: Path, shm_name: str) -> tuple[TenantPool
     try:
         if config.gpu.enabled:      # (numpy and the CUDA bindings only where configured)
             from tiers.device_open import open_device_tiers
-            state.gpu = open_device_tiers(config.gpu.capacity, config.gpu.devices,
-                                          config.gpu.backend, log, slab_prefix=shm_name + "-")
+            state.attach(gpu=open_device_tiers(config.gpu.capacity, config.gpu.devices,
+                                               config.gpu.backend, log,
+                                               slab_prefix=shm_name + "-"))
         pools.split_gpu(shm_name + "-")     # tenants with a gpu quota get their own slabs
         state.device_counters = {dev: Counter() for dev in state.gpu}
         # No capacity hint: blocks differ in size per namespace, so a policy learns its
@@ -59,12 +61,12 @@ def open_tiers(state: StoreState, data: Path, shm_name: str) -> tuple[TenantPool
         if defer is not None:
             defer()
         if config.ssd.enabled:
-            state.ssd = SSDTier(str(data / "ssd"), config.ssd.capacity, sync=config.ssd.sync,
-                                warm=False)
+            state.attach(ssd=SSDTier(str(data / "ssd"), config.ssd.capacity,
+                                     sync=config.ssd.sync, warm=False))
             state.policies["ssd"] = make_policy(config.ssd.policy, None, rows=state.index)
         if config.remote.enabled:
             from tiers.remote import RemoteTier  # redis only where configured
-            state.remote = RemoteTier(config.remote)
+            state.attach(remote=RemoteTier(config.remote))
         rebuild(state, pools)
         if config.events.enabled:       # pyzmq only where configured
             from .events.service import Events

@@ -52,7 +52,7 @@ class TenantPools:
         pools = {n: t.quota["host"] for n, t in self.tenants.items() if t.quota.get("host")}
         self.segmented = bool(pools)
         if pools:
-            state.host = SegmentedHost(state.host, pools)
+            state.attach(host=SegmentedHost(state.host, pools))
         self._ns_of_owner: dict[str | None, set[bytes]] = {}
         self._ns_of_seg: dict[int, set[bytes]] = {}
 

