@@ -83,6 +83,14 @@ class Store:
             self.gpu_slots = GpuSlots(st, self.pools, self.moves.gpu_host, self.host_reads,
                                       leases, reap, self.release)
             self.writers["gpu"] = self.readers["gpu"] = self.gpu_slots
+        # The tiers an Evict can name, by that name: each one's room-maker.
+        moves = self.moves
+        self._evictors: dict[str, Callable[..., tuple[int, int]]] = {
+            "host": moves.host_room.evict}
+        if moves.ssd_room is not None:
+            self._evictors["ssd"] = moves.ssd_room.evict
+        if moves.gpu_host is not None:
+            self._evictors["gpu"] = moves.gpu_host.evict_all
         self.registry = Registry(st, self.pools)
         self.queries = Queries(st, self.moves.host_remote)
         # The state's parts, for readers of the facade (the same objects; never rebound).
@@ -436,19 +444,16 @@ class Store:
         blocks of those namespaces alone (a tenant's Evict)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidArgument(f"bytes must be a non-negative integer, got {nbytes!r}")
-        st, moves = self.state, self.moves
+        st = self.state
         with st.lock:
             st.check_open()
-            if tier == "host":
-                return moves.host_room.evict(nbytes or None, only)
-            if tier == "gpu" and moves.gpu_host is not None:
-                return moves.gpu_host.evict_all(nbytes or None, only)
-            if tier == "ssd":
-                if moves.ssd_room is None:
+            evict = self._evictors.get(tier)
+            if evict is None:
+                if tier == "ssd":
                     raise Unavailable("the ssd tier is not enabled")
-                return moves.ssd_room.evict(nbytes or None, only)
-            raise InvalidArgument(f"cannot evict from tier {tier!r}; use 'host', 'ssd' or "
-                                  "'gpu' (where enabled)")
+                raise InvalidArgument(f"cannot evict from tier {tier!r}; use 'host', 'ssd' or "
+                                      "'gpu' (where enabled)")
+            return evict(nbytes or None, only)
 
     def flush(self, only: set[bytes] | None = None) -> int:
         """Write every host-only block (of the namespaces `only` names) down to SSD and sync;
