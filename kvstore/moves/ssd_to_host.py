@@ -3,7 +3,7 @@
 The reservation and the settle are every promotion's (kvstore/moves/promotion.py); this is the
 transfer. Blocks of one acquire were usually demoted together, so their extents lie side by
 side in the payload file: a chunk of about 8 MiB of a prefix is read with one O_DIRECT pread
-per run of adjacent extents (tiers/ssd.py, visit_many) and each block is decoded straight from
+per run of adjacent extents (tiers/ssd/tier.py, visit_many) and each block is decoded straight from
 the tier's read buffer into its reserved host slot, no copy in between. The read buffer has
 been checked against each record's checksum of the whole value, so the frame's own payload
 hash would find nothing new and is skipped.
