@@ -29,7 +29,10 @@ from .common import Flight, corrupt_host_copy, pick_victims
 if TYPE_CHECKING:
     from .host_remote import HostRemote
 
-BATCH_BLOCKS = 256          # victims per batch: one LMDB commit each
+# Victims per batch: one LMDB commit each. The pick (out of the SSD policy, an index read per
+# victim) runs under the store lock; at 256 it was the one place the lock was held past 50 ms
+# under bench/tail.py's load (150-300 ms, behind the worst loads), so batches stay small.
+BATCH_BLOCKS = 64
 
 
 class SSDRoom:
