@@ -38,7 +38,7 @@ from kvstore_client import NamespaceSpec  # noqa: E402
 
 from bench.tiers import LAYOUT, kv_like  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
-from kvstore.movement import _aligned  # noqa: E402
+from kvstore.state import aligned as _aligned  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 
 BATCH = 16          # blocks A moves per call (32 MiB)

@@ -76,7 +76,7 @@ def run(layout: Any, blocks: int, reps: int) -> dict:
     from kvstore_client import NamespaceSpec
 
     from kvstore.config import StoreConfig
-    from kvstore.movement import _aligned
+    from kvstore.state import aligned as _aligned
     from kvstore.store import Store
 
     bb = layout.block_bytes

@@ -392,7 +392,7 @@ def replay_store(name: str, trace: Trace, capacity: int) -> Result:
     from kvstore_client.common.layout import KVLayout, NamespaceSpec
 
     from kvstore.config import load_config
-    from kvstore.movement import SLAB_ALIGN
+    from kvstore.state import SLAB_ALIGN
     from kvstore.store import Store
 
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=4,

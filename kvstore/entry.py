@@ -33,7 +33,7 @@ class Entry:
     gpu_dev: int = 0
     gpu_pins: int = 0           # read leases holding the gpu copy
     children: int = 0           # indexed blocks whose parent this is
-    # Set while the block moves between tiers outside the store lock (kvstore/movement.py):
+    # Set while the block moves between tiers outside the store lock (kvstore/moves/):
     # an acquire promoting it (host copy None; other acquires wait on the event), or an
     # eviction demoting it to SSD (host copy still there, readable and acquirable). Meanwhile
     # no delete, eviction or other demotion or promotion touches it.

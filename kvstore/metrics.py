@@ -107,7 +107,7 @@ def rpc_methods() -> list[str]:
 
 _MOVE = re.compile(r"^bytes_(?:(?P<src>[a-z]+)_)?to_(?P<dst>[a-z]+)$")
 _CODEC = re.compile(r"^codec_(?P<dir>in|out)_bytes_(?P<codec>[a-z0-9_]+)$")
-# Sampled quantization error (kvstore/movement.py): sum and sample count per lossy codec.
+# Sampled quantization error (kvstore/moves/encoding.py): sum and sample count per lossy codec.
 _CODEC_STAT = re.compile(r"^codec_(?P<stat>blocks|error_sum|error_samples)_(?P<codec>[a-z0-9_]+)$")
 _CODEC_STAT_HELP = {
     "blocks": "Blocks encoded by each tier codec",

@@ -1,11 +1,12 @@
-"""Per-tenant host pools: which segment a namespace's blocks live in, and what room it has.
+"""Per-tenant pools: which segment a namespace's blocks live in, and what room it has.
 
-Why here and not in movement.py: eviction and allocation only need two answers, "which segment
+Why a collaborator of its own: eviction and allocation only need two answers, "which segment
 does this namespace allocate from" and "which namespaces share that segment" (the victims that
 can make room in it). A tenant with a host quota gets a segment of its own
 (tiers/host_segments.py), so its quota is enforced by construction: it allocates only there and
 evicts only its own blocks, and no other tenant's flood can evict them. Without tenants with a
-host quota every answer is "the one slab, every namespace", exactly as before.
+host quota every answer is "the one slab, every namespace". The same holds for a tenant with a
+gpu quota on every device (tiers/device_segments.py).
 
 Which pools a namespace's slots may be leased in: only one its owner maps. A tenant with a
 host quota maps its own pool; the shared pool's name goes only to admins and, without
@@ -16,13 +17,15 @@ demoted blocks. So such leases are refused (`check_lease_pool`), the same for th
 shared slabs and tenants without a gpu quota. A slot a tenant may lease therefore only ever
 held blocks of namespaces that tenant may read itself.
 
+SSD and remote quotas are byte caps checked when blocks are written there (`fit_quota`).
+
 The namespaces of each owner and of each segment are kept as sets, updated when a namespace is
 registered, so eviction and quota checks never walk every tenant's namespaces.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore_client.common.errors import PermissionDenied, ResourceExhausted
@@ -30,36 +33,46 @@ from kvstore_client.common.errors import PermissionDenied, ResourceExhausted
 from tiers.host_segments import SegmentedHost
 
 from .config import ConfigError
+from .state import StoreState
 from .tenants import TENANT_KEY, Tenant, load_tenants
+
+QUOTA_EVICT_ROUNDS = 8      # a tenant over its SSD quota evicts its own blocks at most this often
 
 
 class TenantPools:
-    """Mixin of Store (uses config, host, namespaces)."""
+    """The tenants' pools and quotas over the store's tiers (see the module docstring)."""
 
-    tenants: dict[str, Tenant]
-    _segmented: bool
-
-    def _setup_pools(self) -> None:
-        """Called once the shared slab exists: give each tenant with a host quota its segment."""
-        self.tenants = load_tenants(self.config)
+    def __init__(self, state: StoreState) -> None:
+        """Called once the shared slab exists (state.host): gives each tenant with a host
+        quota its segment, replacing state.host with the segmented view."""
+        self.state = state
+        self.tenants: dict[str, Tenant] = load_tenants(state.config)
         self._quotas = {tier: {n: t.quota[tier] for n, t in self.tenants.items()
                                if t.quota.get(tier)} for tier in ("ssd", "remote")}
         pools = {n: t.quota["host"] for n, t in self.tenants.items() if t.quota.get("host")}
-        self._segmented = bool(pools)
+        self.segmented = bool(pools)
         if pools:
-            self.host = SegmentedHost(self.host, pools)
+            state.attach(host=SegmentedHost(state.host, pools))
         self._ns_of_owner: dict[str | None, set[bytes]] = {}
         self._ns_of_seg: dict[int, set[bytes]] = {}
 
-    def _index_namespace(self, ns_id: bytes) -> None:
-        """Note a namespace just added to `namespaces` under its owner and its segment."""
+    # -- namespaces ---------------------------------------------------------------------------
+    def owner(self, ns_id: bytes) -> str | None:
+        info = self.state.namespaces.get(ns_id)
+        return None if info is None else info.spec.extra.get(TENANT_KEY)
+
+    def note_namespace(self, ns_id: bytes) -> None:
+        """Note a namespace just added to `state.namespaces` under its owner and segment."""
         self._ns_of_owner.setdefault(self.owner(ns_id), set()).add(ns_id)
-        if self._segmented:
-            self._ns_of_seg.setdefault(self._seg(ns_id), set()).add(ns_id)
+        if self.segmented:
+            self._ns_of_seg.setdefault(self.segment_of(ns_id), set()).add(ns_id)
 
     def namespace_count(self, owner: str | None) -> int:
         """Namespaces registered by `owner` (None: the implicit tenant, or nobody's)."""
         return len(self._ns_of_owner.get(owner, ()))
+
+    def owned_namespaces(self, tenant: str) -> set[bytes]:
+        return set(self._ns_of_owner.get(tenant, ()))
 
     def check_lease_pool(self, ns_id: bytes, tier: str) -> None:
         """PermissionDenied unless this namespace's slots on `tier` lie in a pool its owner
@@ -80,49 +93,33 @@ class TenantPools:
             f"map; store with Put and load with Get (the SDK does so without a pool), or set "
             f"tenants.{t.name}.{quota}_quota for zero-copy in a pool of its own")
 
-    def _split_gpu(self, prefix: str) -> None:
-        """Called once the device tiers exist: give each tenant with a gpu_quota a slab of its
-        own on every device (tiers/device_segments.py)."""
-        quotas = {n: t.quota["gpu"] for n, t in self.tenants.items() if t.quota.get("gpu")}
-        if not quotas or not self.gpu:
-            return
-        from tiers.device_open import open_tenant_segment  # (numpy, CUDA: only with gpu quotas)
-        from tiers.device_segments import SegmentedDevice
-        for dev, shared in list(self.gpu.items()):
-            def make(tenant: str, size: int, d: int, kind: str = shared.kind) -> Any:
-                try:
-                    return open_tenant_segment(kind, size, d, f"{prefix}gpu{d}-{tenant}")
-                except Exception as e:
-                    raise ConfigError(f"tenants.{tenant}.gpu_quota: cannot make its slab on "
-                                      f"device {d}: {e}") from e
-            self.gpu[dev] = SegmentedDevice(shared, quotas, make)
-
-    def owner(self, ns_id: bytes) -> str | None:
-        info = self.namespaces.get(ns_id)
-        return None if info is None else info.spec.extra.get(TENANT_KEY)
-
-    def _seg(self, ns_id: bytes | None) -> int:
-        if not self._segmented or ns_id is None:
+    # -- host segments ------------------------------------------------------------------------
+    def segment_of(self, ns_id: bytes | None) -> int:
+        """The host segment a namespace allocates from (0: the shared slab)."""
+        if not self.segmented or ns_id is None:
             return 0
-        return self.host.segment_of_tenant(self.owner(ns_id))
+        return self.state.host.segment_of_tenant(self.owner(ns_id))
 
-    def _seg_namespaces(self, seg: int) -> set[bytes] | None:
+    def segment_namespaces(self, seg: int) -> set[bytes] | None:
         """The namespaces allocating from segment `seg` (None: all, when unsegmented). The
         live set, for membership tests only: it grows as namespaces are registered."""
-        if not self._segmented:
+        if not self.segmented:
             return None
         return self._ns_of_seg.setdefault(seg, set())
 
-    def _seg_room(self, seg: int) -> tuple[int, int]:
+    def segment_room(self, seg: int) -> tuple[int, int]:
         """(capacity, used bytes) of a segment (the whole slab when unsegmented)."""
-        if not self._segmented:
-            return self.host.capacity, self.host.used_bytes
-        return self.host.capacity_of(seg), self.host.used_of(seg)
+        host = self.state.host
+        if not self.segmented:
+            return host.capacity, host.used_bytes
+        return host.capacity_of(seg), host.used_of(seg)
 
-    def _seg_full(self, seg: int) -> ResourceExhausted:
-        cap, used = self._seg_room(seg)
-        tenant = next(n for n, t in self.tenants.items()
-                      if self.host.segment_of_tenant(n) == seg)
+    def segment_count(self) -> int:
+        return self.state.host.segment_count if self.segmented else 1
+
+    def segment_full(self, seg: int) -> ResourceExhausted:
+        cap, used = self.segment_room(seg)
+        tenant = next(n for n in self.tenants if self.state.host.segment_of_tenant(n) == seg)
         return ResourceExhausted(
             f"tenant {tenant}'s host quota is full: {used} of {cap} bytes are leased or pinned "
             f"and none of its blocks is evictable; release leases or raise "
@@ -130,39 +127,107 @@ class TenantPools:
 
     def tenant_pool(self, tenant: Tenant) -> tuple[int, int] | None:
         """(memfd, size) of a tenant's own pool, for the handshake; None without one."""
-        if not self._segmented:
+        if not self.segmented:
             return None
-        seg = self.host.segment_of_tenant(tenant.name)
-        return self.host.segment_fd(seg) if seg else None
+        seg = self.state.host.segment_of_tenant(tenant.name)
+        return self.state.host.segment_fd(seg) if seg else None
 
     def tenant_base(self, tenant: str | None) -> int | None:
         """Offset of a tenant's own pool in the host offset space (None: it has none)."""
-        if not self._segmented or not tenant:
+        if not self.segmented or not tenant:
             return None
-        seg = self.host.segment_of_tenant(tenant)
-        return self.host.base(seg) if seg else None
+        seg = self.state.host.segment_of_tenant(tenant)
+        return self.state.host.base(seg) if seg else None
+
+    # -- gpu segments -------------------------------------------------------------------------
+    def split_gpu(self, prefix: str) -> None:
+        """Called once the device tiers exist: give each tenant with a gpu_quota a slab of its
+        own on every device (tiers/device_segments.py)."""
+        quotas = {n: t.quota["gpu"] for n, t in self.tenants.items() if t.quota.get("gpu")}
+        gpu = self.state.gpu
+        if not quotas or not gpu:
+            return
+        from tiers.device_open import open_tenant_segment  # (numpy, CUDA: only with gpu quotas)
+        from tiers.device_segments import SegmentedDevice
+        for dev, shared in list(gpu.items()):
+            def make(tenant: str, size: int, d: int, kind: str = shared.kind) -> Any:
+                try:
+                    return open_tenant_segment(kind, size, d, f"{prefix}gpu{d}-{tenant}")
+                except Exception as e:
+                    raise ConfigError(f"tenants.{tenant}.gpu_quota: cannot make its slab on "
+                                      f"device {d}: {e}") from e
+            gpu[dev] = SegmentedDevice(shared, quotas, make)
+
+    def _segmented_device(self, dev: int) -> Any | None:
+        t = self.state.gpu[dev]
+        return t if hasattr(t, "segment_of_tenant") else None
+
+    def gpu_segment(self, dev: int, ns_id: bytes) -> int:
+        """The segment of device `dev` this namespace's blocks live in (0: the shared slab)."""
+        t = self._segmented_device(dev)
+        return t.segment_of_tenant(self.owner(ns_id)) if t is not None else 0
+
+    def gpu_room(self, dev: int, seg: int) -> tuple[int, int]:
+        """(capacity, used bytes) of a segment of a device (the whole slab when unsegmented)."""
+        t = self.state.gpu[dev]
+        if self._segmented_device(dev) is not None:
+            return t.capacity_of(seg), t.used_of(seg)
+        return t.capacity, t.used_bytes
+
+    def in_gpu_segment(self, dev: int, seg: int, offset: int) -> bool:
+        t = self._segmented_device(dev)
+        return t is None or t.segment_of(offset) == seg
+
+    def gpu_tenant_of(self, dev: int, seg: int) -> str | None:
+        """The tenant owning segment `seg` of device `dev` (None: the shared slab)."""
+        t = self._segmented_device(dev)
+        return t.tenant_of(seg) if seg and t is not None else None
+
+    def gpu_segments_of(self, tenant: str | None) -> list[tuple[int, int, dict]]:
+        """(device, base offset, describe()) of a tenant's own slabs, one per device; [] for a
+        tenant without a gpu_quota (or without the gpu tier)."""
+        out = []
+        for dev in sorted(self.state.gpu):
+            t = self._segmented_device(dev)
+            if t is not None:
+                seg = t.segment_of_tenant(tenant)
+                if seg:
+                    out.append((dev, t.base(seg), t.describe_segment(seg)))
+        return out
+
+    def gpu_segment_fds(self, tenant: str | None) -> list[tuple[int, int, int]]:
+        """(device, fd, size) of a tenant's own CPU-device slabs (memfds), for the handshake."""
+        out = []
+        for dev in sorted(self.state.gpu):
+            t = self._segmented_device(dev)
+            if t is not None:
+                seg = t.segment_of_tenant(tenant)
+                fd = getattr(t.tier(seg), "fd", None) if seg else None
+                if fd is not None:
+                    out.append((dev, fd, t.capacity_of(seg)))
+        return out
 
     # -- SSD and remote quotas ----------------------------------------------------------------
-    def _owned_ns(self, tenant: str) -> set[bytes]:
-        return set(self._ns_of_owner.get(tenant, ()))
-
-    def _tier_bytes(self, ns_ids: set[bytes], tier: str) -> int:
+    def tier_bytes(self, ns_ids: set[bytes], tier: str) -> int:
         """Raw block bytes those namespaces hold in `tier` (a walk of their blocks)."""
+        index = self.state.index
         total = 0
         for ns in ns_ids:
-            for g in self.index.namespace_keys(ns):
-                e = self.index.read(g)
+            for g in index.namespace_keys(ns):
+                e = index.read(g)
                 if e is not None and (e.ssd if tier == "ssd" else e.remote):
                     total += e.size
         return total
 
-    def _fit_quota(self, tier: str, entries: Sequence[Any], values: Sequence[Any],
-                   strict: bool) -> tuple[list, list]:
+    def fit_quota(self, tier: str, entries: Sequence[Any], values: Sequence[Any], strict: bool,
+                  evict_own: Callable[[int, set[bytes]], tuple[int, int]] | None = None
+                  ) -> tuple[list, list]:
         """The (entries, values) about to be written to `tier` that fit their tenants' quota
-        for it (locked). A tenant over its SSD quota first evicts its own SSD blocks, never
-        another's; what still does not fit raises ResourceExhausted naming tenant and tier
-        (`strict`: Flush, write-through) or is left out and counted (eviction, where the block
-        is dropped as a miss rather than evicting someone else's)."""
+        for it (locked). A tenant over its SSD quota first evicts its own SSD blocks with
+        `evict_own(bytes, its namespaces)` (kvstore/moves/ssd_room.py), never another's; what
+        still does not fit raises ResourceExhausted naming tenant and tier (`strict`: Flush,
+        write-through) or is left out and counted (eviction, where the block is dropped as a
+        miss rather than evicting someone else's)."""
         caps = self._quotas.get(tier)
         if not caps:
             return list(entries), list(values)
@@ -173,16 +238,16 @@ class TenantPools:
             if t in caps:
                 groups.setdefault(t, []).append(i)
         for t, idx in groups.items():
-            cap, own = caps[t], self._owned_ns(t)
+            cap, own = caps[t], self.owned_namespaces(t)
             need = sum(entries[i].size for i in idx)
-            used = self._tier_bytes(own, tier)
-            for _ in range(8):
-                if used + need <= cap or tier != "ssd":
+            used = self.tier_bytes(own, tier)
+            for _ in range(QUOTA_EVICT_ROUNDS):
+                if used + need <= cap or tier != "ssd" or evict_own is None:
                     break
-                _, n = self.movement._evict_ssd(used + need - cap, own)
+                _, n = evict_own(used + need - cap, own)
                 if not n:
                     break
-                used = self._tier_bytes(own, tier)
+                used = self.tier_bytes(own, tier)
             if used + need <= cap:
                 continue
             if strict:
@@ -195,6 +260,6 @@ class TenantPools:
                     used += entries[i].size
                 else:
                     keep[i] = False
-                    self.counters["tenant_quota_dropped_blocks"] += 1
+                    self.state.counters["tenant_quota_dropped_blocks"] += 1
         return ([e for e, k in zip(entries, keep, strict=True) if k],
                 [v for v, k in zip(values, keep, strict=True) if k])

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .movement import _aligned
+from .state import aligned
 
 
 def scoped_stats(store: Any, ns_ids: set[bytes]) -> dict:
     """store.stats()-shaped dict covering only `ns_ids` (capacity: the whole tier's)."""
     counts = {t: [0, 0] for t in ("host", "ssd", "remote")}
-    with store._lock:
+    with store.state.lock:
         for ns in ns_ids:
             for g in store.index.namespace_keys(ns):
                 e = store.index.read(g)
@@ -23,7 +23,7 @@ def scoped_stats(store: Any, ns_ids: set[bytes]) -> dict:
                     continue
                 if e.host is not None:
                     counts["host"][0] += 1
-                    counts["host"][1] += _aligned(e.size)
+                    counts["host"][1] += aligned(e.size)
                 if e.ssd:
                     counts["ssd"][0] += 1
                     counts["ssd"][1] += e.size

@@ -23,7 +23,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .movement import _aligned
+from .state import aligned
 from .tenants import TENANT_KEY
 
 NONE = "none"
@@ -51,19 +51,19 @@ def tenant_usage(store: Any, slice_rows: int = SLICE_ROWS) -> dict[tuple[str, st
     """{(tenant, tier): [blocks, bytes]} for host, ssd and remote (raw block bytes; host counts
     its aligned slots), walked a slice of index rows at a time (module docstring)."""
     out: dict[tuple[str, str], list[int]] = {}
-    with store._lock:
+    with store.state.lock:
         owners = {ns: info.spec.extra.get(TENANT_KEY) or NONE
                   for ns, info in store.namespaces.items()}
         rows = store.index.rows
     start = 0
     while start < rows:
-        with store._lock:
+        with store.state.lock:
             part = list(store.index.residency(start, start + slice_rows))
             rows = store.index.rows           # rows added meanwhile are walked too
         start += slice_rows
         for ns_id, on_host, on_ssd, on_remote, size in part:
             t = owners.get(ns_id, NONE)
-            for tier, on, nbytes in (("host", on_host, _aligned(size)),
+            for tier, on, nbytes in (("host", on_host, aligned(size)),
                                      ("ssd", on_ssd, size), ("remote", on_remote, size)):
                 if on:
                     row = out.setdefault((t, tier), [0, 0])

@@ -22,7 +22,7 @@ from kvstore_client import gpu as cg
 from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 
-from kvstore.movement import _aligned
+from kvstore.state import aligned as _aligned
 from tiers.device_cpu import CpuDeviceTier
 
 from .store_helpers import kv_block, make_store, namespace, random_prompt
@@ -228,7 +228,7 @@ def test_gpu_tier_under_concurrent_threads(tmp_path):
             t.join(60)
         assert not errors, errors[0]
         assert enough_in_time, f"the threads made too little progress in 120 s: {seen}"
-        with store._lock:
+        with store.state.lock:
             assert not store.leases.all()
             entries = list(store.index.entries())
             assert store.gpu[gdev].used_bytes == sum(_aligned(e.size) for e in entries

@@ -450,7 +450,7 @@ def test_publisher_runs_beside_concurrent_stores(tmp_path):
             def truth() -> dict[str, set[int]]:
                 """What the store holds now (background demotion may still be moving)."""
                 out: dict[str, set[int]] = {}
-                with store._lock:
+                with store.state.lock:
                     for e in store.index.entries():
                         for tier, on in (("CPU", e.host is not None), ("STORAGE", e.ssd)):
                             if on:
@@ -463,7 +463,7 @@ def test_publisher_runs_beside_concurrent_stores(tmp_path):
                 tokens, keys = random_prompt(rng, 4)
                 put(store, ns, keys, tokens)
             store.evict("host")
-            with store._lock:
+            with store.state.lock:
                 picked = [e.key for e in store.index.entries()][:40]
             for key in picked:
                 lease = store.acquire(ns, [key])

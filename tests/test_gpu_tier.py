@@ -673,7 +673,7 @@ def test_triton_and_torch_paths_agree(tier):
 
 @cuda_test
 def test_cuda_device_keeps_the_interface_the_store_uses(tier):
-    """What kvstore/device_movement.py calls, on CUDA: checked copies, checksums, gather."""
+    """What kvstore/moves/gpu_host.py calls, on CUDA: checked copies, checksums, gather."""
     import xxhash
 
     host = page_aligned(4 << 20)

@@ -236,7 +236,7 @@ def test_lossless_blocks_come_back_bit_exact_in_every_mode(tmp_path, mode):
             assert c["codec_out_bytes_lossless"] < c["codec_in_bytes_lossless"]
         else:
             assert raw == 24              # a fresh store stores raw until a probe says so
-            choice = store.movement.encode_choice
+            choice = store.moves.host_to_ssd.encode_choice
             deadline = time.monotonic() + 30
             while choice.encode_bps is None and time.monotonic() < deadline:
                 time.sleep(0.05)          # the probe runs on a worker thread

@@ -18,7 +18,7 @@ from kvstore_client.errors import (
     ResourceExhausted,
 )
 
-from kvstore.movement import _aligned
+from kvstore.state import aligned as _aligned
 from tiers.ssd import SSDTier
 
 from .store_helpers import SMALL, kv_block, make_store, namespace, random_prompt

@@ -18,7 +18,7 @@ import pytest
 import xxhash
 from kvstore_client.errors import LeaseExpired, NotFound, ResourceExhausted, Unavailable
 
-from kvstore.movement import _aligned
+from kvstore.state import aligned as _aligned
 
 from .store_helpers import kv_block, make_store, namespace, random_prompt
 
@@ -30,12 +30,12 @@ GOAL_DEADLINE_S = 120  # ... and on until what its test needs happened, or fails
 def slow_fill(monkeypatch):
     """Widen the window in which promotions are in flight off the lock (a slow disk)."""
     def install(store):
-        fill = store.movement._fill
+        fill = store.moves.promoter.fill
 
         def slow(info, jobs):
             time.sleep(0.002)
             fill(info, jobs)
-        monkeypatch.setattr(store.movement, "_fill", slow)
+        monkeypatch.setattr(store.moves.promoter, "fill", slow)
     return install
 
 
@@ -103,12 +103,12 @@ def hammer(seconds: float, workers: list[Callable[[], None]],
 
 
 def tier_count(store, tier: str, name: str) -> int:
-    with store._lock:
+    with store.state.lock:
         return int(store.tier_counters[tier][name])
 
 
 def counter(store, name: str) -> int:
-    with store._lock:
+    with store.state.lock:
         return int(store.counters[name])
 
 
@@ -134,7 +134,7 @@ def reader(store, ns, prompts, rng) -> Callable[[], None]:
 
 def check_live(store) -> None:
     """Invariants that hold at any moment (under the lock), promotions in flight or not."""
-    with store._lock:
+    with store.state.lock:
         offsets = [e.host for e in store.index.entries() if e.host is not None]
         assert len(offsets) == len(set(offsets)), "two blocks share a host slot"
         assert all(store.host.allocator.is_allocated(o) for o in offsets), "block in a freed slot"
@@ -154,8 +154,8 @@ def check_quiet(store, deadline_s: float = 30.0) -> None:
     check_live(store)
     end = time.monotonic() + deadline_s
     while True:
-        with store._lock:
-            if store._busy == 0:
+        with store.state.lock:
+            if store.state.busy == 0:
                 _check_accounting(store)
                 return
         assert time.monotonic() < end, "calls or demotions still in flight after the deadline"
@@ -163,8 +163,8 @@ def check_quiet(store, deadline_s: float = 30.0) -> None:
 
 
 def _check_accounting(store) -> None:
-    with store._lock:
-        assert store._busy == 0
+    with store.state.lock:
+        assert store.state.busy == 0
         entries = list(store.index.entries())
         owners = [e.host for e in entries if e.host is not None]
         owners += [s.offset for lease in store.leases.all() if lease.kind == "write"
@@ -178,8 +178,9 @@ def _check_accounting(store) -> None:
                                                     if lease.kind == "write"
                                                     for s in lease.slots)
         assert len(store.policies["host"]) == sum(e.host is not None for e in entries)
-        mv = store.movement
-        assert not mv._demotions and mv._host_evicting == 0 and mv._ssd_pending == 0
+        mv = store.moves
+        assert not store.state.demotions and mv.host_room.evicting == 0 \
+            and mv.ssd_room.pending == 0
         pins: dict[bytes, int] = {}
         for lease in store.leases.all():
             if lease.kind == "read":
@@ -401,7 +402,7 @@ def test_close_waits_for_promotions_in_flight(tmp_path, slow_fill):
                   until=lambda seen: seen.get("Unavailable", 0) > 0)
     closer.join()
     assert seen.get("Unavailable", 0) > 0
-    assert store._busy == 0 and store._shut
+    assert store.state.busy == 0 and store.state.shut
     with pytest.raises(Unavailable):
         store.acquire(ns, prompts[0])
 
@@ -544,7 +545,7 @@ def test_demotion_failure_leaves_every_victim_as_it_was(tmp_path, compress):
         ns = namespace(store)
         keys = random_prompt(np.random.default_rng(23), 12)[1]
         store.put(ns, keys, [expected(k) for k in keys])
-        put_filled, encode = store.ssd.put_filled, store.movement._encode
+        put_filled, encode = store.ssd.put_filled, store.moves.encoder.encode
 
         def broken(*args):
             raise OSError("injected: disk went away")
@@ -552,10 +553,10 @@ def test_demotion_failure_leaves_every_victim_as_it_was(tmp_path, compress):
             if where == "put_filled":
                 store.ssd.put_filled = broken
             else:
-                store.movement._encode = broken
+                store.moves.encoder.encode = broken
             with pytest.raises(OSError, match="injected"):
                 store.evict("host")
-            store.ssd.put_filled, store.movement._encode = put_filled, encode
+            store.ssd.put_filled, store.moves.encoder.encode = put_filled, encode
             for k in keys:
                 e = store.index.get(ns + k)
                 assert e.host is not None and not e.ssd and e.moving is None
@@ -650,7 +651,7 @@ def test_close_waits_for_demotions_in_flight(tmp_path, slow_demote):
                   until=lambda seen: seen.get("Unavailable", 0) > 0)
     closer.join()
     assert seen.get("Unavailable", 0) > 0
-    assert store._busy == 0 and store._shut and not store.movement._demotions
+    assert store.state.busy == 0 and store.state.shut and not store.state.demotions
     assert store.tier_counters["host"]["demotions"] > 0
     # close() flushed after the last demotion settled: every stored block is on SSD, intact.
     with make_store(tmp_path, host_capacity=48 * 4096) as again:
@@ -684,7 +685,7 @@ def test_delete_and_put_of_blocks_being_demoted(tmp_path):
             entered.wait(10)
             got["deleted"] = store.delete(ns, keys)
             got["put"] = store.put(ns, keys, [expected(k) for k in keys])
-            with store._lock:
+            with store.state.lock:
                 check_live(store)
                 assert all(store.index.get(ns + k).moving is not None for k in keys)
             done.set()

@@ -88,9 +88,9 @@ class StoreMachine(RuleBasedStateMachine):
         """A client that reserved and died: its lease expires and its slots come back."""
         if self.write_leases:
             lease = self.write_leases.pop(i % len(self.write_leases))
-            with self.store._lock:
+            with self.store.state.lock:
                 self.store.leases.get(lease.id).deadline = 0
-                self.store._reap_locked()
+                self.store.reap_expired()
 
     @rule(tier=st.sampled_from(["host", "ssd"]), blocks=st.integers(0, 8))
     def evict(self, tier, blocks):
@@ -108,7 +108,7 @@ class StoreMachine(RuleBasedStateMachine):
         if not hasattr(self, "store"):
             return
         s = self.store
-        with s._lock:
+        with s.state.lock:
             for lease in self.read_leases:           # leased blocks stay, byte for byte
                 for k, slot, c in zip(lease.keys, lease.slots, lease.checksums, strict=True):
                     e = s.index.get(self.ns + k)
@@ -184,9 +184,9 @@ class GpuStoreMachine(StoreMachine):
             lease = self.store.reserve(self.ns, n, tier="gpu")
         except ResourceExhausted:
             return
-        with self.store._lock:
+        with self.store.state.lock:
             self.store.leases.get(lease.id).deadline = 0
-            self.store._reap_locked()
+            self.store.reap_expired()
 
     @rule(blocks=st.integers(0, 8))
     def evict_gpu(self, blocks):
@@ -198,7 +198,7 @@ class GpuStoreMachine(StoreMachine):
             return
         s = self.store
         (dev,) = s.gpu
-        with s._lock:
+        with s.state.lock:
             for lease in self.gpu_leases:
                 for k, slot, c in zip(lease.keys, lease.slots, lease.checksums, strict=True):
                     e = s.index.get(self.ns + k)

@@ -399,9 +399,10 @@ def test_tenant_pools_keep_namespace_sets_not_walks(tmp_path: Path) -> None:
     with Store(cfg) as s:
         na = s.register_namespace(spec("a", "m")).ns_id
         nb = [s.register_namespace(spec("b", f"m{i}")).ns_id for i in range(50)]
-        seg_a = s._seg(na)
-        assert seg_a and s._seg_namespaces(seg_a) == {na}
-        assert s._seg_namespaces(0) == set(nb)
-        assert s.namespace_count("b") == 50 and s._owned_ns("a") == {na}
+        seg_a = s.pools.segment_of(na)
+        assert seg_a and s.pools.segment_namespaces(seg_a) == {na}
+        assert s.pools.segment_namespaces(0) == set(nb)
+        assert s.pools.namespace_count("b") == 50 and s.pools.owned_namespaces("a") == {na}
     with Store(cfg) as s:                # after a restart, from LMDB
-        assert s._seg_namespaces(s._seg(na)) == {na} and s.namespace_count("b") == 50
+        assert s.pools.segment_namespaces(s.pools.segment_of(na)) == {na}
+        assert s.pools.namespace_count("b") == 50

@@ -6,7 +6,7 @@ blocks at offsets the daemon hands out, with no per-block IPC handles, allocatio
 It mirrors `tiers/host.py` and `tiers/device_cpu.py`: the same `ExtentAllocator`, the same
 alloc/free/describe/close, so the store treats every slab tier alike. Nothing here decides
 anything the CPU device does not decide the same way: placement, eviction and verification
-live in the store (kvstore/device_movement.py), planning in the SDK.
+live in the store (kvstore/gpu_slots.py, kvstore/moves/gpu_host.py), planning in the SDK.
 
 Why these streams: demotion (GPU → host) and promotion (host → GPU) run on two daemon-owned
 streams, so they overlap each other and never queue behind an engine's compute. Every batched

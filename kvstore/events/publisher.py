@@ -56,10 +56,10 @@ REANNOUNCE_EVERY_S = 2.0
 
 
 class Publisher:
-    def __init__(self, store: Any, recorder: Recorder, streams: list[Stream],
+    def __init__(self, state: Any, recorder: Recorder, streams: list[Stream],
                  relays: dict[int, Relay], cache: TokenCache, ctx: zmq.Context,
                  batch_events: int, interval_s: float, pending_cap: int) -> None:
-        self.store = store
+        self.state = state     # the store's shared state (kvstore/state.py)
         self.recorder = recorder
         self.streams = streams
         self.relays = relays
@@ -172,14 +172,14 @@ class Publisher:
             totals.update({f"events_{k}": v for k, v in s.counters.items()})
         for r in self.relays.values():
             totals.update({f"events_relay_{k}": v for k, v in r.counters.items()})
-        c = self.store.counters
+        c = self.state.counters
         for k, v in totals.items():
             c[k] = v
 
     # -- the lock -----------------------------------------------------------------------------
     def _locked(self) -> bool:
         """Take the store lock, or False once the publisher is stopping (close holds it)."""
-        lock = self.store._lock
+        lock = self.state.lock
         while not lock.acquire(timeout=LOCK_WAIT_S):
             if self._stop.is_set():
                 return False
@@ -193,7 +193,7 @@ class Publisher:
             self.recorder.queue.clear()
             self.recorder.overflowed = False
         finally:
-            self.store._lock.release()
+            self.state.lock.release()
         self.vh.clear()
         self.pending.clear()
         self._pend_by.clear()
@@ -221,14 +221,14 @@ class Publisher:
             want |= 1 << i
         held: list[tuple[bytes, tuple[str, ...], BlockText, int]] = []
         start = 0
-        index, ns = self.store.index, self.recorder.ns
+        index, ns = self.state.index, self.recorder.ns
         while start >= 0:
             if not self._locked():
                 return
             try:
                 start, rows = index.held(start, WALK_SLICE)
             finally:
-                self.store._lock.release()
+                self.state.lock.release()
             for g, on_gpu, on_host, on_ssd in rows:
                 kind, mask = ns(g[:16])
                 if not mask & want:
@@ -321,7 +321,7 @@ class Publisher:
         return self._meta_text(g)
 
     def _join(self, g: bytes, kind: str) -> BlockText | None:
-        info = self.store.namespaces.get(g[:16])
+        info = self.state.namespaces.get(g[:16])
         if info is None:
             return None
         key = g[16:]
@@ -331,7 +331,7 @@ class Publisher:
         return self.cache.text(last, info.spec.layout.block_tokens)
 
     def _meta_text(self, g: bytes) -> BlockText | None:
-        return ssd_text(self.store.ssd, g)
+        return ssd_text(self.state.ssd, g)
 
     def _keep_joins(self) -> None:
         """Keep texts learned late with their blocks: in the book for a block with a host or
@@ -343,7 +343,7 @@ class Publisher:
         if not self._locked():
             return
         try:
-            book, index = self.recorder.book, self.store.index
+            book, index = self.recorder.book, self.state.index
             for g, text in joins:
                 e = index.peek(g)
                 if e is None:
@@ -353,8 +353,8 @@ class Publisher:
                 elif e.ssd:
                     to_meta.append((g, text))
         finally:
-            self.store._lock.release()
-        ssd = self.store.ssd
+            self.state.lock.release()
+        ssd = self.state.ssd
         for g, text in to_meta:
             try:
                 meta = ssd.get_meta(g)

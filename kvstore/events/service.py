@@ -23,7 +23,8 @@ from .texts import BlockText, own_texts
 
 
 class Events:
-    def __init__(self, store: Any, cfg: EventsConfig, data_dir: Path) -> None:
+    def __init__(self, state: Any, cfg: EventsConfig, data_dir: Path) -> None:
+        """`state`: the store's shared state (kvstore/state.py)."""
         self.cfg = cfg
         ctx = zmq.Context()
         seq_dir = data_dir / "events"
@@ -50,9 +51,9 @@ class Events:
             ctx.term()
             raise
         self.streams = streams
-        self.recorder = Recorder(store.namespaces, [s.models for s in streams], cfg.max_queue,
-                                 lambda g: ssd_text(store.ssd, g))
-        self.publisher = Publisher(store, self.recorder, streams, relays, cache, ctx,
+        self.recorder = Recorder(state.namespaces, [s.models for s in streams], cfg.max_queue,
+                                 lambda g: ssd_text(state.ssd, g))
+        self.publisher = Publisher(state, self.recorder, streams, relays, cache, ctx,
                                    cfg.batch_events, cfg.interval_ms / 1000.0,
                                    cfg.token_cache_blocks)
 

@@ -1,0 +1,110 @@
+"""Lookups: which tiers hold a prefix, or each key, without pinning or moving anything.
+
+Lookup is the hot path (one call per engine request): one hold of the lock, read-only views
+of the index (`peek_run` makes no Entry for a packed block), and for the remote tier, which no
+index can know fully (another node may have written a block), one batched existence check
+after the lock is released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .index import Entry
+from .moves.host_remote import HostRemote
+from .state import StoreState
+
+
+@dataclass
+class LookupResult:
+    prefix_blocks: int
+    per_tier: dict[str, int] = field(default_factory=dict)
+
+
+class Queries:
+    def __init__(self, state: StoreState, remote: HostRemote | None) -> None:
+        self.state = state
+        self.remote = remote
+
+    def lookup(self, ns_id: bytes, keys: list[bytes]) -> LookupResult:
+        """The longest cached prefix of `keys` (checked by the store), overall and per tier."""
+        st = self.state
+        with st.lock:
+            st.check_open()
+            st.namespace(ns_id)
+            # Plain locals, no per-key tuples.
+            n = h = d = r = gg = 0
+            run_h = run_d = run_r = run_g = True
+            # read-only views, no Entry made for a packed block; stops at the first unindexed
+            for e in st.index.peek_run(ns_id, keys):
+                on_h, on_d, on_r, on_g = e.host is not None, e.ssd, e.remote, e.gpu is not None
+                if not (on_h or on_d or on_r or on_g):
+                    break
+                n += 1
+                if run_g:
+                    gg, run_g = (gg + 1, True) if on_g else (gg, False)
+                if run_h:
+                    h, run_h = (h + 1, True) if on_h else (h, False)
+                if run_d:
+                    d, run_d = (d + 1, True) if on_d else (d, False)
+                if run_r:
+                    r, run_r = (r + 1, True) if on_r else (r, False)
+            per = {"host": h}
+            if st.gpu:
+                per["gpu"] = gg
+            if st.ssd is not None:
+                per["ssd"] = d
+            if st.remote is not None:
+                per["remote"] = r
+            st.counters["lookups"] += 1
+            st.counters["lookup_blocks"] += len(keys)
+            st.counters["lookup_hit_blocks"] += n
+            for t, c in per.items():
+                st.tier_counters[t]["hits"] += c
+                st.tier_counters[t]["misses"] += len(keys) - c
+            for k in keys[n:n + 1]:
+                for p in st.policies.values():
+                    rec = getattr(p, "record_miss", None)
+                    if rec is not None:
+                        rec(ns_id + k)
+        if self.remote is not None and n < len(keys):
+            extra = self.remote.extend(ns_id, keys, n)
+            if run_r:
+                per["remote"] += extra
+            n += extra
+        return LookupResult(n, per)
+
+    def where(self, ns_id: bytes, keys: list[bytes]) -> list[str | None]:
+        """The fastest tier holding each key, or None; every key on its own, not a prefix.
+
+        For engines that look blocks up one by one (vLLM's tiered offloading). Keys no local
+        tier holds are asked of the remote tier in one round trip.
+        """
+        st = self.state
+        out: list[str | None] = []
+        with st.lock:
+            st.check_open()
+            info = st.namespace(ns_id)
+            get = st.index.get
+            for k in keys:
+                e = get(ns_id + k)
+                # host before gpu: Locate's readers load from host, and a gpu-only block is
+                # one a prefetch copies down (kvstore/moves/gpu_host.py)
+                out.append(None if e is None else "host" if e.host is not None
+                           else "gpu" if e.gpu is not None
+                           else "ssd" if e.ssd else "remote" if e.remote else None)
+            st.counters["locate_blocks"] += len(keys)
+        missing = [i for i, t in enumerate(out) if t is None]
+        if st.remote is not None and missing:
+            found = st.remote.exists_many([ns_id + keys[i] for i in missing])
+            with st.lock:
+                for i, hit in zip(missing, found, strict=True):
+                    if not hit:
+                        continue
+                    e = st.index.get(ns_id + keys[i])
+                    if e is None:
+                        e = Entry(ns_id, keys[i], None, info.block_bytes, 0)
+                        st.index.add(e)
+                    st.index.set_remote(e)
+                    out[i] = "remote"
+        return out

@@ -1,0 +1,168 @@
+"""host <-> remote: blocks written to the shared remote tier (Redis/Valkey), and found there.
+
+Down: host eviction without an SSD tier, write-through, and SSD eviction (a block SSD drops
+keeps its remote copy) write blocks here. A block with a host copy is encoded from it (checked
+against its checksum first: the slot is client-writable); an SSD-only block's value is read
+back from SSD as it is, already encoded. The caller has marked the blocks `moving`; the
+encode, the SSD reads and the round trip run without the lock, and only the room and quota
+checks take it in between. A write that does not land whole (Redis down or full) leaves every
+block where it was: a later demotion retries.
+
+Up: an acquire asks which of its blocks only the remote tier holds (`wanted`, asking the
+remote tier about keys the index has never seen: another node may have written them), fetches
+them in batched round trips without the lock (`fetch`, pipelined one range ahead for long
+prefixes) and decodes them into reserved host slots (promotion.py, `fill_remote`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from kvstore_client.common.errors import DataLoss
+
+from ..index import Entry
+from ..pools import TenantPools
+from ..state import StoreState
+from .common import Flight, corrupt_host_copy
+from .encoding import Encoder
+
+EncodedCopies = list[tuple[Entry, int]]      # (block, encoded bytes) that landed
+
+
+class HostRemote:
+    def __init__(self, state: StoreState, pools: TenantPools, encoder: Encoder) -> None:
+        self.state = state
+        self.pools = pools
+        self.encoder = encoder
+        self._fetcher: ThreadPoolExecutor | None = None
+
+    # -- down -----------------------------------------------------------------------------------
+    def demote(self, entries: list[Entry]) -> None:
+        """Write `entries` to the remote tier in three phases (locked; released for the
+        transfer): write-through. Skips blocks in flight (another move will settle them)."""
+        st = self.state
+        todo = [e for e in entries if e.moving is None]
+        if not todo:
+            return
+        flight = Flight(st, todo)
+        try:
+            written, corrupt = self.write(todo)
+        finally:
+            flight.land()
+        self.settle(written)
+        for g in corrupt:
+            corrupt_host_copy(st, g, "demotion")
+
+    def write(self, entries: list[Entry]) -> tuple[EncodedCopies, list[bytes]]:
+        """Phase 2 of a demotion to the remote tier (locked on entry and return; released for
+        the encode, the SSD reads and the round trip; the caller has marked `entries` moving).
+        Returns the copies that landed, for `settle`, and the keys whose host copy failed its
+        checksum (never written: the caller drops them once the flight has landed)."""
+        st = self.state
+        in_host = [e for e in entries if e.host is not None]
+        on_ssd = [e for e in entries if e.host is None]
+        jobs = self.encoder.host_jobs(in_host)
+        lower_corrupt = 0
+        with st.unlocked():
+            values, local = self.encoder.encode(jobs)
+            stored: list[bytes | None] = []
+            for e in on_ssd:
+                try:
+                    stored.append(st.ssd.get(e.gkey))
+                except DataLoss:
+                    stored.append(None)
+                    lower_corrupt += 1      # a corrupt copy is not passed down
+        st.counters.update(local)
+        st.counters["corrupt_blocks"] += lower_corrupt
+        corrupt = [e.gkey for e, v in zip(in_host, values, strict=True) if v is None]
+        items = [(e, v) for e, v in zip(in_host, values, strict=True) if v is not None]
+        items += [(e, v) for e, v in zip(on_ssd, stored, strict=True) if v is not None]
+        remote = st.remote
+        items = [(e, v) for e, v in items if remote.has_room(len(v))]
+        kept, vals = self.pools.fit_quota("remote", [e for e, _ in items],
+                                          [v for _, v in items], strict=False)
+        if not kept:
+            return [], corrupt
+        with st.unlocked():
+            written = remote.put_many([(e.gkey, v) for e, v in zip(kept, vals, strict=True)])
+        if written < sum(len(v) for v in vals):
+            st.counters["remote_demotion_failures"] += 1
+            return [], corrupt      # Redis down or full: the blocks stay local
+        return [(e, len(v)) for e, v in zip(kept, vals, strict=True)], corrupt
+
+    def settle(self, written: EncodedCopies) -> None:
+        """Phase 3 (locked): the copies that landed are indexed as remote."""
+        st = self.state
+        for e, nbytes in written:
+            st.index.set_remote(e)
+            st.counters["bytes_to_remote"] += nbytes
+        st.tier_counters["remote"]["demotions_in"] += len(written)
+
+    def delete(self, gkeys: list[bytes]) -> None:
+        """Delete remote copies the index no longer names (locked; the round trip runs
+        without the lock)."""
+        with self.state.unlocked():
+            self.state.remote.delete_many(gkeys)
+
+    # -- up -------------------------------------------------------------------------------------
+    def wanted(self, ns_id: bytes, keys: list[bytes]) -> list[bytes]:
+        """Global keys of the prefix blocks only the remote tier holds, in order (no lock held).
+
+        Keys the index has never seen may still be remote (another node wrote them): the first
+        unknown key starts a remote existence check, as Lookup does.
+        """
+        st = self.state
+        with st.lock:
+            want, first_unknown = [], None
+            for i, k in enumerate(keys):
+                e = st.index.get(ns_id + k)
+                if e is None:
+                    first_unknown = i
+                    break
+                if e.host is None and not e.ssd and e.gpu is None:
+                    want.append(e.gkey)
+        if first_unknown is not None:
+            n = self.extend(ns_id, keys, first_unknown)
+            want += [ns_id + k for k in keys[first_unknown:first_unknown + n]]
+        return want
+
+    def extend(self, ns_id: bytes, keys: list[bytes], start: int) -> int:
+        """How many blocks after `start` the remote tier holds (one batched round trip, no
+        lock held); they are indexed as remote."""
+        st = self.state
+        found = st.remote.exists_many([ns_id + k for k in keys[start:]])
+        n = 0
+        for hit in found:
+            if not hit:
+                break
+            n += 1
+        if n:
+            with st.lock:
+                info = st.namespaces.get(ns_id)
+                if info is None:
+                    return 0
+                for i in range(start, start + n):
+                    e = st.index.get(ns_id + keys[i])
+                    if e is None:
+                        parent = keys[i - 1] if i > 0 else None
+                        e = Entry(ns_id, keys[i], parent, info.block_bytes, 0)
+                        st.index.add(e)
+                    st.index.set_remote(e)
+        return n
+
+    def fetch(self, want: list[bytes]) -> dict[bytes, tuple]:
+        """One batched trip per node, no lock held; verified frames, not re-hashed."""
+        if not want:
+            return {}
+        values = self.state.remote.get_many(want, unframed=True)
+        return {g: v for g, v in zip(want, values, strict=True) if v is not None}
+
+    def fetcher(self) -> ThreadPoolExecutor:
+        """The thread that fetches the next range of a pipelined acquire."""
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-fetch")
+        return self._fetcher
+
+    def close(self) -> None:
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True)

@@ -1,0 +1,291 @@
+"""Host eviction: room in the host pool, made by moving victims down a tier.
+
+Writers (Reserve, Put, a promotion's reservation, a gpu victim's host copy) ask for room here;
+past the high watermark the caller evicts down to the low one itself, and above the low
+watermark a background thread (`kvstore-demoter`) evicts so writers rarely have to. Victims are
+picked from the host policy in batches of up to BATCH_BLOCKS blocks and about BATCH_BYTES (each
+batch ends with one SSD write and one index commit, so the disk idles briefly between batches:
+large blocks want few, large batches; small blocks many per batch).
+
+A batch moves in three phases: picked under the lock (out of the host policy, marked
+`moving`, their bytes counted in `evicting` so concurrent callers do not evict again for the
+same shortfall); written down without the lock (host_to_ssd.py, or host_remote.py without an
+SSD tier; victims that already have a lower copy need no write); settled under the lock: each
+victim's host slot is freed, except one a reader acquired meanwhile, which keeps its host copy
+and goes back in the host policy (it now has a lower copy too). On an error every victim goes
+back as it was and the error propagates; a full disk drops the victims instead (host must keep
+serving).
+
+Tenants with a host quota evict only their own blocks in their own segment (kvstore/pools.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvstore_client.common.errors import ResourceExhausted
+
+from tiers.ssd import DiskFull
+
+from ..index import Entry
+from ..pools import TenantPools
+from ..state import StoreState, aligned
+from .common import Flight, corrupt_host_copy, pick_victims
+from .host_remote import HostRemote
+from .host_to_ssd import HostToSSD
+
+log = logging.getLogger("kvstore.store")
+BATCH_BLOCKS = 64
+BATCH_BYTES = 32 << 20
+DISK_FULL_LOG_S = 60.0      # a full disk is logged at most this often
+
+
+class HostRoom:
+    def __init__(self, state: StoreState, pools: TenantPools, to_ssd: HostToSSD | None,
+                 to_remote: HostRemote | None) -> None:
+        self.state = state
+        self.pools = pools
+        self.to_ssd = to_ssd
+        self.to_remote = to_remote
+        self.evicting = 0           # host bytes eviction batches in flight will free
+        self._disk_full_logged = -1e9
+        # Background demotion: woken when host use passes the low watermark.
+        self._wake = threading.Condition(state.lock)
+        self._demoter: threading.Thread | None = None
+
+    # -- background demotion --------------------------------------------------------------------
+    def start_background(self) -> None:
+        """Start demoting in the background, if there is a tier to demote to and it is on."""
+        st = self.state
+        if (self._demoter is not None or not st.config.host.background_demotion
+                or (st.ssd is None and st.remote is None)):
+            return
+        self._demoter = threading.Thread(target=self._demote_loop, name="kvstore-demoter",
+                                         daemon=True)
+        self._demoter.start()
+
+    def _demote_loop(self) -> None:
+        """Keep host use at or under the low watermark, so writers rarely evict inline.
+
+        Why: demotion (encode + SSD write) ran on the Reserve that needed room, so a spilling
+        engine stored 10-30 blocks/s and every other engine's lookups waited behind it. Here
+        it runs in batches on its own thread, releasing the store lock for each batch's encode
+        and write exactly as an inline eviction does; a writer evicts inline only when use
+        would pass the high watermark anyway (counted as `reserve_waits`).
+        """
+        st = self.state
+        with st.lock:
+            while not st.closed:
+                freed = 0
+                # Each tenant's own pool is kept under its own watermark with its own blocks:
+                # one tenant's writes never demote another's (kvstore/pools.py).
+                for seg in range(self.pools.segment_count()):
+                    cap, used = self.pools.segment_room(seg)
+                    over = (used - (self.evicting if seg == 0 else 0)
+                            - st.config.host.low_watermark * cap)
+                    if over <= 0:
+                        continue
+                    try:
+                        f, _ = self.evict(int(over), self.pools.segment_namespaces(seg))
+                        freed += f
+                        st.counters["background_demotion_bytes"] += f
+                    except Exception as exc:  # the next round retries; inline eviction remains
+                        st.counters["background_demotion_errors"] += 1
+                        log.warning("background demotion failed: %s", exc)
+                if not freed:
+                    self._wake.wait(0.25)
+
+    def close(self) -> None:
+        """Let the demoter exit (the caller holds the lock and has set state.closed)."""
+        self._wake.notify_all()
+
+    # -- room and allocation --------------------------------------------------------------------
+    def make_room(self, need: int, ns_id: bytes | None = None) -> None:
+        """Evict from host so `need` more bytes fit: past the high watermark, down to the low
+        (locked; may release the lock while victims are written down). `alloc` then gets the
+        slot even if other threads took the room meanwhile."""
+        seg = self.pools.segment_of(ns_id)
+        cap, used = self.pools.segment_room(seg)
+        host = self.state.config.host
+        high, low = host.high_watermark * cap, host.low_watermark * cap
+        used -= self.evicting if seg == 0 else 0
+        if used + need > low and self._demoter is not None:
+            self._wake.notify()          # the background demoter makes room from here on
+        if used + need <= high:
+            return
+        target = max(0.0, min(low, high - need))
+        self.evict(int(used + need - target), self.pools.segment_namespaces(seg))
+
+    def has_room(self, need: int, ns_id: bytes | None = None) -> bool:
+        """Whether `need` more host bytes fit under the high watermark without evicting."""
+        seg = self.pools.segment_of(ns_id)
+        cap, used = self.pools.segment_room(seg)
+        used -= self.evicting if seg == 0 else 0
+        return used + need <= self.state.config.host.high_watermark * cap
+
+    def must_evict_inline(self, need: int) -> bool:
+        """Whether making room for `need` more host bytes means evicting on the caller's
+        thread now (background demotion has not kept up); a Reserve then waits."""
+        host = self.state.host
+        used = host.used_bytes - self.evicting
+        return used + need > self.state.config.host.high_watermark * host.capacity
+
+    def alloc(self, nbytes: int, ns_id: bytes | None = None) -> int:
+        """A host slot of `nbytes`, evicting until one fits (locked; may release the lock).
+
+        Other threads may take the room an eviction made while the lock was released, so this
+        loops: evict what is missing, or wait for other threads' demotions in flight to settle,
+        and try again; ResourceExhausted only when nothing is evictable and nothing is in flight.
+        """
+        st = self.state
+        seg = self.pools.segment_of(ns_id)
+        host = st.host
+        while True:
+            try:
+                return host.alloc(nbytes, seg) if seg else host.alloc(nbytes)
+            except ResourceExhausted:
+                pass
+            if not seg and self.evicting >= aligned(nbytes) and st.wait_demotions():
+                continue     # batches in flight free enough: no second writer on the disk
+            _, _, picked = self._evict_batches(aligned(nbytes), self.pools.segment_namespaces(seg))
+            if picked or st.wait_demotions():
+                continue
+            try:
+                return host.alloc(nbytes, seg) if seg else host.alloc(nbytes)
+            except ResourceExhausted:
+                if seg:
+                    raise self.pools.segment_full(seg) from None
+                # Watermarks are a target, not a guarantee; this is the real limit.
+                raise ResourceExhausted(
+                    f"host tier full: {host.used_bytes} of {host.capacity} bytes are "
+                    "leased or pinned and nothing is evictable; release leases or raise "
+                    "host.capacity") from None
+
+    # -- eviction ---------------------------------------------------------------------------------
+    def evict(self, nbytes: int | None, only: set[bytes] | None = None) -> tuple[int, int]:
+        """Evict host blocks until `nbytes` are freed (None: all evictable), in batches; with
+        `only`, blocks of those namespaces alone (a tenant's own Evict, its quota). Returns
+        (bytes freed, blocks freed). Locked; releases the lock for each batch's transfer."""
+        freed, blocks, _ = self._evict_batches(nbytes, only)
+        return freed, blocks
+
+    def _evict_batches(self, nbytes: int | None, only: set[bytes] | None = None
+                       ) -> tuple[int, int, int]:
+        """evict, also returning how many victims were picked (a victim a reader pinned while
+        it was demoted keeps its host copy: picked, but not freed)."""
+        st = self.state
+        index = st.index
+        lower = st.ssd is not None or st.remote is not None
+
+        def can(g: bytes) -> bool:
+            # A block whose children are indexed may only go if a lower tier keeps a copy,
+            # or its children would become unreachable. A block in flight (being demoted by
+            # another eviction, or promoted) is not a victim.
+            e = index.get(g)
+            return (e is not None and e.pins == 0 and e.host is not None and e.moving is None
+                    and (lower or e.ssd or e.remote or e.gpu is not None or e.children == 0)
+                    and (only is None or e.ns_id in only))
+        freed = blocks = picked = planned = 0
+        while nbytes is None or planned < nbytes:
+            room = BATCH_BYTES if nbytes is None else min(BATCH_BYTES, nbytes - planned)
+            batch = pick_victims(st.policies["host"], can, index.get,
+                                 lambda e: e.host is not None, BATCH_BLOCKS, room)
+            if not batch:
+                break
+            picked += len(batch)
+            planned += sum(aligned(e.size) for e in batch)
+            f, b = self._evict_batch(batch)
+            freed, blocks = freed + f, blocks + b
+        return freed, blocks, picked
+
+    def _evict_batch(self, batch: list[Entry]) -> tuple[int, int]:
+        """Write a batch of victims down and free their host slots; (bytes, blocks) freed.
+
+        Victims without a lower copy are written without the store lock: they are marked
+        `moving` first, so no delete, eviction or promotion touches them, and their host
+        copies (immutable once published, the slots not freed until settle) stay readable and
+        acquirable meanwhile.
+        """
+        st = self.state
+        if self.to_ssd is not None:
+            todo = [e for e in batch if not e.ssd]
+        elif self.to_remote is not None:
+            todo = [e for e in batch if not e.remote]
+        else:
+            todo = []
+        if not todo:
+            return self._free_victims(batch)
+        flight = Flight(st, batch)
+        size = sum(aligned(e.size) for e in batch)
+        self.evicting += size
+        st.demotions.add(flight.event)
+        corrupt: list[bytes] = []
+        try:
+            if self.to_ssd is not None:
+                try:
+                    written, corrupt = self.to_ssd.write(todo, strict=False)
+                except DiskFull as exc:
+                    written = self._disk_full(batch, exc)
+            else:
+                written, corrupt = self.to_remote.write(todo)
+        except BaseException:
+            policy = st.policies["host"]
+            for e in batch:                  # as it was: the host copy stays, evictable again
+                policy.insert(e.gkey, e.parent_gkey, e.size)
+            self._landed(flight, size)
+            raise
+        try:
+            for e in batch:
+                flight.clear(e)
+            if self.to_ssd is not None:
+                self.to_ssd.settle(written)
+            else:
+                self.to_remote.settle(written)
+            for g in corrupt:
+                corrupt_host_copy(st, g, "demotion")
+            return self._free_victims(batch)
+        finally:
+            self._landed(flight, size)
+
+    def _landed(self, flight: Flight, size: int) -> None:
+        self.evicting -= size
+        self.state.demotions.discard(flight.event)
+        flight.land()
+
+    def _disk_full(self, batch: list[Entry], exc: DiskFull) -> list:
+        """The SSD write of an eviction batch did not land (filesystem full): the victims
+        without a lower copy are dropped rather than kept, so host keeps serving (a full disk
+        must not stop every write and every promotion that needs room). Counted; logged at most
+        once a minute, not once per batch."""
+        st = self.state
+        lost = sum(1 for e in batch if not e.ssd and not e.remote and not e.pins)
+        st.counters["ssd_disk_full_errors"] += 1
+        st.counters["ssd_disk_full_dropped_blocks"] += lost
+        now = time.monotonic()
+        if now - self._disk_full_logged > DISK_FULL_LOG_S:
+            self._disk_full_logged = now
+            log.warning("%s; dropping %d evicted host blocks instead of demoting them (logged "
+                        "once a minute; counter ssd_disk_full_dropped_blocks)", exc, lost)
+        return []
+
+    def _free_victims(self, batch: list[Entry]) -> tuple[int, int]:
+        """Phase 3 of an eviction (locked): free the victims' host slots. A victim a reader
+        acquired while it was demoted keeps its host copy (it now has a lower copy too)."""
+        st = self.state
+        freed = blocks = 0
+        for e in batch:
+            if e.host is None:
+                continue                     # a corrupt copy, dropped when it was encoded
+            if e.pins:
+                st.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
+                st.counters["demotions_kept_pinned"] += 1
+                continue
+            st.host.free(e.host)
+            st.index.clear_host(e)
+            st.index.drop_if_gone(e)
+            freed += aligned(e.size)
+            blocks += 1
+        st.tier_counters["host"]["evictions"] += blocks
+        return freed, blocks

@@ -1,0 +1,45 @@
+"""Stats: the store's figures by tier, from state that already counts them.
+
+Per-tier block counts come from state that already counts them (a tier's policy holds exactly
+its resident blocks; LMDB counts its entries), not from a walk of the whole index under the
+lock at every scrape. Remote residency has no such count, so only a daemon with the remote
+tier walks the index.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .leases import LeaseTable
+from .state import StoreState
+
+
+def stats(state: StoreState, leases: LeaseTable, gpu_slots: Any, daemon_id: str) -> dict:
+    """The Stats answer (locked); `gpu_slots`: the gpu tier's calls (kvstore/gpu_slots.py),
+    None without one."""
+    st = state
+    tiers = {}
+    host_blocks = len(st.policies["host"])
+    ssd_blocks = len(st.ssd) if st.ssd is not None else 0
+    remote_blocks = st.index.remote_count() if st.remote is not None else 0
+    gpu_devices: dict = {}
+    if gpu_slots is not None:
+        tiers["gpu"], gpu_devices = gpu_slots.stats()
+    tiers["host"] = {"capacity_bytes": st.host.capacity, "used_bytes": st.host.used_bytes,
+                     "blocks": host_blocks, **st.tier_counters["host"]}
+    if st.ssd is not None:
+        tiers["ssd"] = {"capacity_bytes": st.ssd.capacity, "used_bytes": st.ssd.used_bytes,
+                        "blocks": ssd_blocks, **st.tier_counters["ssd"]}
+    if st.remote is not None:
+        tiers["remote"] = {"capacity_bytes": st.config.remote.capacity,
+                           "used_bytes": st.remote.used_bytes,
+                           "blocks": remote_blocks, **st.tier_counters["remote"],
+                           **{f"remote_{k}": v for k, v in st.remote.stats.items()
+                              if isinstance(v, (int, float))}}
+    for t in tiers.values():
+        for k in ("hits", "misses", "evictions"):
+            t.setdefault(k, 0)
+    out_remote = {} if st.remote is None else st.remote.stats
+    return {"tiers": tiers, "counters": dict(st.counters), "remote": out_remote,
+            "gpu_devices": gpu_devices, "namespaces": len(st.namespaces),
+            "active_leases": len(leases), "blocks": len(st.index), "daemon_id": daemon_id}
