@@ -130,9 +130,15 @@ def test_daemon_hung_fails_jobs_and_misses(run: dict[str, Any]) -> None:
     assert s["first"] == ["HIT_PENDING"] * 4
     assert s["settled"], "a promotion against a hung daemon never finished"
     promotion = s["jobs"][-1]
-    assert promotion["success"] is False and promotion["successful_keys"] is None
     assert s["promote_fail_s"] <= s["timeout_s"] + 5.0
-    assert s["in_primary"] == ["MISS"] * 4, "a failed promotion left chunks in the primary tier"
+    if promotion["success"]:
+        # The Locate was answered (its blocks pinned) before the stop, a race a loaded machine
+        # can lose: the promotion then needed no more of the daemon, and loaded the right bytes.
+        assert s["in_primary"] == ["HIT"] * 4 and s["loaded_bytes_equal"] is True, s
+    else:
+        assert promotion["successful_keys"] is None
+        assert s["in_primary"] == ["MISS"] * 4, \
+            "a failed promotion left chunks in the primary tier"
     assert all(a == ["RETRY", "MISS"] for a in s["other_answers"]["answers"])
     assert max(s["other_answers"]["retry_s"]) < s["deadline_s"]   # none past the deadline
 
