@@ -359,7 +359,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--setups", default=",".join(s.name for s in SETUPS),
                     help="comma-separated subset of: " + ", ".join(s.name for s in SETUPS))
     ap.add_argument("--trace", default="", help="the Mooncake conversation trace (file or "
-                    "folder; default: $KVSTORE_TRACES, else shared/traces beside the checkout)")
+                    "folder; default: $KVS_TRACES_DIR, else shared/traces beside the checkout)")
     ap.add_argument("--conversations", type=int, default=0,
                     help="conversations replayed (default 6 with --quick, else 10)")
     ap.add_argument("--turns", type=int, default=8, help="turns replayed per conversation")

@@ -48,7 +48,7 @@ class Request:
 
 def find_trace(explicit: str = "", root: Path | None = None) -> Path:
     """The conversation trace: `explicit` (a file or a folder holding it) if given, else
-    `$KVSTORE_TRACES`, else a `shared/traces` folder beside the checkout or beside any folder
+    `$KVS_TRACES_DIR`, else a `shared/traces` folder beside the checkout or beside any folder
     above it. Raises FileNotFoundError naming every place it looked."""
     looked: list[Path] = []
 
@@ -56,7 +56,7 @@ def find_trace(explicit: str = "", root: Path | None = None) -> Path:
         if explicit:
             yield Path(explicit)
             return
-        env = os.environ.get("KVSTORE_TRACES", "")
+        env = os.environ.get("KVS_TRACES_DIR", "")
         if env:
             yield Path(env)
         here = (root or Path(__file__).resolve().parents[1]).resolve()
@@ -71,7 +71,7 @@ def find_trace(explicit: str = "", root: Path | None = None) -> Path:
     raise FileNotFoundError(
         f"the Mooncake conversation trace ({TRACE_NAME}) was not found; looked at: "
         + ", ".join(str(p) for p in looked)
-        + ". Pass --trace FILE or set KVSTORE_TRACES to the folder that holds it.")
+        + ". Pass --trace FILE or set KVS_TRACES_DIR to the folder that holds it.")
 
 
 def load_trace(path: Path) -> list[dict]:

@@ -22,17 +22,17 @@ POLICIES = ["lru", "default"]
 
 def trace_path() -> Path:
     """The Mooncake conversation trace (data, not in the repository): in the folder named by
-    KVSTORE_TRACES, else ../shared/traces beside the checkout (where CI puts it). A test that
+    KVS_TRACES_DIR, else ../shared/traces beside the checkout (where CI puts it). A test that
     needs it fails saying where it looked: a trace test that skips proves nothing."""
     places = []
-    if os.environ.get("KVSTORE_TRACES"):
-        places.append(Path(os.environ["KVSTORE_TRACES"]) / TRACE_NAME)
+    if os.environ.get("KVS_TRACES_DIR"):
+        places.append(Path(os.environ["KVS_TRACES_DIR"]) / TRACE_NAME)
     places.append(ROOT.parent / "shared" / "traces" / TRACE_NAME)
     for p in places:
         if p.is_file():
             return p
     pytest.fail(f"{TRACE_NAME} not found; looked in: {', '.join(map(str, places))}. Put the "
-                "traces in ../shared/traces beside the checkout or set KVSTORE_TRACES to their "
+                "traces in ../shared/traces beside the checkout or set KVS_TRACES_DIR to their "
                 "folder", pytrace=False)
 
 

@@ -74,17 +74,17 @@ def test_conversations_and_shared_tokens(tmp_path):
 
 
 def test_find_trace_says_where_it_looked(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVSTORE_TRACES", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("KVS_TRACES_DIR", str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError) as e:
         workload.find_trace("", root=tmp_path / "checkout")
     msg = str(e.value)
     assert str(tmp_path / "nowhere" / workload.TRACE_NAME) in msg
     assert str(tmp_path / "checkout" / "shared" / "traces" / workload.TRACE_NAME) in msg
-    assert "KVSTORE_TRACES" in msg
+    assert "KVS_TRACES_DIR" in msg
     # beside a folder above the checkout, as a worktree sits below the shared folder
     (tmp_path / "shared" / "traces").mkdir(parents=True)
     found = _trace(tmp_path / "shared" / "traces")
-    monkeypatch.delenv("KVSTORE_TRACES")
+    monkeypatch.delenv("KVS_TRACES_DIR")
     assert workload.find_trace("", root=tmp_path / "wt" / "checkout") == found
 
 
@@ -106,7 +106,7 @@ def test_help():
 
 def test_workload_only_builds_the_workload_and_starts_nothing(tmp_path):
     trace = _trace(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_TRACES"}
+    env = {k: v for k, v in os.environ.items() if k != "KVS_TRACES_DIR"}
     # tools that do not exist: describing the workload must not need them
     p = _bench("--workload-only", "--quick", "--trace", str(trace), "--conversations", "3",
                "--turns", "3", "--tokens-per-block", "64", "--router-bin",
@@ -126,10 +126,10 @@ def test_workload_only_builds_the_workload_and_starts_nothing(tmp_path):
 
 def trace_path() -> Path:
     """The Mooncake conversation trace, where tests find it: the folder named by
-    KVSTORE_TRACES, else ../shared/traces beside the checkout. Missing, the test fails."""
+    KVS_TRACES_DIR, else ../shared/traces beside the checkout. Missing, the test fails."""
     places = []
-    if os.environ.get("KVSTORE_TRACES"):
-        places.append(Path(os.environ["KVSTORE_TRACES"]) / workload.TRACE_NAME)
+    if os.environ.get("KVS_TRACES_DIR"):
+        places.append(Path(os.environ["KVS_TRACES_DIR"]) / workload.TRACE_NAME)
     places.append(ROOT.parent / "shared" / "traces" / workload.TRACE_NAME)
     for p in places:
         if p.is_file():
