@@ -7,6 +7,7 @@ process with its own empty prefix cache, as two engines on one node are.
     python tests/vllm_engine.py model DIR [--layers N --hidden H --heads A --kv-heads K]
     python tests/vllm_engine.py run --model DIR --prompts FILE --out FILE [--kvstore ADDRESS]
         [--codec C] [--hash-algo A] [--allow-process-local] [--max-tokens N] [--ttft]
+        [--events ENDPOINT]
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def run(args: argparse.Namespace) -> None:
         kw["prefix_caching_hash_algo"] = args.hash_algo
     if args.kvstore:
         kw["kv_transfer_config"] = _tier_config(args)
+    if args.events:     # the engine's own KV events, as `--kv-events-config` publishes them
+        from vllm.config import KVEventsConfig
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                endpoint=args.events)
     t0 = time.monotonic()
     llm = LLM(**kw)
     start_s = time.monotonic() - t0
@@ -155,6 +160,7 @@ def main() -> None:
     r.add_argument("--max-model-len", type=int, default=4096)
     r.add_argument("--primary-mib", type=int, default=64)
     r.add_argument("--ttft", action="store_true")
+    r.add_argument("--events", default="", help="publish the engine's KV events (ZMQ) here")
     r.add_argument("--kill-pid", type=int, default=0, help="SIGKILL this pid (the daemon)...")
     r.add_argument("--kill-after", type=int, default=0, help="...before prompt number N")
     args = ap.parse_args()
