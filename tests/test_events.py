@@ -415,6 +415,66 @@ def test_engine_stream_relays_gpu_events_and_names_vllm_blocks(tmp_path):
             engine.close()
 
 
+def test_a_lora_adapters_blocks_are_announced_with_its_name(tmp_path):
+    """Routers hash a LoRA adapter's blocks with its name: kvstore's copy of such a block goes
+    out with the lora_id and lora_name of the engine events that named it, and SSD keeps them
+    (a promotion announces them again). A chunk whose engine blocks disagree is not named."""
+    from kvstore_client.vllm.keyspace import fold_key
+    engine = FakeEngine()
+    port = free_port()
+    eng = EngineStreamConfig(name="e0", source=engine.endpoint,
+                             endpoint=f"tcp://127.0.0.1:{port}")
+    with make(tmp_path, endpoint="", replay_endpoint="", engines=[eng]) as store:
+        sub = sub_of(store, "e0")
+        try:
+            ns = store.register_namespace(NamespaceSpec(
+                model="m", layout=VLLM_LAYOUT, hash_scheme="external:vllm-sha256-0123")).ns_id
+            hs = _vllm_hashes(6, 2)
+            u = [int.from_bytes(h, "big") & (2**64 - 1) for h in hs]
+            toks = list(range(500, 500 + 6 * T))
+
+            def ev(i: int, parent: bytes | None, lora_id, lora_name) -> dict:
+                return {"type": "BlockStored", "block_hashes": [hs[i]],
+                        "parent_block_hash": parent, "token_ids": toks[i * T:(i + 1) * T],
+                        "block_size": T, "lora_id": lora_id, "medium": "GPU",
+                        "lora_name": lora_name}
+            # chunks (0,1) and (2,3) of adapter 7; chunk (4,5) mixes the adapter and the base
+            engine.send([ev(0, None, 7, "adapter-x"), ev(1, hs[0], 7, "adapter-x"),
+                         ev(2, hs[1], 7, "adapter-x"), ev(3, hs[2], 7, "adapter-x"),
+                         ev(4, hs[3], 7, "adapter-x"), ev(5, hs[4], None, None)])
+            sub.wait(lambda e: set(u) <= held(e).get("GPU", set()), what="engine blocks")
+            put_raw(store, ns, [fold_key(hs[i] + bytes(4)) for i in (1, 3, 5)])
+            evs = sub.wait(lambda e: len(held(e).get("CPU", ())) == 4, what="named chunks")
+            cpu = stored(evs, "CPU")
+            assert {(e["lora_id"], e["lora_name"]) for e in cpu} == {(7, "adapter-x")}
+            assert sorted(h for e in cpu for h in e["block_hashes"]) == sorted(u[:4])
+            # the GPU events are forwarded with their adapter too
+            gpu = {e["block_hashes"][0]: (e["lora_id"], e["lora_name"])
+                   for e in stored(evs, "GPU")}
+            assert gpu[u[0]] == (7, "adapter-x") and gpu[u[5]] == (None, None)
+            # to SSD and back: the adapter survives the block's meta
+            store.evict("host")
+            last = sub.last_seq()
+            evs = sub.wait(lambda e: len(held(e).get("STORAGE", ())) == 4, since=last + 1,
+                           what="on SSD")
+            ssd = stored(evs, "STORAGE")
+            assert {(e["lora_id"], e["lora_name"]) for e in ssd} == {(7, "adapter-x")}
+        finally:
+            sub.close()
+            engine.close()
+
+
+def test_block_texts_keep_their_adapter_through_meta():
+    from kvstore.events.texts import BlockText
+    plain = BlockText((1, 2), None, bytes([0x92, 1, 2]), 1)
+    lora = plain._replace(lora=(3, "a"))
+    assert BlockText.unpack(plain.pack()) == plain and len(plain.pack()) == 4
+    assert BlockText.unpack(lora.pack()) == lora
+    for bad in ([*plain.pack(), [True, "a"]], [*plain.pack(), [1, "x" * 300]],
+                [*plain.pack(), [1, "a"], 0], [*plain.pack(), [None, None]]):
+        assert BlockText.unpack(bad) is None
+
+
 def put_raw(store: Store, ns: bytes, keys: list[bytes]) -> None:
     """Store blocks by key alone, as the vLLM adapter does (no token ids)."""
     lease = store.reserve(ns, len(keys))

@@ -29,7 +29,7 @@ from kvstore_client.common.engine_keys import fold_vllm_key as fold_key
 
 from . import wire
 from .stream import bind
-from .texts import BlockText, check_tokens
+from .texts import BlockText, check_lora, check_tokens
 
 log = logging.getLogger("kvstore.events")
 
@@ -37,20 +37,24 @@ LOG_EVERY_S = 10.0
 MAX_MESSAGES = 256          # engine messages handled per publisher tick, per relay
 
 
+Lora = tuple[int | None, str | None] | None
+
+
 class TokenCache:
-    """The last `cap` engine blocks seen: hash -> (parent hash, token ids, block size), and
-    the daemon key a vLLM adapter stores each under -> hash. Shared by every relay."""
+    """The last `cap` engine blocks seen: hash -> (parent hash, token ids, block size, LoRA),
+    and the daemon key a vLLM adapter stores each under -> hash. Shared by every relay."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self.by_hash: OrderedDict[int, tuple[int | None, tuple[int, ...], int]] = OrderedDict()
+        self.by_hash: OrderedDict[int, tuple[int | None, tuple[int, ...], int, Lora]] = \
+            OrderedDict()
         self.by_key: OrderedDict[bytes, int] = OrderedDict()
 
     def learn(self, h: int, parent: int | None, tokens: tuple[int, ...], bs: int,
-              key: bytes | None) -> None:
+              key: bytes | None, lora: Lora = None) -> None:
         if self.cap <= 0:
             return
-        self.by_hash[h] = (parent, tokens, bs)
+        self.by_hash[h] = (parent, tokens, bs, lora)
         self.by_hash.move_to_end(h)
         if len(self.by_hash) > self.cap:
             self.by_hash.popitem(last=False)
@@ -66,20 +70,21 @@ class TokenCache:
         got = self.by_hash.get(last)
         if got is None:
             return None
-        bs = got[2]
+        bs, lora = got[2], got[3]
         if bs <= 0 or block_tokens % bs:
             return None
         hashes, parts = [last], [got[1]]
         for _ in range(block_tokens // bs - 1):
             prev = got[0]
             got = self.by_hash.get(prev) if prev is not None else None
-            if got is None or got[2] != bs:
+            if got is None or got[2] != bs or got[3] != lora:
                 return None
             hashes.append(prev)
             parts.append(got[1])
         hashes.reverse()
         parts.reverse()
-        t = BlockText(tuple(hashes), got[0], wire.pack([x for p in parts for x in p]), bs)
+        t = BlockText(tuple(hashes), got[0], wire.pack([x for p in parts for x in p]), bs,
+                      lora)
         return t if t.valid() else None
 
 
@@ -205,6 +210,7 @@ class Relay:
         group = ev.get("group_idx") or 0
         try:
             tokens = check_tokens(tokens)
+            lora = check_lora(ev.get("lora_id"), ev.get("lora_name"))
         except (ValueError, TypeError):
             return
         prev = wire.u64(parent) if isinstance(parent, (int, bytes)) else None
@@ -220,7 +226,7 @@ class Relay:
                             "the token ids of a vLLM engine's blocks only from its full hashes: "
                             "start it with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (the relay "
                             "still hands routers 64-bit ones)", self.name)
-            self.cache.learn(hv, prev, tuple(tokens[bs * i:bs * (i + 1)]), bs, key)
+            self.cache.learn(hv, prev, tuple(tokens[bs * i:bs * (i + 1)]), bs, key, lora)
             learned.append((key, hv))
             prev = hv
 

@@ -55,24 +55,30 @@ class BlockText(NamedTuple):
     parent: int | None          # the event hash of the block before the first one
     tokens: bytes               # the token ids as a msgpack array, len(hashes) * block_size
     block_size: int             # tokens per engine block
+    lora: tuple[int | None, str | None] | None = None   # the engine's (lora_id, lora_name)
 
     def event(self, medium: str) -> bytes:
-        return wire.stored(self.hashes, self.parent, self.tokens, self.block_size, medium)
+        return wire.stored(self.hashes, self.parent, self.tokens, self.block_size, medium,
+                           self.lora)
 
     def token_list(self) -> list[int]:
         return msgpack.unpackb(self.tokens)
 
     def pack(self) -> list[Any]:
-        """The form kept in a block's SSD meta (key "e")."""
-        return [list(self.hashes), self.parent, self.tokens, self.block_size]
+        """The form kept in a block's SSD meta (key "e"); a LoRA block's adds its pair."""
+        out = [list(self.hashes), self.parent, self.tokens, self.block_size]
+        return out if self.lora is None else [*out, list(self.lora)]
 
     @staticmethod
     def unpack(obj: Any) -> BlockText | None:
         """A packed text, or None for anything that is not one (an old or damaged record)."""
         try:
-            hashes, parent, tokens, bs = obj
+            hashes, parent, tokens, bs, *rest = obj
+            lora = check_lora(*rest[0]) if len(rest) == 1 else None
+            if len(rest) > 1 or (rest and lora is None):
+                return None
             t = BlockText(tuple(int(h) for h in hashes), None if parent is None else int(parent),
-                          bytes(tokens), int(bs))
+                          bytes(tokens), int(bs), lora)
         except (TypeError, ValueError):
             return None
         return t if t.valid() else None
@@ -80,6 +86,24 @@ class BlockText(NamedTuple):
     def valid(self) -> bool:
         return (self.block_size > 0 and len(self.hashes) > 0
                 and wire.array_length(self.tokens) == self.block_size * len(self.hashes))
+
+
+MAX_LORA_NAME = 256
+
+
+def check_lora(lora_id: Any, lora_name: Any) -> tuple[int | None, str | None] | None:
+    """An engine event's (lora_id, lora_name) as announcements carry it: None for a base-model
+    block (both None) and for values no engine sends (then the block is not named at all:
+    ValueError)."""
+    if lora_id is None and lora_name is None:
+        return None
+    if lora_id is not None and (not isinstance(lora_id, int) or isinstance(lora_id, bool)
+                                or not 0 <= lora_id < 1 << 63):
+        raise ValueError("lora_id must be a non-negative integer or nil")
+    if lora_name is not None and (not isinstance(lora_name, str)
+                                  or len(lora_name) > MAX_LORA_NAME):
+        raise ValueError(f"lora_name must be a string of at most {MAX_LORA_NAME} characters")
+    return (lora_id, lora_name)
 
 
 def check_tokens(token_ids: Any) -> list[int]:

@@ -67,12 +67,19 @@ def u64(h: int | bytes) -> int:
 
 
 def stored(hashes: Sequence[int], parent: int | None, packed_tokens: bytes, block_size: int,
-           medium: str) -> bytes:
-    """A BlockStored event; `packed_tokens` is the token ids as a msgpack array."""
+           medium: str, lora: tuple[int | None, str | None] | None = None) -> bytes:
+    """A BlockStored event; `packed_tokens` is the token ids as a msgpack array. `lora` is
+    the (lora_id, lora_name) of the engine blocks a relay learned it from: routers hash a
+    LoRA adapter's blocks with its name, so a block announced without it would be credited
+    to the base model's requests."""
     p = packer().pack
+    if lora is None:
+        return b"".join((_STORED_HEAD, p(hashes), _K_PARENT, p(parent), _K_TOKENS,
+                         packed_tokens, _K_BLOCK_SIZE, p(block_size), _LORA_ID_NIL,
+                         _STORED_TAIL[medium]))
     return b"".join((_STORED_HEAD, p(hashes), _K_PARENT, p(parent), _K_TOKENS,
-                     packed_tokens, _K_BLOCK_SIZE, p(block_size), _LORA_ID_NIL,
-                     _STORED_TAIL[medium]))
+                     packed_tokens, _K_BLOCK_SIZE, p(block_size), p("lora_id"), p(lora[0]),
+                     _K_MEDIUM, p(medium), p("lora_name"), p(lora[1])))
 
 
 def removed(hashes: Sequence[int], medium: str) -> bytes:
