@@ -327,13 +327,13 @@ def _daemon_env() -> dict[str, str]:
 
 # -- main -------------------------------------------------------------------------------------
 
-def ensure_model(py: str, folder: Path) -> Path:
+def ensure_model(py: str, folder: Path, model: dict[str, int]) -> Path:
     if not (folder / "config.json").exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         p = subprocess.run([py, str(ROOT / "tests" / "vllm_engine.py"), "model", str(folder),
-                            "--layers", str(MODEL["layers"]), "--hidden", str(MODEL["hidden"]),
-                            "--heads", str(MODEL["heads"]), "--kv-heads", str(MODEL["kv_heads"])],
+                            "--layers", str(model["layers"]), "--hidden", str(model["hidden"]),
+                            "--heads", str(model["heads"]), "--kv-heads", str(model["kv_heads"])],
                            env=env, capture_output=True, text=True, timeout=600,
                            stdin=subprocess.DEVNULL)
         if p.returncode != 0:
@@ -376,10 +376,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--redis-server", default="redis-server")
     ap.add_argument("--model-dir", default="", help="the random model's folder (default: "
                     "bench/out/serving-model-<size>, made once)")
+    ap.add_argument("--model-size", default="",
+                    help="LAYERSxHIDDEN of the random model (default "
+                    f"{MODEL['layers']}x{MODEL['hidden']}; heads = hidden / 64)")
     ap.add_argument("--out", default="", help="folder for the plot, the per-request records "
                     "and the logs (default bench/out/serving, bench/out/serving-dry for a dry "
                     "run)")
     args = ap.parse_args(argv)
+    args.model = dict(MODEL)
+    if args.model_size:
+        try:
+            layers, hidden = (int(x) for x in args.model_size.lower().split("x"))
+        except ValueError:
+            ap.error(f"--model-size: expected LAYERSxHIDDEN, got {args.model_size!r}")
+        if layers < 1 or hidden < 64 or hidden % 64:
+            ap.error("--model-size: at least one layer, hidden a multiple of 64")
+        args.model.update(layers=layers, hidden=hidden, heads=hidden // 64)
     if not args.conversations:
         args.conversations = 6 if args.quick else 10
     if not args.out:
@@ -414,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(str(e)) from None
     info = workload.describe(requests, NODES)
     restart_at = len(requests) // 2
-    head = {"workload": info, "tokens_per_block": args.tokens_per_block,
+    head = {"workload": info, "model": args.model, "tokens_per_block": args.tokens_per_block,
             "turns": args.turns, "nodes": NODES, "restart_before_request": restart_at,
             "setups": args.setup_list, "max_tokens": MAX_TOKENS,
             "gpu_cache_tokens": sizes.gpu_blocks * 32,
@@ -427,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = Context(
         requests=requests, restart_at=restart_at, restart_node=args.restart_node, sizes=sizes,
         model=Path(args.model_dir) if args.model_dir else ROOT / "bench" / "out" /
-        f"serving-model-{MODEL['layers']}x{MODEL['hidden']}",
+        f"serving-model-{args.model['layers']}x{args.model['hidden']}",
         vllm_python="" if args.dry_run else _tool(
             args.vllm_python, "the vLLM environment's python",
             "`make vllm-env` builds .venv-vllm; or pass --vllm-python"),
@@ -440,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
         say=lambda m: print(m, file=sys.stderr, flush=True))
     ctx.out.mkdir(parents=True, exist_ok=True)
     if not ctx.dry_run:
-        ensure_model(ctx.vllm_python, ctx.model)
+        ensure_model(ctx.vllm_python, ctx.model, args.model)
     chosen = [s for s in SETUPS if s.name in args.setup_list]
     runs: list[SetupRun] = []
     for s in chosen:
