@@ -32,6 +32,7 @@ from .common.errors import (
 )
 from .common.hashing import DEFAULT_KEY_BYTES, ExtraKey, block_keys
 from .common.layout import NamespaceSpec, check_retention
+from .common.read_ahead import ReadAhead
 from .wire import decode_get, encode_put, split_put
 
 if TYPE_CHECKING:
@@ -48,6 +49,10 @@ _CHUNK_BYTES = 4 << 20
 # daemon takes that (protocol 3).
 _PUT_MESSAGE_BYTES = 2 << 20
 _PUT_RPC_BYTES = 64 << 20
+# A Get expected to span more than one reply message (the daemon sends ~4 MiB a message) is
+# received on a thread of its own while the caller drains what came (common/read_ahead.py).
+_READ_AHEAD_BYTES = 4 << 20
+_READ_AHEAD_DEPTH = 2
 # A Reserve asks for at most this share of the host pool (the daemon refuses batches that do not
 # fit below its high watermark) and at most this many slots.
 _RESERVE_POOL_SHARE = 0.25
@@ -503,11 +508,18 @@ class Namespace:
                         yield from split_put(ns_id, par, blocks[0], _PUT_MESSAGE_BYTES)
                     else:
                         yield encode_put(ns_id, par, blocks)
+            # Each message is encoded on a thread of its own while the previous one is
+            # written: gRPC asks for the next message only once the last is on the wire.
+            src = (ReadAhead(msgs(), _READ_AHEAD_DEPTH, name="kvstore-put-encode")
+                   if n > per_msg else None)
             try:
-                r = client._put(msgs(), timeout=client.timeout, wait_for_ready=True,
-                                metadata=client.metadata)
+                r = client._put(iter(src) if src is not None else msgs(), timeout=client.timeout,
+                                wait_for_ready=True, metadata=client.metadata)
             except grpc.RpcError as e:
                 raise from_rpc_error(e, "Put", client.target) from None
+            finally:
+                if src is not None:
+                    src.close()
             stored += int(r.stored)
             parent = keys[i + n - 1]
             i += n
@@ -646,10 +658,16 @@ class Namespace:
     def _load_grpc(self, keys: list[bytes], drain: Drain) -> int:
         client = self.client
         n = 0
+        msgs: ReadAhead | None = None
         try:
-            for raw in client._get(pb.GetRequest(namespace_id=self.ns_id, keys=keys),
-                                   timeout=client.timeout, wait_for_ready=True,
-                                   metadata=client.metadata):
+            call = client._get(pb.GetRequest(namespace_id=self.ns_id, keys=keys),
+                               timeout=client.timeout, wait_for_ready=True,
+                               metadata=client.metadata)
+            # A reply of several messages: the next is received while this one is drained.
+            if len(keys) * self.block_bytes > _READ_AHEAD_BYTES:
+                msgs = ReadAhead(call, _READ_AHEAD_DEPTH, cancel=call.cancel,
+                                 name="kvstore-get-read", inline=1)
+            for raw in msgs if msgs is not None else call:
                 base = np.frombuffer(raw, dtype=np.uint8)
                 blocks = decode_get(raw)
                 for k, (key, _off, length) in enumerate(blocks):
@@ -661,6 +679,9 @@ class Namespace:
                     n += len(blocks)
         except grpc.RpcError as e:
             raise from_rpc_error(e, "Get", client.target) from None
+        finally:
+            if msgs is not None:
+                msgs.close()
         return n
 
     def locate(self, keys: Sequence[bytes], *, prefetch: bool = False,

@@ -4,7 +4,9 @@ that cannot map the daemon's pools (another host, a tenant without its own pool)
 Put is a client stream: each message's blocks continue the prefix chain of the previous
 message, and a block too big for one message (the receive limit is 4 MiB by default) arrives
 alone, in pieces, each piece growing the block only as its bytes arrive (kvstore.proto,
-PutRequest). Its messages are parsed by kvstore/put_wire.py, which refuses as it reads.
+PutRequest). Its messages are parsed by kvstore/put_wire.py, which refuses as it reads, and
+stored a group of messages at a time (kvstore/put_groups.py), while the next ones are received
+on a thread of their own (kvstore_client/common/read_ahead.py).
 
 Get is a server stream of the longest cached prefix in batches of about GET_BATCH_BYTES, each
 block copied out of the host pool and checked against its commit checksum in one pass, the
@@ -14,18 +16,21 @@ next batch built while the previous one is sent (kvstore/getcopy.py).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client.common.errors import InvalidArgument
+from kvstore_client.common.read_ahead import ReadAhead
 
 from .. import gate, getcopy
+from ..put_groups import PutGroups
 from ..put_wire import parse_put
 from .state import CallState
 from .validate import check_keys, check_ns, check_parent, parse_request
 
 GET_BATCH_BYTES = 4 << 20     # block bytes per Get stream message
+PUT_READ_AHEAD = 2            # Put messages received ahead of the one being stored
 
 
 class StreamCalls:
@@ -36,11 +41,28 @@ class StreamCalls:
 
     def Put(self, raws: Iterator[bytes]) -> pb.PutResponse:
         """Client stream: each message's blocks continue the chain of the previous message; a
-        block too big for one message arrives alone, in pieces (kvstore.proto, PutRequest)."""
+        block too big for one message arrives alone, in pieces (kvstore.proto, PutRequest).
+
+        Blocks are stored a group of messages at a time (kvstore/put_groups.py) while the next
+        messages are received on a thread of their own (read_ahead.py); what was received
+        before an error is stored before the error is reported."""
+        groups = PutGroups(self.s.store)
+        received = ReadAhead(raws, PUT_READ_AHEAD, name="kvstore-put-read", inline=1)
+        try:
+            self._put_messages(received, groups)
+        except Exception:
+            groups.flush_before_error()
+            raise
+        finally:
+            received.close()
+        groups.flush()
+        return pb.PutResponse(stored=groups.stored, duplicates=groups.duplicates)
+
+    def _put_messages(self, raws: Iterable[bytes], groups: PutGroups) -> None:
+        """Parse and check each message (kvstore/put_wire.py), handing its blocks to `groups`."""
         s = self.s
         ns: bytes | None = None
         prev: bytes | None = None      # parent of the next block
-        stored = dups = 0
         block_bytes: int | None = None
         split: tuple[bytes, bytearray, int] | None = None   # (key, bytes so far, message)
 
@@ -55,6 +77,7 @@ class StreamCalls:
                 s.auth.check_ns(ns)
                 prev = check_parent(msg.parent, "parent (first Put message)")
                 block_bytes = s.block_bytes(ns)
+                groups.start(ns, prev)
             else:
                 if msg.ns and msg.ns != ns:
                     raise InvalidArgument(f"Put message {m} names another namespace; one Put "
@@ -83,16 +106,13 @@ class StreamCalls:
                 continue
             keys = check_keys((k for k, _ in blocks), f"message {m} blocks[].key",
                               distinct=True)
-            res = s.store.put(ns, keys, [d for _, d in blocks], parent=prev)
-            stored += res.stored
-            dups += res.duplicates
+            groups.add(keys, [d for _, d in blocks])
             prev = keys[-1]
         gate.received()
         if split is not None:
             raise InvalidArgument(f"message {split[2]} blocks[0].data is {len(split[1])} "
                                   f"bytes; this namespace's blocks are {block_bytes} bytes, and "
                                   "the stream ended before the rest of that block arrived")
-        return pb.PutResponse(stored=stored, duplicates=dups)
 
     def Get(self, raw: bytes) -> Iterator[bytes | pb.GetResponse]:
         """The longest cached prefix, fetched and sent in ~GET_BATCH_BYTES messages to bound

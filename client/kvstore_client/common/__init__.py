@@ -18,5 +18,6 @@ imported by name.
 | `cuda_runtime`, `pinning` | CUDA bindings (CuPy or libcudart) and host-memory pinning |
 | `transfer`, `runs` | completion of an asynchronous copy; merging copy runs |
 | `kernel_externs` | the C functions (memcpy, XXH3-64) compiled copy kernels call |
+| `read_ahead` | a gRPC stream received on a thread of its own (Put in the daemon, Get in the SDK) |
 | `lazy` | modules imported on first use (start-time budget) |
 """
