@@ -202,11 +202,12 @@ class HostWrites:
             self.moves.host_remote.demote([e for e in entries if not e.remote and e.resident])
 
     def put(self, ns_id: bytes, keys: list[bytes], blocks: Sequence,
-            parent: bytes | None) -> CommitResult:
+            parent: bytes | None, texts: list | None = None) -> CommitResult:
         """Bytes path: store blocks sent over the network (keys and parent checked by the
         store). Three phases: slots for the keys host lacks are allocated under the lock (dedup
         before copying), the bytes are copied in and hashed without it (the slots are this
-        call's alone until published), and published under it again."""
+        call's alone until published), and published under it again. `texts`: the blocks'
+        KV-event texts, as commit's."""
         st = self.state
         room = self.moves.host_room
         with st.lock:
@@ -219,6 +220,7 @@ class HostWrites:
             dups = 0
             todo: list[tuple[int, int]] = []        # (index into keys, slot)
             failed: BaseException | None = None
+            done = len(keys)                        # keys stored or found: those before it
             for i, k in enumerate(keys):
                 e = st.index.get(ns_id + k)
                 if e is not None and e.host is not None:
@@ -232,7 +234,7 @@ class HostWrites:
                     room.make_room(aligned(size), ns_id)
                     todo.append((i, room.alloc(size, ns_id)))
                 except BaseException as exc:   # full, or a demotion that failed: the
-                    failed = exc                # blocks before this one are still stored
+                    failed, done = exc, i       # blocks before this one are still stored
                     break
             sums: list[int] = []
             try:
@@ -250,6 +252,8 @@ class HostWrites:
                 raise
             stored = 0
             published = []
+            if texts and done:
+                self._remember(bytes(ns_id), keys[:done], texts, {i for i, _ in todo})
             for (i, off), checksum in zip(todo, sums, strict=True):
                 prev = parent if i == 0 else keys[i - 1]
                 placed, e = self.publish(bytes(ns_id), keys[i], prev, off, size, checksum)
@@ -265,6 +269,16 @@ class HostWrites:
             self._note_put(bytes(ns_id), keys)
             self._write_through(published)
             return CommitResult(stored, dups)
+
+    def _remember(self, ns_id: bytes, keys: list[bytes], texts: list, mine: set[int]) -> None:
+        """Keep the texts of a put's blocks about to be published (mine) or already held in
+        host or gpu (locked): the recorder keeps texts of such blocks only, and a duplicate
+        found earlier may have been evicted while room was made without the lock."""
+        idx = self.state.index
+        keep = [i for i, k in enumerate(keys) if i in mine or (
+            (e := idx.get(ns_id + k)) is not None and (e.host is not None or e.gpu is not None))]
+        self.state.events.recorder.remember(ns_id, [keys[i] for i in keep],
+                                            [texts[i] for i in keep])
 
     def end_lease(self, lease: Lease) -> None:
         """A write lease ended uncommitted (released, expired, refused): its slots go back."""

@@ -11,6 +11,11 @@ What a group keeps from storing message by message: blocks of the messages recei
 bad one (or before the stream broke) are stored, since the handler flushes the group before it
 reports the error, and a group never names a key twice (a key repeated across messages is
 stored once and counted a duplicate, as before, instead of failing the group's key check).
+
+Token ids (PutRequest.token_ids) travel with their blocks into the group's Store.put, which
+keeps them for the blocks' KV events. A group holds blocks that all came with token ids or
+none that did: a message that differs flushes the group first, so no block is announced with
+another block's tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ class PutGroups:
     """The blocks of one Put stream, stored a group at a time (module docstring).
 
     `start` names the namespace and the first block's parent (the stream's first message);
-    `add` takes one message's blocks, the prefix chain continuing from the previous ones;
+    `add` takes one message's blocks (and their token ids, or None), the prefix chain
+    continuing from the previous ones;
     `flush` stores what is held (at the end of the stream, and, through `flush_before_error`,
     before an error is reported). `stored` and `duplicates` count what the store took.
     """
@@ -42,14 +48,21 @@ class PutGroups:
         self._keys: list[bytes] = []
         self._seen: set[bytes] = set()
         self._blocks: list[Any] = []
+        self._tokens: list[bytes] | None = None   # the held blocks' token ids, if they came
         self._bytes = 0
 
     def start(self, ns_id: bytes, parent: bytes | None) -> None:
         self.ns_id, self.parent = ns_id, parent
 
-    def add(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> None:
-        if self._keys and not self._seen.isdisjoint(keys):
+    def add(self, keys: Sequence[bytes], blocks: Sequence[Any],
+            token_ids: bytes | None = None) -> None:
+        if self._keys and (not self._seen.isdisjoint(keys)
+                           or (token_ids is None) != (self._tokens is None)):
             self.flush()
+        if token_ids is not None:
+            if self._tokens is None:
+                self._tokens = []
+            self._tokens.append(token_ids)
         self._keys += keys
         self._seen.update(keys)
         self._blocks += blocks
@@ -58,12 +71,14 @@ class PutGroups:
             self.flush()
 
     def flush(self) -> None:
-        keys, blocks = self._keys, self._blocks
+        keys, blocks, tokens = self._keys, self._blocks, self._tokens
         if not keys:
             return
         self._keys, self._blocks, self._bytes, self._seen = [], [], 0, set()
+        self._tokens = None
         parent, self.parent = self.parent, keys[-1]
-        res = self.store.put(self.ns_id, keys, blocks, parent=parent)
+        res = self.store.put(self.ns_id, keys, blocks, parent=parent,
+                             token_ids=b"".join(tokens) if tokens is not None else None)
         self.stored += res.stored
         self.duplicates += res.duplicates
 

@@ -60,7 +60,8 @@ def _wire_fields(buf: memoryview, what: str, known: dict[int, int]
         i += size
 
 
-_PUT_FIELDS = {1: 1, 2: 1, 3: 0}      # namespace_id, parent once; blocks any number of times
+# namespace_id, parent, token_ids once; blocks any number of times
+_PUT_FIELDS = {1: 1, 2: 1, 3: 0, 4: 1}
 _BLOCK_FIELDS = {1: 1, 2: 1}          # key, data
 
 
@@ -73,6 +74,9 @@ class PutMessage:
     # The message's one block, shorter than block_bytes: a split block's first piece (with its
     # key) or a later piece (key b""), continued by the next message.
     piece: tuple[bytes, memoryview] | None = None
+    # The token ids of the message's blocks (little-endian uint32, block_tokens a block), or
+    # b"": their length is checked by the caller, which knows the namespace's block_tokens.
+    token_ids: bytes = b""
 
 
 def parse_put(raw: bytes, block_bytes: int | None = None,
@@ -96,6 +100,8 @@ def parse_put(raw: bytes, block_bytes: int | None = None,
                 block_bytes = sizer(out.ns)
         elif field_no == 2:
             out.parent = bytes(v)
+        elif field_no == 4:
+            out.token_ids = bytes(v)
         else:
             i = len(out.blocks)
             if i >= MAX_KEYS:
@@ -136,3 +142,14 @@ def _wrong_size(where: str, i: int, n: int, block_bytes: int | None, need: int =
     return InvalidArgument(f"{where} blocks[{i}].data is {n} bytes; this namespace's blocks "
                            f"are {block_bytes} bytes (a block too big for one message is sent "
                            "alone, split across messages)")
+
+
+def check_token_ids(where: str, token_ids: bytes, blocks: int, block_tokens: int) -> None:
+    """A message's token ids fit its blocks: none, or block_tokens little-endian uint32 a
+    block (PutRequest.token_ids)."""
+    if token_ids and len(token_ids) != 4 * blocks * block_tokens:
+        got = (f"{len(token_ids) // 4} token ids" if len(token_ids) % 4 == 0 else
+               f"{len(token_ids)} bytes of token ids (4 a token)")
+        raise InvalidArgument(f"{where} token_ids: {got} for {blocks} blocks; send "
+                              f"{block_tokens} per block (the namespace's block_tokens, "
+                              "little-endian uint32) or none")

@@ -328,13 +328,21 @@ class Store:
         return writer.commit(lease_id, keys, parent, checksums, first_slot, texts)
 
     def put(self, ns_id: bytes, keys: Sequence[bytes], blocks: Sequence,
-            parent: bytes | None = None) -> CommitResult:
-        """Bytes path: store blocks sent over the network (dedup before copying)."""
+            parent: bytes | None = None, token_ids: bytes | None = None) -> CommitResult:
+        """Bytes path: store blocks sent over the network (dedup before copying). `token_ids`
+        (little-endian uint32 bytes, block_tokens per key) as commit's."""
         keys = checked_keys(keys, chain=True)
         parent = checked_parent(parent)
         if len(blocks) != len(keys):
             raise InvalidArgument(f"{len(blocks)} blocks for {len(keys)} keys")
-        return self.host_writes.put(ns_id, keys, blocks, parent)
+        texts = None
+        if token_ids and (ev := self.state.events) is not None:
+            bt = self.namespace(ns_id).spec.layout.block_tokens
+            if len(token_ids) != 4 * len(keys) * bt:
+                raise InvalidArgument(f"{len(token_ids)} bytes of token ids for {len(keys)} "
+                                      f"keys; send {bt} per key, 4 bytes each, or none")
+            texts = ev.texts(ns_id, keys, parent, token_ids, bt)
+        return self.host_writes.put(ns_id, keys, blocks, parent, texts)
 
     # ----------------------------------------------------------------- read path
 

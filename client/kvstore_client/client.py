@@ -120,6 +120,7 @@ class Client:
         # LookupReserve / LookupAcquire until a daemon answers UNIMPLEMENTED (an older one).
         self.fused_rpcs = True
         self.put_pieces = False         # set from RegisterNamespace's protocol (_adopt)
+        self.put_tokens = False
         self._lock = threading.RLock()
         self._closed = False
         self._reached = False           # a daemon answered once (see call())
@@ -341,6 +342,7 @@ class Client:
         self.daemon_id = resp.daemon_id
         self.leases.carry = resp.protocol >= 2     # Acquire and Commit carry releases
         self.put_pieces = resp.protocol >= 3       # a Put block may span messages
+        self.put_tokens = resp.protocol >= 4       # Put may carry token ids
         if self._lane_path is not None and (changed or self._lane is None):
             if self._lane is not None:
                 self._lane.close()

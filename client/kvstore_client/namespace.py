@@ -303,7 +303,11 @@ class Namespace:
         if have >= len(keys):
             return 0
         first_parent = keys[have - 1] if have else (parent or b"")
-        return self._store_grpc(keys, have, first_parent, fill, parts)
+        # Asked again here: a retry follows a re-registration, which may have changed them; a
+        # daemon before protocol 4 refuses a Put field it does not know.
+        send = self.client.put_tokens and self.wants_token_ids
+        return self._store_grpc(keys, have, first_parent, fill, parts,
+                                tokens if send else None)
 
     def _reserve_batch(self) -> int:
         pool = self.client.pool
@@ -479,9 +483,12 @@ class Namespace:
         return self._staging
 
     def _store_grpc(self, keys: list[bytes], start: int, parent: bytes, fill: Fill,
-                    parts: Callable[[int], list[Any]] | None = None) -> int:
-        """Put streams; `parts(i)` (contiguous pieces of block i) skips the staging copy."""
+                    parts: Callable[[int], list[Any]] | None = None,
+                    tokens: bytes | None = None) -> int:
+        """Put streams; `parts(i)` (contiguous pieces of block i) skips the staging copy;
+        `tokens` (every key's, as _tokens gives them) go with their blocks' messages."""
         client, bb = self.client, self.block_bytes
+        tb = 4 * self.layout.block_tokens           # token id bytes a block
         stride = (bb + PAGE - 1) // PAGE * PAGE
         per_rpc = max(1, _PUT_RPC_BYTES // stride)
         per_msg = max(1, _PUT_MESSAGE_BYTES // bb)
@@ -500,14 +507,16 @@ class Namespace:
                 # A generator: gRPC's sender thread encodes the next message while the
                 # previous one is on the wire.
                 for m0 in range(0, n, per_msg):
+                    m1 = min(n, m0 + per_msg)
                     blocks = [(keys[i + j], parts(i + j) if parts is not None
                                else base[offsets[j]:offsets[j] + bb])
-                              for j in range(m0, min(n, m0 + per_msg))]
+                              for j in range(m0, m1)]
                     ns_id, par = (self.ns_id, parent) if m0 == 0 else (b"", b"")
+                    ids = tokens[(i + m0) * tb:(i + m1) * tb] if tokens else b""
                     if split:
-                        yield from split_put(ns_id, par, blocks[0], _PUT_MESSAGE_BYTES)
+                        yield from split_put(ns_id, par, blocks[0], _PUT_MESSAGE_BYTES, ids)
                     else:
-                        yield encode_put(ns_id, par, blocks)
+                        yield encode_put(ns_id, par, blocks, ids)
             # Each message is encoded on a thread of its own while the previous one is
             # written: gRPC asks for the next message only once the last is on the wire.
             src = (ReadAhead(msgs(), _READ_AHEAD_DEPTH, name="kvstore-put-encode")

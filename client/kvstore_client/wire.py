@@ -42,13 +42,17 @@ def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
             raise DataLoss("malformed Get response from the daemon (varint too long)")
 
 
-def encode_put(ns_id: bytes, parent: bytes, blocks: Sequence[tuple[bytes, Any]]) -> bytes:
-    """A serialized PutRequest holding `blocks` [(key, bytes-like or list of bytes-likes)]."""
+def encode_put(ns_id: bytes, parent: bytes, blocks: Sequence[tuple[bytes, Any]],
+               token_ids: bytes = b"") -> bytes:
+    """A serialized PutRequest holding `blocks` [(key, bytes-like or list of bytes-likes)] and
+    their `token_ids` (little-endian uint32, block_tokens a block; b"": none)."""
     parts: list[Any] = []
     if ns_id:
         parts += [b"\x0a", _varint(len(ns_id)), ns_id]
     if parent:
         parts += [b"\x12", _varint(len(parent)), parent]
+    if token_ids:
+        parts += [b"\x22", _varint(len(token_ids)), token_ids]
     for key, data in blocks:
         pieces = data if isinstance(data, list) else [data]
         n = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in pieces)
@@ -58,10 +62,11 @@ def encode_put(ns_id: bytes, parent: bytes, blocks: Sequence[tuple[bytes, Any]])
     return b"".join(parts)
 
 
-def split_put(ns_id: bytes, parent: bytes, block: tuple[bytes, Any], size: int
-              ) -> Iterator[bytes]:
+def split_put(ns_id: bytes, parent: bytes, block: tuple[bytes, Any], size: int,
+              token_ids: bytes = b"") -> Iterator[bytes]:
     """The PutRequests of one block sent alone in pieces of at most `size` bytes: the first
-    with its key, the rest with no key (protocol 3, kvstore.proto PutRequest)."""
+    with its key and its token ids, the rest with neither (protocol 3, kvstore.proto
+    PutRequest)."""
     key, data = block
     pieces = data if isinstance(data, list) else [data]
     flat = [memoryview(p).cast("B") if not isinstance(p, np.ndarray)
@@ -75,11 +80,11 @@ def split_put(ns_id: bytes, parent: bytes, block: tuple[bytes, Any], size: int
             chunk.append(take)
             room -= len(take)
             if not room:
-                yield encode_put(ns_id, parent, [(key, chunk)]) if first \
+                yield encode_put(ns_id, parent, [(key, chunk)], token_ids) if first \
                     else encode_put(b"", b"", [(b"", chunk)])
                 first, chunk, room = False, [], size
     if chunk:
-        yield encode_put(ns_id, parent, [(key, chunk)]) if first \
+        yield encode_put(ns_id, parent, [(key, chunk)], token_ids) if first \
             else encode_put(b"", b"", [(b"", chunk)])
 
 

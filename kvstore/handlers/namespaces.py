@@ -18,8 +18,8 @@ from .state import CallState
 from .validate import TIERS, check_keys, check_ns, parse_request, spec_from_proto
 
 # RegisterNamespaceResponse.protocol: 2 = Commit.reserve_next/first_slot and release_leases;
-# 3 = a Put block split across messages (kvstore.proto, PutRequest).
-PROTOCOL = 3
+# 3 = a Put block split across messages (kvstore.proto, PutRequest); 4 = PutRequest.token_ids.
+PROTOCOL = 4
 
 
 def _no(_ns_id: bytes) -> bool:

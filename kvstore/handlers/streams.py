@@ -6,7 +6,9 @@ message, and a block too big for one message (the receive limit is 4 MiB by defa
 alone, in pieces, each piece growing the block only as its bytes arrive (kvstore.proto,
 PutRequest). Its messages are parsed by kvstore/put_wire.py, which refuses as it reads, and
 stored a group of messages at a time (kvstore/put_groups.py), while the next ones are received
-on a thread of their own (kvstore_client/common/read_ahead.py).
+on a thread of their own (kvstore_client/common/read_ahead.py). A message may carry its
+blocks' token ids (a split block's on its first message), which the store keeps for the KV
+events of the blocks it publishes, as Commit's (kvstore/events/).
 
 Get is a server stream of the longest cached prefix in batches of about GET_BATCH_BYTES, each
 block copied out of the host pool and checked against its commit checksum in one pass, the
@@ -25,7 +27,7 @@ from kvstore_client.common.read_ahead import ReadAhead
 
 from .. import gate, getcopy
 from ..put_groups import PutGroups
-from ..put_wire import parse_put
+from ..put_wire import check_token_ids, parse_put
 from .state import CallState
 from .validate import check_keys, check_ns, check_parent, parse_request
 
@@ -64,7 +66,9 @@ class StreamCalls:
         ns: bytes | None = None
         prev: bytes | None = None      # parent of the next block
         block_bytes: int | None = None
-        split: tuple[bytes, bytearray, int] | None = None   # (key, bytes so far, message)
+        block_tokens = 0               # the namespace's, read at the first token ids
+        # (key, bytes so far, message, its token ids) of the block split across messages
+        split: tuple[bytes, bytearray, int, bytes] | None = None
 
         def sizer(ns_id: bytes) -> int | None:
             s.auth.check_ns(check_ns(ns_id, "namespace_id (first Put message)"))
@@ -85,7 +89,9 @@ class StreamCalls:
                 if msg.parent and msg.parent != prev:
                     raise InvalidArgument(f"Put message {m}: parent must be empty (the chain "
                                           "continues from the previous message's last key)")
-            blocks = msg.blocks
+            blocks, tokens = msg.blocks, msg.token_ids
+            if tokens and not block_tokens:
+                block_tokens = s.store.namespace(ns).spec.layout.block_tokens
             if msg.piece is not None:
                 key, data = msg.piece
                 if split is None:               # a split block begins
@@ -95,18 +101,25 @@ class StreamCalls:
                     if block_bytes is None:
                         raise InvalidArgument(f"message {m} blocks[0].data is {len(data)} "
                                               "bytes; a namespace's blocks have one size")
-                    split = (key, bytearray(data), m)
+                    check_token_ids(f"message {m}", tokens, 1, block_tokens)
+                    split = (key, bytearray(data), m, tokens)
                 else:                           # grows only as its bytes arrive
+                    if tokens:
+                        raise InvalidArgument(f"message {m} continues a split block: its "
+                                              "token_ids go on the block's first message "
+                                              f"(message {split[2]}), with its key")
                     split[1].extend(data)
                 if block_bytes is None or len(split[1]) < block_bytes:
                     continue
-                blocks = [(split[0], memoryview(split[1]))]
+                blocks, tokens = [(split[0], memoryview(split[1]))], split[3]
                 split = None
+            else:
+                check_token_ids(f"message {m}", tokens, len(blocks), block_tokens)
             if not blocks:
                 continue
             keys = check_keys((k for k, _ in blocks), f"message {m} blocks[].key",
                               distinct=True)
-            groups.add(keys, [d for _, d in blocks])
+            groups.add(keys, [d for _, d in blocks], tokens or None)
             prev = keys[-1]
         gate.received()
         if split is not None:

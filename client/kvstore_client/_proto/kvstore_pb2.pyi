@@ -261,14 +261,16 @@ class Block(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("namespace_id", "parent", "blocks")
+    __slots__ = ("namespace_id", "parent", "blocks", "token_ids")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     parent: bytes
     blocks: _containers.RepeatedCompositeFieldContainer[Block]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ...) -> None: ...
+    token_ids: bytes
+    def __init__(self, namespace_id: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored", "duplicates")
