@@ -118,13 +118,36 @@ class Sub:
         self.ctx.term()
 
 
+def per_block(evs: list[dict]) -> list[dict]:
+    """`evs` as a router applies them, one event per block: a BlockStored of a chain (each
+    block's parent the hash before it, token ids block_size a block, as vLLM and the
+    publisher's merged runs send them) becomes one event a block, a BlockRemoved of several
+    hashes one a hash."""
+    out = []
+    for e in evs:
+        hs = e.get("block_hashes") or []
+        if e["type"] == "BlockStored" and len(hs) > 1 and len(e["token_ids"]) == \
+                len(hs) * e["block_size"]:
+            bs, parent = e["block_size"], e["parent_block_hash"]
+            for i, h in enumerate(hs):
+                out.append({**e, "block_hashes": [h], "parent_block_hash": parent,
+                            "token_ids": e["token_ids"][i * bs:(i + 1) * bs]})
+                parent = h
+        elif e["type"] == "BlockRemoved" and len(hs) > 1:
+            out += [{**e, "block_hashes": [h]} for h in hs]
+        else:
+            out.append(e)
+    return out
+
+
 def stored(evs: list[dict], medium: str | None = None) -> list[dict]:
-    return [e for e in evs if e["type"] == "BlockStored"
+    """The BlockStored events of `evs`, one a block (per_block)."""
+    return [e for e in per_block(evs) if e["type"] == "BlockStored"
             and (medium is None or e["medium"] == medium)]
 
 
 def removed(evs: list[dict], medium: str | None = None) -> list[dict]:
-    return [e for e in evs if e["type"] == "BlockRemoved"
+    return [e for e in per_block(evs) if e["type"] == "BlockRemoved"
             and (medium is None or e["medium"] == medium)]
 
 

@@ -19,7 +19,7 @@ from kvstore.config import EngineStreamConfig, StoreConfig
 from kvstore.events.errors import EventsAddressError
 from kvstore.events.texts import own_hash
 from kvstore.store import Store
-from tests.events_helpers import Sub, firsts, free_port, held, stored, zmq
+from tests.events_helpers import Sub, firsts, free_port, held, removed, stored, zmq
 from tests.store_helpers import SMALL, kv_block, random_prompt
 
 T = SMALL.block_tokens
@@ -388,12 +388,14 @@ def test_engine_stream_relays_gpu_events_and_names_vllm_blocks(tmp_path):
                           "lora_id": None, "medium": "CPU", "lora_name": None}])
             evs = sub.wait(lambda e: "CPU" in held(e), what="late join")
             gpu = stored(evs, "GPU")
-            assert gpu and gpu[0]["block_hashes"] == u and gpu[0]["token_ids"] == toks
+            assert [e["block_hashes"][0] for e in gpu] == u
+            assert [t for e in gpu for t in e["token_ids"]] == toks
             cpu = firsts(stored(evs, "CPU"))    # the engine's own CPU placeholder is dropped
-            assert cpu == [{"type": "BlockStored", "block_hashes": u[:2],
-                            "parent_block_hash": None, "token_ids": toks[:2 * T],
-                            "block_size": T, "lora_id": None, "medium": "CPU",
-                            "lora_name": None}]
+            assert cpu == [{"type": "BlockStored", "block_hashes": [u[i]],
+                            "parent_block_hash": [None, u[0]][i],
+                            "token_ids": toks[i * T:(i + 1) * T], "block_size": T,
+                            "lora_id": None, "medium": "CPU", "lora_name": None}
+                           for i in range(2)]
             # garbage from the engine costs a counted, rate-limited log line, nothing else
             engine.pub.send_multipart([b"one frame"])
             engine.pub.send_multipart([b"", (99).to_bytes(8, "big"), b"\xc1 not msgpack"])
@@ -401,7 +403,8 @@ def test_engine_stream_relays_gpu_events_and_names_vllm_blocks(tmp_path):
             sub.wait(lambda e: relay.counters["bad_messages"] >= 2, what="garbage counted")
             put_raw(store, ns, chunk_keys[1:])
             evs = sub.wait(lambda e: held(e).get("CPU") == set(u), what="join at store")
-            assert stored(evs, "CPU")[-1]["parent_block_hash"] == u[1]
+            assert [e["parent_block_hash"] for e in stored(evs, "CPU")
+                    if e["block_hashes"] == [u[2]]][-1] == u[1]
             # the engine restarts (its numbering starts again): its stream starts over with
             # what the daemon holds, and nothing of its old GPU blocks
             last = sub.last_seq()
@@ -549,3 +552,40 @@ def test_token_ids_pack_as_vllms_encoder_packs_them(block_tokens):
     want = [msgpack.packb(tokens[i:i + block_tokens].tolist())
             for i in range(0, len(tokens), block_tokens)]
     assert got == want
+
+
+def test_a_chain_stored_at_once_goes_out_as_one_event(tmp_path):
+    """The changes of one store merge into one BlockStored of the chain, as vLLM announces a
+    request's blocks (kvstore/events/runs.py), and its deletion into one BlockRemoved; a
+    block whose parent is not the last one starts a new event."""
+    rng = np.random.default_rng(5)
+    with make(tmp_path) as store:
+        sub = sub_of(store)
+        try:
+            ns = register(store)
+            tokens, keys = random_prompt(rng, 6)
+            hs = [own_hash(ns + k) for k in keys]
+            put(store, ns, keys, tokens)
+            evs = sub.wait(lambda e: held(e).get("CPU") == set(hs), what="stored")
+            raw = [e for e in evs if e["type"] == "BlockStored"]
+            assert [e["block_hashes"] for e in raw] == [hs]
+            assert raw[0]["parent_block_hash"] is None
+            assert raw[0]["token_ids"] == tokens.tolist()
+            last = sub.last_seq()
+            store.delete(ns, keys)
+            evs = sub.wait(lambda e: {h for x in removed(e) for h in x["block_hashes"]}
+                           == set(hs), since=last + 1, what="deleted")
+            assert len([e for e in evs if e["type"] == "BlockRemoved"]) == 1
+            # two unrelated prompts stored back to back: two chains, two events
+            t1, k1 = random_prompt(rng, 2)
+            t2, k2 = random_prompt(rng, 2)
+            last = sub.last_seq()
+            put(store, ns, k1, t1)
+            put(store, ns, k2, t2)
+            want = {own_hash(ns + k) for k in k1 + k2}
+            evs = sub.wait(lambda e: held(e).get("CPU") == want, since=last + 1, what="two")
+            raw = [e for e in evs if e["type"] == "BlockStored"]
+            assert sorted(map(tuple, (e["block_hashes"] for e in raw))) == sorted(
+                [tuple(own_hash(ns + k) for k in k1), tuple(own_hash(ns + k) for k in k2)])
+        finally:
+            sub.close()

@@ -31,6 +31,7 @@ from ..entry import GPU, HOST, SSD
 from . import wire
 from .recorder import Item, Recorder
 from .relay import Relay, TokenCache
+from .runs import EventRun
 from .stream import Stream
 from .texts import OWN, SGLANG, VLLM, BlockText, own_hash, sglang_hash
 
@@ -254,15 +255,17 @@ class Publisher:
     def _drain(self) -> None:
         q = self.recorder.queue
         out: dict[int, list[bytes]] = {i: [] for i in range(len(self.streams))}
+        run = EventRun(lambda mask, ev: self._emit(out, mask, ev))
         for _ in range(DRAIN_MAX):
             try:
                 item = q.popleft()
             except IndexError:
                 break
-            self._apply(item, out)
+            self._apply(item, run)
+        run.close()
         self._send(out)
 
-    def _apply(self, item: Item, out: dict[int, list[bytes]]) -> None:
+    def _apply(self, item: Item, run: EventRun) -> None:
         g, tiers, entered, gone, text = item
         got = self._ns_cache.get(g[:16])
         kind, mask = got if got is not None else self.recorder.ns(g[:16])
@@ -278,7 +281,7 @@ class Publisher:
             if kind == VLLM:
                 self.vh[g] = text.hashes
             for t in tiers:
-                self._emit(out, mask, text.event(wire.MEDIUM[t]))
+                run.stored(mask, wire.MEDIUM[t], text)
             return
         self._unpend(g, tiers, gone)
         if kind == VLLM:
@@ -290,7 +293,7 @@ class Publisher:
         else:
             hashes = (own_hash(g),)
         for t in tiers:
-            self._emit(out, mask, wire.removed(hashes, wire.MEDIUM[t]))
+            run.removed(mask, wire.MEDIUM[t], hashes)
 
     @staticmethod
     def _emit(out: dict[int, list[bytes]], mask: int, ev: bytes) -> None:
