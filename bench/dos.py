@@ -4,7 +4,11 @@ daemon and tenant A (docs/security.md, Limits).
 One daemon with two tenants, A and B (tokens, neither with a host pool of its own), and TCP on
 loopback. Tenant A runs an engine's loop in this process: store a prompt of BLOCKS blocks over
 Put, load it back over Get, delete it (freed slots keep A's bytes: the shared-pool attack
-below reads them if it can). Its store + load latency is measured quiet, then under attack:
+below reads them if it can). Its store + load latency is measured in alternating windows,
+quiet and under attack (the attackers started afresh for each attack window and stopped
+before the next quiet one), so that a slow spell of the machine falls on both kinds alike;
+each kind's p99 is taken over all its windows' rounds together (hundreds of rounds, not the
+few of one window), and each window's p99 is printed beside it. The attack:
 - an unauthenticated process (another uid when run as root) holds ATTACK_CONNS stalled
   connections on every listener: gRPC on the Unix socket and on TCP (the HTTP/2 preface a byte
   at a time), `<socket>.auth` and `<socket>.lane` (a byte at a time, never a line; reconnecting
@@ -14,17 +18,22 @@ below reads them if it can). Its store + load latency is measured quiet, then un
   unknown fields, Get and Acquire naming one block 65,536 times, namespaces and leases without
   end, and reads of A's blocks (A's namespace id, computed; slots of the shared pool reserved
   and committed unwritten, then read back).
-A metrics scraper (per-tenant series on) runs in both phases.
+A metrics scraper (per-tenant series on) runs in every window.
 
 Figures (last line, JSON):
   attack_p99_vs_quiet       A's p99 store + load latency under attack / quiet. Target <= 2.0.
-  attack_rss_growth_mib     daemon RSS, highest under attack - highest in the quiet phase.
-                            Target <= 64.
+  attack_rss_growth_mib     daemon RSS, highest under attack - highest in the first quiet
+                            window (before any attack). Target <= 64. By kind (anonymous,
+                            file, shared pool) in `rss_growth_by_kind_mib`.
   max_request_cpu_s         the most daemon CPU seconds one request of the attacks cost, each
                             sent alone to an otherwise idle daemon (probes, before the attack;
                             per kind in `request_cpu_s`). Target <= 1.0.
   cross_tenant_bytes_read   bytes of A's blocks that B got back by any call. Target = 0.
-Also: A's p50/p99 each phase, how many attacker connections the daemon let wait, B's refusals.
+Also: A's p50/p99 each kind of window, the CPU each process used per second and the time the
+daemon's and A's threads waited for a core (schedstat run-queue wait: on a 2-core machine the
+attackers' own CPU shows there, not as daemon work), how many attacker connections the daemon
+closed, B's refusals. `--without KIND ...` leaves flood kinds out (`unauthenticated`: the
+whole unauthenticated process), to see what each costs.
 
 Usage: python bench/dos.py [--quick]. Read figures on a quiet machine (the run uses both cores).
 """
@@ -52,7 +61,7 @@ ATTACK_CONNS = 300
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 TOKENS = {"a": "dos-token-a", "b": "dos-token-b"}
 PACE_S = 0.05                         # between one flood request of B's and its next
-FLOODS = ("empty_streams", "oversize", "repeated_keys", "namespaces", "leases",
+FLOODS = ("unauthenticated", "empty_streams", "oversize", "repeated_keys", "namespaces", "leases",
           "shared_pool_read", "foreign_namespace")
 TENANT_CALLS = 16                     # limits.tenant_calls of the bench's daemon
 EMPTY_STREAMS = 12                    # B's Put streams held open with nothing sent: with B's
@@ -105,7 +114,8 @@ def run_unauth(sock: str, tcp: str, conns: int, other_uid: bool) -> None:
     for slot in slots:
         connect(slot)
     stop = threading.Event()
-    threading.Thread(target=_stalled_grpc, args=(ch, put, stop), daemon=True).start()
+    if conns:                           # 0: left out of this run (--without unauthenticated)
+        threading.Thread(target=_stalled_grpc, args=(ch, put, stop), daemon=True).start()
     print("ready", flush=True)
     while not select.select([sys.stdin], [], [], 1.0)[0]:
         now = time.monotonic()
@@ -185,6 +195,8 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
     a_ns = bytes.fromhex(a_ns_hex)
 
     def note(e: Exception, what: str = "") -> None:
+        if stop.is_set():
+            return                      # cancelled by the stop below, not refused
         name = e.code().name if isinstance(e, grpc.RpcError) else type(e).__name__
         name = f"{what}:{name}" if what else name
         with lock:
@@ -305,8 +317,9 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
     print("ready", flush=True)
     sys.stdin.read()
     stop.set()
+    ch.close()                          # ends the calls in flight: the threads return now
     for t in threads:
-        t.join(35)
+        t.join(5)
     print(json.dumps(found), flush=True)
     os._exit(0)                         # leftover timers and channels
 
@@ -318,11 +331,29 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _rss_mib(pid: int) -> float:
+def _runq_s(pid: int) -> float:
+    """Seconds the threads of `pid` have waited for a CPU while runnable (schedstat), those
+    alive now: how much the machine's cores, not the daemon, held them back."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / 1e9
+
+
+RSS_PARTS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+
+
+def _rss_mib(pid: int) -> dict[str, float]:
+    """The daemon's resident memory, whole and by kind (MiB)."""
+    out = dict.fromkeys(RSS_PARTS.values(), 0.0)
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+        name, _, value = line.partition(":")
+        if name in RSS_PARTS:
+            out[RSS_PARTS[name]] = int(value.split()[0]) / 1024
+    return out
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -363,13 +394,17 @@ class TenantA:
         return dt
 
 
-def phase(a: TenantA, pid: int, seconds: float, scrape_url: str | None) -> dict:
+def window(a: TenantA, pids: dict[str, int], seconds: float, scrape_url: str | None
+           ) -> dict:
+    """Tenant A's rounds for `seconds`: their latencies, the daemon's highest RSS, and the CPU
+    each process in `pids` (the daemon's first) used per second of the window."""
     stop = threading.Event()
-    rss: list[float] = []
+    rss: list[dict[str, float]] = []
+    daemon = next(iter(pids.values()))
 
     def sample() -> None:
         while not stop.wait(0.05):
-            rss.append(_rss_mib(pid))
+            rss.append(_rss_mib(daemon))
 
     def scrape() -> None:
         import urllib.request
@@ -383,9 +418,12 @@ def phase(a: TenantA, pid: int, seconds: float, scrape_url: str | None) -> dict:
         threads.append(threading.Thread(target=scrape, daemon=True))
     for t in threads:
         t.start()
+    cpu0 = {k: _cpu_s(v) for k, v in pids.items()}
+    runq0 = {k: _runq_s(pids[k]) for k in ("daemon", "tenant_a")}
     lat: list[float] = []
     errors = 0
-    end = time.monotonic() + seconds
+    t0 = time.monotonic()
+    end = t0 + seconds
     while time.monotonic() < end:
         try:
             lat.append(a.once())
@@ -393,10 +431,30 @@ def phase(a: TenantA, pid: int, seconds: float, scrape_url: str | None) -> dict:
             errors += 1
             print(f"  tenant A's round failed: {type(e).__name__}: {e}", flush=True)
     stop.set()
+    wall = time.monotonic() - t0
+    cpu = {k: round((_cpu_s(v) - cpu0[k]) / wall, 2) for k, v in pids.items()}
+    runq = {k: round((_runq_s(pids[k]) - v) / wall, 3) for k, v in runq0.items()}
     for t in threads:
         t.join(5)
+    rss_max = {k: max([r[k] for r in rss] or [0.0]) for k in RSS_PARTS.values()}
+    return {"lat": lat, "errors": errors, "rss_max_mib": rss_max, "cpu_per_s": cpu,
+            "runq_per_s": runq}
+
+
+def summary(windows: list[dict]) -> dict:
+    """Windows of one kind pooled: A's percentiles over all their rounds, each window's p99,
+    the mean CPU per second of each process."""
+    lat = [x for w in windows for x in w["lat"]]
+    names = windows[0]["cpu_per_s"]
     return {"p50_ms": round(_pct(lat, 0.5) * 1e3, 2), "p99_ms": round(_pct(lat, 0.99) * 1e3, 2),
-            "rounds": len(lat), "errors": errors, "rss_max_mib": round(max(rss or [0]), 1)}
+            "rounds": len(lat), "errors": sum(w["errors"] for w in windows),
+            "p99_ms_by_window": [round(_pct(w["lat"], 0.99) * 1e3, 1) for w in windows],
+            "cpu_per_s": {k: round(sum(w["cpu_per_s"][k] for w in windows) / len(windows), 2)
+                          for k in names},
+            "runq_wait_per_s": {k: round(sum(w["runq_per_s"][k] for w in windows)
+                                         / len(windows), 3) for k in ("daemon", "tenant_a")},
+            "rss_max_mib": {k: round(max(w["rss_max_mib"][k] for w in windows), 1)
+                            for k in RSS_PARTS.values()}}
 
 
 def probes(address: str, sock: str, pid: int, a_ns: bytes) -> dict[str, float]:
@@ -507,13 +565,14 @@ def main() -> None:
         run_unauth(args.args[0], args.args[1], int(args.args[2]), args.args[3] == "1")
         return
     if args.role == "b":
-        run_b(args.args[0], args.args[1], int(args.args[2]), set(args.args[3:]))
+        run_b(args.args[0], args.args[1], int(args.args[2]),
+              set(args.args[3:]) - {"unauthenticated"})
         return
     sys.path[:0] = [str(ROOT), str(ROOT / "client")]
     from kvstore.tenants import hash_token
     from tests.daemon import cleanup, start_daemon
 
-    quiet_s, attack_s, blocks = (6.0, 8.0, 16) if args.quick else (20.0, 30.0, 32)
+    cycles, window_s, blocks = (4, 3.0, 16) if args.quick else (8, 6.0, 32)
     base = Path(tempfile.mkdtemp(prefix="kvs-dos-"))
     base.chmod(0o755)
     tf = base / "tenants.toml"
@@ -540,28 +599,39 @@ def main() -> None:
         cpu = probes(d.address, d.socket, pid, a.ns.ns_id)
         for k, v in cpu.items():
             print(f"  {k:34s} {v:6.3f} s of daemon CPU", flush=True)
-        quiet = phase(a, pid, quiet_s, d.metrics_url)
-        print(f"quiet:  {quiet}", flush=True)
         other = other_uid_ok()
-        unauth = spawn(["--role", "unauth", d.socket, d.tcp, str(ATTACK_CONNS),
-                        "1" if other else "0"])
-        b = spawn(["--role", "b", d.socket, a.ns.ns_id.hex(), str(a.lay.block_bytes),
-                   *args.without])
-        attackers = [unauth, b]
-        for p in attackers:
-            if wait_line(p, 60) != "ready":
-                raise RuntimeError("an attacker did not get ready")
-        attack = phase(a, pid, attack_s, d.metrics_url)
+        quiet_w: list[dict] = []
+        attack_w: list[dict] = []
+        held: dict[str, int] = {}
+        found: dict = {"cross_tenant_bytes_read": 0, "errors": {}}
+        pids = {"daemon": pid, "tenant_a": os.getpid()}
+        for i in range(cycles):
+            quiet_w.append(window(a, pids, window_s, d.metrics_url))
+            unauth = spawn(["--role", "unauth", d.socket, d.tcp,
+                            "0" if "unauthenticated" in args.without else str(ATTACK_CONNS),
+                            "1" if other else "0"])
+            b = spawn(["--role", "b", d.socket, a.ns.ns_id.hex(), str(a.lay.block_bytes),
+                       *args.without])
+            attackers = [unauth, b]
+            for p in attackers:
+                if wait_line(p, 60) != "ready":
+                    raise RuntimeError("an attacker did not get ready")
+            attack_w.append(window(a, {**pids, "unauth": unauth.pid, "tenant_b": b.pid},
+                                   window_s, d.metrics_url))
+            got = _stop(attackers)
+            attackers = []
+            for k, v in got[0].get("closed_by_daemon", {}).items():
+                held[k] = held.get(k, 0) + v
+            _merge(found, got[1])
+            print(f"cycle {i + 1}/{cycles}: A's p99 quiet "
+                  f"{_pct(quiet_w[-1]['lat'], 0.99) * 1e3:.1f} ms, under attack "
+                  f"{_pct(attack_w[-1]['lat'], 0.99) * 1e3:.1f} ms; load average "
+                  f"{os.getloadavg()[0]:.2f}", flush=True)
+        quiet, attack = summary(quiet_w), summary(attack_w)
+        print(f"quiet:  {quiet}", flush=True)
         print(f"attack: {attack}", flush=True)
-        results = []
-        for p in attackers:
-            p.stdin.close()
-            try:
-                results.append(json.loads(wait_line(p, 60) or "{}"))
-            except (RuntimeError, ValueError):
-                results.append({})
-        held, found = results
-        print(f"unauthenticated ({'uid 65534' if other else 'this uid'}): {held}", flush=True)
+        print(f"unauthenticated ({'uid 65534' if other else 'this uid'}), connections the "
+              f"daemon closed: {held}", flush=True)
         if not other:
             print("  (run as root from a checkout other users can read for another uid: "
                   "then the per-uid caps keep its connections apart from A's)", flush=True)
@@ -569,12 +639,18 @@ def main() -> None:
         a.client.close()
         figures = {
             "attack_p99_vs_quiet": round(attack["p99_ms"] / quiet["p99_ms"], 2),
-            "attack_rss_growth_mib": round(max(0.0, attack["rss_max_mib"]
-                                               - quiet["rss_max_mib"]), 1),
+            "attack_rss_growth_mib": round(max(0.0, attack["rss_max_mib"]["rss"]
+                                               - quiet_w[0]["rss_max_mib"]["rss"]), 1),
+            "rss_growth_by_kind_mib": {k: round(v - quiet_w[0]["rss_max_mib"][k], 1)
+                                       for k, v in attack["rss_max_mib"].items()},
             "max_request_cpu_s": max(cpu.values()),
-            "cross_tenant_bytes_read": int(found.get("cross_tenant_bytes_read", -1)),
+            # -1: a cycle's B said nothing, so its reads are not shown to be none
+            "cross_tenant_bytes_read": (-1 if found.get("silent_cycles") else
+                                        int(found["cross_tenant_bytes_read"])),
             "quiet_p99_ms": quiet["p99_ms"], "attack_p99_ms": attack["p99_ms"],
+            "quiet_rounds": quiet["rounds"], "attack_rounds": attack["rounds"],
             "attack_errors": attack["errors"], "request_cpu_s": cpu,
+            "cpu_per_s_under_attack": attack["cpu_per_s"],
             "unauthenticated_other_uid": other, "b_floods_left_out": args.without,
             "load_average": round(os.getloadavg()[0], 2),
         }
@@ -585,6 +661,35 @@ def main() -> None:
                 os.killpg(p.pid, signal.SIGKILL)
         cleanup(d)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _stop(attackers: list[subprocess.Popen]) -> list[dict]:
+    """Close each attacker's stdin (its signal to stop) and read the JSON it ends with."""
+    out = []
+    for p in attackers:
+        p.stdin.close()
+    for p in attackers:
+        try:
+            out.append(json.loads(wait_line(p, 60) or "{}"))
+        except (RuntimeError, ValueError):
+            out.append({})
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+    return out
+
+
+def _merge(total: dict, more: dict) -> None:
+    """B's findings of one cycle added to those of the cycles before."""
+    for k, v in more.items():
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                total.setdefault(k, {})[kk] = total.get(k, {}).get(kk, 0) + vv
+        else:
+            total[k] = total.get(k, 0) + v
+    if not more:
+        total["silent_cycles"] = total.get("silent_cycles", 0) + 1
 
 
 if __name__ == "__main__":

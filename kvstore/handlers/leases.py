@@ -96,7 +96,7 @@ class LeaseCalls:
         self._release_carried(req.release_leases)
         ns = check_ns(req.namespace_id)
         s.auth.check_ns(ns)
-        keys = check_keys(req.keys)
+        keys = check_keys(req.keys, distinct=True)
         tier = check_slot_tier(req.tier, s.gpu_enabled)
         s.auth.check_tier(tier)
         ttl = check_ttl(req.ttl_s, s.max_ttl_s)
@@ -138,7 +138,7 @@ class LeaseCalls:
         s = self.s
         ns = check_ns(req.namespace_id)
         s.auth.check_ns(ns)
-        keys = check_keys(req.keys)
+        keys = check_keys(req.keys, distinct=True)
         tier = check_slot_tier(req.tier, s.gpu_enabled)
         s.auth.check_tier(tier)
         ttl = check_ttl(req.ttl_s, s.max_ttl_s)

@@ -134,7 +134,7 @@ class StreamCalls:
         req = parse_request(pb.GetRequest, raw)
         ns = check_ns(req.namespace_id)
         s.auth.check_ns(ns)
-        keys = check_keys(req.keys)
+        keys = check_keys(req.keys, distinct=True)
         bb = s.block_bytes(ns)
         per = max(1, GET_BATCH_BYTES // bb) if bb else 1
         sent = False
