@@ -123,8 +123,8 @@ class Promoter:
             return None
         e.moving = flight
         try:
-            self.host_room.make_room(aligned(e.size), e.ns_id)
-            off = self.host_room.alloc(e.size, e.ns_id)
+            self.host_room.make_room(aligned(e.size), e.ns_id, promotion=True)
+            off = self.host_room.alloc(e.size, e.ns_id, promotion=True)
         except BaseException:
             e.moving = None
             raise
