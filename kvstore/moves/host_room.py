@@ -65,6 +65,7 @@ class HostRoom:
         # waiting for room wakes when room may have come, not at every settle of any call.
         self._flights: set[threading.Event] = set()
         self._room = threading.Condition(state.lock)
+        self._waiting = 0           # callers in _wait_landing
         self._disk_full_logged = -1e9
         # Background demotion: woken when host use passes the low watermark.
         self._wake = threading.Condition(state.lock)
@@ -98,10 +99,15 @@ class HostRoom:
                 # one tenant's writes never demote another's (kvstore/pools.py).
                 for seg in range(self.pools.segment_count()):
                     cap, used = self.pools.segment_room(seg)
-                    over = (used - (self.evicting if seg == 0 else 0)
-                            - st.config.host.low_watermark * cap)
+                    host = st.config.host
+                    over = used - (self.evicting if seg == 0 else 0) - host.low_watermark * cap
                     if over <= 0:
                         continue
+                    if seg == 0 and self._waiting:
+                        # Callers wait for room: the disk is the limit, and each batch pays
+                        # its pick, LMDB commit and settle once, so batches are whole (the
+                        # room between the watermarks), not the few blocks just over.
+                        over = max(over, (host.high_watermark - host.low_watermark) * cap)
                     try:
                         f, _ = self.evict(int(over), self.pools.segment_namespaces(seg))
                         freed += f
@@ -226,6 +232,7 @@ class HostRoom:
         if not pending:
             return False
         st.busy += 1
+        self._waiting += 1
         try:
             while not any(ev.is_set() for ev in pending):
                 left = deadline - time.monotonic()
@@ -236,6 +243,7 @@ class HostRoom:
                         "to land; the disk is slower than the writes")
                 self._room.wait(left)
         finally:
+            self._waiting -= 1
             st.busy -= 1
             st.idle.notify_all()
         return True
