@@ -20,11 +20,13 @@ Promotions first. An acquire that promotes a block from a lower tier is a load a
 waiting on, while a writer's Reserve is backpressure on a store; so the room above the high
 watermark is the promotions' (`promotion_share`): a writer's slot must leave it free, a
 promotion's may take it, and a promotion leaves eviction to the background demoter where one
-runs (a load never writes a batch of writers' blocks down itself). A victim that already has a
-lower copy is freed as it is picked, not when its batch's write lands. When there is no room at
-all, a caller waits for the first demotion in flight to land (not for all of them: each landing
-frees a batch, and waiting for the last one held a load behind every writer's batch), within
-ROOM_WAIT_S.
+runs (a load never writes a batch of writers' blocks down itself). A promotion short of room
+first takes back the host copies earlier promotions made that no reader holds any more
+(`_reclaim_promoted`): they still have their lower copy, so dropping them needs no write. A
+victim that already has a lower copy is freed as it is picked, not when its batch's write
+lands. When there is no room at all, a caller waits for the first demotion in flight to land
+(not for all of them: each landing frees a batch, and waiting for the last one held a load
+behind every writer's batch), within ROOM_WAIT_S.
 
 Tenants with a host quota evict only their own blocks in their own segment (kvstore/pools.py).
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 from kvstore_client.common.errors import ResourceExhausted
 
@@ -51,6 +54,8 @@ BATCH_BLOCKS = 64
 BATCH_BYTES = 32 << 20
 DISK_FULL_LOG_S = 60.0      # a full disk is logged at most this often
 ROOM_WAIT_S = 30.0          # the longest an allocation waits for demotions in flight to land
+PROMOTED_KEPT = 1024        # promoted blocks remembered for a promotion short of room to drop
+RECLAIM_LOOKS = 64          # of those, the most one allocation looks at
 
 
 class HostRoom:
@@ -66,6 +71,9 @@ class HostRoom:
         self._flights: set[threading.Event] = set()
         self._room = threading.Condition(state.lock)
         self._waiting = 0           # callers in _wait_landing
+        # Blocks promotions copied into the shared slab, oldest first (keys only: an Entry
+        # held here would never go back to packed form).
+        self._promoted: deque[bytes] = deque(maxlen=PROMOTED_KEPT)
         self._disk_full_logged = -1e9
         # Background demotion: woken when host use passes the low watermark.
         self._wake = threading.Condition(state.lock)
@@ -202,6 +210,8 @@ class HostRoom:
                 return off
             if not wait:
                 raise ResourceExhausted(f"no free host room for {nbytes} bytes now")
+            if promotion and not seg and self._reclaim_promoted(need):
+                continue
             short = need                # what is missing, the promotions' share kept
             if share:
                 cap, used = self.pools.segment_room(seg)
@@ -222,6 +232,42 @@ class HostRoom:
                 f"host tier full: {host.used_bytes} of {host.capacity} bytes are "
                 "leased or pinned and nothing is evictable; release leases or raise "
                 "host.capacity") from None
+
+    def note_promoted(self, gkey: bytes, seg: int) -> None:
+        """A promotion published a host copy of `gkey` in segment `seg` (locked)."""
+        if not seg:
+            self._promoted.append(gkey)
+
+    def _reclaim_promoted(self, need: int) -> bool:
+        """Drop the host copies of earlier promotions until `need` bytes are free (locked):
+        oldest first, only those no reader pins, not in flight and still holding a lower copy
+        (so no write is needed and nothing is lost). A block still pinned is remembered
+        again. At most RECLAIM_LOOKS looks: the cost under the lock stays bounded. True when
+        anything was freed."""
+        st = self.state
+        index, policy, host = st.index, st.policies["host"], st.host
+        freed = blocks = 0
+        pinned: list[bytes] = []
+        for _ in range(min(RECLAIM_LOOKS, len(self._promoted))):
+            if host.capacity - host.used_bytes >= need:
+                break
+            g = self._promoted.popleft()
+            e = index.peek(g)
+            if e is None or e.host is None or e.moving is not None or not (e.ssd or e.remote):
+                continue                    # gone from host already, or no lower copy
+            if e.pins:
+                pinned.append(g)
+                continue
+            policy.remove(g)
+            host.free(e.host)
+            index.clear_host(e)
+            freed += aligned(e.size)
+            blocks += 1
+        self._promoted.extend(pinned)
+        if freed:
+            st.tier_counters["host"]["evictions"] += blocks
+            st.counters["promotion_reclaimed_bytes"] += freed
+        return freed > 0
 
     def _wait_landing(self, deadline: float) -> bool:
         """Wait (releasing the lock) until one of the demotions now in flight has landed;
