@@ -67,7 +67,7 @@ class HostWrites:
             offsets: list[int] = []
             try:
                 for _ in range(n):
-                    offsets.append(room.alloc(size, ns_id))
+                    offsets.append(room.alloc(size, ns_id, wait=not ahead))
             except BaseException:           # full, or a demotion that failed
                 for off in offsets:
                     host.free(off)

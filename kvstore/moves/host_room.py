@@ -16,6 +16,18 @@ and goes back in the host policy (it now has a lower copy too). On an error ever
 back as it was and the error propagates; a full disk drops the victims instead (host must keep
 serving).
 
+Promotions first. An acquire that promotes a block from a lower tier is a load an engine is
+waiting on, while a writer's Reserve is backpressure on a store; so the room above the high
+watermark is the promotions' (`promotion_share`): a writer's slot must leave it free, a
+promotion's may take it, and a promotion leaves eviction to the background demoter where one
+runs (a load never writes a batch of writers' blocks down itself). A promotion short of room
+first takes back the host copies earlier promotions made that no reader holds any more
+(`_reclaim_promoted`): they still have their lower copy, so dropping them needs no write. A
+victim that already has a lower copy is freed as it is picked, not when its batch's write
+lands. When there is no room at all, a caller waits for the first demotion in flight to land
+(not for all of them: each landing frees a batch, and waiting for the last one held a load
+behind every writer's batch), within ROOM_WAIT_S.
+
 Tenants with a host quota evict only their own blocks in their own segment (kvstore/pools.py).
 """
 
@@ -24,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 from kvstore_client.common.errors import ResourceExhausted
 
@@ -40,6 +53,9 @@ log = logging.getLogger("kvstore.store")
 BATCH_BLOCKS = 64
 BATCH_BYTES = 32 << 20
 DISK_FULL_LOG_S = 60.0      # a full disk is logged at most this often
+ROOM_WAIT_S = 30.0          # the longest an allocation waits for demotions in flight to land
+PROMOTED_KEPT = 1024        # promoted blocks remembered for a promotion short of room to drop
+RECLAIM_LOOKS = 64          # of those, the most one allocation looks at
 
 
 class HostRoom:
@@ -50,6 +66,14 @@ class HostRoom:
         self.to_ssd = to_ssd
         self.to_remote = to_remote
         self.evicting = 0           # host bytes eviction batches in flight will free
+        # The flights of those batches, and a condition notified as each lands: a caller
+        # waiting for room wakes when room may have come, not at every settle of any call.
+        self._flights: set[threading.Event] = set()
+        self._room = threading.Condition(state.lock)
+        self._waiting = 0           # callers in _wait_landing
+        # Blocks promotions copied into the shared slab, oldest first (keys only: an Entry
+        # held here would never go back to packed form).
+        self._promoted: deque[bytes] = deque(maxlen=PROMOTED_KEPT)
         self._disk_full_logged = -1e9
         # Background demotion: woken when host use passes the low watermark.
         self._wake = threading.Condition(state.lock)
@@ -83,10 +107,15 @@ class HostRoom:
                 # one tenant's writes never demote another's (kvstore/pools.py).
                 for seg in range(self.pools.segment_count()):
                     cap, used = self.pools.segment_room(seg)
-                    over = (used - (self.evicting if seg == 0 else 0)
-                            - st.config.host.low_watermark * cap)
+                    host = st.config.host
+                    over = used - (self.evicting if seg == 0 else 0) - host.low_watermark * cap
                     if over <= 0:
                         continue
+                    if seg == 0 and self._waiting:
+                        # Callers wait for room: the disk is the limit, and each batch pays
+                        # its pick, LMDB commit and settle once, so batches are whole (the
+                        # room between the watermarks), not the few blocks just over.
+                        over = max(over, (host.high_watermark - host.low_watermark) * cap)
                     try:
                         f, _ = self.evict(int(over), self.pools.segment_namespaces(seg))
                         freed += f
@@ -102,15 +131,21 @@ class HostRoom:
         self._wake.notify_all()
 
     # -- room and allocation --------------------------------------------------------------------
-    def make_room(self, need: int, ns_id: bytes | None = None) -> None:
+    def make_room(self, need: int, ns_id: bytes | None = None, promotion: bool = False) -> None:
         """Evict from host so `need` more bytes fit: past the high watermark, down to the low
         (locked; may release the lock while victims are written down). `alloc` then gets the
-        slot even if other threads took the room meanwhile."""
+        slot even if other threads took the room meanwhile. A `promotion` leaves the eviction
+        to the background demoter (woken here) where one runs: a load never writes a batch of
+        writers' blocks down on its own path (`alloc` finds it a slot, or waits for one)."""
         seg = self.pools.segment_of(ns_id)
         cap, used = self.pools.segment_room(seg)
         host = self.state.config.host
         high, low = host.high_watermark * cap, host.low_watermark * cap
         used -= self.evicting if seg == 0 else 0
+        if promotion and self._demoter is not None:
+            if used + need > low:
+                self._wake.notify()
+            return
         if used + need > low and self._demoter is not None:
             self._wake.notify()          # the background demoter makes room from here on
         if used + need <= high:
@@ -132,36 +167,132 @@ class HostRoom:
         used = host.used_bytes - self.evicting
         return used + need > self.state.config.host.high_watermark * host.capacity
 
-    def alloc(self, nbytes: int, ns_id: bytes | None = None) -> int:
+    def promotion_share(self, seg: int) -> int:
+        """Bytes of the shared slab only promotions may take: the room above the high
+        watermark (0 in a tenant's own segment, where the tenant's writes and loads share)."""
+        if seg:
+            return 0
+        cap, _ = self.pools.segment_room(0)
+        return int((1.0 - self.state.config.host.high_watermark) * cap)
+
+    def _take(self, nbytes: int, seg: int, share: int) -> int | None:
+        """A slot of `nbytes` that leaves `share` bytes free, or None (locked)."""
+        host = self.state.host
+        if share:
+            cap, used = self.pools.segment_room(seg)
+            if used + aligned(nbytes) + share > cap:
+                return None
+        try:
+            return host.alloc(nbytes, seg) if seg else host.alloc(nbytes)
+        except ResourceExhausted:
+            return None
+
+    def alloc(self, nbytes: int, ns_id: bytes | None = None, promotion: bool = False,
+              wait: bool = True) -> int:
         """A host slot of `nbytes`, evicting until one fits (locked; may release the lock).
 
         Other threads may take the room an eviction made while the lock was released, so this
-        loops: evict what is missing, or wait for other threads' demotions in flight to settle,
-        and try again; ResourceExhausted only when nothing is evictable and nothing is in flight.
+        loops: evict what is missing, or wait for the first of the demotions in flight to
+        land, and try again; ResourceExhausted when nothing is evictable and nothing is in
+        flight, or after ROOM_WAIT_S. A writer's slot leaves the promotions' share free
+        (`promotion_share`) unless nothing else is left; `promotion` may take it. Without
+        `wait`, only a slot that is free now (a Reserve ahead of a store that may not come
+        neither evicts nor waits).
         """
         st = self.state
         seg = self.pools.segment_of(ns_id)
-        host = st.host
+        share = 0 if promotion else self.promotion_share(seg)
+        need = aligned(nbytes)
+        deadline = time.monotonic() + ROOM_WAIT_S
         while True:
-            try:
-                return host.alloc(nbytes, seg) if seg else host.alloc(nbytes)
-            except ResourceExhausted:
-                pass
-            if not seg and self.evicting >= aligned(nbytes) and st.wait_demotions():
-                continue     # batches in flight free enough: no second writer on the disk
-            _, _, picked = self._evict_batches(aligned(nbytes), self.pools.segment_namespaces(seg))
-            if picked or st.wait_demotions():
+            off = self._take(nbytes, seg, share)
+            if off is not None:
+                return off
+            if not wait:
+                raise ResourceExhausted(f"no free host room for {nbytes} bytes now")
+            if promotion and not seg and self._reclaim_promoted(need):
                 continue
-            try:
-                return host.alloc(nbytes, seg) if seg else host.alloc(nbytes)
-            except ResourceExhausted:
-                if seg:
-                    raise self.pools.segment_full(seg) from None
-                # Watermarks are a target, not a guarantee; this is the real limit.
-                raise ResourceExhausted(
-                    f"host tier full: {host.used_bytes} of {host.capacity} bytes are "
-                    "leased or pinned and nothing is evictable; release leases or raise "
-                    "host.capacity") from None
+            short = need                # what is missing, the promotions' share kept
+            if share:
+                cap, used = self.pools.segment_room(seg)
+                short = max(need, used + need + share - cap)
+            if not seg and self.evicting >= short and self._wait_landing(deadline):
+                continue     # batches in flight free enough: no second writer on the disk
+            _, _, picked = self._evict_batches(short, self.pools.segment_namespaces(seg))
+            if picked or self._wait_landing(deadline):
+                continue
+            off = self._take(nbytes, seg, 0)     # the share too: this is the real limit
+            if off is not None:
+                return off
+            if seg:
+                raise self.pools.segment_full(seg) from None
+            host = st.host
+            # Watermarks are a target, not a guarantee; this is the real limit.
+            raise ResourceExhausted(
+                f"host tier full: {host.used_bytes} of {host.capacity} bytes are "
+                "leased or pinned and nothing is evictable; release leases or raise "
+                "host.capacity") from None
+
+    def note_promoted(self, gkey: bytes, seg: int) -> None:
+        """A promotion published a host copy of `gkey` in segment `seg` (locked)."""
+        if not seg:
+            self._promoted.append(gkey)
+
+    def _reclaim_promoted(self, need: int) -> bool:
+        """Drop the host copies of earlier promotions until `need` bytes are free (locked):
+        oldest first, only those no reader pins, not in flight and still holding a lower copy
+        (so no write is needed and nothing is lost). A block still pinned is remembered
+        again. At most RECLAIM_LOOKS looks: the cost under the lock stays bounded. True when
+        anything was freed."""
+        st = self.state
+        index, policy, host = st.index, st.policies["host"], st.host
+        freed = blocks = 0
+        pinned: list[bytes] = []
+        for _ in range(min(RECLAIM_LOOKS, len(self._promoted))):
+            if host.capacity - host.used_bytes >= need:
+                break
+            g = self._promoted.popleft()
+            e = index.peek(g)
+            if e is None or e.host is None or e.moving is not None or not (e.ssd or e.remote):
+                continue                    # gone from host already, or no lower copy
+            if e.pins:
+                pinned.append(g)
+                continue
+            policy.remove(g)
+            host.free(e.host)
+            index.clear_host(e)
+            freed += aligned(e.size)
+            blocks += 1
+        self._promoted.extend(pinned)
+        if freed:
+            st.tier_counters["host"]["evictions"] += blocks
+            st.counters["promotion_reclaimed_bytes"] += freed
+        return freed > 0
+
+    def _wait_landing(self, deadline: float) -> bool:
+        """Wait (releasing the lock) until one of the demotions now in flight has landed;
+        False when none was. ResourceExhausted past `deadline`. The caller counts as busy
+        meanwhile, so close() waits for it to finish its call."""
+        st = self.state
+        pending = list(self._flights)
+        if not pending:
+            return False
+        st.busy += 1
+        self._waiting += 1
+        try:
+            while not any(ev.is_set() for ev in pending):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    st.counters["host_room_wait_timeouts"] += 1
+                    raise ResourceExhausted(
+                        f"no host room after {ROOM_WAIT_S:g} s waiting for demotions to SSD "
+                        "to land; the disk is slower than the writes")
+                self._room.wait(left)
+        finally:
+            self._waiting -= 1
+            st.busy -= 1
+            st.idle.notify_all()
+        return True
 
     # -- eviction ---------------------------------------------------------------------------------
     def evict(self, nbytes: int | None, only: set[bytes] | None = None) -> tuple[int, int]:
@@ -215,12 +346,21 @@ class HostRoom:
             todo = [e for e in batch if not e.remote]
         else:
             todo = []
+        if len(todo) < len(batch):
+            # Victims with a lower copy need no write: their room is free now, not once the
+            # batch's write lands (a promotion waiting for room gets it without the disk).
+            busy = {id(e) for e in todo}
+            freed, blocks = self._free_victims([e for e in batch if id(e) not in busy])
+            batch = todo
+        else:
+            freed = blocks = 0
         if not todo:
-            return self._free_victims(batch)
+            return freed, blocks
         flight = Flight(st, batch)
         size = sum(aligned(e.size) for e in batch)
         self.evicting += size
         st.demotions.add(flight.event)
+        self._flights.add(flight.event)
         corrupt: list[bytes] = []
         try:
             if self.to_ssd is not None:
@@ -245,14 +385,17 @@ class HostRoom:
                 self.to_remote.settle(written)
             for g in corrupt:
                 corrupt_host_copy(st, g, "demotion")
-            return self._free_victims(batch)
+            f, b = self._free_victims(batch)
+            return freed + f, blocks + b
         finally:
             self._landed(flight, size)
 
     def _landed(self, flight: Flight, size: int) -> None:
         self.evicting -= size
         self.state.demotions.discard(flight.event)
+        self._flights.discard(flight.event)
         flight.land()
+        self._room.notify_all()
 
     def _disk_full(self, batch: list[Entry], exc: DiskFull) -> list:
         """The SSD write of an eviction batch did not land (filesystem full): the victims

@@ -123,8 +123,8 @@ class Promoter:
             return None
         e.moving = flight
         try:
-            self.host_room.make_room(aligned(e.size), e.ns_id)
-            off = self.host_room.alloc(e.size, e.ns_id)
+            self.host_room.make_room(aligned(e.size), e.ns_id, promotion=True)
+            off = self.host_room.alloc(e.size, e.ns_id, promotion=True)
         except BaseException:
             e.moving = None
             raise
@@ -195,6 +195,7 @@ class Promoter:
             e.checksum = p.new_checksum
         st.index.set_host(e, p.offset)
         st.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
+        self.host_room.note_promoted(e.gkey, self.host_room.pools.segment_of(e.ns_id))
         st.tier_counters["host"]["promotions"] += 1
         st.counters[f"bytes_{p.source}_to_host"] += p.nbytes
         return True
