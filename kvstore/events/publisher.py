@@ -33,7 +33,7 @@ from .recorder import Item, Recorder
 from .relay import Relay, TokenCache
 from .runs import EventRun
 from .stream import Stream
-from .texts import OWN, SGLANG, VLLM, BlockText, own_hash, sglang_hash
+from .texts import OWN, SGLANG, VLLM, BlockText, own_hash, resolve, sglang_hash
 
 log = logging.getLogger("kvstore.events")
 
@@ -272,8 +272,7 @@ class Publisher:
         if not mask:
             return
         if entered:
-            if text is None:
-                text = self._resolve(g, kind)
+            text = self._resolve(g, kind) if text is None else resolve(text)
             if text is None:
                 if kind != OWN:
                     self._pend(g, kind, tiers)
@@ -313,7 +312,7 @@ class Publisher:
     # -- texts --------------------------------------------------------------------------------
     def _resolve(self, g: bytes, kind: str) -> BlockText | None:
         """A block's text: from the book, the engines' events, or its SSD meta."""
-        text = self.recorder.book.get(g)
+        text = resolve(self.recorder.book.get(g))
         if text is not None:
             return text
         if kind != OWN:

@@ -19,7 +19,7 @@ from .publisher import Publisher, ssd_text
 from .recorder import Recorder
 from .relay import Relay, TokenCache
 from .stream import Stream
-from .texts import BlockText, own_texts
+from .texts import BlockText, LazyTexts
 
 
 class Events:
@@ -83,9 +83,10 @@ class Events:
         return self.recorder.wants_tokens(ns_id)
 
     def texts(self, ns_id: bytes, keys: list[bytes], parent: bytes | None, token_ids: bytes,
-              block_tokens: int) -> list[BlockText] | None:
+              block_tokens: int) -> LazyTexts | None:
         """Texts of the blocks a commit carries token ids for (little-endian uint32, checked
-        against the keys by the store); None where no stream publishes the namespace."""
+        against the keys by the store), made when first read; None where no stream publishes
+        the namespace."""
         if not self.recorder.wants_tokens(ns_id):
             return None
-        return own_texts(ns_id, keys, parent, token_ids, block_tokens)
+        return LazyTexts(ns_id, keys, parent, token_ids, block_tokens)

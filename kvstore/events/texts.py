@@ -18,6 +18,7 @@ own events do:
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgpack
@@ -174,3 +175,56 @@ def own_texts(ns_id: bytes, keys: list[bytes], parent: bytes | None, raw_tokens:
         out.append(BlockText((h,), prev, tokens, T))
         prev = h
     return out
+
+
+class LazyTexts(Sequence):
+    """The texts of one commit's blocks, made when first read rather than on the Commit path:
+    packing the token ids and hashing every key cost ~2 us a block in the request that
+    stored them, and the publisher thread (or a demotion) can make them as well. Made all at
+    once by whichever reads first; two racing readers make equal texts."""
+
+    __slots__ = ("_args", "_texts")
+
+    def __init__(self, ns_id: bytes, keys: list[bytes], parent: bytes | None, raw_tokens: bytes,
+                 block_tokens: int) -> None:
+        self._args: tuple | None = (ns_id, list(keys), parent, raw_tokens, block_tokens)
+        self._texts: list[BlockText] | None = None
+
+    def __len__(self) -> int:
+        return len(self._texts) if self._texts is not None else len(self._args[1])
+
+    def __getitem__(self, i):  # type: ignore[override]
+        n = len(self)
+        if isinstance(i, slice):
+            return [LazyText(self, j) for j in range(*i.indices(n))]
+        if not -n <= i < n:
+            raise IndexError(i)
+        return LazyText(self, i % n)
+
+    def __iter__(self):
+        return (LazyText(self, j) for j in range(len(self)))
+
+    def text(self, i: int) -> BlockText:
+        texts = self._texts
+        if texts is None:
+            args = self._args
+            texts = self._texts = own_texts(*args) if args is not None else []
+            self._args = None
+        return texts[i]
+
+
+class LazyText:
+    """One block's place in a LazyTexts, kept in the recorder's book until read."""
+
+    __slots__ = ("owner", "i")
+
+    def __init__(self, owner: LazyTexts, i: int) -> None:
+        self.owner, self.i = owner, i
+
+    def get(self) -> BlockText:
+        return self.owner.text(self.i)
+
+
+def resolve(text: BlockText | LazyText | None) -> BlockText | None:
+    """A book entry as a text (a LazyText is made now)."""
+    return text.get() if type(text) is LazyText else text

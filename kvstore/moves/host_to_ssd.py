@@ -33,6 +33,7 @@ from kvstore_client.common.lazy import lazy_module
 from tiers import frame
 
 from ..encode_choice import EncodeChoice
+from ..events.texts import resolve
 from ..index import Entry
 from ..pools import TenantPools
 from ..state import StoreState
@@ -61,7 +62,7 @@ def meta(e: Entry, texts: dict | None = None) -> bytes:
     import msgpack
 
     m = {"p": e.parent, "s": e.size, "c": e.checksum, "t": time.time()}
-    if texts is not None and (text := texts.get(e.gkey)) is not None:
+    if texts is not None and (text := resolve(texts.get(e.gkey))) is not None:
         m["e"] = text.pack()
     return msgpack.packb(m)
 
