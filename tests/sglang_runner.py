@@ -15,7 +15,8 @@ prompt S (random bytes, seeded) through batch_set_v1; "exists"; "get" (batch_get
 host slots, compared byte for byte with what prompt S's pages must hold); "set_flat" / "get_flat"
 (the older flat-page calls); "locate" (per-page tier, waiting up to "wait_s" for "host");
 "corrupt" (flip one byte of page "page" in the daemon's slot); "chaos" (back-to-back batches
-while SIGKILLing the daemon "kill_pid" mid-batch); "bench" (v1 set/get against a memcpy).
+while SIGKILLing the daemon "kill_pid" mid-batch); "bench" (v1 set/get of each pool of
+"layouts" against a memcpy, the pools taking turns every round).
 """
 
 from __future__ import annotations
@@ -345,59 +346,73 @@ def op_chaos(backend, pool, s: dict) -> dict:
             "failed_pages": failed_pages, "recovered": recovered, "recover_s": recover_s}
 
 
-def op_bench(backend, pool, s: dict) -> dict:
-    """Pages through the backend against a memcpy of the same bytes (numpy, this thread), in
-    the same process (the machine is shared: only same-run ratios mean anything)."""
+def op_bench(sides: list, s: dict) -> list[dict]:
+    """Pages through each (backend, pool) of `sides` against a memcpy of the same bytes (numpy,
+    this thread), in the same process (the machine is shared: only same-run ratios mean
+    anything). The sides take turns within every round, the first going first in odd rounds,
+    so each figure saw the machine of the same moments as the others (timed one after the
+    other, the second was ~20% slower whichever pool it was)."""
     from kvstore_client.sglang.identity import fold_key
     pages, reps = s["pages"], s.get("reps", 5)
-    pr = Prompt(s["seed"], pages, pool)
-    idx = host_slots(pool, pages, scramble=False)
-    P = pool.page_size
-    for j in range(pages):
-        pool.get_data_page(int(idx[j * P]), flat=False).copy_(pr.page(j))
-    nbytes = pages * backend.geometry.nbytes
+    state = []
+    for i, (backend, pool) in enumerate(sides):
+        pr = Prompt(s["seed"] + 1000 * i, pages, pool)
+        idx = host_slots(pool, pages, scramble=False)
+        P = pool.page_size
+        for j in range(pages):
+            pool.get_data_page(int(idx[j * P]), flat=False).copy_(pr.page(j))
+        state.append((backend, pool, pr, idx, {"sets": [], "gets": []}))
+    nbytes = pages * sides[0][0].geometry.nbytes
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)                            # fault the pages in
-    memcpy, sets, gets = [], [], []
+    memcpy = []
     for r in range(reps + 1):                      # round 0 warms up (connect, register)
         t0 = time.perf_counter()
         np.copyto(dst, src)
         t_copy = time.perf_counter() - t0
-        keys = Prompt(s["seed"] * 1000 + r, pages, pool).keys   # new pages: really written
-        t0 = time.perf_counter()
-        ok = backend.batch_set_v1(keys, idx)
-        t_set = time.perf_counter() - t0
-        if not all(ok):
-            raise RuntimeError(f"batch_set_v1 failed: {backend.stats()}")
-        t0 = time.perf_counter()
-        ok = backend.batch_get_v1(keys, idx)
-        t_get = time.perf_counter() - t0
-        if not all(ok):
-            raise RuntimeError(f"batch_get_v1 failed: {backend.stats()}")
+        for i, (backend, pool, _, idx, times) in (list(enumerate(state)) if r % 2
+                                                   else list(enumerate(state))[::-1]):
+            keys = Prompt(s["seed"] * 1000 + 100 * i + r, pages, pool).keys   # new pages
+            t0 = time.perf_counter()
+            ok = backend.batch_set_v1(keys, idx)
+            t_set = time.perf_counter() - t0
+            if not all(ok):
+                raise RuntimeError(f"batch_set_v1 failed: {backend.stats()}")
+            t0 = time.perf_counter()
+            ok = backend.batch_get_v1(keys, idx)
+            t_get = time.perf_counter() - t0
+            if not all(ok):
+                raise RuntimeError(f"batch_get_v1 failed: {backend.stats()}")
+            if r:
+                times["sets"].append(t_set)
+                times["gets"].append(t_get)
+            # Steady state: a full daemon recycles slots it freed. Deleting this round's
+            # pages lets the next round write into slots already mapped, as after evictions.
+            backend._ns.delete([fold_key(k) for k in keys])
         if r:
             memcpy.append(t_copy)
-            sets.append(t_set)
-            gets.append(t_get)
-        # Steady state: a full daemon recycles slots it freed. Deleting this round's pages
-        # lets the next round write into slots already mapped, as it would after evictions.
-        backend._ns.delete([fold_key(k) for k in keys])
-    backend.batch_set_v1(pr.keys, idx)
-    ex = []
-    for _ in range(s.get("exists_reps", 50)):
-        t0 = time.perf_counter()
-        n = backend.batch_exists(pr.keys[:64])
-        ex.append(time.perf_counter() - t0)
-    if n != min(64, pages):
-        raise RuntimeError(f"batch_exists found {n} of {min(64, pages)} pages")
     med = statistics.median
-    return {"page_bytes": backend.geometry.nbytes, "pages": pages, "reps": reps,
-            "memcpy_gbps": nbytes / med(memcpy) / 1e9, "v1_set_gbps": nbytes / med(sets) / 1e9,
-            "v1_get_gbps": nbytes / med(gets) / 1e9,
-            "v1_set_vs_memcpy": med(memcpy) / med(sets),
-            "v1_get_vs_memcpy": med(memcpy) / med(gets),
-            "batch_exists_64_p50_us": med(ex) * 1e6,
-            "batch_exists_64_p99_us": sorted(ex)[int(0.99 * (len(ex) - 1))] * 1e6}
+    out = []
+    for backend, _, pr, idx, times in state:
+        backend.batch_set_v1(pr.keys, idx)
+        ex = []
+        for _ in range(s.get("exists_reps", 50)):
+            t0 = time.perf_counter()
+            n = backend.batch_exists(pr.keys[:64])
+            ex.append(time.perf_counter() - t0)
+        if n != min(64, pages):
+            raise RuntimeError(f"batch_exists found {n} of {min(64, pages)} pages")
+        sets, gets = times["sets"], times["gets"]
+        out.append({"page_bytes": backend.geometry.nbytes, "pages": pages, "reps": reps,
+                    "memcpy_gbps": nbytes / med(memcpy) / 1e9,
+                    "v1_set_gbps": nbytes / med(sets) / 1e9,
+                    "v1_get_gbps": nbytes / med(gets) / 1e9,
+                    "v1_set_vs_memcpy": med(memcpy) / med(sets),
+                    "v1_get_vs_memcpy": med(memcpy) / med(gets),
+                    "batch_exists_64_p50_us": med(ex) * 1e6,
+                    "batch_exists_64_p99_us": sorted(ex)[int(0.99 * (len(ex) - 1))] * 1e6})
+    return out
 
 
 def op_clear(backend, pool, s: dict) -> dict:
@@ -416,7 +431,7 @@ def op_demote(backend, pool, s: dict) -> dict:
 
 OPS = {"set": op_set, "get": op_get, "exists": op_exists, "set_flat": op_set_flat,
        "get_flat": op_get_flat, "locate": op_locate, "corrupt": op_corrupt, "chaos": op_chaos,
-       "bench": op_bench, "demote": op_demote, "clear": op_clear}
+       "demote": op_demote, "clear": op_clear}
 
 
 def main() -> None:
@@ -465,6 +480,10 @@ def main() -> None:
                  "pool": type(pairs[layouts[0]][1]).__name__, "pid": os.getpid(), "steps": [],
                  "pool_fd": {e: getattr(p, "fd", None) is not None for e, (_, p) in pairs.items()}}
     for step in json.loads(args.steps):
+        if step["op"] == "bench":       # several pools at once: {"layouts": [...]}
+            out["steps"].append(op_bench([pairs[e] for e in step.get("layouts", layouts)],
+                                         step))
+            continue
         backend, pool = pairs[step.get("layout", layouts[0])]
         out["steps"].append(OPS[step["op"]](backend, pool, step))
     out["stats"] = {layout: b.stats() for layout, (b, _) in pairs.items()}
