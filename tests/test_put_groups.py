@@ -14,6 +14,7 @@ from kvstore_client.wire import encode_put
 
 from kvstore.put_groups import GROUP_BYTES
 from tests.daemon import cleanup, start_daemon
+from tests.test_early_refusal import put_raw
 from tests.test_server import blocks, chain, get, register
 
 MIB = pb.KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_tokens=16,
@@ -31,12 +32,6 @@ def world(tmp_path_factory):
     finally:
         ch.close()
         cleanup(d)
-
-
-def put_raw(ch: grpc.Channel, messages: list[bytes]) -> pb.PutResponse:
-    call = ch.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=lambda b: b,
-                           response_deserializer=pb.PutResponse.FromString)
-    return call(iter(messages), timeout=60)
 
 
 def one_a_message(ns: bytes, keys: list[bytes], data: list[bytes]) -> list[bytes]:
