@@ -33,7 +33,6 @@ from kvstore_client.common.lazy import lazy_module
 from tiers import frame
 
 from ..encode_choice import EncodeChoice
-from ..events.texts import resolve
 from ..index import Entry
 from ..pools import TenantPools
 from ..state import StoreState
@@ -62,8 +61,10 @@ def meta(e: Entry, texts: dict | None = None) -> bytes:
     import msgpack
 
     m = {"p": e.parent, "s": e.size, "c": e.checksum, "t": time.time()}
-    if texts is not None and (text := resolve(texts.get(e.gkey))) is not None:
-        m["e"] = text.pack()
+    if texts is not None and (text := texts.get(e.gkey)) is not None:
+        # A text is a tuple (BlockText) or a commit's LazyText, made now (importing
+        # events/texts.py here would load numpy before the daemon serves).
+        m["e"] = (text if isinstance(text, tuple) else text.get()).pack()
     return msgpack.packb(m)
 
 
