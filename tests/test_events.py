@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -360,62 +361,72 @@ def _vllm_hashes(n: int, seed: int) -> list[bytes]:
     return [hashlib.sha256(f"{seed}-{i}".encode()).digest() for i in range(n)]
 
 
+@contextmanager
+def relayed(tmp_path, replay: bool = False):
+    """A store relaying a FakeEngine on its merged stream "e0", a subscriber of that stream,
+    and a vLLM namespace: (engine, store, sub, ns)."""
+    engine = FakeEngine()
+    eng = EngineStreamConfig(name="e0", source=engine.endpoint,
+                             endpoint=f"tcp://127.0.0.1:{free_port()}",
+                             replay_endpoint=f"tcp://127.0.0.1:{free_port()}" if replay else "")
+    try:
+        with make(tmp_path, endpoint="", replay_endpoint="", engines=[eng]) as store:
+            sub = sub_of(store, "e0")
+            try:
+                ns = store.register_namespace(NamespaceSpec(
+                    model="m", layout=VLLM_LAYOUT,
+                    hash_scheme="external:vllm-sha256-0123")).ns_id
+                yield engine, store, sub, ns
+            finally:
+                sub.close()
+    finally:
+        engine.close()
+
+
 def test_engine_stream_relays_gpu_events_and_names_vllm_blocks(tmp_path):
     from kvstore_client.vllm.keyspace import fold_key
-    engine = FakeEngine()
-    port, rport = free_port(), free_port()
-    eng = EngineStreamConfig(name="e0", source=engine.endpoint,
-                             endpoint=f"tcp://127.0.0.1:{port}",
-                             replay_endpoint=f"tcp://127.0.0.1:{rport}")
-    with make(tmp_path, endpoint="", replay_endpoint="", engines=[eng]) as store:
-        sub = sub_of(store, "e0")
-        try:
-            ns = store.register_namespace(NamespaceSpec(
-                model="m", layout=VLLM_LAYOUT, hash_scheme="external:vllm-sha256-0123")).ns_id
-            # 4 engine blocks of T tokens = 2 offload chunks of 2*T: keys fold the chunk's
-            # last block hash and group index, as kvstore_client/vllm does
-            hs = _vllm_hashes(4, 1)
-            u = [int.from_bytes(h, "big") & (2**64 - 1) for h in hs]
-            toks = list(range(100, 100 + 4 * T))
-            chunk_keys = [fold_key(hs[1] + bytes(4)), fold_key(hs[3] + bytes(4))]
-            # chunk 0 is stored before the engine's events arrive, chunk 1 after
-            put_raw(store, ns, chunk_keys[:1])
-            engine.send([{"type": "BlockStored", "block_hashes": hs, "parent_block_hash": None,
-                          "token_ids": toks, "block_size": T, "lora_id": None,
-                          "medium": "GPU", "lora_name": None},
-                         {"type": "BlockStored", "block_hashes": [hs[0]],
-                          "parent_block_hash": None, "token_ids": [], "block_size": 0,
-                          "lora_id": None, "medium": "CPU", "lora_name": None}])
-            evs = sub.wait(lambda e: "CPU" in held(e), what="late join")
-            gpu = stored(evs, "GPU")
-            assert [e["block_hashes"][0] for e in gpu] == u
-            assert [t for e in gpu for t in e["token_ids"]] == toks
-            cpu = firsts(stored(evs, "CPU"))    # the engine's own CPU placeholder is dropped
-            assert cpu == [{"type": "BlockStored", "block_hashes": [u[i]],
-                            "parent_block_hash": [None, u[0]][i],
-                            "token_ids": toks[i * T:(i + 1) * T], "block_size": T,
-                            "lora_id": None, "medium": "CPU", "lora_name": None}
-                           for i in range(2)]
-            # garbage from the engine costs a counted, rate-limited log line, nothing else
-            engine.pub.send_multipart([b"one frame"])
-            engine.pub.send_multipart([b"", (99).to_bytes(8, "big"), b"\xc1 not msgpack"])
-            relay = store.events.publisher.relays[0]
-            sub.wait(lambda e: relay.counters["bad_messages"] >= 2, what="garbage counted")
-            put_raw(store, ns, chunk_keys[1:])
-            evs = sub.wait(lambda e: held(e).get("CPU") == set(u), what="join at store")
-            assert [e["parent_block_hash"] for e in stored(evs, "CPU")
-                    if e["block_hashes"] == [u[2]]][-1] == u[1]
-            # the engine restarts (its numbering starts again): its stream starts over with
-            # what the daemon holds, and nothing of its old GPU blocks
-            last = sub.last_seq()
-            engine.seq = 0
-            engine.send([])
-            evs = sub.wait(lambda e: held(e) == {"CPU": set(u)} and len(e) > 1,
-                           since=last + 1, what="engine restart")
-            assert evs[0]["type"] == "AllBlocksCleared"
-        finally:
-            sub.close()
-            engine.close()
+    with relayed(tmp_path, replay=True) as (engine, store, sub, ns):
+        # 4 engine blocks of T tokens = 2 offload chunks of 2*T: keys fold the chunk's
+        # last block hash and group index, as kvstore_client/vllm does
+        hs = _vllm_hashes(4, 1)
+        u = [int.from_bytes(h, "big") & (2**64 - 1) for h in hs]
+        toks = list(range(100, 100 + 4 * T))
+        chunk_keys = [fold_key(hs[1] + bytes(4)), fold_key(hs[3] + bytes(4))]
+        # chunk 0 is stored before the engine's events arrive, chunk 1 after
+        put_raw(store, ns, chunk_keys[:1])
+        engine.send([{"type": "BlockStored", "block_hashes": hs, "parent_block_hash": None,
+                      "token_ids": toks, "block_size": T, "lora_id": None,
+                      "medium": "GPU", "lora_name": None},
+                     {"type": "BlockStored", "block_hashes": [hs[0]],
+                      "parent_block_hash": None, "token_ids": [], "block_size": 0,
+                      "lora_id": None, "medium": "CPU", "lora_name": None}])
+        evs = sub.wait(lambda e: "CPU" in held(e), what="late join")
+        gpu = stored(evs, "GPU")
+        assert [e["block_hashes"][0] for e in gpu] == u
+        assert [t for e in gpu for t in e["token_ids"]] == toks
+        cpu = firsts(stored(evs, "CPU"))    # the engine's own CPU placeholder is dropped
+        assert cpu == [{"type": "BlockStored", "block_hashes": [u[i]],
+                        "parent_block_hash": [None, u[0]][i],
+                        "token_ids": toks[i * T:(i + 1) * T], "block_size": T,
+                        "lora_id": None, "medium": "CPU", "lora_name": None}
+                       for i in range(2)]
+        # garbage from the engine costs a counted, rate-limited log line, nothing else
+        engine.pub.send_multipart([b"one frame"])
+        engine.pub.send_multipart([b"", (99).to_bytes(8, "big"), b"\xc1 not msgpack"])
+        relay = store.events.publisher.relays[0]
+        sub.wait(lambda e: relay.counters["bad_messages"] >= 2, what="garbage counted")
+        put_raw(store, ns, chunk_keys[1:])
+        evs = sub.wait(lambda e: held(e).get("CPU") == set(u), what="join at store")
+        assert [e["parent_block_hash"] for e in stored(evs, "CPU")
+                if e["block_hashes"] == [u[2]]][-1] == u[1]
+        # the engine restarts (its numbering starts again): its stream starts over with
+        # what the daemon holds, and nothing of its old GPU blocks
+        last = sub.last_seq()
+        engine.seq = 0
+        engine.send([])
+        evs = sub.wait(lambda e: held(e) == {"CPU": set(u)} and len(e) > 1,
+                       since=last + 1, what="engine restart")
+        assert evs[0]["type"] == "AllBlocksCleared"
 
 
 def test_a_lora_adapters_blocks_are_announced_with_its_name(tmp_path):
@@ -423,48 +434,37 @@ def test_a_lora_adapters_blocks_are_announced_with_its_name(tmp_path):
     out with the lora_id and lora_name of the engine events that named it, and SSD keeps them
     (a promotion announces them again). A chunk whose engine blocks disagree is not named."""
     from kvstore_client.vllm.keyspace import fold_key
-    engine = FakeEngine()
-    port = free_port()
-    eng = EngineStreamConfig(name="e0", source=engine.endpoint,
-                             endpoint=f"tcp://127.0.0.1:{port}")
-    with make(tmp_path, endpoint="", replay_endpoint="", engines=[eng]) as store:
-        sub = sub_of(store, "e0")
-        try:
-            ns = store.register_namespace(NamespaceSpec(
-                model="m", layout=VLLM_LAYOUT, hash_scheme="external:vllm-sha256-0123")).ns_id
-            hs = _vllm_hashes(6, 2)
-            u = [int.from_bytes(h, "big") & (2**64 - 1) for h in hs]
-            toks = list(range(500, 500 + 6 * T))
+    with relayed(tmp_path, replay=True) as (engine, store, sub, ns):
+        hs = _vllm_hashes(6, 2)
+        u = [int.from_bytes(h, "big") & (2**64 - 1) for h in hs]
+        toks = list(range(500, 500 + 6 * T))
 
-            def ev(i: int, parent: bytes | None, lora_id, lora_name) -> dict:
-                return {"type": "BlockStored", "block_hashes": [hs[i]],
-                        "parent_block_hash": parent, "token_ids": toks[i * T:(i + 1) * T],
-                        "block_size": T, "lora_id": lora_id, "medium": "GPU",
-                        "lora_name": lora_name}
-            # chunks (0,1) and (2,3) of adapter 7; chunk (4,5) mixes the adapter and the base
-            engine.send([ev(0, None, 7, "adapter-x"), ev(1, hs[0], 7, "adapter-x"),
-                         ev(2, hs[1], 7, "adapter-x"), ev(3, hs[2], 7, "adapter-x"),
-                         ev(4, hs[3], 7, "adapter-x"), ev(5, hs[4], None, None)])
-            sub.wait(lambda e: set(u) <= held(e).get("GPU", set()), what="engine blocks")
-            put_raw(store, ns, [fold_key(hs[i] + bytes(4)) for i in (1, 3, 5)])
-            evs = sub.wait(lambda e: len(held(e).get("CPU", ())) == 4, what="named chunks")
-            cpu = stored(evs, "CPU")
-            assert {(e["lora_id"], e["lora_name"]) for e in cpu} == {(7, "adapter-x")}
-            assert sorted(h for e in cpu for h in e["block_hashes"]) == sorted(u[:4])
-            # the GPU events are forwarded with their adapter too
-            gpu = {e["block_hashes"][0]: (e["lora_id"], e["lora_name"])
-                   for e in stored(evs, "GPU")}
-            assert gpu[u[0]] == (7, "adapter-x") and gpu[u[5]] == (None, None)
-            # to SSD and back: the adapter survives the block's meta
-            store.evict("host")
-            last = sub.last_seq()
-            evs = sub.wait(lambda e: len(held(e).get("STORAGE", ())) == 4, since=last + 1,
-                           what="on SSD")
-            ssd = stored(evs, "STORAGE")
-            assert {(e["lora_id"], e["lora_name"]) for e in ssd} == {(7, "adapter-x")}
-        finally:
-            sub.close()
-            engine.close()
+        def ev(i: int, parent: bytes | None, lora_id, lora_name) -> dict:
+            return {"type": "BlockStored", "block_hashes": [hs[i]],
+                    "parent_block_hash": parent, "token_ids": toks[i * T:(i + 1) * T],
+                    "block_size": T, "lora_id": lora_id, "medium": "GPU",
+                    "lora_name": lora_name}
+        # chunks (0,1) and (2,3) of adapter 7; chunk (4,5) mixes the adapter and the base
+        engine.send([ev(0, None, 7, "adapter-x"), ev(1, hs[0], 7, "adapter-x"),
+                     ev(2, hs[1], 7, "adapter-x"), ev(3, hs[2], 7, "adapter-x"),
+                     ev(4, hs[3], 7, "adapter-x"), ev(5, hs[4], None, None)])
+        sub.wait(lambda e: set(u) <= held(e).get("GPU", set()), what="engine blocks")
+        put_raw(store, ns, [fold_key(hs[i] + bytes(4)) for i in (1, 3, 5)])
+        evs = sub.wait(lambda e: len(held(e).get("CPU", ())) == 4, what="named chunks")
+        cpu = stored(evs, "CPU")
+        assert {(e["lora_id"], e["lora_name"]) for e in cpu} == {(7, "adapter-x")}
+        assert sorted(h for e in cpu for h in e["block_hashes"]) == sorted(u[:4])
+        # the GPU events are forwarded with their adapter too
+        gpu = {e["block_hashes"][0]: (e["lora_id"], e["lora_name"])
+               for e in stored(evs, "GPU")}
+        assert gpu[u[0]] == (7, "adapter-x") and gpu[u[5]] == (None, None)
+        # to SSD and back: the adapter survives the block's meta
+        store.evict("host")
+        last = sub.last_seq()
+        evs = sub.wait(lambda e: len(held(e).get("STORAGE", ())) == 4, since=last + 1,
+                       what="on SSD")
+        ssd = stored(evs, "STORAGE")
+        assert {(e["lora_id"], e["lora_name"]) for e in ssd} == {(7, "adapter-x")}
 
 
 def test_block_texts_keep_their_adapter_through_meta():

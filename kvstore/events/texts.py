@@ -183,15 +183,16 @@ class LazyTexts(Sequence):
     stored them, and the publisher thread (or a demotion) can make them as well. Made all at
     once by whichever reads first; two racing readers make equal texts."""
 
-    __slots__ = ("_args", "_texts")
+    __slots__ = ("_args", "_texts", "_n")
 
     def __init__(self, ns_id: bytes, keys: list[bytes], parent: bytes | None, raw_tokens: bytes,
                  block_tokens: int) -> None:
         self._args: tuple | None = (ns_id, list(keys), parent, raw_tokens, block_tokens)
         self._texts: list[BlockText] | None = None
+        self._n = len(keys)
 
     def __len__(self) -> int:
-        return len(self._texts) if self._texts is not None else len(self._args[1])
+        return self._n
 
     def __getitem__(self, i):  # type: ignore[override]
         n = len(self)
@@ -208,8 +209,11 @@ class LazyTexts(Sequence):
         texts = self._texts
         if texts is None:
             args = self._args
-            texts = self._texts = own_texts(*args) if args is not None else []
-            self._args = None
+            if args is None:        # made meanwhile by another reader (it sets _texts first)
+                texts = self._texts
+            else:
+                texts = self._texts = own_texts(*args)
+                self._args = None
         return texts[i]
 
 
