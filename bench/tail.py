@@ -14,7 +14,12 @@ move between tiers keep the lock off I/O so that no call waits behind a disk.
 Figures: `max_store_ms`, `max_load_ms`, `max_lookup_ms`, p50 and p99 of each, and
 `max_store_vs_p50`, `max_load_vs_p50` (the worst call as a multiple of that call's median:
 target <= 20, so the limit is measured in the same run on the same machine). Also the
-calls made, errors by kind, and the daemon's counters of interest.
+calls made, errors by kind, and the daemon's counters of interest. To tell the machine's share
+of the tail from waits on the daemon (16 clients and the daemon's threads share the cores):
+`daemon_runq_s`, the seconds the daemon's threads waited for a core while runnable over the
+load phase (schedstat), and for the slowest 1% of loads their mean latency
+(`slowest_loads_ms`) and how much of it the client itself waited for a core
+(`slowest_loads_client_runq_ms`).
 
 Usage: python bench/tail.py [--quick] [--seconds S] [--clients N]. `--quick` runs about two
 minutes in all, the full run ten. The last line is one JSON object.
@@ -28,6 +33,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +72,7 @@ def client(address: str, seed: int, start_at: float, end_at: float, out: str) ->
     buf = np.empty_like(kv)
     lat: dict[str, list[float]] = {op: [] for op, _ in MIX}
     errors: dict[str, int] = {}
+    waits: list[tuple[float, float]] = []   # loads: (seconds, of which waiting for a core)
     history: list[np.ndarray] = []
     ops, weights = zip(*MIX, strict=True)
     with kvstore_client.connect(address, timeout=120.0) as c:
@@ -92,16 +99,46 @@ def client(address: str, seed: int, start_at: float, end_at: float, out: str) ->
                 else:
                     ids = history[int(rng.integers(len(history)))]
                     keys = ns.keys(ids)
-                    t = clock()
                     if op == "lookup":
+                        t = clock()
                         ns.lookup_keys(keys)
+                        lat[op].append(clock() - t)
                     else:
+                        q = _runq_self()
+                        t = clock()
                         ns.load_keys(keys, buf)
-                    lat[op].append(clock() - t)
+                        dt = clock() - t
+                        lat[op].append(dt)
+                        waits.append((dt, _runq_self() - q))
             except KVStoreError as e:
                 name = f"{op}:{type(e).__name__}"
                 errors[name] = errors.get(name, 0) + 1
-    Path(out).write_text(json.dumps({"lat": lat, "errors": errors}))
+    waits.sort(reverse=True)
+    Path(out).write_text(json.dumps({"lat": lat, "errors": errors, "load_runq": waits[:200]}))
+
+
+def _runq_self() -> float:
+    """Seconds this thread has waited for a CPU while runnable (schedstat)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _runq_s(pid: int) -> float:
+    """Seconds the threads of `pid` alive now have waited for a CPU while runnable."""
+    total = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return 0.0
+    for task in tasks:
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / 1e9
 
 
 def main() -> None:
@@ -131,6 +168,17 @@ def main() -> None:
         outs = [str(tmp / f"client{i}.json") for i in range(args.clients)]
         procs = [ctx.Process(target=client, args=(daemon.address, 1000 + i, start_at, end_at,
                                                   outs[i])) for i in range(args.clients)]
+        runq: dict[str, float] = {}
+
+        def sample_runq() -> None:
+            # The daemon's threads' wait for a core over the load phase: the machine's share
+            # of the tail, as against waits on the daemon itself.
+            time.sleep(max(0.0, start_at - time.time()))
+            runq["start"] = _runq_s(daemon.proc.pid)
+            time.sleep(max(0.0, end_at - time.time()))
+            runq["end"] = _runq_s(daemon.proc.pid)
+        sampler = threading.Thread(target=sample_runq, daemon=True)
+        sampler.start()
         try:
             for p in procs:
                 p.start()
@@ -143,8 +191,10 @@ def main() -> None:
                 counters = dict(c.stats().get("counters", {})) if hasattr(c, "stats") else {}
         finally:
             cleanup(daemon)
+        sampler.join(5)
         lat: dict[str, list[float]] = {"lookup": [], "store": [], "load": []}
         errors: dict[str, int] = {}
+        load_runq: list = []
         for out in outs:
             if not Path(out).exists():
                 errors["client_died"] = errors.get("client_died", 0) + 1
@@ -154,7 +204,16 @@ def main() -> None:
                 lat[op] += xs
             for k, v in got["errors"].items():
                 errors[k] = errors.get(k, 0) + v
+            load_runq += got.get("load_runq", [])
     result["loadavg_end"] = os.getloadavg()
+    if "end" in runq:
+        result["daemon_runq_s"] = round(runq["end"] - runq["start"], 2)
+    load_runq.sort(reverse=True)
+    worst = load_runq[:max(1, len(lat["load"]) // 100)]
+    if worst:
+        result["slowest_loads_ms"] = round(1e3 * sum(r[0] for r in worst) / len(worst), 2)
+        result["slowest_loads_client_runq_ms"] = round(
+            1e3 * sum(r[1] for r in worst) / len(worst), 2)
     result["errors"] = errors
     for op in ("lookup", "store", "load"):
         s = summary(lat[op])

@@ -318,6 +318,28 @@ def test_retain_low_orders_eviction_and_reaches_every_tier(tmp_path):
         assert all(d == kv_block(k) for k, d in store.get(ns, newer))
 
 
+def test_ssd_eviction_takes_the_oldest_prompt_whole(tmp_path):
+    # SSD's oldest leaf is the older prompt's tail; once it is picked, its parent is the oldest
+    # leaf and goes in the same batch (its one child leaves with it), not the newer prompt's
+    # tail: the batch follows the policy's order and nothing is left without its parent.
+    with make_store(tmp_path, ssd_compress="never") as store:
+        ns = namespace(store)
+        rng = np.random.default_rng(41)
+        _, older = random_prompt(rng, 4)
+        _, newer = random_prompt(rng, 4)
+        store.put(ns, older, [kv_block(k) for k in older])
+        store.put(ns, newer, [kv_block(k) for k in newer])
+        store.evict("host")
+        assert store.lookup(ns, older).per_tier["ssd"] == 4
+        assert store.lookup(ns, newer).per_tier["ssd"] == 4
+        _, blocks = store.evict("ssd", 4 * SMALL.block_bytes)
+        assert blocks == 4
+        assert store.lookup(ns, older).prefix_blocks == 0
+        assert all(store.index.get(ns + k) is None for k in older)
+        assert store.lookup(ns, newer).prefix_blocks == 4
+        assert [d for _, d in store.get(ns, newer)] == [kv_block(k) for k in newer]
+
+
 def test_acquire_of_a_prefix_longer_than_host_serves_what_fits(tmp_path):
     # 300 blocks on SSD, a host pool of ~128: the acquire promotes and pins what host can hold
     # and answers that prefix, byte-equal, instead of failing the whole load.

@@ -68,6 +68,14 @@ class SSDRoom:
         lock for each batch's transfer."""
         st = self.state
         index, remote = st.index, st.remote
+        # Children the batch being picked takes out of the index, by parent: a parent whose
+        # indexed children all go with the batch is a leaf once it settles, so it may go in
+        # it too (one LMDB commit deletes both, or neither). Why: the policy's oldest leaf is
+        # usually the tail of a prompt, and its parent, as old, becomes the oldest leaf once
+        # the tail is picked; refused, every later pick of the batch searched the heap past
+        # all such parents (quadratic in the batch: 20-50 ms of CPU under the store lock per
+        # 64-block batch, the longest hold under bench/tail.py's load).
+        leaving: dict[bytes, int] = {}
 
         def can(g: bytes) -> bool:
             e = index.get(g)
@@ -75,11 +83,20 @@ class SSDRoom:
             # whose children are indexed may go only if another tier keeps a copy.
             return (e is not None and e.ssd and e.moving is None
                     and (remote is not None or e.remote or e.host is not None
-                         or e.gpu is not None or e.children == 0)
+                         or e.gpu is not None or e.children == leaving.get(g, 0))
                     and (only is None or e.ns_id in only))
+
+        def present(e: Entry) -> bool:
+            if not e.ssd:
+                return False
+            p = e.parent_gkey
+            if p is not None and e.host is None and e.gpu is None and not e.remote:
+                leaving[p] = leaving.get(p, 0) + 1      # SSD was its last copy
+            return True
         freed = blocks = 0
         while nbytes is None or freed < nbytes:
-            batch = pick_victims(st.policies["ssd"], can, index.get, lambda e: e.ssd,
+            leaving.clear()
+            batch = pick_victims(st.policies["ssd"], can, index.get, present,
                                  BATCH_BLOCKS, float("inf") if nbytes is None
                                  else nbytes - freed)
             if not batch:
