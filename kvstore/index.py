@@ -480,6 +480,12 @@ class BlockIndex:
                 self.listener.discarded(gone)
         p = e.parent_gkey if e is not None else self._parent[r]
         self._link(p, -1)
+        # Children still indexed wait for this block again, as children stored before their
+        # parent do: a parent dropped while a child regained a copy (an SSD eviction batch
+        # that took both while the child was stored again) is counted right when re-stored.
+        n = e.children if e is not None else self._children[r]
+        if n > 0:
+            self._awaited[gkey] = n
         self._free_row(r)
         if e is not None:
             e.row = -1

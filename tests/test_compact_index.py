@@ -107,6 +107,23 @@ def test_child_counts_namespaces_and_row_reuse():
     assert sorted(e.checksum for e in ix.entries()) == [1, 3, 7, 9]
 
 
+def test_a_parent_dropped_before_its_child_counts_it_when_stored_again():
+    """An SSD eviction batch may take a parent and its child while the child is stored again
+    meanwhile: the parent goes, the child stays. Stored again, the parent must count that
+    child, or the child's own drop later takes its count below zero and the parent is never a
+    leaf again."""
+    ix = BlockIndex()
+    ix.add_cold(NS, key(1), None, 10, 1, ssd=True)
+    ix.add_cold(NS, key(2), key(1), 10, 2, ssd=True)
+    ix.discard(NS + key(1))                                    # the child stays indexed
+    ix.add_cold(NS, key(1), None, 10, 1, ssd=True)
+    assert ix.get(NS + key(1)).children == 1
+    ix.discard(NS + key(2))
+    assert ix.get(NS + key(1)).children == 0
+    ix.recount_children()
+    assert ix.get(NS + key(1)).children == 0
+
+
 def test_bulk_load_matches_one_by_one_and_drops_cycle_closers():
     items = []
     for i in range(50):
