@@ -1,13 +1,13 @@
-"""What a peer without a token can make the daemon buffer for one HTTP/2 stream (docs/security.md,
-Limits: the gRPC receive window).
+"""What a peer without a token can make the daemon buffer on one HTTP/2 stream and one connection
+(docs/security.md, Limits: the gRPC receive window).
 
 Why: gRPC lets a peer send as many bytes on a stream as the window the daemon granted it, and the
-daemon holds them until the stream's handler reads them or the stream ends. With grpc's
-bandwidth-delay probing on, the daemon grew that window (for every new stream of the
-connection) from the rate data arrived at, which a peer controls: one pumping bytes into calls
-that are refused made each next stream's window several MiB, and a stalled stream could then
-park that much in the daemon before its refusal. The window is now fixed
-(kvstore/server.py, STREAM_WINDOW_BYTES), whatever the traffic.
+daemon holds them until the stream's handler reads them or the stream ends. grpc's
+bandwidth-delay probing, on by default, grows that window (for every new stream of the
+connection, and the connection's own) from the rate data arrives at, which a peer controls: one
+pumping bytes into calls that are refused got windows of 4-8 MiB, so that each stalled stream
+could park that much in the daemon before its refusal. The daemon turns the probing off and
+fixes the window (kvstore/server.py, STREAM_WINDOW_BYTES), whatever the traffic.
 
 The attacker here speaks HTTP/2 by hand on the daemon's Unix socket (the SDK never does this):
 Put calls without a token, each sent as much DATA as its window allows, the daemon's PINGs
