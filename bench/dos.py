@@ -650,7 +650,13 @@ def main() -> None:
             "quiet_p99_ms": quiet["p99_ms"], "attack_p99_ms": attack["p99_ms"],
             "quiet_rounds": quiet["rounds"], "attack_rounds": attack["rounds"],
             "attack_errors": attack["errors"], "request_cpu_s": cpu,
+            "cpu_per_s_quiet": quiet["cpu_per_s"],
             "cpu_per_s_under_attack": attack["cpu_per_s"],
+            # On a machine of few cores the attackers' own CPU (unauth, tenant_b) delays A's
+            # and the daemon's threads as much as the daemon's work for them does: their
+            # run-queue wait, quiet and under attack, tells the two apart.
+            "runq_wait_per_s_quiet": quiet["runq_wait_per_s"],
+            "runq_wait_per_s_under_attack": attack["runq_wait_per_s"],
             "unauthenticated_other_uid": other, "b_floods_left_out": args.without,
             "load_average": round(os.getloadavg()[0], 2),
         }

@@ -298,14 +298,21 @@ def _code(name: str) -> grpc.StatusCode:
 
 
 def _refusal(handler: Any, code: str, message: str) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s shape that answers `code` without reading the request."""
+    """A handler of `handler`'s shape that answers `code` without reading the request.
+
+    It sets the status and returns instead of calling `context.abort`: grpcio then sends the
+    status it was given without raising and catching an exception for the call (a refusal is
+    what an unauthenticated peer can make the daemon do in a loop)."""
     status = _code(code)
 
     def refuse(_requests: Any, context: Any) -> Any:
-        context.abort(status, message)
+        context.set_code(status)
+        context.set_details(message)
+        return None
 
     def refuse_stream(_requests: Any, context: Any) -> Iterator[Any]:
-        context.abort(status, message)
+        context.set_code(status)
+        context.set_details(message)
         yield from ()
     if handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(refuse_stream)

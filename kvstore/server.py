@@ -192,6 +192,15 @@ class KVStoreServicer:
 
 # -------------------------------------------------------------------------- the server
 
+# The HTTP/2 receive window of every stream, fixed: what a peer may send on a call (and, about,
+# on all its calls of one connection) before the daemon reads it, token or not. grpc's
+# bandwidth-delay probing, on by default, grew it from the rate bytes arrived at, which a peer
+# controls: one pumping bytes into refused calls made its next streams' windows 8 MiB. A handler
+# reading a message still opens its stream's window to that message's length, so a Put of
+# 2-4 MiB messages is not held to 256 KiB round trips.
+STREAM_WINDOW_BYTES = 256 << 10
+
+
 def grpc_options(max_message_bytes: int, max_receive_bytes: int) -> list[tuple[str, Any]]:
     return [
         # gRPC checks this from a message's length prefix, before it buffers the body: the
@@ -202,6 +211,8 @@ def grpc_options(max_message_bytes: int, max_receive_bytes: int) -> list[tuple[s
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
     ]
 
 
