@@ -33,7 +33,7 @@ from .recorder import Item, Recorder
 from .relay import Relay, TokenCache
 from .runs import EventRun
 from .stream import Stream
-from .texts import OWN, SGLANG, VLLM, BlockText, own_hash, resolve, sglang_hash
+from .texts import OWN, SGLANG, VLLM, BlockText, LazyText, own_hash, resolve, sglang_hash
 
 log = logging.getLogger("kvstore.events")
 
@@ -253,15 +253,60 @@ class Publisher:
 
     # -- changes ------------------------------------------------------------------------------
     def _drain(self) -> None:
+        """Turn the queued changes into events. Consecutive changes of one commit's blocks
+        entering a tier (their texts one LazyTexts, in order) and consecutive removals of
+        SDK-stored blocks from one tier reach the run at once: the same events _apply makes
+        of each change in turn, without Python work per block on the GIL the requests need."""
         q = self.recorder.queue
         out: dict[int, list[bytes]] = {i: [] for i in range(len(self.streams))}
         run = EventRun(lambda mask, ev: self._emit(out, mask, ev))
+        ns_cache, ns = self._ns_cache, self.recorder.ns
+        chain: list[Any] | None = None      # [LazyTexts, first, end, tier, mask]
+        gone: list[bytes] = []              # SDK-stored blocks leaving `gone_at`
+        gone_at: tuple[str, int] | None = None
+
+        def flush() -> None:
+            nonlocal chain, gone, gone_at
+            if chain is not None:
+                owner, first, end, tier, mask = chain
+                run.stored_chain(mask, wire.MEDIUM[tier], owner.packed(), first, end)
+                chain = None
+            if gone_at is not None:
+                run.removed_each(gone_at[1], wire.MEDIUM[gone_at[0]], list(map(own_hash, gone)))
+                gone, gone_at = [], None
+
         for _ in range(DRAIN_MAX):
             try:
                 item = q.popleft()
             except IndexError:
                 break
+            g, tiers, entered, _, text = item
+            if len(tiers) == 1:
+                if type(text) is LazyText:          # a commit's block, entering a tier
+                    owner, i = text.func.__self__, text.args[0]
+                    if (chain is not None and owner is chain[0] and i == chain[2]
+                            and tiers[0] == chain[3]):
+                        chain[2] = i + 1
+                        continue
+                    got = ns_cache.get(g[:16])
+                    kind, mask = got if got is not None else ns(g[:16])
+                    if kind == OWN and mask:
+                        flush()
+                        chain = [owner, i, i + 1, tiers[0], mask]
+                        continue
+                elif not entered:
+                    got = ns_cache.get(g[:16])
+                    kind, mask = got if got is not None else ns(g[:16])
+                    if kind == OWN and mask:
+                        at = (tiers[0], mask)
+                        if at != gone_at:
+                            flush()
+                            gone_at = at
+                        gone.append(g)
+                        continue
+            flush()
             self._apply(item, run)
+        flush()
         run.close()
         self._send(out)
 

@@ -11,12 +11,12 @@ stream over from what the daemon holds; a store never waits for it.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
 from ..entry import GPU, HOST, REMOTE, SSD, Entry
-from .texts import OWN, BlockText, kind_of
+from .texts import OWN, BlockText, LazyTexts, kind_of
 
 # A queued change: (gkey, tiers, entered, gone, text). `gone`: the block holds no published
 # tier any more (the publisher forgets what it kept for it); `text`: its text when known then.
@@ -58,9 +58,13 @@ class Recorder:
         kind, mask = self.ns(ns_id)
         return bool(mask) and kind == OWN
 
-    def remember(self, ns_id: bytes, keys: list[bytes], texts: list[BlockText]) -> None:
-        """Texts of blocks a commit is about to publish (locked)."""
+    def remember(self, ns_id: bytes, keys: list[bytes], texts: Sequence[Any]) -> None:
+        """Texts of blocks a commit is about to publish (locked). A commit's LazyTexts, for
+        the keys it was made with, goes in at once (no Python call per block)."""
         book = self.book
+        if type(texts) is LazyTexts and len(texts) == len(keys):
+            texts.keep(book, ns_id, keys)
+            return
         for k, t in zip(keys, texts, strict=True):
             book[ns_id + k] = t
 
