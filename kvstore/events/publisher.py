@@ -18,6 +18,8 @@ store's close (which holds it) can always stop this thread.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -83,6 +85,14 @@ class Publisher:
             self._poller.register(s.pub, zmq.POLLIN)        # subscriptions
             if s.replay is not None:
                 self._poller.register(s.replay, zmq.POLLIN)
+        # The recorder wakes this thread through a pipe when a change queues and it is
+        # asleep (recorder.woken): an idle daemon's publisher costs no CPU (a wake-up every
+        # tick cost ~0.1-0.3 ms of CPU each on a busy machine, cold caches and all).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        recorder.wake = self._wake
         self._reannounce: dict[int, float] = {}     # stream -> when it may announce again
         self._announced_at = [0.0] * len(streams)
         self._stop = threading.Event()
@@ -93,6 +103,12 @@ class Publisher:
         self._bound_at = time.monotonic()
 
     # -- lifecycle ----------------------------------------------------------------------------
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):
+            pass                        # full: the thread has a wake-up to read already
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvstore-events",
@@ -103,8 +119,14 @@ class Publisher:
         """Stop the thread, tell every stream the daemon holds nothing now (nothing can be
         loaded from a stopped daemon; its restart announces what it still holds), close."""
         self._stop.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(10.0)
+        self.recorder.wake = _no_wake
+        if self._wake_w >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
         for s in self.streams:
             try:
                 s.send([wire.CLEARED])
@@ -126,9 +148,16 @@ class Publisher:
         self._sync_counters()
 
     def _tick(self) -> None:
-        self._poller.poll(int(self.interval_s * 1000))
+        ready = dict(self._poller.poll(math.ceil(self._timeout_s() * 1000)))
         if self._stop.is_set():
             return
+        if self._wake_r in ready:
+            _read_all(self._wake_r)
+            # Changes are queuing: let them gather for interval_s (a store's blocks, the
+            # stores after it) and send them at once, rather than wake per change.
+            if self._stop.wait(self.interval_s):
+                return
+        self.recorder.woken = False         # a change queued from now on wakes this thread
         now = time.monotonic()
         for i, st in enumerate(self.streams):
             if st.subscribed():
@@ -163,6 +192,22 @@ class Publisher:
             if now - st.sent_at >= HEARTBEAT_S:
                 st.send([], empty_ok=True)
         self._sync_counters()
+
+    def _timeout_s(self) -> float:
+        """How long the thread may sleep: until a timed duty (the first announcement, a
+        heartbeat, a re-announcement) is due; no longer than a second. Changes, sockets and
+        close wake it sooner (the wake pipe and the poller)."""
+        now = time.monotonic()
+        if not self._started:
+            return max(0.0, self._bound_at + START_DELAY_S - now)
+        if self.recorder.queue or self.recorder.overflowed or self.joins:
+            return 0.0                      # left from a tick that stopped at DRAIN_MAX
+        due = now + 1.0
+        for st in self.streams:
+            due = min(due, st.sent_at + HEARTBEAT_S)
+        for at in self._reannounce.values():
+            due = min(due, at)
+        return max(0.0, due - now)
 
     def _sync_counters(self) -> None:
         """Copy this thread's counters into the store's (Stats and the metrics show them);
@@ -466,6 +511,18 @@ class Publisher:
                 for t in sorted(tiers):
                     self._emit(out, mask, text.event(wire.MEDIUM[t]))
         self._send(out)
+
+
+def _read_all(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _no_wake() -> None:
+    pass
 
 
 def ssd_text(ssd: Any, g: bytes) -> BlockText | None:

@@ -35,6 +35,10 @@ class Recorder:
         self.overflowed = False                 # set here, cleared by the publisher (locked)
         self.overflows = 0
         self._ns: dict[bytes, tuple[str, int]] = {}
+        # Whether the publisher was woken since it last cleared this (it clears it before
+        # draining): one wake-up (a byte to a pipe) per batch of changes, not per change.
+        self.woken = False
+        self.wake: Callable[[], None] = _no_wake
 
     def ns(self, ns_id: bytes) -> tuple[str, int]:
         """(kind of keys, bit mask of the streams that publish it; 0: none) of a namespace.
@@ -95,10 +99,12 @@ class Recorder:
         if self.overflowed:
             return
         if len(self.queue) >= self.max_queue:
-            self.overflowed = True
-            self.overflows += 1
+            self._overflow()
             return
         self.queue.append(item)
+        if not self.woken:
+            self.woken = True
+            self.wake()
 
     def discarded(self, e: Entry) -> None:
         if not self.ns(e.ns_id)[1]:
@@ -114,7 +120,19 @@ class Recorder:
         if self.overflowed:
             return
         if len(self.queue) >= self.max_queue:
-            self.overflowed = True
-            self.overflows += 1
+            self._overflow()
             return
         self.queue.append(item)
+        if not self.woken:
+            self.woken = True
+            self.wake()
+
+    def _overflow(self) -> None:
+        self.overflowed = True
+        self.overflows += 1
+        self.woken = True
+        self.wake()                     # the publisher starts every stream over
+
+
+def _no_wake() -> None:
+    pass
