@@ -12,7 +12,8 @@ carries the figures).
 Also reported: events_store_cpu_cost, the ratio of the daemons' CPU seconds (user + system,
 publisher thread included) over the timed stores, and how many stored blocks the consumer
 heard of (consumer_stored_blocks: every block stored must reach it; a store's chained blocks
-come as one event).
+come as one event) and the CPU seconds it used in all (consumer_cpu_s: it shares the machine
+with both daemons and the client, so it must stay small beside their store_cpu_s).
 
 Blocks are small (128 KiB) and many per call, where a per-block cost shows most.
 """
@@ -31,7 +32,7 @@ from bench.rpc_security import _cpu_s, settle
 MIN_ROUNDS = 31
 SHAPE = (8, 4, 64)          # layers, kv heads, head dim: 128 KiB bf16 blocks of 16 tokens
 CONSUMER = """
-import sys, zmq, msgpack
+import sys, time, zmq, msgpack
 ctx = zmq.Context(); s = ctx.socket(zmq.SUB); s.setsockopt(zmq.SUBSCRIBE, b"")
 s.connect(sys.argv[1]); print("READY", flush=True)
 stored = 0
@@ -41,7 +42,7 @@ while True:
     _, _, payload = s.recv_multipart()
     stored += sum(len(e["block_hashes"]) for e in msgpack.unpackb(payload)[1]
                   if e["type"] == "BlockStored")
-print(stored, flush=True)
+print(stored, time.process_time(), flush=True)
 """
 
 
@@ -109,7 +110,8 @@ def run(tmp: Path, workers: int, nblocks: int, reps: int, env: dict[str, str],
     finally:
         cleanup(on)
         cleanup(off)
-    received = int(consumer.communicate(timeout=60)[0].strip().splitlines()[-1])
+    last = consumer.communicate(timeout=60)[0].strip().splitlines()[-1].split()
+    received, consumer_cpu = int(last[0]), float(last[1])
     store_ratio = statistics.median(a / b for a, b in zip(st["off"], st["on"], strict=True))
     load_ratio = statistics.median(a / b for a, b in zip(ld["off"], ld["on"], strict=True))
     cpu_off, cpu_on = sum(cpu["off"]), sum(cpu["on"])
@@ -121,6 +123,7 @@ def run(tmp: Path, workers: int, nblocks: int, reps: int, env: dict[str, str],
         "load_gbps_off": nbytes / statistics.median(ld["off"]) / 1e9,
         "load_gbps_on": nbytes / statistics.median(ld["on"]) / 1e9,
         "consumer_stored_blocks": received, "blocks_stored_on": stored_on,
+        "consumer_cpu_s": consumer_cpu,
         "store_cpu_s_off": cpu_off, "store_cpu_s_on": cpu_on},
         "events_store_cost": store_ratio, "events_load_cost": load_ratio,
         "events_store_cpu_cost": (cpu_off / cpu_on) if cpu_on > 0 and cpu_off > 0 else None}

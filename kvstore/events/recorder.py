@@ -11,12 +11,12 @@ stream over from what the daemon holds; a store never waits for it.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
 from ..entry import GPU, HOST, REMOTE, SSD, Entry
-from .texts import OWN, BlockText, kind_of
+from .texts import OWN, BlockText, LazyTexts, kind_of
 
 # A queued change: (gkey, tiers, entered, gone, text). `gone`: the block holds no published
 # tier any more (the publisher forgets what it kept for it); `text`: its text when known then.
@@ -35,6 +35,10 @@ class Recorder:
         self.overflowed = False                 # set here, cleared by the publisher (locked)
         self.overflows = 0
         self._ns: dict[bytes, tuple[str, int]] = {}
+        # Whether the publisher was woken since it last cleared this (it clears it before
+        # draining): one wake-up (a byte to a pipe) per batch of changes, not per change.
+        self.woken = False
+        self.wake: Callable[[], None] = _no_wake
 
     def ns(self, ns_id: bytes) -> tuple[str, int]:
         """(kind of keys, bit mask of the streams that publish it; 0: none) of a namespace.
@@ -58,9 +62,13 @@ class Recorder:
         kind, mask = self.ns(ns_id)
         return bool(mask) and kind == OWN
 
-    def remember(self, ns_id: bytes, keys: list[bytes], texts: list[BlockText]) -> None:
-        """Texts of blocks a commit is about to publish (locked)."""
+    def remember(self, ns_id: bytes, keys: list[bytes], texts: Sequence[Any]) -> None:
+        """Texts of blocks a commit is about to publish (locked). A commit's LazyTexts, for
+        the keys it was made with, goes in at once (no Python call per block)."""
         book = self.book
+        if type(texts) is LazyTexts and len(texts) == len(keys):
+            texts.keep(book, ns_id, keys)
+            return
         for k, t in zip(keys, texts, strict=True):
             book[ns_id + k] = t
 
@@ -91,10 +99,12 @@ class Recorder:
         if self.overflowed:
             return
         if len(self.queue) >= self.max_queue:
-            self.overflowed = True
-            self.overflows += 1
+            self._overflow()
             return
         self.queue.append(item)
+        if not self.woken:
+            self.woken = True
+            self.wake()
 
     def discarded(self, e: Entry) -> None:
         if not self.ns(e.ns_id)[1]:
@@ -110,7 +120,19 @@ class Recorder:
         if self.overflowed:
             return
         if len(self.queue) >= self.max_queue:
-            self.overflowed = True
-            self.overflows += 1
+            self._overflow()
             return
         self.queue.append(item)
+        if not self.woken:
+            self.woken = True
+            self.wake()
+
+    def _overflow(self) -> None:
+        self.overflowed = True
+        self.overflows += 1
+        self.woken = True
+        self.wake()                     # the publisher starts every stream over
+
+
+def _no_wake() -> None:
+    pass

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from functools import partial
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import msgpack
@@ -128,66 +130,94 @@ def tokens_u32(token_ids: Any) -> bytes:
     return a.astype("<u4").tobytes()
 
 
+# msgpack's forms of an unsigned int, by class (below 0x80, 0x100, 0x10000, else): width in
+# bytes, and its tag placed where it lands in the 8 big-endian bytes of a uint64 whose low 4
+# bytes hold the value (the value's bytes it covers are zeros in that class).
 _WIDTH = np.array([1, 2, 3, 5], dtype=np.int64)
+_TAG = np.array([0, 0xCC << 8, 0xCD << 16, 0xCE << 32], dtype=np.uint64)
+_KEEP = np.arange(8) >= (8 - _WIDTH)[:, None]     # by class: which of the 8 bytes are its form
+
+
+def _pack_ints(raw: bytes) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """Token ids (little-endian uint32) as msgpack ints back to back, each in its smallest
+    form (as vLLM's encoder writes them), with each int's start and end in the bytes: each
+    int with its tag as one big-endian uint64, cut to its form's bytes by one mask (a few
+    whole-array steps for any commit)."""
+    t = np.frombuffer(raw, dtype="<u4")
+    cls = (t >= 0x80).view(np.int8) + (t >= 0x100).view(np.int8) + (t >= 0x10000).view(np.int8)
+    words = (t.astype(np.uint64) | np.take(_TAG, cls)).astype(">u8")
+    data = words.view(np.uint8).reshape(t.size, 8)[np.take(_KEEP, cls, axis=0)].tobytes()
+    width = np.take(_WIDTH, cls)
+    ends = np.cumsum(width)
+    return data, ends - width, ends
 
 
 def pack_token_blocks(raw: bytes, block_tokens: int) -> list[bytes]:
     """Each block's token ids (raw: little-endian uint32, block_tokens a block) as the msgpack
     array vLLM's encoder writes: every int in its smallest form. Done for a whole commit at
     once with numpy; packing per block cost a microsecond or more a block on the Commit path."""
-    t = np.frombuffer(raw, dtype="<u4").astype(np.int64)
-    T = block_tokens
-    if not t.size:
+    if not raw:
         return []
-    cls = (t >= 0x80).astype(np.int64) + (t >= 0x100) + (t >= 0x10000)   # fixint, u8, u16, u32
-    width = _WIDTH[cls]
-    ends = np.cumsum(width)
-    starts = ends - width
-    buf = np.zeros(int(ends[-1]), dtype=np.uint8)
-    m = cls == 0
-    buf[starts[m]] = t[m]
-    m = cls == 1
-    buf[starts[m]] = 0xCC
-    buf[starts[m] + 1] = t[m]
-    for c, tag, nbytes in ((2, 0xCD, 2), (3, 0xCE, 4)):
-        m = cls == c
-        s, v = starts[m], t[m]
-        buf[s] = tag
-        for j in range(nbytes):
-            buf[s + 1 + j] = (v >> (8 * (nbytes - 1 - j))) & 0xFF
-    data = buf.tobytes()
+    data, starts, ends = _pack_ints(raw)
+    T = block_tokens
     head = wire.array_header(T)
     return [head + data[a:b] for a, b in zip(starts[::T].tolist(), ends[T - 1::T].tolist(),
                                              strict=True)]
 
 
+class Packed(NamedTuple):
+    """A commit's blocks at once, as the publisher announces a chain of them: one event's
+    worth of hashes and token bytes, with no object per block."""
+
+    hashes: list[int]           # each block's event hash
+    parent: int | None          # the event hash of the block before the first one
+    data: bytes                 # every block's token ids as msgpack ints, back to back
+    offsets: list[int]          # block i's ints are data[offsets[i]:offsets[i + 1]]
+    block_size: int
+
+
+def pack_commit(ns_id: bytes, keys: list[bytes], parent: bytes | None, raw_tokens: bytes,
+                block_tokens: int) -> Packed:
+    """SDK-stored blocks: keys[i] holds tokens [i*T, (i+1)*T) of `raw_tokens` (little-endian
+    uint32), chained from parent. Hashing runs in C over the whole list."""
+    hashes = list(map(xxhash.xxh3_64_intdigest, map(ns_id.__add__, keys)))
+    prev = own_hash(ns_id + parent) if parent else None
+    if not keys:
+        return Packed(hashes, prev, b"", [0], block_tokens)
+    data, starts, _ = _pack_ints(raw_tokens)
+    offsets = starts[::block_tokens].tolist()
+    offsets.append(len(data))
+    return Packed(hashes, prev, data, offsets, block_tokens)
+
+
 def own_texts(ns_id: bytes, keys: list[bytes], parent: bytes | None, raw_tokens: bytes,
               block_tokens: int) -> list[BlockText]:
-    """Texts of SDK-stored blocks: keys[i] holds tokens [i*T, (i+1)*T) of `raw_tokens`
-    (little-endian uint32), chained from parent."""
-    packed = pack_token_blocks(raw_tokens, block_tokens)
-    out = []
-    prev = own_hash(ns_id + parent) if parent else None
-    digest = xxhash.xxh3_64_intdigest
-    T = block_tokens
-    for k, tokens in zip(keys, packed, strict=True):
-        h = digest(ns_id + k)
-        out.append(BlockText((h,), prev, tokens, T))
-        prev = h
-    return out
+    """Texts of SDK-stored blocks (pack_commit's, one per block)."""
+    return _split(pack_commit(ns_id, keys, parent, raw_tokens, block_tokens))
+
+
+def _split(p: Packed) -> list[BlockText]:
+    T, data, off, hashes = p.block_size, p.data, p.offsets, p.hashes
+    head = wire.array_header(T)
+    prevs = [p.parent, *hashes[:-1]]
+    return [BlockText((h,), prev, head + data[off[i]:off[i + 1]], T)
+            for i, (h, prev) in enumerate(zip(hashes, prevs, strict=True))]
 
 
 class LazyTexts(Sequence):
     """The texts of one commit's blocks, made when first read rather than on the Commit path:
     packing the token ids and hashing every key cost ~2 us a block in the request that
-    stored them, and the publisher thread (or a demotion) can make them as well. Made all at
-    once by whichever reads first; two racing readers make equal texts."""
+    stored them, and the publisher thread (or a demotion) can make them as well. The
+    publisher reads the commit at once (`packed`); a text per block is made only for a
+    reader of one block (a demotion's SSD meta, a stream starting over). Made all at once by
+    whichever reads first; two racing readers make equal ones."""
 
-    __slots__ = ("_args", "_texts", "_n")
+    __slots__ = ("_args", "_packed", "_texts", "_n")
 
     def __init__(self, ns_id: bytes, keys: list[bytes], parent: bytes | None, raw_tokens: bytes,
                  block_tokens: int) -> None:
         self._args: tuple | None = (ns_id, list(keys), parent, raw_tokens, block_tokens)
+        self._packed: Packed | None = None
         self._texts: list[BlockText] | None = None
         self._n = len(keys)
 
@@ -197,36 +227,55 @@ class LazyTexts(Sequence):
     def __getitem__(self, i):  # type: ignore[override]
         n = len(self)
         if isinstance(i, slice):
-            return [LazyText(self, j) for j in range(*i.indices(n))]
+            return [LazyText(self.text, j) for j in range(*i.indices(n))]
         if not -n <= i < n:
             raise IndexError(i)
-        return LazyText(self, i % n)
+        return LazyText(self.text, i % n)
 
     def __iter__(self):
-        return (LazyText(self, j) for j in range(len(self)))
+        return map(LazyText, repeat(self.text), range(len(self)))
+
+    def keep(self, book: dict, ns_id: bytes, keys: list[bytes]) -> None:
+        """book[ns_id + keys[i]] = the LazyText of block i, for every block (keys as made
+        with): one pass in C, no Python call per block on the Commit path."""
+        book.update(zip(map(ns_id.__add__, keys), map(LazyText, repeat(self.text),
+                                                        range(len(keys))), strict=True))
+
+    def packed(self) -> Packed:
+        got = self._packed
+        if got is None:
+            args = self._args
+            if args is None:        # made meanwhile by another reader (it sets _packed first)
+                got = self._packed
+            else:
+                got = self._packed = pack_commit(*args)
+                self._args = None
+        return got  # type: ignore[return-value]
 
     def text(self, i: int) -> BlockText:
         texts = self._texts
         if texts is None:
-            args = self._args
-            if args is None:        # made meanwhile by another reader (it sets _texts first)
-                texts = self._texts
-            else:
-                texts = self._texts = own_texts(*args)
-                self._args = None
+            texts = self._texts = _split(self.packed())
         return texts[i]
 
 
-class LazyText:
-    """One block's place in a LazyTexts, kept in the recorder's book until read."""
+class LazyText(partial):
+    """One block's place in a LazyTexts (its bound `text` and the block's index), kept in the
+    recorder's book until read. (A partial: made in C, so a commit's book entries cost no
+    Python call per block.)"""
 
-    __slots__ = ("owner", "i")
-
-    def __init__(self, owner: LazyTexts, i: int) -> None:
-        self.owner, self.i = owner, i
+    __slots__ = ()
 
     def get(self) -> BlockText:
-        return self.owner.text(self.i)
+        return self()
+
+    @property
+    def owner(self) -> LazyTexts:
+        return self.func.__self__  # type: ignore[attr-defined]
+
+    @property
+    def i(self) -> int:
+        return self.args[0]
 
 
 def resolve(text: BlockText | LazyText | None) -> BlockText | None:
