@@ -265,7 +265,7 @@ class EventsConfig:
     hwm: int = 100000                           # ZMQ send high-water mark
     max_queue: int = 100000                     # residency changes queued for the publisher
     batch_events: int = 256                     # events per batch at most
-    interval_ms: float = 10.0                   # the publisher's tick
+    interval_ms: float = 10.0                   # gathering window after a change wakes it
     token_cache_blocks: int = 262144            # engine blocks whose tokens relays remember
     engines: list[Any] = field(default_factory=list)    # [[events.engines]] tables
 
