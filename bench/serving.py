@@ -98,7 +98,7 @@ from bench.serving_fleet import (  # noqa: E402
 )
 from bench.serving_report import Record, SetupRun, plot, report, setup_figures  # noqa: E402
 
-MODEL = {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 2}
+MODEL = {"layers": 4, "hidden": 1024, "heads": 16, "kv_heads": 2}
 TOKENS_PER_BLOCK = 128          # per 512-token trace block
 MAX_TOKENS = 8                  # greedy tokens per request
 MAX_PROMPT_TOKENS = 3072        # longer conversations are left out (time, and the GPU cache)
