@@ -12,12 +12,21 @@ few of one window), and each window's p99 is printed beside it. The attack:
 - an unauthenticated process (another uid when run as root) holds ATTACK_CONNS stalled
   connections on every listener: gRPC on the Unix socket and on TCP (the HTTP/2 preface a byte
   at a time), `<socket>.auth` and `<socket>.lane` (a byte at a time, never a line; reconnecting
-  whatever the daemon closes), plus gRPC calls without a token whose message never comes;
-- tenant B floods with its own token: empty Put streams held open, lane frames that announce
-  more than they send (past and below the frame cap), 64 MiB gRPC messages, Put messages of
-  unknown fields, Get and Acquire naming one block 65,536 times, namespaces and leases without
-  end, and reads of A's blocks (A's namespace id, computed; slots of the shared pool reserved
-  and committed unwritten, then read back).
+  a second after the daemon closes one or refuses to take it), plus 32 gRPC Put calls without
+  a token whose message never comes, renewed as the daemon ends them (looked at every 0.2 s);
+- tenant B floods with its own token, each flood a request PACE_S after its last answer: 12
+  empty Put streams held open; lane frames that announce more than they send (64 MiB, one past
+  the frame cap, the cap; 4 KiB of body each, held 15 s); a Lookup whose message announces
+  64 MiB; a Put of four 4 MiB messages of unknown fields; Get and Acquire naming one block
+  65,536 times; namespaces and leases without end; and reads of A's blocks (A's namespace id,
+  computed; slots of the shared pool reserved and committed unwritten, then read back).
+The attackers are written to spend little CPU of their own for what the daemon receives, since
+on a machine of few cores their CPU delays A as the daemon's work for them does: one epoll
+loop drives all of the unauthenticated process's sockets; its token-less calls and B's 64 MiB
+Lookup are raw HTTP/2 frames (bench/h2_raw.py), so the daemon gets the same HEADERS and as
+much of the body as its flow-control windows admit, without grpcio building and copying
+64 MiB or starting a thread per call; B's 1 MiB repeated-key requests and junk Put are built
+once and resent as the same bytes.
 A metrics scraper (per-tenant series on) runs in every window.
 
 Figures (last line, JSON):
@@ -73,18 +82,15 @@ EMPTY_STREAMS = 12                    # B's Put streams held open with nothing s
 def run_unauth(sock: str, tcp: str, conns: int, other_uid: bool) -> None:
     """Hold `conns` stalled connections on each listener, trickling a byte per second each,
     reconnecting (at most once a second per slot) whatever the daemon closes; and keep gRPC
-    calls without a token open. Runs until stdin closes."""
-    # grpc's modules load lazily: one call made before dropping privileges loads them while
-    # the interpreter's files are still readable.
-    import grpc
-    ch = grpc.insecure_channel(f"unix:{sock}")
-    put = ch.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=lambda b: b,
-                          response_deserializer=lambda b: b)
-    try:
-        put.future(iter(()), timeout=10).result()
-    except grpc.RpcError:
-        pass
-    if other_uid:
+    calls without a token open. Runs until stdin closes.
+
+    One epoll over all the sockets says which the daemon answered or closed; once a second
+    each live one gets its next byte. The calls without a token are raw HTTP/2 streams
+    (bench/h2_raw.py) on one connection: what the daemon receives is grpcio's call, without
+    the thread grpcio starts for each client-streaming call."""
+    import h2_raw
+    h2 = h2_raw.Connection(sock) if conns else None     # opened before dropping privileges,
+    if other_uid:                                       # as a channel made then would be
         os.setgroups([])
         os.setgid(65534)
         os.setuid(65534)
@@ -96,6 +102,9 @@ def run_unauth(sock: str, tcp: str, conns: int, other_uid: bool) -> None:
     slots = [[name, addr, trickle, None, 0, 0.0] for name, addr, trickle in targets
              for _ in range(conns)]       # name, addr, bytes, socket, sent, retry at
     closed = {name: 0 for name, _, _ in targets}      # connections the daemon ended
+    ep = select.epoll()
+    by_fd: dict[int, list] = {}
+    waiting: list[list] = []                          # slots to reconnect once due
 
     def connect(slot: list) -> None:
         fam, a = slot[1]
@@ -104,63 +113,93 @@ def run_unauth(sock: str, tcp: str, conns: int, other_uid: bool) -> None:
         try:
             s.connect(a)
         except (BlockingIOError, InterruptedError):
-            pass
+            if fam == socket.AF_UNIX:   # EAGAIN: the listener's backlog is full, not
+                s.close()               # connecting (TCP's EINPROGRESS goes on connecting)
+                slot[5] = time.monotonic() + 1.0
+                waiting.append(slot)
+                return
         except OSError:
             s.close()
             slot[5] = time.monotonic() + 1.0
+            waiting.append(slot)
             return
         slot[3], slot[4] = s, 0
+        by_fd[s.fileno()] = slot
+        ep.register(s.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+
+    def drop(slot: list, now: float, by_daemon: bool) -> None:
+        s = slot[3]
+        by_fd.pop(s.fileno(), None)
+        ep.unregister(s.fileno())
+        s.close()
+        slot[3], slot[5] = None, now + 1.0
+        waiting.append(slot)
+        if by_daemon:
+            closed[slot[0]] += 1
 
     for slot in slots:
         connect(slot)
-    stop = threading.Event()
-    if conns:                           # 0: left out of this run (--without unauthenticated)
-        threading.Thread(target=_stalled_grpc, args=(ch, put, stop), daemon=True).start()
+    stdin = sys.stdin.fileno()
+    ep.register(stdin, select.EPOLLIN)
+    live: set[int] = set()                            # the raw calls without a token
+    md = ()                                           # no authorization header
     print("ready", flush=True)
-    while not select.select([sys.stdin], [], [], 1.0)[0]:
+    next_tick = time.monotonic()
+    next_calls = next_tick
+    while True:
         now = time.monotonic()
-        for slot in slots:
-            s = slot[3]
-            if s is None:
-                if now >= slot[5]:
-                    connect(slot)
-                continue
+        if h2 is not None and now >= next_calls:
+            # 32 calls whose message never comes, renewed as they end, looked at every 0.2 s
             try:
-                if s.recv(4096, socket.MSG_DONTWAIT) == b"":      # a refusal line, then EOF
-                    raise ConnectionResetError
-            except (BlockingIOError, InterruptedError):
-                pass
+                h2.pump(0)
+                for sid in list(h2.ended):
+                    h2.cancel(sid)
+                    live.discard(sid)
+                if h2.closed:
+                    h2, live = h2_raw.Connection(sock), set()
+                while len(live) < 32:
+                    live.add(h2.headers("/kvstore.v1.KVStore/Put", md, 60))
             except OSError:
-                s.close()
-                slot[3], slot[5] = None, now + 1.0
-                closed[slot[0]] += 1
-                continue
-            try:
+                h2.close()
+                h2 = None if not conns else h2_raw.Connection(sock)
+                live = set()
+            next_calls = now + 0.2
+        if now >= next_tick:
+            due = [sl for sl in waiting if now >= sl[5]]
+            waiting[:] = [sl for sl in waiting if now < sl[5]]
+            for slot in due:
+                connect(slot)
+            for slot in slots:
+                s = slot[3]
+                if s is None:
+                    continue
                 data = slot[2]
-                s.send(data[slot[4] % len(data):slot[4] % len(data) + 1])
-                slot[4] += 1
+                try:
+                    s.send(data[slot[4] % len(data):slot[4] % len(data) + 1])
+                    slot[4] += 1
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError:
+                    drop(slot, now, False)
+            next_tick = now + 1.0
+        wake = min(next_tick, next_calls) if h2 is not None else next_tick
+        events = ep.poll(max(0.0, wake - time.monotonic()))
+        now = time.monotonic()
+        if any(fd == stdin for fd, _ in events):
+            break
+        for fd, _ev in events:
+            slot = by_fd.get(fd)
+            if slot is None:
+                continue
+            try:
+                if slot[3].recv(4096, socket.MSG_DONTWAIT) != b"":
+                    continue                          # a refusal line: its EOF follows
             except (BlockingIOError, InterruptedError):
-                pass
+                continue
             except OSError:
-                s.close()
-                slot[3], slot[5] = None, now + 1.0
-    stop.set()
+                pass
+            drop(slot, now, True)
     print(json.dumps({"closed_by_daemon": closed}), flush=True)
-
-
-def _stalled_grpc(ch, put, stop: threading.Event) -> None:
-    """32 gRPC calls without a token whose message never comes, renewed as they end."""
-    def never():
-        stop.wait()
-        return
-        yield b""
-    live: list = []
-    while not stop.is_set():
-        live = [f for f in live if not f.done()]
-        while len(live) < 32:
-            live.append(put.future(never(), timeout=60))
-        stop.wait(0.2)
-    ch.close()
 
 
 # ------------------------------------------------------------------------ tenant B, hostile
@@ -169,6 +208,7 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
     """Flood with B's own token until stdin closes (but the kinds in `without`); print B's
     findings as JSON."""
     import grpc
+    import h2_raw
     from kvstore_client._proto import kvstore_pb2 as pb
     from kvstore_client._proto import kvstore_pb2_grpc as pbg
     from kvstore_client.common.lane_wire import HEADER, MAX_FRAME, METHOD_ID
@@ -224,7 +264,15 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
                 live.append(put.future(never(), timeout=60, metadata=md))
             stop.wait(0.2)
 
+    lane_held: list[tuple[float, socket.socket]] = []     # lane sockets, closed at 15 s
+    h2: list = []                                          # the raw HTTP/2 connection
+    junk = b"\x38\x01" * ((4 << 20) // 2 - 512)           # unknown fields, built once
+    raw_md = tuple(md)
+
     def oversize() -> None:
+        now = time.monotonic()
+        while lane_held and lane_held[0][0] <= now:
+            lane_held.pop(0)[1].close()
         lane = sock + ".lane"
         for announce in (64 << 20, MAX_FRAME + 1, MAX_FRAME):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -237,25 +285,36 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
                 s.close()
                 continue
             s.sendall(HEADER.pack(announce, METHOD_ID["Commit"]) + b"\0" * 4096)
-            threading.Timer(15, s.close).start()
-        lookup = ch.unary_unary("/kvstore.v1.KVStore/Lookup", request_serializer=lambda b: b,
-                                response_deserializer=lambda b: b)
+            lane_held.append((time.monotonic() + 15, s))
+        # a 64 MiB Lookup message: its prefix and what the windows let through (bench/h2_raw)
+        if not h2 or h2[0].closed:
+            h2[:] = [h2_raw.Connection(sock)]
         try:
-            lookup(bytes(64 << 20), timeout=30, metadata=md)
-        except grpc.RpcError as e:
-            note(e)
-        junk = b"\x38\x01" * ((4 << 20) // 2 - 512)
+            how = h2[0].oversize("/kvstore.v1.KVStore/Lookup", raw_md, 64 << 20, 30)
+        except OSError:
+            h2[0].close()
+            how = "connection_lost"
+        with lock:
+            found["errors"][f"lookup_64mib:{how}"] = \
+                found["errors"].get(f"lookup_64mib:{how}", 0) + 1
         try:
             put(iter([junk] * 4), timeout=30, metadata=md)
         except grpc.RpcError as e:
             note(e)
 
+    get_repeated = pb.GetRequest(namespace_id=ns_b, keys=[key] * 65536).SerializeToString()
+    acquire_repeated = pb.AcquireRequest(namespace_id=ns_b,
+                                         keys=[key] * 65536).SerializeToString()
+    raw_get = ch.unary_stream("/kvstore.v1.KVStore/Get", request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+    raw_acquire = ch.unary_unary("/kvstore.v1.KVStore/Acquire", request_serializer=lambda b: b,
+                                 response_deserializer=pb.AcquireResponse.FromString)
+
     def repeated_keys() -> None:
-        for _msg in stub.Get(pb.GetRequest(namespace_id=ns_b, keys=[key] * 65536),
-                             timeout=30, metadata=md):
+        # serialized once: the same 1 MiB messages each round, as the daemon sees them
+        for _msg in raw_get(get_repeated, timeout=30, metadata=md):
             pass
-        lease = stub.Acquire(pb.AcquireRequest(namespace_id=ns_b, keys=[key] * 65536),
-                             timeout=30, metadata=md).lease
+        lease = raw_acquire(acquire_repeated, timeout=30, metadata=md).lease
         stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), timeout=30, metadata=md)
 
     counter = [0]
@@ -320,6 +379,8 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
     ch.close()                          # ends the calls in flight: the threads return now
     for t in threads:
         t.join(5)
+    for _, s in lane_held:
+        s.close()
     print(json.dumps(found), flush=True)
     os._exit(0)                         # leftover timers and channels
 
