@@ -25,8 +25,10 @@ on a machine of few cores their CPU delays A as the daemon's work for them does:
 loop drives all of the unauthenticated process's sockets; its token-less calls and B's 64 MiB
 Lookup are raw HTTP/2 frames (bench/h2_raw.py), so the daemon gets the same HEADERS and as
 much of the body as its flow-control windows admit, without grpcio building and copying
-64 MiB or starting a thread per call; B's 1 MiB repeated-key requests and junk Put are built
-once and resent as the same bytes.
+64 MiB or starting a thread per call; B's unary floods (repeated keys, namespaces, leases,
+the reads of A's blocks) are raw HTTP/2 calls too, each flood thread on a connection of its
+own, their messages built once where they do not change (the 1 MiB repeated-key requests).
+A raw call's status is not decoded: B's refusals show as `<flood>:Refused`.
 A metrics scraper (per-tenant series on) runs in every window.
 
 Figures (last line, JSON):
@@ -204,6 +206,10 @@ def run_unauth(sock: str, tcp: str, conns: int, other_uid: bool) -> None:
 
 # ------------------------------------------------------------------------ tenant B, hostile
 
+class Refused(Exception):
+    """A raw call the daemon ended without an answer message (its status is not decoded)."""
+
+
 def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None:
     """Flood with B's own token until stdin closes (but the kinds in `without`); print B's
     findings as JSON."""
@@ -302,57 +308,74 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
         except grpc.RpcError as e:
             note(e)
 
+    local = threading.local()           # each flood thread's own raw HTTP/2 connection
+
+    def call(method: str, msg: bytes, reply: type | None = None) -> list:
+        """`msg` sent to `method` as raw HTTP/2 (bench/h2_raw.py); the answer's messages
+        (parsed as `reply` if given), Refused if the daemon ended the call without one."""
+        c = getattr(local, "h2", None)
+        if c is None or c.closed:
+            c = local.h2 = h2_raw.Connection(sock)
+        try:
+            got = c.call(f"/kvstore.v1.KVStore/{method}", raw_md, msg, 30)
+        except OSError:
+            c.close()
+            raise
+        if got is None:
+            raise Refused(method)
+        return [reply.FromString(m) for m in got] if reply else got
+
     get_repeated = pb.GetRequest(namespace_id=ns_b, keys=[key] * 65536).SerializeToString()
     acquire_repeated = pb.AcquireRequest(namespace_id=ns_b,
                                          keys=[key] * 65536).SerializeToString()
-    raw_get = ch.unary_stream("/kvstore.v1.KVStore/Get", request_serializer=lambda b: b,
-                              response_deserializer=lambda b: b)
-    raw_acquire = ch.unary_unary("/kvstore.v1.KVStore/Acquire", request_serializer=lambda b: b,
-                                 response_deserializer=pb.AcquireResponse.FromString)
 
     def repeated_keys() -> None:
         # serialized once: the same 1 MiB messages each round, as the daemon sees them
-        for _msg in raw_get(get_repeated, timeout=30, metadata=md):
-            pass
-        lease = raw_acquire(acquire_repeated, timeout=30, metadata=md).lease
-        stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), timeout=30, metadata=md)
+        call("Get", get_repeated)
+        lease = call("Acquire", acquire_repeated, pb.AcquireResponse)[0].lease
+        call("Release", pb.ReleaseRequest(lease_id=lease.lease_id).SerializeToString())
 
     counter = [0]
 
     def namespaces() -> None:
         counter[0] += 1
-        stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec_to_proto(
-            NamespaceSpec(model=f"b-flood-{counter[0]}", layout=tiny))), timeout=30,
-            metadata=md)
+        call("RegisterNamespace", pb.RegisterNamespaceRequest(spec=spec_to_proto(
+            NamespaceSpec(model=f"b-flood-{counter[0]}", layout=tiny))).SerializeToString())
         with lock:
             found["namespaces"] += 1
 
+    reserve_one = pb.ReserveRequest(namespace_id=ns_b, count=1).SerializeToString()
+
     def leases() -> None:
-        stub.Reserve(pb.ReserveRequest(namespace_id=ns_b, count=1), timeout=30, metadata=md)
+        call("Reserve", reserve_one)
         with lock:
             found["leases"] += 1
 
+    get_of_a = pb.GetRequest(namespace_id=a_ns, keys=[key]).SerializeToString()
+
     def read_a_namespace() -> None:
         # A's namespace id (computed or leaked): refused as unknown, or bytes
-        for msg in stub.Get(pb.GetRequest(namespace_id=a_ns, keys=[key]), timeout=30,
-                            metadata=md):
+        for msg in call("Get", get_of_a):
             count(msg)
+
+    register_same_size = pb.RegisterNamespaceRequest(spec=spec_to_proto(NamespaceSpec(
+        model="b-same-size", layout=KVLayout(num_layers=1, num_kv_heads=1,
+                                             head_dim=block_bytes // 64, block_tokens=16,
+                                             dtype="bfloat16")))).SerializeToString()
 
     def read_a() -> None:
         # shared-pool slots reserved and committed unwritten, read back (finding 1)
-        big = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec_to_proto(
-            NamespaceSpec(model="b-same-size", layout=KVLayout(
-                num_layers=1, num_kv_heads=1, head_dim=block_bytes // 64, block_tokens=16,
-                dtype="bfloat16")))), timeout=30, metadata=md).namespace_id
-        lease = stub.Reserve(pb.ReserveRequest(namespace_id=big, count=16), timeout=30,
-                             metadata=md).lease
+        big = call("RegisterNamespace", register_same_size,
+                   pb.RegisterNamespaceResponse)[0].namespace_id
+        lease = call("Reserve", pb.ReserveRequest(namespace_id=big, count=16)
+                     .SerializeToString(), pb.ReserveResponse)[0].lease
         keys = [os.urandom(16) for _ in lease.slots]
-        stub.Commit(pb.CommitRequest(lease_id=lease.lease_id, keys=keys), timeout=30,
-                    metadata=md)
-        for msg in stub.Get(pb.GetRequest(namespace_id=big, keys=keys), timeout=30,
-                            metadata=md):
+        call("Commit", pb.CommitRequest(lease_id=lease.lease_id, keys=keys)
+             .SerializeToString())
+        for msg in call("Get", pb.GetRequest(namespace_id=big, keys=keys)
+                        .SerializeToString()):
             count(msg)
-        stub.Delete(pb.DeleteRequest(namespace_id=big, all=True), timeout=30, metadata=md)
+        call("Delete", pb.DeleteRequest(namespace_id=big, all=True).SerializeToString())
 
     def count(raw: bytes) -> None:
         for _k, off, n in decode_get(raw):
@@ -360,10 +383,6 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
                 with lock:
                     found["cross_tenant_bytes_read"] += n
 
-    get = ch.unary_stream("/kvstore.v1.KVStore/Get",
-                          request_serializer=pb.GetRequest.SerializeToString,
-                          response_deserializer=lambda b: b)
-    stub.Get = get                      # raw replies: B counts A's bytes in them
     floods = {"empty_streams": empty_puts, "oversize": lambda: loop(oversize),
               "repeated_keys": lambda: loop(repeated_keys),
               "namespaces": lambda: loop(namespaces), "leases": lambda: loop(leases),

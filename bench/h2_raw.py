@@ -69,6 +69,7 @@ class Connection:
         self.windows: dict[int, int] = {}      # open stream -> what we may still send on it
         self.ended: dict[int, bool] = {}        # stream the server ended -> whether by reset
         self.closed = False                     # GOAWAY or EOF: make a new connection
+        self.received: dict[int, bytearray] = {}  # stream -> its DATA so far (calls only)
 
     def close(self) -> None:
         self.closed = True
@@ -142,7 +143,17 @@ class Connection:
             elif kind == GOAWAY:
                 self.close()
                 return
-            elif sid in self.windows and (kind == RST_STREAM or flags & END_STREAM):
+            elif kind == DATA and n:
+                # our receive windows opened again at once, as a reader that keeps up does
+                inc = struct.pack(">I", n)
+                self.sock.sendall(frame(WINDOW_UPDATE, 0, 0, inc) + (
+                    frame(WINDOW_UPDATE, 0, sid, inc) if not flags & END_STREAM else b""))
+                if sid in self.received:
+                    if flags & 0x8:                             # PADDED
+                        body = body[1:len(body) - body[0]]
+                    self.received[sid] += body
+            if sid in self.windows and (kind == RST_STREAM or
+                                        kind in (DATA, HEADERS) and flags & END_STREAM):
                 self.ended[sid] = kind == RST_STREAM
 
     def oversize(self, path: str, metadata: tuple[tuple[str, str], ...], announce: int,
@@ -175,3 +186,45 @@ class Connection:
                 self.cancel(sid)
                 return "timeout"
             self.pump(min(1.0, deadline - now))
+
+    def call(self, path: str, metadata: tuple[tuple[str, str], ...], message: bytes,
+             timeout_s: int) -> list[bytes] | None:
+        """A call sending one message: the messages of its answer, or None when it ended
+        without one (refused: every call of the bench that succeeds answers a message)."""
+        deadline = time.monotonic() + timeout_s
+        sid = self.headers(path, metadata, timeout_s)
+        self.received[sid] = bytearray()
+        body = memoryview(b"\0" + struct.pack(">I", len(message)) + message)
+        try:
+            while True:
+                if self.closed:
+                    return None
+                room = min(self.conn_window, self.windows.get(sid, 0), len(body))
+                while room > 0 and sid not in self.ended:
+                    n = min(room, MAX_FRAME)
+                    chunk, body = body[:n], body[n:]
+                    room -= n
+                    self.conn_window -= n
+                    self.windows[sid] -= n
+                    self.sock.sendall(frame(DATA, 0 if len(body) else END_STREAM, sid,
+                                            bytes(chunk)))
+                if sid in self.ended:
+                    data = bytes(self.received[sid])
+                    out, i = [], 0
+                    while i + 5 <= len(data):
+                        n = int.from_bytes(data[i + 1:i + 5], "big")
+                        out.append(data[i + 5:i + 5 + n])
+                        i += 5 + n
+                    if len(body):
+                        self.cancel(sid)            # answered before all was sent
+                    else:
+                        self.windows.pop(sid, None)
+                        self.ended.pop(sid, None)
+                    return out or None
+                now = time.monotonic()
+                if now >= deadline:
+                    self.cancel(sid)
+                    return None
+                self.pump(min(1.0, deadline - now))
+        finally:
+            self.received.pop(sid, None)
