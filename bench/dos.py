@@ -150,21 +150,21 @@ def run_unauth(sock: str, tcp: str, conns: int, other_uid: bool) -> None:
     next_calls = next_tick
     while True:
         now = time.monotonic()
-        if h2 is not None and now >= next_calls:
+        if conns and now >= next_calls:
             # 32 calls whose message never comes, renewed as they end, looked at every 0.2 s
             try:
+                if h2 is None or h2.closed:
+                    h2, live = h2_raw.Connection(sock), set()
                 h2.pump(0)
                 for sid in list(h2.ended):
                     h2.cancel(sid)
                     live.discard(sid)
-                if h2.closed:
-                    h2, live = h2_raw.Connection(sock), set()
-                while len(live) < 32:
-                    live.add(h2.headers("/kvstore.v1.KVStore/Put", md, 60))
-            except OSError:
-                h2.close()
-                h2 = None if not conns else h2_raw.Connection(sock)
-                live = set()
+                if not h2.closed:
+                    while len(live) < 32:
+                        live.add(h2.headers("/kvstore.v1.KVStore/Put", md, 60))
+            except OSError:                           # a new connection next time
+                if h2 is not None:
+                    h2.close()
             next_calls = now + 0.2
         if now >= next_tick:
             due = [sl for sl in waiting if now >= sl[5]]
@@ -184,7 +184,7 @@ def run_unauth(sock: str, tcp: str, conns: int, other_uid: bool) -> None:
                 except OSError:
                     drop(slot, now, False)
             next_tick = now + 1.0
-        wake = min(next_tick, next_calls) if h2 is not None else next_tick
+        wake = min(next_tick, next_calls) if conns else next_tick
         events = ep.poll(max(0.0, wake - time.monotonic()))
         now = time.monotonic()
         if any(fd == stdin for fd, _ in events):
