@@ -12,12 +12,23 @@ few of one window), and each window's p99 is printed beside it. The attack:
 - an unauthenticated process (another uid when run as root) holds ATTACK_CONNS stalled
   connections on every listener: gRPC on the Unix socket and on TCP (the HTTP/2 preface a byte
   at a time), `<socket>.auth` and `<socket>.lane` (a byte at a time, never a line; reconnecting
-  whatever the daemon closes), plus gRPC calls without a token whose message never comes;
-- tenant B floods with its own token: empty Put streams held open, lane frames that announce
-  more than they send (past and below the frame cap), 64 MiB gRPC messages, Put messages of
-  unknown fields, Get and Acquire naming one block 65,536 times, namespaces and leases without
-  end, and reads of A's blocks (A's namespace id, computed; slots of the shared pool reserved
-  and committed unwritten, then read back).
+  a second after the daemon closes one or refuses to take it), plus 32 gRPC Put calls without
+  a token whose message never comes, renewed as the daemon ends them (looked at every 0.2 s);
+- tenant B floods with its own token, each flood a request PACE_S after its last answer: 12
+  empty Put streams held open; lane frames that announce more than they send (64 MiB, one past
+  the frame cap, the cap; 4 KiB of body each, held 15 s); a Lookup whose message announces
+  64 MiB; a Put of four 4 MiB messages of unknown fields; Get and Acquire naming one block
+  65,536 times; namespaces and leases without end; and reads of A's blocks (A's namespace id,
+  computed; slots of the shared pool reserved and committed unwritten, then read back).
+The attackers are written to spend little CPU of their own for what the daemon receives, since
+on a machine of few cores their CPU delays A as the daemon's work for them does: one epoll
+loop drives all of the unauthenticated process's sockets; its token-less calls and B's 64 MiB
+Lookup are raw HTTP/2 frames (bench/h2_raw.py), so the daemon gets the same HEADERS and as
+much of the body as its flow-control windows admit, without grpcio building and copying
+64 MiB or starting a thread per call; B's unary floods (repeated keys, namespaces, leases,
+the reads of A's blocks) are raw HTTP/2 calls too, each flood thread on a connection of its
+own, their messages built once where they do not change (the 1 MiB repeated-key requests).
+A raw call's status is not decoded: B's refusals show as `<flood>:Refused`.
 A metrics scraper (per-tenant series on) runs in every window.
 
 Figures (last line, JSON):
@@ -73,18 +84,15 @@ EMPTY_STREAMS = 12                    # B's Put streams held open with nothing s
 def run_unauth(sock: str, tcp: str, conns: int, other_uid: bool) -> None:
     """Hold `conns` stalled connections on each listener, trickling a byte per second each,
     reconnecting (at most once a second per slot) whatever the daemon closes; and keep gRPC
-    calls without a token open. Runs until stdin closes."""
-    # grpc's modules load lazily: one call made before dropping privileges loads them while
-    # the interpreter's files are still readable.
-    import grpc
-    ch = grpc.insecure_channel(f"unix:{sock}")
-    put = ch.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=lambda b: b,
-                          response_deserializer=lambda b: b)
-    try:
-        put.future(iter(()), timeout=10).result()
-    except grpc.RpcError:
-        pass
-    if other_uid:
+    calls without a token open. Runs until stdin closes.
+
+    One epoll over all the sockets says which the daemon answered or closed; once a second
+    each live one gets its next byte. The calls without a token are raw HTTP/2 streams
+    (bench/h2_raw.py) on one connection: what the daemon receives is grpcio's call, without
+    the thread grpcio starts for each client-streaming call."""
+    import h2_raw
+    h2 = h2_raw.Connection(sock) if conns else None     # opened before dropping privileges,
+    if other_uid:                                       # as a channel made then would be
         os.setgroups([])
         os.setgid(65534)
         os.setuid(65534)
@@ -96,6 +104,9 @@ def run_unauth(sock: str, tcp: str, conns: int, other_uid: bool) -> None:
     slots = [[name, addr, trickle, None, 0, 0.0] for name, addr, trickle in targets
              for _ in range(conns)]       # name, addr, bytes, socket, sent, retry at
     closed = {name: 0 for name, _, _ in targets}      # connections the daemon ended
+    ep = select.epoll()
+    by_fd: dict[int, list] = {}
+    waiting: list[list] = []                          # slots to reconnect once due
 
     def connect(slot: list) -> None:
         fam, a = slot[1]
@@ -104,71 +115,106 @@ def run_unauth(sock: str, tcp: str, conns: int, other_uid: bool) -> None:
         try:
             s.connect(a)
         except (BlockingIOError, InterruptedError):
-            pass
+            if fam == socket.AF_UNIX:   # EAGAIN: the listener's backlog is full, not
+                s.close()               # connecting (TCP's EINPROGRESS goes on connecting)
+                slot[5] = time.monotonic() + 1.0
+                waiting.append(slot)
+                return
         except OSError:
             s.close()
             slot[5] = time.monotonic() + 1.0
+            waiting.append(slot)
             return
         slot[3], slot[4] = s, 0
+        by_fd[s.fileno()] = slot
+        ep.register(s.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+
+    def drop(slot: list, now: float, by_daemon: bool) -> None:
+        s = slot[3]
+        by_fd.pop(s.fileno(), None)
+        ep.unregister(s.fileno())
+        s.close()
+        slot[3], slot[5] = None, now + 1.0
+        waiting.append(slot)
+        if by_daemon:
+            closed[slot[0]] += 1
 
     for slot in slots:
         connect(slot)
-    stop = threading.Event()
-    if conns:                           # 0: left out of this run (--without unauthenticated)
-        threading.Thread(target=_stalled_grpc, args=(ch, put, stop), daemon=True).start()
+    stdin = sys.stdin.fileno()
+    ep.register(stdin, select.EPOLLIN)
+    live: set[int] = set()                            # the raw calls without a token
+    md = ()                                           # no authorization header
     print("ready", flush=True)
-    while not select.select([sys.stdin], [], [], 1.0)[0]:
+    next_tick = time.monotonic()
+    next_calls = next_tick
+    while True:
         now = time.monotonic()
-        for slot in slots:
-            s = slot[3]
-            if s is None:
-                if now >= slot[5]:
-                    connect(slot)
-                continue
+        if conns and now >= next_calls:
+            # 32 calls whose message never comes, renewed as they end, looked at every 0.2 s
             try:
-                if s.recv(4096, socket.MSG_DONTWAIT) == b"":      # a refusal line, then EOF
-                    raise ConnectionResetError
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                s.close()
-                slot[3], slot[5] = None, now + 1.0
-                closed[slot[0]] += 1
-                continue
-            try:
+                if h2 is None or h2.closed:
+                    h2, live = h2_raw.Connection(sock), set()
+                h2.pump(0)
+                for sid in list(h2.ended):
+                    h2.cancel(sid)
+                    live.discard(sid)
+                if not h2.closed:
+                    while len(live) < 32:
+                        live.add(h2.headers("/kvstore.v1.KVStore/Put", md, 60))
+            except OSError:                           # a new connection next time
+                if h2 is not None:
+                    h2.close()
+            next_calls = now + 0.2
+        if now >= next_tick:
+            due = [sl for sl in waiting if now >= sl[5]]
+            waiting[:] = [sl for sl in waiting if now < sl[5]]
+            for slot in due:
+                connect(slot)
+            for slot in slots:
+                s = slot[3]
+                if s is None:
+                    continue
                 data = slot[2]
-                s.send(data[slot[4] % len(data):slot[4] % len(data) + 1])
-                slot[4] += 1
+                try:
+                    s.send(data[slot[4] % len(data):slot[4] % len(data) + 1])
+                    slot[4] += 1
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError:
+                    drop(slot, now, False)
+            next_tick = now + 1.0
+        wake = min(next_tick, next_calls) if conns else next_tick
+        events = ep.poll(max(0.0, wake - time.monotonic()))
+        now = time.monotonic()
+        if any(fd == stdin for fd, _ in events):
+            break
+        for fd, _ev in events:
+            slot = by_fd.get(fd)
+            if slot is None:
+                continue
+            try:
+                if slot[3].recv(4096, socket.MSG_DONTWAIT) != b"":
+                    continue                          # a refusal line: its EOF follows
             except (BlockingIOError, InterruptedError):
-                pass
+                continue
             except OSError:
-                s.close()
-                slot[3], slot[5] = None, now + 1.0
-    stop.set()
+                pass
+            drop(slot, now, True)
     print(json.dumps({"closed_by_daemon": closed}), flush=True)
 
 
-def _stalled_grpc(ch, put, stop: threading.Event) -> None:
-    """32 gRPC calls without a token whose message never comes, renewed as they end."""
-    def never():
-        stop.wait()
-        return
-        yield b""
-    live: list = []
-    while not stop.is_set():
-        live = [f for f in live if not f.done()]
-        while len(live) < 32:
-            live.append(put.future(never(), timeout=60))
-        stop.wait(0.2)
-    ch.close()
-
-
 # ------------------------------------------------------------------------ tenant B, hostile
+
+class Refused(Exception):
+    """A raw call the daemon ended without an answer message (its status is not decoded)."""
+
 
 def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None:
     """Flood with B's own token until stdin closes (but the kinds in `without`); print B's
     findings as JSON."""
     import grpc
+    import h2_raw
     from kvstore_client._proto import kvstore_pb2 as pb
     from kvstore_client._proto import kvstore_pb2_grpc as pbg
     from kvstore_client.common.lane_wire import HEADER, MAX_FRAME, METHOD_ID
@@ -224,7 +270,15 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
                 live.append(put.future(never(), timeout=60, metadata=md))
             stop.wait(0.2)
 
+    lane_held: list[tuple[float, socket.socket]] = []     # lane sockets, closed at 15 s
+    h2: list = []                                          # the raw HTTP/2 connection
+    junk = b"\x38\x01" * ((4 << 20) // 2 - 512)           # unknown fields, built once
+    raw_md = tuple(md)
+
     def oversize() -> None:
+        now = time.monotonic()
+        while lane_held and lane_held[0][0] <= now:
+            lane_held.pop(0)[1].close()
         lane = sock + ".lane"
         for announce in (64 << 20, MAX_FRAME + 1, MAX_FRAME):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -237,63 +291,91 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
                 s.close()
                 continue
             s.sendall(HEADER.pack(announce, METHOD_ID["Commit"]) + b"\0" * 4096)
-            threading.Timer(15, s.close).start()
-        lookup = ch.unary_unary("/kvstore.v1.KVStore/Lookup", request_serializer=lambda b: b,
-                                response_deserializer=lambda b: b)
+            lane_held.append((time.monotonic() + 15, s))
+        # a 64 MiB Lookup message: its prefix and what the windows let through (bench/h2_raw)
+        if not h2 or h2[0].closed:
+            h2[:] = [h2_raw.Connection(sock)]
         try:
-            lookup(bytes(64 << 20), timeout=30, metadata=md)
-        except grpc.RpcError as e:
-            note(e)
-        junk = b"\x38\x01" * ((4 << 20) // 2 - 512)
+            how = h2[0].oversize("/kvstore.v1.KVStore/Lookup", raw_md, 64 << 20, 30)
+        except OSError:
+            h2[0].close()
+            how = "connection_lost"
+        with lock:
+            found["errors"][f"lookup_64mib:{how}"] = \
+                found["errors"].get(f"lookup_64mib:{how}", 0) + 1
         try:
             put(iter([junk] * 4), timeout=30, metadata=md)
         except grpc.RpcError as e:
             note(e)
 
+    local = threading.local()           # each flood thread's own raw HTTP/2 connection
+
+    def call(method: str, msg: bytes, reply: type | None = None) -> list:
+        """`msg` sent to `method` as raw HTTP/2 (bench/h2_raw.py); the answer's messages
+        (parsed as `reply` if given), Refused if the daemon ended the call without one."""
+        c = getattr(local, "h2", None)
+        if c is None or c.closed:
+            c = local.h2 = h2_raw.Connection(sock)
+        try:
+            got = c.call(f"/kvstore.v1.KVStore/{method}", raw_md, msg, 30)
+        except OSError:
+            c.close()
+            raise
+        if got is None:
+            raise Refused(method)
+        return [reply.FromString(m) for m in got] if reply else got
+
+    get_repeated = pb.GetRequest(namespace_id=ns_b, keys=[key] * 65536).SerializeToString()
+    acquire_repeated = pb.AcquireRequest(namespace_id=ns_b,
+                                         keys=[key] * 65536).SerializeToString()
+
     def repeated_keys() -> None:
-        for _msg in stub.Get(pb.GetRequest(namespace_id=ns_b, keys=[key] * 65536),
-                             timeout=30, metadata=md):
-            pass
-        lease = stub.Acquire(pb.AcquireRequest(namespace_id=ns_b, keys=[key] * 65536),
-                             timeout=30, metadata=md).lease
-        stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), timeout=30, metadata=md)
+        # serialized once: the same 1 MiB messages each round, as the daemon sees them
+        call("Get", get_repeated)
+        lease = call("Acquire", acquire_repeated, pb.AcquireResponse)[0].lease
+        call("Release", pb.ReleaseRequest(lease_id=lease.lease_id).SerializeToString())
 
     counter = [0]
 
     def namespaces() -> None:
         counter[0] += 1
-        stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec_to_proto(
-            NamespaceSpec(model=f"b-flood-{counter[0]}", layout=tiny))), timeout=30,
-            metadata=md)
+        call("RegisterNamespace", pb.RegisterNamespaceRequest(spec=spec_to_proto(
+            NamespaceSpec(model=f"b-flood-{counter[0]}", layout=tiny))).SerializeToString())
         with lock:
             found["namespaces"] += 1
 
+    reserve_one = pb.ReserveRequest(namespace_id=ns_b, count=1).SerializeToString()
+
     def leases() -> None:
-        stub.Reserve(pb.ReserveRequest(namespace_id=ns_b, count=1), timeout=30, metadata=md)
+        call("Reserve", reserve_one)
         with lock:
             found["leases"] += 1
 
+    get_of_a = pb.GetRequest(namespace_id=a_ns, keys=[key]).SerializeToString()
+
     def read_a_namespace() -> None:
         # A's namespace id (computed or leaked): refused as unknown, or bytes
-        for msg in stub.Get(pb.GetRequest(namespace_id=a_ns, keys=[key]), timeout=30,
-                            metadata=md):
+        for msg in call("Get", get_of_a):
             count(msg)
+
+    register_same_size = pb.RegisterNamespaceRequest(spec=spec_to_proto(NamespaceSpec(
+        model="b-same-size", layout=KVLayout(num_layers=1, num_kv_heads=1,
+                                             head_dim=block_bytes // 64, block_tokens=16,
+                                             dtype="bfloat16")))).SerializeToString()
 
     def read_a() -> None:
         # shared-pool slots reserved and committed unwritten, read back (finding 1)
-        big = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec_to_proto(
-            NamespaceSpec(model="b-same-size", layout=KVLayout(
-                num_layers=1, num_kv_heads=1, head_dim=block_bytes // 64, block_tokens=16,
-                dtype="bfloat16")))), timeout=30, metadata=md).namespace_id
-        lease = stub.Reserve(pb.ReserveRequest(namespace_id=big, count=16), timeout=30,
-                             metadata=md).lease
+        big = call("RegisterNamespace", register_same_size,
+                   pb.RegisterNamespaceResponse)[0].namespace_id
+        lease = call("Reserve", pb.ReserveRequest(namespace_id=big, count=16)
+                     .SerializeToString(), pb.ReserveResponse)[0].lease
         keys = [os.urandom(16) for _ in lease.slots]
-        stub.Commit(pb.CommitRequest(lease_id=lease.lease_id, keys=keys), timeout=30,
-                    metadata=md)
-        for msg in stub.Get(pb.GetRequest(namespace_id=big, keys=keys), timeout=30,
-                            metadata=md):
+        call("Commit", pb.CommitRequest(lease_id=lease.lease_id, keys=keys)
+             .SerializeToString())
+        for msg in call("Get", pb.GetRequest(namespace_id=big, keys=keys)
+                        .SerializeToString()):
             count(msg)
-        stub.Delete(pb.DeleteRequest(namespace_id=big, all=True), timeout=30, metadata=md)
+        call("Delete", pb.DeleteRequest(namespace_id=big, all=True).SerializeToString())
 
     def count(raw: bytes) -> None:
         for _k, off, n in decode_get(raw):
@@ -301,10 +383,6 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
                 with lock:
                     found["cross_tenant_bytes_read"] += n
 
-    get = ch.unary_stream("/kvstore.v1.KVStore/Get",
-                          request_serializer=pb.GetRequest.SerializeToString,
-                          response_deserializer=lambda b: b)
-    stub.Get = get                      # raw replies: B counts A's bytes in them
     floods = {"empty_streams": empty_puts, "oversize": lambda: loop(oversize),
               "repeated_keys": lambda: loop(repeated_keys),
               "namespaces": lambda: loop(namespaces), "leases": lambda: loop(leases),
@@ -320,6 +398,8 @@ def run_b(sock: str, a_ns_hex: str, block_bytes: int, without: set[str]) -> None
     ch.close()                          # ends the calls in flight: the threads return now
     for t in threads:
         t.join(5)
+    for _, s in lane_held:
+        s.close()
     print(json.dumps(found), flush=True)
     os._exit(0)                         # leftover timers and channels
 
