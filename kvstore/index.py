@@ -273,6 +273,24 @@ class BlockIndex:
         if was is None and self.listener is not None:
             self.listener.changed(e, HOST, True)
 
+    def add_host_many(self, entries: Sequence[Entry], offsets: Sequence[int]) -> None:
+        """add() then set_host() for each of a batch of new blocks (none indexed, none
+        resident yet), in order; the listener hears the batch in one changed_many call, the
+        same changes in the same order as one block at a time. Why: a commit publishes its
+        blocks together, and a listener call per block was a visible share of its cost."""
+        for e, off in zip(entries, offsets, strict=True):
+            self.add(e)              # not resident yet: add tells the listener nothing
+            e.host = off
+        listener = self.listener
+        if listener is None or not entries:
+            return
+        many = getattr(listener, "changed_many", None)
+        if many is not None:
+            many(entries, HOST, True)
+        else:
+            for e in entries:
+                listener.changed(e, HOST, True)
+
     def clear_host(self, e: Entry) -> None:
         if e.host is not None:
             e.host = None
