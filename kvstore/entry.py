@@ -58,7 +58,9 @@ class ResidencyListener(Protocol):
 
     Called under the store lock, after the change: `changed` when block `e` entered (True) or
     left (False) `tier` (its fields show the new state); `discarded` when it left the index
-    with the tiers its fields still show (each of those is left)."""
+    with the tiers its fields still show (each of those is left). A listener may also have
+    `changed_many(entries, tier, entered)`, the same as `changed` for each in order: the index
+    calls it for a batch published at once (BlockIndex.add_host_many)."""
 
     def changed(self, e: Entry, tier: str, entered: bool) -> None: ...
 

@@ -15,7 +15,6 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import xxhash
 from kvstore_client.common.errors import DataLoss, InvalidArgument, ResourceExhausted
@@ -64,14 +63,7 @@ class HostWrites:
             t0 = time.perf_counter()
             waits = room.must_evict_inline(n * aligned(size))
             room.make_room(n * aligned(size), ns_id)
-            offsets: list[int] = []
-            try:
-                for _ in range(n):
-                    offsets.append(room.alloc(size, ns_id, wait=not ahead))
-            except BaseException:           # full, or a demotion that failed
-                for off in offsets:
-                    host.free(off)
-                raise
+            offsets = room.alloc_many(size, n, ns_id, wait=not ahead)
             if waits:                        # made room inline: this Reserve waited for it
                 st.counters["reserve_waits"] += 1
                 st.counters["reserve_wait_seconds"] += time.perf_counter() - t0
@@ -89,12 +81,12 @@ class HostWrites:
             st.check_open()
             lease = self.leases.get(lease_id)
             used = lease.slots[first_slot:first_slot + len(keys)]
-            views = [st.host.view(s.offset, s.length) for s in used]
+            checked = self._commit_sample(len(used), checksums)
+            views = [st.host.view(used[i].offset, used[i].length) for i in checked]
         # Hashing (the slow part) runs outside the lock, so one client's commit does not stall
         # every other call: the slots belong to this write lease alone, and a lease that
         # expires meanwhile fails the get below.
-        checked = self._commit_sample(views, checksums)
-        hashed = xxh3_many([views[i] for i in checked])
+        hashed = xxh3_many(views)
         with st.lock:
             st.check_open()
             lease = self.leases.get(lease_id)
@@ -114,17 +106,21 @@ class HostWrites:
             batch: list[tuple[bytes, bytes | None, int]] = []    # host policy inserts, in order
             if texts:
                 st.events.recorder.remember(lease.ns_id, keys, texts)
-            for i, (k, slot) in enumerate(zip(keys, used, strict=True)):
-                prev = parent if i == 0 else keys[i - 1]
-                placed, e = self.publish(lease.ns_id, k, prev, slot.offset, slot.length,
-                                         sums[i], batch)
-                if placed:
-                    stored += 1
-                    published.append(e)
-                else:
-                    dups += 1
-                    st.host.free(slot.offset)
-            st.policies["host"].insert_many(batch)
+            fresh = self._publish_new(lease.ns_id, keys, parent, used, sums)
+            if fresh is not None:
+                stored, published = len(fresh), fresh
+            else:
+                for i, (k, slot) in enumerate(zip(keys, used, strict=True)):
+                    prev = parent if i == 0 else keys[i - 1]
+                    placed, e = self.publish(lease.ns_id, k, prev, slot.offset, slot.length,
+                                             sums[i], batch)
+                    if placed:
+                        stored += 1
+                        published.append(e)
+                    else:
+                        dups += 1
+                        st.host.free(slot.offset)
+                st.policies["host"].insert_many(batch)
             for slot in lease.slots[:first_slot] + lease.slots[first_slot + len(keys):]:
                 st.host.free(slot.offset)
             st.counters["bytes_client_to_host"] += stored * (lease.slots[0].length
@@ -133,8 +129,7 @@ class HostWrites:
             self._write_through(published)
             return CommitResult(stored, dups)
 
-    def _commit_sample(self, views: Sequence[Any], checksums: Sequence[int] | None
-                       ) -> list[int]:
+    def _commit_sample(self, n: int, checksums: Sequence[int] | None) -> list[int]:
         """Which committed slots Commit hashes itself.
 
         Every block's checksum is checked again before its bytes leave the pool (verify_reads:
@@ -144,11 +139,30 @@ class HostWrites:
         the daemon no longer uses (every block differs then). Without checksums from the
         client, or with verify_reads off, the daemon's own hash is the only one: all of them.
         """
-        n = len(views)
         host = self.state.config.host
         if not checksums or not host.verify_reads or host.commit_check == "all" or n <= 1:
             return list(range(n))
         return [random.randrange(n)]
+
+    def _publish_new(self, ns_id: bytes, keys: list[bytes], parent: bytes | None,
+                     used: Sequence[Slot], sums: Sequence[int]) -> list[Entry] | None:
+        """publish() for every key of a commit at once, when none is indexed yet (locked):
+        the steady state of an engine storing new blocks. Why: per block, publish's lookups,
+        the residency listener's call and the counters cost more than the index row and the
+        policy insert themselves. None when a key is indexed already: the caller then
+        publishes key by key (duplicates, blocks held in a lower tier)."""
+        st = self.state
+        index = st.index
+        if any(ns_id + k in index for k in keys):
+            return None
+        prevs = [parent, *keys[:-1]]
+        entries = [Entry(ns_id, k, p, s.length, c)
+                   for k, p, s, c in zip(keys, prevs, used, sums, strict=True)]
+        index.add_host_many(entries, [s.offset for s in used])
+        # (parent_gkey after the adds: the index drops a parent that would close a cycle)
+        st.policies["host"].insert_many([(e.gkey, e.parent_gkey, e.size) for e in entries])
+        st.tier_counters["host"]["stored"] += len(entries)
+        return entries
 
     def publish(self, ns_id: bytes, key: bytes, parent: bytes | None, offset: int, size: int,
                 checksum: int, batch: list | None = None) -> tuple[bool, Entry]:

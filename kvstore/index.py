@@ -273,6 +273,40 @@ class BlockIndex:
         if was is None and self.listener is not None:
             self.listener.changed(e, HOST, True)
 
+    def add_host_many(self, entries: Sequence[Entry], offsets: Sequence[int]) -> None:
+        """add() then set_host() for each of a batch of new blocks (none indexed, none
+        resident yet), in order; the listener hears the batch in one changed_many call, the
+        same changes in the same order as one block at a time. Why: a commit publishes its
+        blocks together, and a listener call per block was a visible share of its cost."""
+        rows, hot, flags, awaited = self._rows, self._hot, self._flags, self._awaited
+        for e, off in zip(entries, offsets, strict=True):
+            # add(), inlined (its per-call cost was a third of a commit's index pass); the
+            # sweep runs once after the batch, when every entry holds its host copy.
+            g = e.ns_id + e.key
+            if g in rows:
+                self.discard(g)
+            if e.parent and g in awaited and self._reaches(e.parent_gkey, g):
+                e.parent = None
+            r = e.row = self._new_row(g, e.ns_id)
+            rows[g] = r
+            hot[g] = e
+            flags[r] = _HOT
+            e.children = awaited.pop(g, 0) if awaited else 0
+            if e.parent:
+                self._link(e.ns_id + e.parent, 1, r)
+            e.host = off
+        if len(hot) > self._sweep_at:
+            self._sweep()
+        listener = self.listener
+        if listener is None or not entries:
+            return
+        many = getattr(listener, "changed_many", None)
+        if many is not None:
+            many(entries, HOST, True)
+        else:
+            for e in entries:
+                listener.changed(e, HOST, True)
+
     def clear_host(self, e: Entry) -> None:
         if e.host is not None:
             e.host = None

@@ -7,7 +7,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+from kvstore_client import KVLayout, NamespaceSpec
+
+from kvstore.events.recorder import Recorder
 from kvstore.index import GPU, HOST, REMOTE, SSD, BlockIndex, Entry
+from kvstore.state import NamespaceInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 RESIDENCY_FIELDS = {"host", "ssd", "remote", "gpu", "gpu_dev"}
@@ -109,3 +114,46 @@ def test_discard_reports_every_tier_left_even_packed():
     rec.seen.clear()
     ix.discard(e.gkey)
     assert rec.seen == [(b"b" * 16, GPU, False), (b"b" * 16, HOST, False)]
+
+
+def _batch(ns: bytes, n: int) -> list[Entry]:
+    keys = [bytes([i]) * 16 for i in range(1, n + 1)]
+    return [Entry(ns, k, p, 8, 1) for k, p in zip(keys, [None, *keys[:-1]], strict=True)]
+
+
+def test_add_host_many_reports_as_one_block_at_a_time():
+    """A commit's batch: the same changes, in the same order, and the same index (parents
+    linked, host copies set) as add() then set_host() per block."""
+    ns = b"n" * 16
+    one, many = BlockIndex(), BlockIndex()
+    rec_one, rec_many = _Recorder(), _Recorder()      # no changed_many: told one by one
+    one.listener, many.listener = rec_one, rec_many
+    for i, e in enumerate(_batch(ns, 5)):
+        one.add(e)
+        one.set_host(e, 4096 * i)
+    many.add_host_many(_batch(ns, 5), [4096 * i for i in range(5)])
+    assert rec_many.seen == rec_one.seen and len(rec_one.seen) == 5
+    for e in _batch(ns, 5):
+        a, b = one.get(e.gkey), many.get(e.gkey)
+        assert (a.host, a.parent, a.children) == (b.host, b.parent, b.children)
+
+
+@pytest.mark.parametrize("max_queue", [100, 3])
+def test_recorder_changed_many_queues_what_changed_would(max_queue):
+    """Recorder.changed_many: the items, texts, wake-ups and overflow of changed() per block."""
+    spec = NamespaceSpec(model="m", layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=8,
+                                                   block_tokens=4, dtype="float16"))
+    ns = b"n" * 16
+    infos = {ns: NamespaceInfo(ns, spec)}
+    recs = [Recorder(infos, [[]], max_queue, lambda g: None) for _ in range(2)]
+    for rec in recs:
+        rec.book[ns + bytes([2]) * 16] = "text-of-2"          # as remember() keeps them
+        rec.woke = 0
+        rec.wake = lambda rec=rec: setattr(rec, "woke", rec.woke + 1)
+    entries = _batch(ns, 5)
+    for e in entries:
+        recs[0].changed(e, HOST, True)
+    recs[1].changed_many(entries, HOST, True)
+    assert list(recs[1].queue) == list(recs[0].queue)
+    assert recs[1].overflowed == recs[0].overflowed == (max_queue < 5)
+    assert recs[1].queue[1][4] == "text-of-2" and bool(recs[1].woke) == bool(recs[0].woke)

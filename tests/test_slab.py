@@ -153,3 +153,35 @@ def test_churned_pool_reuses_oldest_freed_first():
     again = [a.alloc(8192) for _ in range(10_000)]
     assert again == freed
     assert a.used_bytes == 20_000 * 8192
+
+
+def _churned(n_free: int) -> tuple[ExtentAllocator, list[int]]:
+    """A 16-slot allocator whose first n_free slots (freed out of order) wait in the bucket."""
+    a = ExtentAllocator(16 * 64 * KIB)
+    offs = [a.alloc(64 * KIB) for _ in range(8)]
+    for o in [offs[3], offs[0], offs[5], offs[1]][:n_free]:
+        a.free(o)
+    return a, offs
+
+
+@pytest.mark.parametrize("n", [0, 2, 4, 7, 10])
+def test_alloc_many_takes_what_n_allocs_would(n):
+    """Freed extents first, oldest freed first, then the bump region: the same offsets, in
+    the same order, and the same state after, as n alloc() calls."""
+    one, _ = _churned(4)
+    many, _ = _churned(4)
+    want = [one.alloc(64 * KIB) for _ in range(n)]
+    assert many.alloc_many(64 * KIB, n) == want
+    assert many.used_bytes == one.used_bytes
+    assert [many.alloc(64 * KIB) for _ in range(2)] == [one.alloc(64 * KIB) for _ in range(2)]
+
+
+def test_alloc_many_is_all_or_none():
+    a, _ = _churned(4)
+    used = a.used_bytes
+    with pytest.raises(ResourceExhausted):
+        a.alloc_many(64 * KIB, 13)            # 4 freed + 8 never used: one short
+    assert a.used_bytes == used
+    assert len(a.alloc_many(64 * KIB, 12)) == 12
+    with pytest.raises(InvalidArgument):
+        a.alloc_many(64 * KIB, -1)

@@ -124,6 +124,12 @@ class SegmentedHost:
         s = self._segments[seg - 1]
         return s.base + s.alloc.alloc(nbytes)
 
+    def alloc_many(self, nbytes: int, n: int, seg: int = 0) -> list[int]:
+        if seg == 0:
+            return self.shared.alloc_many(nbytes, n)
+        s = self._segments[seg - 1]
+        return [s.base + off for off in s.alloc.alloc_many(nbytes, n)]
+
     def free(self, offset: int) -> None:
         seg, local = self._locate(offset)
         if seg == 0:

@@ -106,6 +106,34 @@ class Recorder:
             self.woken = True
             self.wake()
 
+    def changed_many(self, entries: Sequence[Entry], tier: str, entered: bool) -> None:
+        """changed() for each entry, in order, in one call: a commit's blocks (locked). Why:
+        per block, the call and its checks were most of what events cost a store."""
+        if tier == REMOTE or not entered or not entries:
+            for e in entries:
+                self.changed(e, tier, entered)
+            return
+        book, cache = self.book, self._ns
+        items: list[Item] = []
+        last: bytes | None = None
+        publish = False
+        for e in entries:
+            ns_id = e.ns_id
+            if ns_id is not last:
+                got = cache.get(ns_id)
+                publish = bool((got if got is not None else self.ns(ns_id))[1])
+                last = ns_id
+            if not publish:
+                continue
+            g = ns_id + e.key
+            text = book.get(g)
+            if text is None and tier != SSD and e.ssd:     # promoted from SSD: as changed()
+                text = self.ssd_text(g)
+                if text is not None:
+                    book[g] = text
+            items.append((g, (tier,), True, False, text))
+        self._put_many(items)
+
     def discarded(self, e: Entry) -> None:
         if not self.ns(e.ns_id)[1]:
             return
@@ -123,6 +151,21 @@ class Recorder:
             self._overflow()
             return
         self.queue.append(item)
+        if not self.woken:
+            self.woken = True
+            self.wake()
+
+    def _put_many(self, items: list[Item]) -> None:
+        """_put() for each item, in order: those that fit the queue, then an overflow."""
+        if not items or self.overflowed:
+            return
+        room = self.max_queue - len(self.queue)
+        if len(items) > room:
+            if room > 0:
+                self.queue.extend(items[:room])
+            self._overflow()
+            return
+        self.queue.extend(items)
         if not self.woken:
             self.woken = True
             self.wake()
