@@ -207,10 +207,6 @@ class Daemon:
         start = getattr(self.store, "start_background", None)
         if start is not None:
             start()
-        counters = getattr(self.store, "counters", None)
-        if counters is not None:
-            self._gc_pauses = PauseCounter(counters)
-            self._gc_pauses.install()
         # The objects made at startup (modules, a warm restart's index) stay for the daemon's
         # life; frozen, the cyclic GC's full collections no longer walk them. Unfrozen, one
         # took 14-22 ms of CPU (about 40k objects) inside whichever call tripped it: a Reserve
@@ -224,8 +220,12 @@ class Daemon:
         if self.config.ssd.enabled or self.config.remote.enabled:
             warm_codecs(self.stop_requested)
         frozen = freeze_long_lived()
-        if counters is not None:
+        counters = getattr(self.store, "counters", None)
+        if counters is not None and not self.stop_requested.is_set():
+            # Counted from here: the pauses of a warm daemon, not the startup's collections.
             counters["gc_frozen_objects"] = frozen
+            self._gc_pauses = PauseCounter(counters)
+            self._gc_pauses.install()
 
     def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
         if signum is not None and self.stop_requested.is_set():

@@ -10,11 +10,12 @@ kernels, tens of thousands of objects). `gc.freeze()` moves the objects alive at
 to a generation no collection walks; so it runs once the warm-ups are done, not only after
 startup (a freeze before them left everything they load to every full collection).
 
-Counted in the store's counters: `gc_full_collections`, `gc_full_seconds` (total) and
-`gc_pause_max_seconds` (the longest pause of any generation), and, once the warm-ups are done
-and frozen, `gc_frozen_objects`. Stats also report `gc_walked_objects`, what a full
-collection walks at that moment (the live index, sessions and calls in flight; not the
-daemon's code): the pause a full collection costs, about a microsecond an object.
+Counted in the store's counters once the warm-ups are done and frozen (`gc_frozen_objects`):
+`gc_full_collections`, `gc_full_seconds` (total) and `gc_pause_max_seconds` (the longest
+pause of any generation; wall time, so a thread preempted mid-collection counts that too).
+Stats also report `gc_walked_objects`, what a full collection walks at that moment (the live
+index, sessions and calls in flight; not the daemon's code): the pause a full collection
+costs, about a microsecond an object.
 """
 
 from __future__ import annotations
