@@ -29,7 +29,7 @@ from kvstore_client.common.errors import KVStoreError
 from .binding import bind_tcp, bind_unix, check_exposure, check_socket_free, tls_credentials
 from .config import StoreConfig
 from .datadir import FS_ERRNOS, DataDirLock, StartupError, check_data_dir_writable, fs_error
-from .gc_pauses import PauseCounter, freeze_long_lived
+from .gc_pauses import PauseCounter, freeze_long_lived, walked_objects
 from .stopping import CallCount, ShutdownProgress
 from .warmup import one_torch_thread, warm_codecs, warm_get
 
@@ -224,6 +224,7 @@ class Daemon:
         if counters is not None and not self.stop_requested.is_set():
             # Counted from here: the pauses of a warm daemon, not the startup's collections.
             counters["gc_frozen_objects"] = frozen
+            counters["gc_walked_objects"] = walked_objects()
             self._gc_pauses = PauseCounter(counters)
             self._gc_pauses.install()
 
