@@ -14,7 +14,6 @@ A progress line a second says what the stop waits for (kvstore/stopping.py).
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -30,6 +29,7 @@ from kvstore_client.common.errors import KVStoreError
 from .binding import bind_tcp, bind_unix, check_exposure, check_socket_free, tls_credentials
 from .config import StoreConfig
 from .datadir import FS_ERRNOS, DataDirLock, StartupError, check_data_dir_writable, fs_error
+from .gc_pauses import PauseCounter, freeze_long_lived, walked_objects
 from .stopping import CallCount, ShutdownProgress
 from .warmup import one_torch_thread, warm_codecs, warm_get
 
@@ -57,6 +57,7 @@ class Daemon:
         self.handoff: Any = None
         self.lane: Any = None
         self.metrics: Any = None
+        self._gc_pauses: PauseCounter | None = None
         self.socket_path = os.path.abspath(config.socket_path)
         self.tcp_address: str | None = None
         self.metrics_url: str | None = None
@@ -209,14 +210,23 @@ class Daemon:
         # The objects made at startup (modules, a warm restart's index) stay for the daemon's
         # life; frozen, the cyclic GC's full collections no longer walk them. Unfrozen, one
         # took 14-22 ms of CPU (about 40k objects) inside whichever call tripped it: a Reserve
-        # or Acquire of 1,024 blocks then cost 20x its usual time.
-        gc.collect()
-        gc.freeze()
+        # or Acquire of 1,024 blocks then cost 20x its usual time. Frozen again once the
+        # warm-ups are done: what they load (numpy, numba, the kernels) is as long-lived, and
+        # left unfrozen it made each full collection under load 70-90 ms (kvstore/gc_pauses.py).
+        freeze_long_lived()
         import numpy  # noqa: F401 - the first data call would otherwise load it
         if not self.stop_requested.is_set():
             warm_get()
         if self.config.ssd.enabled or self.config.remote.enabled:
             warm_codecs(self.stop_requested)
+        frozen = freeze_long_lived()
+        counters = getattr(self.store, "counters", None)
+        if counters is not None and not self.stop_requested.is_set():
+            # Counted from here: the pauses of a warm daemon, not the startup's collections.
+            counters["gc_frozen_objects"] = frozen
+            counters["gc_walked_objects"] = walked_objects()
+            self._gc_pauses = PauseCounter(counters)
+            self._gc_pauses.install()
 
     def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
         if signum is not None and self.stop_requested.is_set():
@@ -296,6 +306,9 @@ class Daemon:
             self.front = None
         if self.metrics is not None and close_metrics:
             self.metrics.close()
+        if self._gc_pauses is not None:
+            self._gc_pauses.remove()
+            self._gc_pauses = None
         if self.store is not None:
             try:
                 if self._store_factory is None:     # our Store: bounded flush, with progress
