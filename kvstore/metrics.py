@@ -84,7 +84,14 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                   "lane_calls": "Calls served over the fast lane (<socket>.lane) instead of "
                                 "gRPC",
                   "stop_flush_dropped_blocks": "Host-only blocks a stop dropped when its flush "
-                                               "ran past server.stop_flush_s"}
+                                               "ran past server.stop_flush_s",
+                  "gc_full_collections": "Full (generation 2) cyclic-GC collections since the "
+                                         "warm-ups ended",
+                  "gc_full_seconds": "Seconds those collections held the GIL"}
+# Store figures that are levels, not counts (kvstore/gc_pauses.py).
+STORE_GAUGES = {"gc_pause_max_seconds": "Longest cyclic-GC pause since the warm-ups ended",
+                "gc_frozen_objects": "Objects frozen out of every collection after the warm-ups",
+                "gc_walked_objects": "Objects a full collection walked once the daemon was warm"}
 # Series that exist from the first scrape at 0, so `increase()` and `rate()` see the first
 # event (a series that appears with value 1 has no earlier sample to increase from).
 MOVE_PATHS = ("client->host", "host->client", "host->ssd", "ssd->host", "remote->host",
@@ -257,6 +264,11 @@ class StoreCollector(Collector):
                  for name, help_ in STORE_COUNTERS.items()}
         for name in known:
             known[name].add_metric([], float(_number(counters.get(name)) or 0.0))
+        levels = {name: GaugeMetricFamily(f"kvstore_{name}", help_)
+                  for name, help_ in STORE_GAUGES.items()
+                  if _number(counters.get(name)) is not None}
+        for name, fam in levels.items():
+            fam.add_metric([], float(_number(counters[name])))
         zeros = {f"codec_{d}_bytes_{c}": 0 for d in ("in", "out") for c in CODECS}
         zeros |= {f"codec_blocks_{c}": 0 for c in CODECS}
         zeros |= {f"codec_{st}_{c}": 0 for st in ("error_sum", "error_samples")
@@ -268,7 +280,7 @@ class StoreCollector(Collector):
         for key, value in sorted(counters.items()):
             v = _number(value)
             key = str(key)
-            if v is None or key in known:
+            if v is None or key in known or key in STORE_GAUGES:
                 continue
             if m := _MOVE.match(key):
                 path = f"{m.group('src') or 'host'}->{m.group('dst')}"
@@ -282,6 +294,7 @@ class StoreCollector(Collector):
         for path, v in sorted(moved_by_path.items()):
             moved.add_metric([path], v)
         yield from known.values()
+        yield from levels.values()
         yield moved
         yield from codec.values()
         yield from codec_stats.values()
