@@ -152,14 +152,16 @@ def test_the_raw_scan_names_the_first_repeat_or_leaves_the_request_alone() -> No
     mixed[9] = mixed[1]                   # a repeat past the run of one length: not read
     assert first_repeat(pb.GetRequest(namespace_id=ns, keys=mixed).SerializeToString(), 2) \
         is None
-    # two different keys with one mix (w0 ^ w1 * C): the scan must not call them equal
-    c = 0x9E3779B97F4A7C15
-    w0, w1, w1b = (int.from_bytes(os.urandom(8), "little") for _ in range(3))
-    w0b = (w0 ^ (w1 * c % 2**64) ^ (w1b * c % 2**64)) % 2**64
+    # two different keys with one mix ((w0 ^ salt) * m ^ w1, salted per daemon run): the scan
+    # must not call them equal
+    from kvstore.handlers import key_scan
+    salt, m, full = int(key_scan._SALT), int(key_scan._MIX), 2**64 - 1
+    w0, w1, w0b = (int.from_bytes(os.urandom(8), "little") for _ in range(3))
+    w1b = (((w0b ^ salt) * m) & full) ^ (((w0 ^ salt) * m) & full) ^ w1
     k1 = np.array([w0, w1], dtype=np.uint64).tobytes()
     k2 = np.array([w0b, w1b], dtype=np.uint64).tobytes()
     ks = [os.urandom(16) for _ in range(4096)]
-    ks[10], ks[20] = k1, k2
+    ks[100], ks[200] = k1, k2
     assert first_repeat(pb.GetRequest(namespace_id=ns, keys=ks).SerializeToString(), 2) is None
 
 
