@@ -86,16 +86,38 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _runq_s(pid: int) -> float:
-    """Seconds the threads of `pid` have waited for a CPU while runnable (schedstat), those
-    alive now: how much the machine's cores, not the daemon, held them back."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
+class RunQueue:
+    """Seconds the threads of a process waited for a CPU while runnable (schedstat) over a
+    window: how much the machine's cores, not the daemon, held them back.
+
+    Read per thread, sampled: a process's total is not in /proc (its own schedstat is its
+    first thread's), and a thread that ends takes its figure with it. Summing the threads
+    alive at the start and at the end, as this bench once did, subtracted the whole past wait
+    of every thread that ended in the window (a Put's read-ahead thread, a handler's) and
+    missed the wait of threads that came and went in it. Here each thread counts from its
+    first sample to its last (sampled every 50 ms with the RSS)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.first: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        self.sample()
+
+    def sample(self) -> None:
         try:
-            total += int((task / "schedstat").read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / 1e9
+            tasks = list(Path(f"/proc/{self.pid}/task").iterdir())
+        except OSError:
+            return
+        for task in tasks:
+            try:
+                wait = int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            self.first.setdefault(task.name, wait)
+            self.last[task.name] = wait
+
+    def seconds(self) -> float:
+        return sum(v - self.first[t] for t, v in self.last.items()) / 1e9
 
 
 RSS_PARTS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
@@ -157,9 +179,13 @@ def window(a: TenantA, pids: dict[str, int], seconds: float, scrape_url: str | N
     rss: list[dict[str, float]] = []
     daemon = next(iter(pids.values()))
 
+    runq = {k: RunQueue(pids[k]) for k in ("daemon", "tenant_a")}
+
     def sample() -> None:
         while not stop.wait(0.05):
             rss.append(_rss_mib(daemon))
+            for r in runq.values():
+                r.sample()
 
     def scrape() -> None:
         import urllib.request
@@ -174,7 +200,6 @@ def window(a: TenantA, pids: dict[str, int], seconds: float, scrape_url: str | N
     for t in threads:
         t.start()
     cpu0 = {k: _cpu_s(v) for k, v in pids.items()}
-    runq0 = {k: _runq_s(pids[k]) for k in ("daemon", "tenant_a")}
     lat: list[float] = []
     errors = 0
     t0 = time.monotonic()
@@ -188,12 +213,14 @@ def window(a: TenantA, pids: dict[str, int], seconds: float, scrape_url: str | N
     stop.set()
     wall = time.monotonic() - t0
     cpu = {k: round((_cpu_s(v) - cpu0[k]) / wall, 2) for k, v in pids.items()}
-    runq = {k: round((_runq_s(pids[k]) - v) / wall, 3) for k, v in runq0.items()}
+    for r in runq.values():
+        r.sample()
     for t in threads:
         t.join(5)
+    runq_per_s = {k: round(r.seconds() / wall, 3) for k, r in runq.items()}
     rss_max = {k: max([r[k] for r in rss] or [0.0]) for k in RSS_PARTS.values()}
     return {"lat": lat, "errors": errors, "rss_max_mib": rss_max, "cpu_per_s": cpu,
-            "runq_per_s": runq}
+            "runq_per_s": runq_per_s}
 
 
 def summary(windows: list[dict]) -> dict:

@@ -305,6 +305,10 @@ class LimitsConfig:
     request_deadline_s: float = 30.0  # a gRPC call's request (all of a Put) and a Get's reply
     tenant_calls: int = 0           # gRPC calls in flight per tenant (0: server.workers)
     preauth_calls: int = 8          # mTLS calls in flight while their certificate is matched
+    # A tenant's calls refused as its own mistake (invalid, unknown, not its own), per second,
+    # and at once; past them its calls are refused at the gate unread (kvstore/gate.py).
+    refusals_per_s: float = 10.0    # 0: no budget
+    refusal_burst: int = 50
     hello_deadline_s: float = 5.0   # .auth request / .lane hello, from the connect
     pending_per_uid: int = 16       # unauthenticated .auth or .lane connections per peer uid
     pending_total: int = 1024       # ... of all peers, per listener
@@ -327,8 +331,11 @@ class LimitsConfig:
         if not 0 <= self.tenant_calls <= 1024:
             raise ConfigError(f"limits.tenant_calls must be in 0..1024 (0: server.workers), "
                               f"got {self.tenant_calls}")
-        for key in ("preauth_calls", "pending_per_uid", "pending_total", "lane_per_tenant",
-                    "sessions_per_tenant"):
+        if not 0 <= self.refusals_per_s <= 1 << 20:
+            raise ConfigError(f"limits.refusals_per_s must be 0 (no budget) or a rate up to "
+                              f"{1 << 20}, got {self.refusals_per_s}")
+        for key in ("preauth_calls", "refusal_burst", "pending_per_uid", "pending_total",
+                    "lane_per_tenant", "sessions_per_tenant"):
             v = getattr(self, key)
             if not 1 <= v <= 1 << 20:
                 raise ConfigError(f"limits.{key} must be in 1..{1 << 20}, got {v}")

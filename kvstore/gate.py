@@ -16,6 +16,14 @@ held every worker, and a body was buffered whole before the handler could check 
   tenant that stalls its own calls stalls only them. Without tenants there is one implicit
   tenant and no cap (calls queue for `server.workers` threads, as a single-engine sidecar
   expects).
+- Each tenant has a budget of refused calls (`limits.refusals_per_s`, a token bucket holding
+  `limits.refusal_burst`): every call of its that ends INVALID_ARGUMENT, NOT_FOUND,
+  PERMISSION_DENIED or OUT_OF_RANGE spends one, and while it has none left its calls are
+  refused RESOURCE_EXHAUSTED here, before a worker reads a byte of them. A correct client
+  makes such mistakes rarely; a hostile one sending 1 MiB requests the daemon must receive
+  and refuse (about 8 ms of daemon CPU each) bought that much of the daemon per request, in
+  a loop. Refusals for a cap or a full pool (RESOURCE_EXHAUSTED) are not charged: a busy
+  engine meets them in normal work, and must not be locked out of the calls that free room.
 - A call's request (every message of a Put) and a Get's reply must move within
   `limits.request_deadline_s` of the call's start: past it the watchdog cancels the call
   (DEADLINE_EXCEEDED), which wakes the thread waiting on it.
@@ -158,6 +166,52 @@ class Admission:
         return sum(self.caps.values()) + REFUSE_THREADS
 
 
+class RefusalBudget:
+    """Refused calls each tenant may make per second (module docstring): a token bucket per
+    admission class, refilled at `per_s` up to `burst`; `per_s` 0 turns it off."""
+
+    CHARGED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE})
+
+    def __init__(self, per_s: float, burst: int) -> None:
+        self.per_s = per_s
+        self.burst = float(burst)
+        self._left: dict[str, tuple[float, float]] = {}   # class -> (tokens, at monotonic)
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    def _now_left(self, cls: str, now: float) -> float:
+        tokens, at = self._left.get(cls, (self.burst, now))
+        return min(self.burst, tokens + (now - at) * self.per_s)
+
+    def allows(self, cls: str) -> bool:
+        """Whether `cls` has a refusal left to spend (counted as refused if not)."""
+        if not self.per_s or cls not in self._left:
+            return True
+        with self._lock:
+            if self._now_left(cls, time.monotonic()) >= 1.0:
+                return True
+            self.refused += 1
+            return False
+
+    def charge(self, cls: str, code: Any) -> None:
+        """A call of `cls` ended with `code`: one token spent if it is a client's mistake."""
+        if not self.per_s or code not in self.CHARGED or cls == PREAUTH:
+            return                  # PREAUTH: no tenant yet, nobody to charge
+        with self._lock:
+            now = time.monotonic()
+            self._left[cls] = (max(0.0, self._now_left(cls, now) - 1.0), now)
+
+    def wait_s(self, cls: str) -> float:
+        """Seconds until `cls` has a refusal to spend again."""
+        with self._lock:
+            return max(0.0, (1.0 - self._now_left(cls, time.monotonic())) / self.per_s)
+
+
+OPEN_BUDGET = RefusalBudget(0.0, 1)
+"""No budget: without tenants, or turned off (limits.refusals_per_s = 0)."""
+
+
 class Health:
     """The daemon's serving status, answered by Check without reading the request (the daemon
     serves one status for "" and for its service; see the module docstring)."""
@@ -185,8 +239,10 @@ class Gate(grpc.ServerInterceptor):
     """Admits each call before a worker thread is spent on it (module docstring)."""
 
     def __init__(self, auth: Auth, admission: Admission, deadlines: Deadlines,
-                 health: Health, observe: Observer | None = None) -> None:
+                 health: Health, observe: Observer | None = None,
+                 budget: RefusalBudget = OPEN_BUDGET) -> None:
         self.auth = auth
+        self.budget = budget
         self.admission = admission
         self.deadlines = deadlines
         self.health = health
@@ -215,6 +271,12 @@ class Gate(grpc.ServerInterceptor):
             else:
                 e = self.auth.no_credentials()
                 return self._refuse(handler, method, e.code, str(e))
+        if not self.budget.allows(cls):
+            return self._refuse(handler, method, "RESOURCE_EXHAUSTED",
+                                f"tenant {cls}'s calls were refused (invalid, unknown or not "
+                                f"its own) more than {self.budget.per_s:g} times a second "
+                                f"(limits.refusals_per_s); its calls are refused for "
+                                f"{self.budget.wait_s(cls):.1f} s more")
         if not self.admission.enter(cls):
             who = "calls without a token" if cls == PREAUTH else f"tenant {cls}'s calls"
             return self._refuse(handler, method, "RESOURCE_EXHAUSTED",
@@ -268,6 +330,7 @@ class Gate(grpc.ServerInterceptor):
                     _current.armed = None
                     gate.deadlines.disarm(token)
                     gate.admission.leave(held)
+                    gate.budget.charge(held, context.code())
             return grpc.stream_stream_rpc_method_handler(
                 streaming, handler.request_deserializer, handler.response_serializer)
         inner_unary = handler.stream_unary
@@ -283,6 +346,7 @@ class Gate(grpc.ServerInterceptor):
                 _current.armed = None
                 gate.deadlines.disarm(token)
                 gate.admission.leave(held)
+                gate.budget.charge(held, context.code())
         return grpc.stream_unary_rpc_method_handler(
             unary, handler.request_deserializer, handler.response_serializer)
 

@@ -222,17 +222,21 @@ class Front:
     health: gate.Health
     admission: gate.Admission
     deadlines: gate.Deadlines
+    budget: gate.RefusalBudget
 
 
 def build_server(servicer: KVStoreServicer, workers: int, max_message_bytes: int,
                  max_receive_bytes: int = 4 << 20, request_deadline_s: float = 30.0,
-                 tenant_calls: int = 0, preauth_calls: int = 8) -> tuple[grpc.Server, Front]:
+                 tenant_calls: int = 0, preauth_calls: int = 8,
+                 refusals: tuple[float, int] = (10.0, 50)) -> tuple[grpc.Server, Front]:
     """A thread-pool gRPC server with the KVStore service behind the gate (kvstore/gate.py),
     health checking and reflection.
 
     Returns (server, front); the caller binds ports, starts it and flips front.health to
     SERVING once it is really ready. With tenants each has `tenant_calls` (0: `workers`)
-    calls in flight and the pool a thread for each; without, `workers` threads serve all.
+    calls in flight and the pool a thread for each, and `refusals` (per second, burst) calls
+    refused as its own mistake before the gate refuses its calls unread; without tenants,
+    `workers` threads serve all.
     """
     from grpc_health.v1 import health
     from grpc_reflection.v1alpha import reflection
@@ -245,15 +249,17 @@ def build_server(servicer: KVStoreServicer, workers: int, max_message_bytes: int
             caps[gate.PREAUTH] = preauth_calls
         admission = gate.Admission(caps)
         threads = admission.threads
+        budget = gate.RefusalBudget(*refusals)
     else:
-        admission, threads = gate.Admission({}), workers
+        admission, threads, budget = gate.Admission({}), workers, gate.OPEN_BUDGET
     deadlines = gate.Deadlines(request_deadline_s)
     health_state = gate.Health()
-    interceptor = gate.Gate(auth, admission, deadlines, health_state, servicer._observe)
+    interceptor = gate.Gate(auth, admission, deadlines, health_state, servicer._observe,
+                            budget)
     server = grpc.server(ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
                          options=grpc_options(max_message_bytes, max_receive_bytes),
                          interceptors=(interceptor,), maximum_concurrent_rpcs=None)
     server.add_generic_rpc_handlers((servicer.handler(),))
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    return server, Front(health_state, admission, deadlines)
+    return server, Front(health_state, admission, deadlines, budget)

@@ -106,3 +106,83 @@ def test_the_largest_distinct_requests_are_served(daemon) -> None:
         lease = stub.Acquire(pb.AcquireRequest(namespace_id=ns, keys=keys), timeout=60).lease
         assert len(lease.slots) == 3
         stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), timeout=30)
+
+
+# ------------------------------------------------------- repeats found in the raw request bytes
+
+def _reference_first_repeat(keys: list[bytes]) -> tuple[int, int] | None:
+    first: dict[bytes, int] = {}
+    for i, k in enumerate(keys):
+        if k in first:
+            return i, first[k]
+        first[k] = i
+    return None
+
+
+def test_the_raw_scan_names_the_first_repeat_or_leaves_the_request_alone() -> None:
+    """kvstore/handlers/key_scan.py reads keys where they lie in the message: wherever it
+    answers, it names the same pair as a scan of the parsed keys; where it cannot read the
+    message as one run of equal-length key records, or two different keys share its 64-bit
+    mix, it answers None and protobuf decides."""
+    import random
+
+    import numpy as np
+
+    from kvstore.handlers.key_scan import first_repeat
+
+    rnd = random.Random(5)
+    ns = os.urandom(16)
+    for size in (16, 24, 32):
+        keys = [os.urandom(size) for _ in range(4096)]
+        cases = [list(keys), keys[:1] * 4096, keys[:2048] * 2,
+                 keys[:4095] + [keys[4094]], keys[:100] + [keys[7]] + keys[101:]]
+        for _ in range(20):
+            ks = list(keys)
+            for _ in range(rnd.randint(1, 5)):
+                ks[rnd.randrange(4096)] = ks[rnd.randrange(4096)]
+            cases.append(ks)
+        for ks in cases:
+            raw = pb.GetRequest(namespace_id=ns, keys=ks).SerializeToString()
+            assert first_repeat(raw, 2) == _reference_first_repeat(ks)
+            # keys first, the namespace after them: read the same way
+            after = pb.GetRequest(keys=ks).SerializeToString() + \
+                pb.GetRequest(namespace_id=ns).SerializeToString()
+            assert first_repeat(after, 2) == _reference_first_repeat(ks)
+    mixed = [os.urandom(16 + i % 2) for i in range(4096)]
+    mixed[9] = mixed[1]                   # a repeat past the run of one length: not read
+    assert first_repeat(pb.GetRequest(namespace_id=ns, keys=mixed).SerializeToString(), 2) \
+        is None
+    # two different keys with one mix ((w0 ^ salt) * m ^ w1, salted per daemon run): the scan
+    # must not call them equal
+    from kvstore.handlers import key_scan
+    salt, m, full = int(key_scan._SALT), int(key_scan._MIX), 2**64 - 1
+    w0, w1, w0b = (int.from_bytes(os.urandom(8), "little") for _ in range(3))
+    w1b = (((w0b ^ salt) * m) & full) ^ (((w0 ^ salt) * m) & full) ^ w1
+    k1 = np.array([w0, w1], dtype=np.uint64).tobytes()
+    k2 = np.array([w0b, w1b], dtype=np.uint64).tobytes()
+    ks = [os.urandom(16) for _ in range(4096)]
+    ks[100], ks[200] = k1, k2
+    assert first_repeat(pb.GetRequest(namespace_id=ns, keys=ks).SerializeToString(), 2) is None
+
+
+def test_a_large_repeat_is_refused_before_the_message_is_parsed(daemon) -> None:
+    """A 1 MiB Get, Acquire or Lookup naming one block 65,536 times is refused from its raw
+    bytes (key_scan.py): a message whose tail is not valid protobuf is refused for the repeat,
+    not for the garbage protobuf would have found first."""
+    with connect(daemon.address, transport="grpc") as c, daemon.channel() as ch:
+        ns = c.namespace(LAYOUT, model="dos-keys").ns_id
+        key = os.urandom(16)
+        for method, cls in (("Get", pb.GetRequest), ("Acquire", pb.AcquireRequest),
+                            ("Lookup", pb.LookupRequest)):
+            raw = cls(namespace_id=ns, keys=[key] * MAX_KEYS).SerializeToString() + b"\x12\xff"
+            if method == "Get":
+                fn = ch.unary_stream(f"/kvstore.v1.KVStore/{method}",
+                                     request_serializer=lambda b: b,
+                                     response_deserializer=lambda b: b)
+                msg = refusal(lambda fn=fn, raw=raw: list(fn(raw, timeout=60)))
+            else:
+                fn = ch.unary_unary(f"/kvstore.v1.KVStore/{method}",
+                                    request_serializer=lambda b: b,
+                                    response_deserializer=lambda b: b)
+                msg = refusal(lambda fn=fn, raw=raw: fn(raw, timeout=60))
+            assert "keys[1] repeats keys[0]" in msg, (method, msg)

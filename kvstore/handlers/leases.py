@@ -52,7 +52,7 @@ class LeaseCalls:
 
     def Commit(self, raw: bytes) -> pb.CommitResponse:
         s = self.s
-        req = parse_request(pb.CommitRequest, raw)
+        req = parse_request(pb.CommitRequest, raw, distinct_keys=True)
         self._release_carried(req.release_leases)
         lease_id = check_lease_id(req.lease_id)
         s.auth.check_lease(lease_id)
@@ -92,7 +92,7 @@ class LeaseCalls:
 
     def Acquire(self, raw: bytes) -> pb.AcquireResponse:
         s = self.s
-        req = parse_request(pb.AcquireRequest, raw)
+        req = parse_request(pb.AcquireRequest, raw, distinct_keys=True)
         self._release_carried(req.release_leases)
         ns = check_ns(req.namespace_id)
         s.auth.check_ns(ns)
@@ -147,7 +147,7 @@ class LeaseCalls:
     def LookupReserve(self, raw: bytes) -> pb.LookupReserveResponse:
         """Lookup, then Reserve slots for the missing keys (at most max_slots)."""
         s = self.s
-        req = parse_request(pb.LookupReserveRequest, raw)
+        req = parse_request(pb.LookupReserveRequest, raw, distinct_keys=True)
         ns, keys, tier, ttl, res = self._fused_lookup(req)
         resp = pb.LookupReserveResponse(
             prefix_blocks=res.prefix_blocks,
@@ -163,7 +163,7 @@ class LeaseCalls:
     def LookupAcquire(self, raw: bytes) -> pb.LookupAcquireResponse:
         """Lookup, then Acquire the cached prefix under a read lease."""
         s = self.s
-        req = parse_request(pb.LookupAcquireRequest, raw)
+        req = parse_request(pb.LookupAcquireRequest, raw, distinct_keys=True)
         self._release_carried(req.release_leases)
         ns, keys, tier, ttl, res = self._fused_lookup(req)
         resp = pb.LookupAcquireResponse(

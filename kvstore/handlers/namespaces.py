@@ -72,7 +72,7 @@ class NamespaceCalls:
         return resp
 
     def Lookup(self, raw: bytes) -> pb.LookupResponse:
-        req = parse_request(pb.LookupRequest, raw)
+        req = parse_request(pb.LookupRequest, raw, distinct_keys=True)
         ns = check_ns(req.namespace_id)
         self.s.auth.check_ns(ns)
         keys = check_keys(req.keys, allow_empty=True)
@@ -81,7 +81,7 @@ class NamespaceCalls:
                                  per_tier={str(k): int(v) for k, v in res.per_tier.items()})
 
     def Locate(self, raw: bytes) -> pb.LocateResponse:
-        req = parse_request(pb.LocateRequest, raw)
+        req = parse_request(pb.LocateRequest, raw, distinct_keys=True)
         ns = check_ns(req.namespace_id)
         self.s.auth.check_ns(ns)
         keys = check_keys(req.keys, allow_empty=True)

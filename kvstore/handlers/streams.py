@@ -131,7 +131,7 @@ class StreamCalls:
         """The longest cached prefix, fetched and sent in ~GET_BATCH_BYTES messages to bound
         memory."""
         s = self.s
-        req = parse_request(pb.GetRequest, raw)
+        req = parse_request(pb.GetRequest, raw, distinct_keys=True)
         ns = check_ns(req.namespace_id)
         s.auth.check_ns(ns)
         keys = check_keys(req.keys, distinct=True)

@@ -24,6 +24,7 @@ from kvstore_client.common.layout import KVLayout, NamespaceSpec
 from kvstore_client.common.limits import MAX_KEY_BYTES, MAX_KEYS, MAX_REQUEST_BYTES, MIN_KEY_BYTES
 
 from ..keychain import STEP, check_distinct
+from .key_scan import refuse_repeated_keys
 
 NS_ID_BYTES = 16
 MAX_LEASE_ID = 128
@@ -33,13 +34,18 @@ TIERS = ("gpu", "host", "ssd", "remote")
 SLOT_TIERS = ("host", "gpu")  # tiers that hand out slots under leases
 
 
-def parse_request(cls: type[Message], raw: bytes) -> Any:
-    """A request message from its bytes, or InvalidArgument naming what was expected."""
+def parse_request(cls: type[Message], raw: bytes, distinct_keys: bool = False) -> Any:
+    """A request message from its bytes, or InvalidArgument naming what was expected.
+
+    `distinct_keys`: the request's `keys` may not repeat one, and a large request that does is
+    refused from its raw bytes, before protobuf builds an object per key (key_scan.py)."""
     if len(raw) > MAX_REQUEST_BYTES:
         # Refused before protobuf parses millions of keys (early refusal: docs/security.md).
         raise InvalidArgument(f"request is {len(raw)} bytes; no valid {cls.DESCRIPTOR.full_name} "
                               f"is larger than {MAX_REQUEST_BYTES} bytes (at most {MAX_KEYS} "
                               "keys of at most 32 bytes): split the request")
+    if distinct_keys:
+        refuse_repeated_keys(raw, cls.DESCRIPTOR.fields_by_name["keys"].number)
     try:
         return cls.FromString(raw)
     except Exception as e:  # DecodeError, or invalid UTF-8 in a string field
