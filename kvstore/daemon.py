@@ -326,18 +326,8 @@ class Daemon:
         self.lock.release()
 
 
-GIL_SWITCH_S = 0.001
-
-
 def run(config: StoreConfig, store_factory: Callable[[StoreConfig], Any] | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
-    # A thread asking for the GIL waits until the holder reaches the switch interval (5 ms by
-    # default) whenever the holder runs Python. A call's path takes the GIL many times (the
-    # gRPC poller's callbacks, the worker, a Put's read-ahead thread), so with other tenants'
-    # calls running Python beside it, each take could cost up to 5 ms: a small call's latency
-    # became a multiple of its work. At 1 ms the wait is bounded five times tighter, for a
-    # switch a millisecond among threads that hold the GIL that long.
-    sys.setswitchinterval(GIL_SWITCH_S)
     d = Daemon(config, store_factory)
     signal.signal(signal.SIGTERM, d.request_stop)
     signal.signal(signal.SIGINT, d.request_stop)
