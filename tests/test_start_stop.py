@@ -128,6 +128,45 @@ def test_background_demotion_keeps_host_under_low_watermark(tmp_path):
         store.close()
 
 
+def test_background_demotions_overlap(tmp_path, monkeypatch):
+    """While one demoter's batch is on the disk, writes past the low watermark start the next
+    batch on the other demoter (the disk never waits for one thread to fill, sync and settle),
+    and every block comes back byte-exact."""
+    store = make_store(tmp_path, host_capacity=1 << 20)     # 1 MiB: ~250 slots of 4 KiB
+    try:
+        put_filled = store.ssd.put_filled
+        lock = threading.Lock()
+        inside: list[str] = []
+        first_in, overlapped = threading.Event(), threading.Event()
+
+        def gated(items, fill):
+            with lock:
+                inside.append(threading.current_thread().name)
+                if len(inside) == 2:
+                    overlapped.set()
+            first_in.set()
+            overlapped.wait(10)               # deadline: without a second batch, fail, not hang
+            try:
+                return put_filled(items, fill)
+            finally:
+                with lock:
+                    inside.remove(threading.current_thread().name)
+        monkeypatch.setattr(store.ssd, "put_filled", gated)
+        ns = namespace(store)
+        _, keys = random_prompt(np.random.default_rng(5), 235)
+        blocks = [kv_block(k) for k in keys]
+        store.put(ns, keys[:225], blocks[:225])                 # past low: a first batch
+        assert first_in.wait(30), "the background demoter wrote nothing"
+        store.put(ns, keys[225:], blocks[225:])                 # still under high: no inline
+        assert overlapped.wait(10), "no second demotion started while the first was in flight"
+        assert store.stats()["counters"].get("reserve_waits", 0) == 0
+        low = store.config.host.low_watermark * store.host.capacity
+        assert _wait(lambda: store.host.used_bytes <= low), store.host.used_bytes
+        assert [v for _, v in store.get(ns, keys)] == blocks
+    finally:
+        store.close()
+
+
 def test_reserve_that_must_evict_inline_is_counted(tmp_path):
     store = make_store(tmp_path, host_capacity=1 << 20, background_demotion=False)
     try:

@@ -77,6 +77,7 @@ class HostToSSD:
         self.encoder = encoder
         self.workers = workers
         self._encode_choice: EncodeChoice | None = None
+        self._last_write_end = float("-inf")   # perf_counter when the last batch landed
 
     @property
     def encode_choice(self) -> EncodeChoice:
@@ -185,15 +186,18 @@ class HostToSSD:
         self.ssd_room.make_room(need)
         texts = st.texts()
         items = [(entries[i].gkey, lengths[i], meta(entries[i], texts)) for i in idx]
-        choice = self.encode_choice
         self.ssd_room.pending += need
         try:
             with st.unlocked():
                 t = time.perf_counter()
                 stored = st.ssd.put_filled(items, lambda k, dst: fill(idx[k], dst))
-                choice.note_write(need, time.perf_counter() - t)
+                end = time.perf_counter()
         finally:
             self.ssd_room.pending -= need
+        # Batches overlap (two demoters, inline evictions): one batch's wall time includes the
+        # other's writes, so its rate counts only the time since the last batch landed.
+        self.encode_choice.note_write(need, end - max(t, self._last_write_end))
+        self._last_write_end = end
         return list(zip(idx, stored, strict=True))
 
     def _probe_encode(self, block: np.ndarray, layout: KVLayout) -> None:
