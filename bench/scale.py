@@ -12,7 +12,8 @@ Figures, each a ratio or a size measured in this run:
 - alloc_after_churn_vs_fresh: ExtentAllocator.alloc time after 200k frees of the same size
   against allocations from a fresh slab. Target <= 1.5.
 - store_gbps_spilling_vs_not: Store.put throughput of 2 MiB blocks into a full host pool
-  (every write demotes to SSD) against an empty one. Target >= 0.5. It is bounded by the disk:
+  (every write demotes to SSD) against an empty one (already written once, as a running
+  daemon's is; each rate the best of ROUNDS passes). Target >= 0.5. It is bounded by the disk:
   every spilled block is written once, so where the disk writes slower than half an empty
   store's rate the target is out of reach whatever the store does. Hence also
   store_gbps_spilling_vs_disk: the spilling rate against the disk's own direct-write rate of
@@ -153,6 +154,9 @@ def alloc_churn(n: int = 200_000) -> float:
     return timed(churned) / fresh
 
 
+ROUNDS = 3          # passes per store rate; the best counts (store_spilling)
+
+
 def store_spilling(folder: str, quick: bool) -> dict:
     n = 48 if quick else 160
     rng = np.random.default_rng(1)
@@ -171,11 +175,15 @@ def store_spilling(folder: str, quick: bool) -> dict:
 
     s = store(folder, host, ssd=8 * host)
     try:
-        empty = rate(s, 1)                                 # half the pool: no eviction
-        s.evict("host")
-        rate(s, 2)
-        rate(s, 3)                                         # full: every write now spills
-        spilling = rate(s, 4)
+        # Each rate is the best of ROUNDS passes, the same for both: one pass of 48 blocks
+        # swung 2x between runs (page faults of a fresh pool, the machine's other work).
+        empty = 0.0
+        for r in range(ROUNDS):
+            empty = max(empty, rate(s, 1 + r))             # half the pool: no eviction
+            s.evict("host")                                # empty again (to SSD, untimed)
+        rate(s, 8)
+        rate(s, 9)                                         # full: every write now spills
+        spilling = max(rate(s, 10 + r) for r in range(ROUNDS))
         waits = s.stats()["counters"].get("reserve_waits", 0)
     finally:
         s.close(flush=False)
