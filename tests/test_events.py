@@ -239,6 +239,40 @@ def test_overflow_starts_every_stream_over(tmp_path, caplog):
             sub.close()
 
 
+def test_a_burst_of_stores_wakes_the_publisher_once_and_a_later_store_again(tmp_path):
+    """The wake-up is a syscall made under the store lock: while changes keep coming the
+    publisher looks at the queue on its own timer, and once it has gone back to sleep the next
+    change still wakes it (nothing waits in the queue unannounced)."""
+    rng = np.random.default_rng(12)
+    with make(tmp_path) as store:
+        sub = sub_of(store)
+        rec = store.events.recorder
+        wakes: list[float] = []
+        wake = rec.wake
+        rec.wake = lambda: (wakes.append(time.monotonic()), wake())
+        try:
+            ns = register(store)
+            n = 0
+            for _ in range(20):             # each store announced before the next one
+                tokens, keys = random_prompt(rng, 2)
+                put(store, ns, keys, tokens)
+                n += 2
+                sub.wait(lambda e, n=n: len(firsts(stored(e))) == n, what="a store")
+            # one wake-up for the burst (a stall of the machine past LINGER_S may add one)
+            assert 1 <= len(wakes) <= 3
+            deadline = time.monotonic() + 20
+            while rec.woken and time.monotonic() < deadline:
+                sub.pump(0.05)
+            assert not rec.woken, "the publisher never went back to sleep"
+            before = len(wakes)
+            tokens, keys = random_prompt(rng, 2)
+            put(store, ns, keys, tokens)
+            sub.wait(lambda e: len(firsts(stored(e))) == n + 2, what="the store after sleep")
+            assert len(wakes) == before + 1
+        finally:
+            sub.close()
+
+
 def test_replay_and_bad_replay_requests(tmp_path, caplog):
     rng = np.random.default_rng(6)
     with make(tmp_path) as store:

@@ -56,6 +56,13 @@ HEARTBEAT_S = 5.0
 # a router started after the daemon would never learn what the daemon already holds. At most
 # once per stream this often, whatever the subscriptions.
 REANNOUNCE_EVERY_S = 2.0
+# After a tick that drained changes, the thread looks at the queue every interval_s for this
+# long without being woken (the recorder sees `woken` still set and writes nothing to the
+# pipe). Why: the wake-up is a syscall made under the store lock, and it hands the GIL to the
+# publisher, so a store that wakes it waits for the GIL with the lock held; a daemon storing
+# steadily now wakes it once per burst, not once per interval. The price: up to
+# LINGER_S / interval_s empty ticks after each burst (tens of microseconds each).
+LINGER_S = 0.5
 
 
 class Publisher:
@@ -101,6 +108,7 @@ class Publisher:
         self._ns_cache = recorder._ns           # read-only here: the recorder fills it
         self._started = False
         self._bound_at = time.monotonic()
+        self._drained_at = 0.0          # when a tick last drained changes (LINGER_S)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _wake(self) -> None:
@@ -157,7 +165,6 @@ class Publisher:
             # stores after it) and send them at once, rather than wake per change.
             if self._stop.wait(self.interval_s):
                 return
-        self.recorder.woken = False         # a change queued from now on wakes this thread
         now = time.monotonic()
         for i, st in enumerate(self.streams):
             if st.subscribed():
@@ -185,13 +192,27 @@ class Publisher:
         due = {i for i, at in self._reannounce.items() if at <= now}
         if due and self._started:
             self._start_over(due, clear=False)
-        self._drain()
+        self._linger(self._drain())
         self._keep_joins()
         now = time.monotonic()
         for st in self.streams:
             if now - st.sent_at >= HEARTBEAT_S:
                 st.send([], empty_ok=True)
         self._sync_counters()
+
+    def _linger(self, drained: int) -> None:
+        """Keep looking at the queue on a timer while changes come (the recorder's `woken`
+        stays set, so it does not wake this thread); LINGER_S after the last, go back to
+        sleeping until woken."""
+        now = time.monotonic()
+        if drained:
+            self._drained_at = now
+            return
+        rec = self.recorder
+        if rec.woken and now - self._drained_at >= LINGER_S:
+            rec.woken = False           # a change queued from now on wakes this thread
+            if rec.queue or rec.overflowed:
+                rec.woken = True        # one queued just before: the next tick takes it
 
     def _timeout_s(self) -> float:
         """How long the thread may sleep: until a timed duty (the first announcement, a
@@ -202,7 +223,7 @@ class Publisher:
             return max(0.0, self._bound_at + START_DELAY_S - now)
         if self.recorder.queue or self.recorder.overflowed or self.joins:
             return 0.0                      # left from a tick that stopped at DRAIN_MAX
-        due = now + 1.0
+        due = now + (self.interval_s if self.recorder.woken else 1.0)     # lingering
         for st in self.streams:
             due = min(due, st.sent_at + HEARTBEAT_S)
         for at in self._reannounce.values():
@@ -297,11 +318,12 @@ class Publisher:
         self.counters["events_start_overs" if clear else "events_reannouncements"] += 1
 
     # -- changes ------------------------------------------------------------------------------
-    def _drain(self) -> None:
-        """Turn the queued changes into events. Consecutive changes of one commit's blocks
-        entering a tier (their texts one LazyTexts, in order) and consecutive removals of
-        SDK-stored blocks from one tier reach the run at once: the same events _apply makes
-        of each change in turn, without Python work per block on the GIL the requests need."""
+    def _drain(self) -> int:
+        """Turn the queued changes into events; returns how many it took. Consecutive
+        changes of one commit's blocks entering a tier (their texts one LazyTexts, in order)
+        and consecutive removals of SDK-stored blocks from one tier reach the run at once: the
+        same events _apply makes of each change in turn, without Python work per block on the
+        GIL the requests need."""
         q = self.recorder.queue
         out: dict[int, list[bytes]] = {i: [] for i in range(len(self.streams))}
         run = EventRun(lambda mask, ev: self._emit(out, mask, ev))
@@ -320,10 +342,12 @@ class Publisher:
                 run.removed_each(gone_at[1], wire.MEDIUM[gone_at[0]], list(map(own_hash, gone)))
                 gone, gone_at = [], None
 
-        for _ in range(DRAIN_MAX):
+        taken = 0
+        for taken in range(1, DRAIN_MAX + 1):
             try:
                 item = q.popleft()
             except IndexError:
+                taken -= 1
                 break
             g, tiers, entered, _, text = item
             if len(tiers) == 1:
@@ -354,6 +378,7 @@ class Publisher:
         flush()
         run.close()
         self._send(out)
+        return taken
 
     def _apply(self, item: Item, run: EventRun) -> None:
         g, tiers, entered, gone, text = item
