@@ -571,21 +571,31 @@ def test_publisher_runs_beside_concurrent_stores(tmp_path):
             sub.close()
 
 
+@pytest.mark.parametrize("high", [2**8, 2**16, 2**32])
 @pytest.mark.parametrize("block_tokens", [1, 15, 16, 64])
-def test_token_ids_pack_as_vllms_encoder_packs_them(block_tokens):
+def test_token_ids_pack_as_vllms_encoder_packs_them(block_tokens, high):
     """Token ids go out as msgpack arrays, each int in its smallest form (what vLLM's msgspec
-    encoder writes): the daemon packs a commit's blocks at once, by value class."""
+    encoder writes): the daemon packs a commit's blocks at once, by value class (ids below
+    0x10000, most vocabularies, by a path of their own: both must write the same bytes)."""
     import msgpack
 
-    from kvstore.events.texts import pack_token_blocks, tokens_u32
-    rng = np.random.default_rng(block_tokens)
-    edges = [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]
-    tokens = np.concatenate([edges, rng.integers(0, 2**32, 200, dtype=np.int64)])
-    tokens = tokens[:len(tokens) // block_tokens * block_tokens]
-    got = pack_token_blocks(tokens_u32(tokens), block_tokens)
-    want = [msgpack.packb(tokens[i:i + block_tokens].tolist())
-            for i in range(0, len(tokens), block_tokens)]
-    assert got == want
+    from kvstore.events.texts import _pack_ints, pack_commit, pack_token_blocks, tokens_u32
+    rng = np.random.default_rng(block_tokens * 7 + high.bit_length())
+    edges = [e for e in (0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1) if e < high]
+    for _ in range(5):
+        tokens = np.concatenate([rng.permutation(edges * 3),
+                                 rng.integers(0, high, 400, dtype=np.int64)])
+        tokens = tokens[:len(tokens) // block_tokens * block_tokens]
+        raw = tokens_u32(tokens)
+        got = pack_token_blocks(raw, block_tokens)
+        want = [msgpack.packb(tokens[i:i + block_tokens].tolist())
+                for i in range(0, len(tokens), block_tokens)]
+        assert got == want
+        keys = [bytes([i % 256, i // 256]) * 8 for i in range(len(want))]
+        packed = pack_commit(b"n" * 16, keys, None, raw, block_tokens)
+        data, starts, _ = _pack_ints(raw)        # the general path, for every value class
+        assert packed.data == data
+        assert packed.offsets == [*starts[::block_tokens].tolist(), len(data)]
 
 
 def test_a_chain_stored_at_once_goes_out_as_one_event(tmp_path):
