@@ -63,6 +63,10 @@ REANNOUNCE_EVERY_S = 2.0
 # steadily now wakes it once per burst, not once per interval. The price: up to
 # LINGER_S / interval_s empty ticks after each burst (tens of microseconds each).
 LINGER_S = 0.5
+# The store's copy of this thread's counters (Stats, metrics) is brought up to date after a
+# tick that drained changes and otherwise at most this often: rebuilding it cost ~50 us, and
+# a lingering thread ticks every interval_ms while stores come, on the GIL they need.
+COUNTERS_EVERY_S = 0.1
 
 
 class Publisher:
@@ -109,6 +113,7 @@ class Publisher:
         self._started = False
         self._bound_at = time.monotonic()
         self._drained_at = 0.0          # when a tick last drained changes (LINGER_S)
+        self._synced_at = 0.0           # when the store's counters were last brought up to date
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _wake(self) -> None:
@@ -192,13 +197,16 @@ class Publisher:
         due = {i for i, at in self._reannounce.items() if at <= now}
         if due and self._started:
             self._start_over(due, clear=False)
-        self._linger(self._drain())
+        drained = self._drain()
+        self._linger(drained)
         self._keep_joins()
         now = time.monotonic()
         for st in self.streams:
             if now - st.sent_at >= HEARTBEAT_S:
                 st.send([], empty_ok=True)
-        self._sync_counters()
+        if drained or now - self._synced_at >= COUNTERS_EVERY_S:
+            self._synced_at = now
+            self._sync_counters()
 
     def _linger(self, drained: int) -> None:
         """Keep looking at the queue on a timer while changes come (the recorder's `woken`
@@ -325,6 +333,8 @@ class Publisher:
         same events _apply makes of each change in turn, without Python work per block on the
         GIL the requests need."""
         q = self.recorder.queue
+        if not q:
+            return 0                    # a lingering tick: most find nothing (~30 us saved)
         out: dict[int, list[bytes]] = {i: [] for i in range(len(self.streams))}
         run = EventRun(lambda mask, ev: self._emit(out, mask, ev))
         ns_cache, ns = self._ns_cache, self.recorder.ns
