@@ -23,17 +23,21 @@ import os
 import threading
 import time
 from collections import Counter, OrderedDict
+from itertools import repeat, starmap
+from operator import itemgetter
 from typing import Any
 
 import msgpack
 import zmq
 from kvstore_client.common.errors import KVStoreError
+from xxhash import xxh3_64_intdigest
 
 from ..entry import GPU, HOST, SSD
 from . import wire
 from .recorder import Item, Recorder
 from .relay import Relay, TokenCache
 from .runs import EventRun
+from .spans import chain_span, removal_span
 from .stream import Stream
 from .texts import OWN, SGLANG, VLLM, BlockText, LazyText, own_hash, resolve, sglang_hash
 
@@ -63,6 +67,7 @@ REANNOUNCE_EVERY_S = 2.0
 # steadily now wakes it once per burst, not once per interval. The price: up to
 # LINGER_S / interval_s empty ticks after each burst (tens of microseconds each).
 LINGER_S = 0.5
+_GKEY, _TIERS_OF, _ENTERED, _TEXT = (itemgetter(i) for i in (0, 1, 2, 4))     # of an Item
 # The store's copy of this thread's counters (Stats, metrics) is brought up to date after a
 # tick that drained changes and otherwise at most this often: rebuilding it cost ~50 us, and
 # a lingering thread ticks every interval_ms while stores come, on the GIL they need.
@@ -349,29 +354,37 @@ class Publisher:
                 run.stored_chain(mask, wire.MEDIUM[tier], owner.packed(), first, end)
                 chain = None
             if gone_at is not None:
-                run.removed_each(gone_at[1], wire.MEDIUM[gone_at[0]], list(map(own_hash, gone)))
+                run.removed_each(gone_at[1], wire.MEDIUM[gone_at[0]],
+                                list(map(xxh3_64_intdigest, gone)))     # own_hash, in C
                 gone, gone_at = [], None
 
-        taken = 0
-        for taken in range(1, DRAIN_MAX + 1):
-            try:
-                item = q.popleft()
-            except IndexError:
-                taken -= 1
-                break
+        # Taken off the queue at once (popleft called in C; changes queued meanwhile stay for
+        # the next tick), so that runs of alike changes can be measured in C (spans.py).
+        n = min(len(q), DRAIN_MAX)
+        items = list(starmap(q.popleft, repeat((), n)))
+        gkeys = list(map(_GKEY, items))
+        tiers_of = list(map(_TIERS_OF, items))
+        texts = list(map(_TEXT, items))
+        entered_of = list(map(_ENTERED, items))
+        j = 0
+        while j < n:
+            item = items[j]
             g, tiers, entered, _, text = item
             if len(tiers) == 1:
                 if type(text) is LazyText:          # a commit's block, entering a tier
                     owner, i = text.func.__self__, text.args[0]
+                    k = chain_span(texts, tiers_of, j, n)
                     if (chain is not None and owner is chain[0] and i == chain[2]
                             and tiers[0] == chain[3]):
-                        chain[2] = i + 1
+                        chain[2] = i + k
+                        j += k
                         continue
                     got = ns_cache.get(g[:16])
                     kind, mask = got if got is not None else ns(g[:16])
                     if kind == OWN and mask:
                         flush()
-                        chain = [owner, i, i + 1, tiers[0], mask]
+                        chain = [owner, i, i + k, tiers[0], mask]
+                        j += k
                         continue
                 elif not entered:
                     got = ns_cache.get(g[:16])
@@ -381,14 +394,18 @@ class Publisher:
                         if at != gone_at:
                             flush()
                             gone_at = at
-                        gone.append(g)
+                        k = removal_span(gkeys, tiers_of, texts, entered_of, j, n) \
+                            if text is None else 1
+                        gone.extend(gkeys[j:j + k])
+                        j += k
                         continue
             flush()
             self._apply(item, run)
+            j += 1
         flush()
         run.close()
         self._send(out)
-        return taken
+        return n
 
     def _apply(self, item: Item, run: EventRun) -> None:
         g, tiers, entered, gone, text = item

@@ -114,6 +114,7 @@ class Recorder:
                 self.changed(e, tier, entered)
             return
         book, cache = self.book, self._ns
+        tiers = (tier,)         # one tuple for the batch (the publisher compares them in runs)
         items: list[Item] = []
         last: bytes | None = None
         publish = False
@@ -131,7 +132,7 @@ class Recorder:
                 text = self.ssd_text(g)
                 if text is not None:
                     book[g] = text
-            items.append((g, (tier,), True, False, text))
+            items.append((g, tiers, True, False, text))
         self._put_many(items)
 
     def discarded(self, e: Entry) -> None:
