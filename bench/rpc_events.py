@@ -16,13 +16,19 @@ come as one event) and the CPU seconds it used in all (consumer_cpu_s: it shares
 with both daemons and the client, so it must stay small beside their store_cpu_s).
 
 Blocks are small (128 KiB) and many per call, where a per-block cost shows most.
+
+Run alone (this part of bench/rpc.py only, to study the events cost):
+  .venv/bin/python bench/rpc_events.py [--quick]. Last line: one JSON object.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -127,3 +133,22 @@ def run(tmp: Path, workers: int, nblocks: int, reps: int, env: dict[str, str],
         "store_cpu_s_off": cpu_off, "store_cpu_s_on": cpu_on},
         "events_store_cost": store_ratio, "events_load_cost": load_ratio,
         "events_store_cpu_cost": (cpu_off / cpu_on) if cpu_on > 0 and cpu_off > 0 else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="bench/rpc.py's events figures alone")
+    ap.add_argument("--quick", action="store_true", help="bench/rpc.py --quick's sizes")
+    ap.add_argument("--workers", type=int, default=8)
+    args = ap.parse_args()
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from bench import rpc
+    rpc._reexec_with_malloc_env()
+    reps = 7 if args.quick else 15
+    with tempfile.TemporaryDirectory(prefix="kvs-bench-events-") as d:
+        result = run(Path(d), args.workers, 64 * 4, reps, dict(rpc.MALLOC_ENV), rpc._aligned_kv)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -239,6 +239,40 @@ def test_overflow_starts_every_stream_over(tmp_path, caplog):
             sub.close()
 
 
+def test_a_burst_of_stores_wakes_the_publisher_once_and_a_later_store_again(tmp_path):
+    """The wake-up is a syscall made under the store lock: while changes keep coming the
+    publisher looks at the queue on its own timer, and once it has gone back to sleep the next
+    change still wakes it (nothing waits in the queue unannounced)."""
+    rng = np.random.default_rng(12)
+    with make(tmp_path) as store:
+        sub = sub_of(store)
+        rec = store.events.recorder
+        wakes: list[float] = []
+        wake = rec.wake
+        rec.wake = lambda: (wakes.append(time.monotonic()), wake())
+        try:
+            ns = register(store)
+            n = 0
+            for _ in range(20):             # each store announced before the next one
+                tokens, keys = random_prompt(rng, 2)
+                put(store, ns, keys, tokens)
+                n += 2
+                sub.wait(lambda e, n=n: len(firsts(stored(e))) == n, what="a store")
+            # one wake-up for the burst (a stall of the machine past LINGER_S may add one)
+            assert 1 <= len(wakes) <= 3
+            deadline = time.monotonic() + 20
+            while rec.woken and time.monotonic() < deadline:
+                sub.pump(0.05)
+            assert not rec.woken, "the publisher never went back to sleep"
+            before = len(wakes)
+            tokens, keys = random_prompt(rng, 2)
+            put(store, ns, keys, tokens)
+            sub.wait(lambda e: len(firsts(stored(e))) == n + 2, what="the store after sleep")
+            assert len(wakes) == before + 1
+        finally:
+            sub.close()
+
+
 def test_replay_and_bad_replay_requests(tmp_path, caplog):
     rng = np.random.default_rng(6)
     with make(tmp_path) as store:
@@ -537,21 +571,31 @@ def test_publisher_runs_beside_concurrent_stores(tmp_path):
             sub.close()
 
 
+@pytest.mark.parametrize("high", [2**8, 2**16, 2**32])
 @pytest.mark.parametrize("block_tokens", [1, 15, 16, 64])
-def test_token_ids_pack_as_vllms_encoder_packs_them(block_tokens):
+def test_token_ids_pack_as_vllms_encoder_packs_them(block_tokens, high):
     """Token ids go out as msgpack arrays, each int in its smallest form (what vLLM's msgspec
-    encoder writes): the daemon packs a commit's blocks at once, by value class."""
+    encoder writes): the daemon packs a commit's blocks at once, by value class (ids below
+    0x10000, most vocabularies, by a path of their own: both must write the same bytes)."""
     import msgpack
 
-    from kvstore.events.texts import pack_token_blocks, tokens_u32
-    rng = np.random.default_rng(block_tokens)
-    edges = [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]
-    tokens = np.concatenate([edges, rng.integers(0, 2**32, 200, dtype=np.int64)])
-    tokens = tokens[:len(tokens) // block_tokens * block_tokens]
-    got = pack_token_blocks(tokens_u32(tokens), block_tokens)
-    want = [msgpack.packb(tokens[i:i + block_tokens].tolist())
-            for i in range(0, len(tokens), block_tokens)]
-    assert got == want
+    from kvstore.events.texts import _pack_ints, pack_commit, pack_token_blocks, tokens_u32
+    rng = np.random.default_rng(block_tokens * 7 + high.bit_length())
+    edges = [e for e in (0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1) if e < high]
+    for _ in range(5):
+        tokens = np.concatenate([rng.permutation(edges * 3),
+                                 rng.integers(0, high, 400, dtype=np.int64)])
+        tokens = tokens[:len(tokens) // block_tokens * block_tokens]
+        raw = tokens_u32(tokens)
+        got = pack_token_blocks(raw, block_tokens)
+        want = [msgpack.packb(tokens[i:i + block_tokens].tolist())
+                for i in range(0, len(tokens), block_tokens)]
+        assert got == want
+        keys = [bytes([i % 256, i // 256]) * 8 for i in range(len(want))]
+        packed = pack_commit(b"n" * 16, keys, None, raw, block_tokens)
+        data, starts, _ = _pack_ints(raw)        # the general path, for every value class
+        assert packed.data == data
+        assert packed.offsets == [*starts[::block_tokens].tolist(), len(data)]
 
 
 def test_a_chain_stored_at_once_goes_out_as_one_event(tmp_path):

@@ -23,17 +23,21 @@ import os
 import threading
 import time
 from collections import Counter, OrderedDict
+from itertools import repeat, starmap
+from operator import itemgetter
 from typing import Any
 
 import msgpack
 import zmq
 from kvstore_client.common.errors import KVStoreError
+from xxhash import xxh3_64_intdigest
 
 from ..entry import GPU, HOST, SSD
 from . import wire
 from .recorder import Item, Recorder
 from .relay import Relay, TokenCache
 from .runs import EventRun
+from .spans import chain_span, removal_span
 from .stream import Stream
 from .texts import OWN, SGLANG, VLLM, BlockText, LazyText, own_hash, resolve, sglang_hash
 
@@ -56,6 +60,18 @@ HEARTBEAT_S = 5.0
 # a router started after the daemon would never learn what the daemon already holds. At most
 # once per stream this often, whatever the subscriptions.
 REANNOUNCE_EVERY_S = 2.0
+# After a tick that drained changes, the thread looks at the queue every interval_s for this
+# long without being woken (the recorder sees `woken` still set and writes nothing to the
+# pipe). Why: the wake-up is a syscall made under the store lock, and it hands the GIL to the
+# publisher, so a store that wakes it waits for the GIL with the lock held; a daemon storing
+# steadily now wakes it once per burst, not once per interval. The price: up to
+# LINGER_S / interval_s empty ticks after each burst (tens of microseconds each).
+LINGER_S = 0.5
+_GKEY, _TIERS_OF, _ENTERED, _TEXT = (itemgetter(i) for i in (0, 1, 2, 4))     # of an Item
+# The store's copy of this thread's counters (Stats, metrics) is brought up to date after a
+# tick that drained changes and otherwise at most this often: rebuilding it cost ~50 us, and
+# a lingering thread ticks every interval_ms while stores come, on the GIL they need.
+COUNTERS_EVERY_S = 0.1
 
 
 class Publisher:
@@ -101,6 +117,8 @@ class Publisher:
         self._ns_cache = recorder._ns           # read-only here: the recorder fills it
         self._started = False
         self._bound_at = time.monotonic()
+        self._drained_at = 0.0          # when a tick last drained changes (LINGER_S)
+        self._synced_at = 0.0           # when the store's counters were last brought up to date
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _wake(self) -> None:
@@ -157,7 +175,6 @@ class Publisher:
             # stores after it) and send them at once, rather than wake per change.
             if self._stop.wait(self.interval_s):
                 return
-        self.recorder.woken = False         # a change queued from now on wakes this thread
         now = time.monotonic()
         for i, st in enumerate(self.streams):
             if st.subscribed():
@@ -185,13 +202,30 @@ class Publisher:
         due = {i for i, at in self._reannounce.items() if at <= now}
         if due and self._started:
             self._start_over(due, clear=False)
-        self._drain()
+        drained = self._drain()
+        self._linger(drained)
         self._keep_joins()
         now = time.monotonic()
         for st in self.streams:
             if now - st.sent_at >= HEARTBEAT_S:
                 st.send([], empty_ok=True)
-        self._sync_counters()
+        if drained or now - self._synced_at >= COUNTERS_EVERY_S:
+            self._synced_at = now
+            self._sync_counters()
+
+    def _linger(self, drained: int) -> None:
+        """Keep looking at the queue on a timer while changes come (the recorder's `woken`
+        stays set, so it does not wake this thread); LINGER_S after the last, go back to
+        sleeping until woken."""
+        now = time.monotonic()
+        if drained:
+            self._drained_at = now
+            return
+        rec = self.recorder
+        if rec.woken and now - self._drained_at >= LINGER_S:
+            rec.woken = False           # a change queued from now on wakes this thread
+            if rec.queue or rec.overflowed:
+                rec.woken = True        # one queued just before: the next tick takes it
 
     def _timeout_s(self) -> float:
         """How long the thread may sleep: until a timed duty (the first announcement, a
@@ -202,7 +236,7 @@ class Publisher:
             return max(0.0, self._bound_at + START_DELAY_S - now)
         if self.recorder.queue or self.recorder.overflowed or self.joins:
             return 0.0                      # left from a tick that stopped at DRAIN_MAX
-        due = now + 1.0
+        due = now + (self.interval_s if self.recorder.woken else 1.0)     # lingering
         for st in self.streams:
             due = min(due, st.sent_at + HEARTBEAT_S)
         for at in self._reannounce.values():
@@ -297,12 +331,15 @@ class Publisher:
         self.counters["events_start_overs" if clear else "events_reannouncements"] += 1
 
     # -- changes ------------------------------------------------------------------------------
-    def _drain(self) -> None:
-        """Turn the queued changes into events. Consecutive changes of one commit's blocks
-        entering a tier (their texts one LazyTexts, in order) and consecutive removals of
-        SDK-stored blocks from one tier reach the run at once: the same events _apply makes
-        of each change in turn, without Python work per block on the GIL the requests need."""
+    def _drain(self) -> int:
+        """Turn the queued changes into events; returns how many it took. Consecutive
+        changes of one commit's blocks entering a tier (their texts one LazyTexts, in order)
+        and consecutive removals of SDK-stored blocks from one tier reach the run at once: the
+        same events _apply makes of each change in turn, without Python work per block on the
+        GIL the requests need."""
         q = self.recorder.queue
+        if not q:
+            return 0                    # a lingering tick: most find nothing (~30 us saved)
         out: dict[int, list[bytes]] = {i: [] for i in range(len(self.streams))}
         run = EventRun(lambda mask, ev: self._emit(out, mask, ev))
         ns_cache, ns = self._ns_cache, self.recorder.ns
@@ -317,27 +354,37 @@ class Publisher:
                 run.stored_chain(mask, wire.MEDIUM[tier], owner.packed(), first, end)
                 chain = None
             if gone_at is not None:
-                run.removed_each(gone_at[1], wire.MEDIUM[gone_at[0]], list(map(own_hash, gone)))
+                run.removed_each(gone_at[1], wire.MEDIUM[gone_at[0]],
+                                list(map(xxh3_64_intdigest, gone)))     # own_hash, in C
                 gone, gone_at = [], None
 
-        for _ in range(DRAIN_MAX):
-            try:
-                item = q.popleft()
-            except IndexError:
-                break
+        # Taken off the queue at once (popleft called in C; changes queued meanwhile stay for
+        # the next tick), so that runs of alike changes can be measured in C (spans.py).
+        n = min(len(q), DRAIN_MAX)
+        items = list(starmap(q.popleft, repeat((), n)))
+        gkeys = list(map(_GKEY, items))
+        tiers_of = list(map(_TIERS_OF, items))
+        texts = list(map(_TEXT, items))
+        entered_of = list(map(_ENTERED, items))
+        j = 0
+        while j < n:
+            item = items[j]
             g, tiers, entered, _, text = item
             if len(tiers) == 1:
                 if type(text) is LazyText:          # a commit's block, entering a tier
                     owner, i = text.func.__self__, text.args[0]
+                    k = chain_span(texts, tiers_of, j, n)
                     if (chain is not None and owner is chain[0] and i == chain[2]
                             and tiers[0] == chain[3]):
-                        chain[2] = i + 1
+                        chain[2] = i + k
+                        j += k
                         continue
                     got = ns_cache.get(g[:16])
                     kind, mask = got if got is not None else ns(g[:16])
                     if kind == OWN and mask:
                         flush()
-                        chain = [owner, i, i + 1, tiers[0], mask]
+                        chain = [owner, i, i + k, tiers[0], mask]
+                        j += k
                         continue
                 elif not entered:
                     got = ns_cache.get(g[:16])
@@ -347,13 +394,18 @@ class Publisher:
                         if at != gone_at:
                             flush()
                             gone_at = at
-                        gone.append(g)
+                        k = removal_span(gkeys, tiers_of, texts, entered_of, j, n) \
+                            if text is None else 1
+                        gone.extend(gkeys[j:j + k])
+                        j += k
                         continue
             flush()
             self._apply(item, run)
+            j += 1
         flush()
         run.close()
         self._send(out)
+        return n
 
     def _apply(self, item: Item, run: EventRun) -> None:
         g, tiers, entered, gone, text = item

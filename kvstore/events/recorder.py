@@ -114,6 +114,7 @@ class Recorder:
                 self.changed(e, tier, entered)
             return
         book, cache = self.book, self._ns
+        tiers = (tier,)         # one tuple for the batch (the publisher compares them in runs)
         items: list[Item] = []
         last: bytes | None = None
         publish = False
@@ -131,16 +132,19 @@ class Recorder:
                 text = self.ssd_text(g)
                 if text is not None:
                     book[g] = text
-            items.append((g, (tier,), True, False, text))
+            items.append((g, tiers, True, False, text))
         self._put_many(items)
 
     def discarded(self, e: Entry) -> None:
-        if not self.ns(e.ns_id)[1]:
+        # (Inlined lookups and a table of the tier tuples: a delete calls this for each of its
+        # blocks under the store lock, and a generator per block was most of its cost.)
+        ns_id = e.ns_id
+        got = self._ns.get(ns_id)
+        if not (got if got is not None else self.ns(ns_id))[1]:
             return
-        g = e.gkey
+        g = ns_id + e.key
         self.book.pop(g, None)
-        tiers = tuple(t for t, on in ((GPU, e.gpu is not None), (HOST, e.host is not None),
-                                      (SSD, e.ssd)) if on)
+        tiers = _TIERS[(e.gpu is not None) << 2 | (e.host is not None) << 1 | bool(e.ssd)]
         if tiers:
             self._put((g, tiers, False, True, None))
 
@@ -179,3 +183,9 @@ class Recorder:
 
 def _no_wake() -> None:
     pass
+
+
+# The tiers a discarded block still holds, by (gpu, host, ssd) as bits 2, 1, 0; in the order
+# its events go out (gpu first).
+_TIERS: tuple[tuple[str, ...], ...] = tuple(
+    tuple(t for t, bit in ((GPU, 4), (HOST, 2), (SSD, 1)) if bits & bit) for bits in range(8))

@@ -152,17 +152,55 @@ def _pack_ints(raw: bytes) -> tuple[bytes, np.ndarray, np.ndarray]:
     return data, ends - width, ends
 
 
+def _pack_narrow(t: np.ndarray, block_tokens: int) -> tuple[bytes, list[int]] | None:
+    """_pack_blocks for token ids below 0x10000 (None otherwise): each int's form right-aligned
+    in 3 bytes built column by column (tag 0xCD, then 0xCC or its high byte, then its low
+    byte), cut by a mask of the same contiguous shape. About half the general path's time:
+    no uint64 words, and numpy's masked select is much cheaper on 3 contiguous columns than
+    on 8 (or on a strided view of them)."""
+    if t.size and int(t.max()) >= 0x10000:
+        return None
+    c1 = t >= 0x80
+    c2 = t >= 0x100
+    tb = t.view(np.uint8)                   # little-endian: byte 0 of each is its low byte
+    forms = np.empty((t.size, 3), np.uint8)
+    forms[:, 0] = 0xCD
+    forms[:, 1] = np.where(c2, tb[1::4], np.uint8(0xCC))
+    forms[:, 2] = tb[0::4]
+    keep = np.empty((t.size, 3), bool)
+    keep[:, 0] = c2
+    keep[:, 1] = c1
+    keep[:, 2] = True
+    per = (c1.view(np.int8) + c2.view(np.int8)).reshape(-1, block_tokens).sum(
+        axis=1, dtype=np.int64)
+    per += block_tokens
+    offsets = np.zeros(per.size + 1, np.int64)
+    np.cumsum(per, out=offsets[1:])
+    return forms[keep].tobytes(), offsets.tolist()
+
+
+def _pack_blocks(raw: bytes, block_tokens: int) -> tuple[bytes, list[int]]:
+    """Token ids (little-endian uint32, block_tokens a block) as msgpack ints back to back,
+    and where each block's ints start (one more offset at the end: the length)."""
+    t = np.frombuffer(raw, dtype="<u4")
+    got = _pack_narrow(t, block_tokens)
+    if got is not None:
+        return got
+    data, starts, _ = _pack_ints(raw)
+    offsets = starts[::block_tokens].tolist()
+    offsets.append(len(data))
+    return data, offsets
+
+
 def pack_token_blocks(raw: bytes, block_tokens: int) -> list[bytes]:
     """Each block's token ids (raw: little-endian uint32, block_tokens a block) as the msgpack
     array vLLM's encoder writes: every int in its smallest form. Done for a whole commit at
     once with numpy; packing per block cost a microsecond or more a block on the Commit path."""
     if not raw:
         return []
-    data, starts, ends = _pack_ints(raw)
-    T = block_tokens
-    head = wire.array_header(T)
-    return [head + data[a:b] for a, b in zip(starts[::T].tolist(), ends[T - 1::T].tolist(),
-                                             strict=True)]
+    data, off = _pack_blocks(raw, block_tokens)
+    head = wire.array_header(block_tokens)
+    return [head + data[a:b] for a, b in zip(off[:-1], off[1:], strict=True)]
 
 
 class Packed(NamedTuple):
@@ -184,9 +222,7 @@ def pack_commit(ns_id: bytes, keys: list[bytes], parent: bytes | None, raw_token
     prev = own_hash(ns_id + parent) if parent else None
     if not keys:
         return Packed(hashes, prev, b"", [0], block_tokens)
-    data, starts, _ = _pack_ints(raw_tokens)
-    offsets = starts[::block_tokens].tolist()
-    offsets.append(len(data))
+    data, offsets = _pack_blocks(raw_tokens, block_tokens)
     return Packed(hashes, prev, data, offsets, block_tokens)
 
 
