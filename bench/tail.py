@@ -226,7 +226,7 @@ def main() -> None:
         result[f"max_{op}_vs_p50"] = round(result[op]["max_ms"] / p50, 1) if p50 else None
     keep = ("reserve_waits", "reserve_wait_seconds", "background_demotion_bytes",
             "acquire_cut_host_full", "corrupt_blocks", "ssd_disk_full_errors",
-            "gc_full_collections", "gc_full_seconds", "gc_pause_max_seconds", "gc_walked_objects")
+            "gc_full_collections", "gc_walked_objects")
     result["daemon_counters"] = {k: counters[k] for k in keep if k in counters}
     result["targets_met"] = {
         f"max_{op}_vs_p50": (result[f"max_{op}_vs_p50"] is not None

@@ -29,7 +29,7 @@ from kvstore_client.common.errors import KVStoreError
 from .binding import bind_tcp, bind_unix, check_exposure, check_socket_free, tls_credentials
 from .config import StoreConfig
 from .datadir import FS_ERRNOS, DataDirLock, StartupError, check_data_dir_writable, fs_error
-from .gc_pauses import PauseCounter, freeze_long_lived, walked_objects
+from .gc_pauses import freeze_long_lived, walked_objects
 from .stopping import CallCount, ShutdownProgress
 from .warmup import one_torch_thread, warm_codecs, warm_get
 
@@ -57,7 +57,6 @@ class Daemon:
         self.handoff: Any = None
         self.lane: Any = None
         self.metrics: Any = None
-        self._gc_pauses: PauseCounter | None = None
         self.socket_path = os.path.abspath(config.socket_path)
         self.tcp_address: str | None = None
         self.metrics_url: str | None = None
@@ -222,11 +221,8 @@ class Daemon:
         frozen = freeze_long_lived()
         counters = getattr(self.store, "counters", None)
         if counters is not None and not self.stop_requested.is_set():
-            # Counted from here: the pauses of a warm daemon, not the startup's collections.
             counters["gc_frozen_objects"] = frozen
             counters["gc_walked_objects"] = walked_objects()
-            self._gc_pauses = PauseCounter(counters)
-            self._gc_pauses.install()
 
     def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
         if signum is not None and self.stop_requested.is_set():
@@ -306,9 +302,6 @@ class Daemon:
             self.front = None
         if self.metrics is not None and close_metrics:
             self.metrics.close()
-        if self._gc_pauses is not None:
-            self._gc_pauses.remove()
-            self._gc_pauses = None
         if self.store is not None:
             try:
                 if self._store_factory is None:     # our Store: bounded flush, with progress

@@ -86,11 +86,9 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                   "stop_flush_dropped_blocks": "Host-only blocks a stop dropped when its flush "
                                                "ran past server.stop_flush_s",
                   "gc_full_collections": "Full (generation 2) cyclic-GC collections since the "
-                                         "warm-ups ended",
-                  "gc_full_seconds": "Seconds those collections held the GIL"}
+                                         "daemon started"}
 # Store figures that are levels, not counts (kvstore/gc_pauses.py).
-STORE_GAUGES = {"gc_pause_max_seconds": "Longest cyclic-GC pause since the warm-ups ended",
-                "gc_frozen_objects": "Objects frozen out of every collection after the warm-ups",
+STORE_GAUGES = {"gc_frozen_objects": "Objects frozen out of every collection after the warm-ups",
                 "gc_walked_objects": "Objects a full collection walked once the daemon was warm"}
 # Series that exist from the first scrape at 0, so `increase()` and `rate()` see the first
 # event (a series that appears with value 1 has no earlier sample to increase from).

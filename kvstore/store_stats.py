@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .gc_pauses import full_collections
 from .leases import LeaseTable
 from .state import StoreState
 
@@ -40,6 +41,7 @@ def stats(state: StoreState, leases: LeaseTable, gpu_slots: Any, daemon_id: str)
         for k in ("hits", "misses", "evictions"):
             t.setdefault(k, 0)
     out_remote = {} if st.remote is None else st.remote.stats
-    return {"tiers": tiers, "counters": dict(st.counters), "remote": out_remote,
+    counters = {**st.counters, "gc_full_collections": full_collections()}
+    return {"tiers": tiers, "counters": counters, "remote": out_remote,
             "gpu_devices": gpu_devices, "namespaces": len(st.namespaces),
             "active_leases": len(leases), "blocks": len(st.index), "daemon_id": daemon_id}
