@@ -47,13 +47,14 @@ import tempfile
 import time
 from pathlib import Path
 
-MALLOC_ENV = {
-    "MALLOC_ARENA_MAX": "4",
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
-    "MALLOC_TOP_PAD_": str(64 << 20),
-}
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.rpc_setup import MALLOC_ENV  # noqa: E402
+from bench.rpc_setup import aligned_kv as _aligned_kv  # noqa: E402
+from bench.rpc_setup import reexec_with_malloc_env as _reexec_with_malloc_env  # noqa: E402
+
 ECHO_METHOD = "/bench.Echo/Echo"
 MAX_MESSAGE = 256 << 20
 
@@ -67,13 +68,6 @@ def cpu_seconds(pid: int | None = None) -> float:
         return r.ru_utime + r.ru_stime
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _reexec_with_malloc_env() -> None:
-    missing = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
-    if missing and "_KVS_BENCH_REEXEC" not in os.environ:
-        env = {**os.environ, **missing, "_KVS_BENCH_REEXEC": "1"}
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def echo_server(socket_path: str, workers: int) -> None:
@@ -155,19 +149,6 @@ def bench_lookup(address: str, echo_sock: str, rounds: int, per_round: int) -> d
     out["hash_mtokens_per_s"] = len(tokens) / statistics.median(hs) / 1e6
     out["lookup_p99_vs_echo"] = out["lookup"]["p99_us"] / out["echo"]["p99_us"]
     return out
-
-
-def _aligned_kv(lay, tokens: int, seed: int):
-    """A page-aligned bf16 tensor [L, 2, tokens, H, D] (docs/performance.md: copy alignment)."""
-    import numpy as np
-    import torch
-    from kvstore_client.buffers import aligned_buffer
-
-    L, _, _, H, D = lay.block_shape
-    n = L * 2 * tokens * H * D
-    buf = aligned_buffer(n * 2).view(np.int16)
-    buf[:] = np.random.default_rng(seed).integers(-2**15, 2**15, n, dtype=np.int16)
-    return torch.from_numpy(buf).view(torch.bfloat16).view(L, 2, tokens, H, D)
 
 
 BIG = (32, 8, 128)     # layers, kv heads, head dim: 2 MiB bf16 blocks of 16 tokens

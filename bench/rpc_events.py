@@ -142,11 +142,11 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(root))
-    from bench import rpc
-    rpc._reexec_with_malloc_env()
+    from bench.rpc_setup import MALLOC_ENV, aligned_kv, reexec_with_malloc_env
+    reexec_with_malloc_env()
     reps = 7 if args.quick else 15
     with tempfile.TemporaryDirectory(prefix="kvs-bench-events-") as d:
-        result = run(Path(d), args.workers, 64 * 4, reps, dict(rpc.MALLOC_ENV), rpc._aligned_kv)
+        result = run(Path(d), args.workers, 64 * 4, reps, dict(MALLOC_ENV), aligned_kv)
     print(json.dumps(result))
 
 
