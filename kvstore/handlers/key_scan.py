@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import secrets
 
-import numpy as np
 from kvstore_client.common.errors import InvalidArgument
 from kvstore_client.common.limits import MAX_KEY_BYTES, MIN_KEY_BYTES
 
@@ -29,11 +28,11 @@ SCAN_FROM_BYTES = 32 << 10    # smaller requests: protobuf and a set cost less t
 MAX_FIELDS_BEFORE = 8         # fields read before the first key record, at most
 HEAD_KEYS = 64                # keys looked at one by one before the sort (module docstring)
 INDEX_BITS = 17              # a key's place in the sort key: MAX_KEYS (65,536) fits
-INDEX_MASK = np.uint64((1 << INDEX_BITS) - 1)
+INDEX_LIMIT = 1 << INDEX_BITS
 # Salted per daemon run, so a client cannot choose keys whose mixes collide (a collision only
 # sends the request to protobuf, but that is the cost the scan saves).
-_SALT = np.uint64(secrets.randbits(64))
-_MIX = np.uint64(secrets.randbits(64) | 1)
+_SALT = secrets.randbits(64)
+_MIX = secrets.randbits(64) | 1
 
 
 def refuse_repeated_keys(raw: bytes, keys_field: int, field: str = "keys") -> None:
@@ -63,26 +62,29 @@ def first_repeat(raw: bytes, keys_field: int) -> tuple[int, int] | None:
     head = _first_repeat_in(raw, pos, tag, size, HEAD_KEYS)
     if head is not None:
         return head                         # exact: no earlier repeat lies past the head
+    import numpy as np  # here, not at import: the daemon serves before it loads numpy
+
+    index_mask = np.uint64(INDEX_LIMIT - 1)
     count = (len(raw) - pos) // stride
     recs = np.frombuffer(raw, np.uint8, count * stride, pos).reshape(count, stride)
     regular = (recs[:, 0] == tag) & (recs[:, 1] == size)
     run = count if regular.all() else int(np.argmin(regular))
-    if run < 2 or run > INDEX_MASK + 1:
+    if run < 2 or run > index_mask + 1:
         return None
     keys = recs[:run, 2:]
     words = np.ascontiguousarray(keys[:, :16]).view(np.uint64)
-    mix = (words[:, 0] ^ _SALT) * _MIX ^ words[:, 1]
+    mix = (words[:, 0] ^ np.uint64(_SALT)) * np.uint64(_MIX) ^ words[:, 1]
     # Each key's mix in the high bits, its place in the low ones: one sort puts equal mixes
     # together, each group in the keys' order, so the first key of a group is where it first
     # appears and every other is a repeat.
-    tagged = np.sort((mix & ~INDEX_MASK) | np.arange(run, dtype=np.uint64))
+    tagged = np.sort((mix & ~index_mask) | np.arange(run, dtype=np.uint64))
     high = tagged >> INDEX_BITS
     later = np.flatnonzero(high[1:] == high[:-1]) + 1
     if not len(later):
         return None                         # all distinct: the ordinary path serves it
-    k = later[int(np.argmin(tagged[later] & INDEX_MASK))]
-    at = int(tagged[k] & INDEX_MASK)
-    first = int(tagged[np.searchsorted(high, high[k])] & INDEX_MASK)
+    k = later[int(np.argmin(tagged[later] & index_mask))]
+    at = int(tagged[k] & index_mask)
+    first = int(tagged[np.searchsorted(high, high[k])] & index_mask)
     if not np.array_equal(keys[at], keys[first]):
         return None                         # a collision of the mix: protobuf decides
     return at, first
