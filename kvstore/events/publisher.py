@@ -179,7 +179,8 @@ class Publisher:
         for i, st in enumerate(self.streams):
             # Only a stream whose socket polled readable has subscriptions to read: a read
             # of an empty one raises zmq.Again, ~80 us of GIL on every tick (the poll is
-            # level-triggered, so one left unread shows again next tick).
+            # level-triggered, so one left unread shows again next tick). Replay requests
+            # likewise.
             if st.pub in ready and st.subscribed():
                 self._reannounce[i] = self._announced_at[i] + REANNOUNCE_EVERY_S
         if not self._started:
@@ -199,7 +200,8 @@ class Publisher:
                 else:
                     self._learned(arg)
         for s in self.streams:
-            s.serve_replay()
+            if s.replay is not None and s.replay in ready:     # (as subscriptions, above)
+                s.serve_replay()
         if self.recorder.overflowed:
             self._overflow()
         due = {i for i, at in self._reannounce.items() if at <= now}
