@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from kvstore_client import KVLayout, NamespaceSpec
 
-from kvstore.events.recorder import Recorder
+from kvstore.events.recorder import CommitRun, Recorder
+from kvstore.events.texts import LazyTexts
 from kvstore.index import GPU, HOST, REMOTE, SSD, BlockIndex, Entry
 from kvstore.state import NamespaceInfo
 
@@ -138,18 +139,25 @@ def test_add_host_many_reports_as_one_block_at_a_time():
         assert (a.host, a.parent, a.children) == (b.host, b.parent, b.children)
 
 
-@pytest.mark.parametrize("max_queue", [100, 3])
-def test_recorder_changed_many_queues_what_changed_would(max_queue):
-    """Recorder.changed_many: the items, texts, wake-ups and overflow of changed() per block."""
+def _recorders(max_queue: int, n: int = 2) -> tuple[bytes, list[Recorder]]:
     spec = NamespaceSpec(model="m", layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=8,
                                                    block_tokens=4, dtype="float16"))
     ns = b"n" * 16
     infos = {ns: NamespaceInfo(ns, spec)}
-    recs = [Recorder(infos, [[]], max_queue, lambda g: None) for _ in range(2)]
+    recs = [Recorder(infos, [[]], max_queue, lambda g: None) for _ in range(n)]
     for rec in recs:
-        rec.book[ns + bytes([2]) * 16] = "text-of-2"          # as remember() keeps them
         rec.woke = 0
         rec.wake = lambda rec=rec: setattr(rec, "woke", rec.woke + 1)
+    return ns, recs
+
+
+@pytest.mark.parametrize("max_queue", [100, 3])
+def test_recorder_changed_many_queues_what_changed_would(max_queue):
+    """Recorder.changed_many of blocks no commit just remembered (a promotion's, a put's):
+    the items, texts, wake-ups and overflow of changed() per block."""
+    ns, recs = _recorders(max_queue)
+    for rec in recs:
+        rec.book[ns + bytes([2]) * 16] = "text-of-2"          # as remember() keeps them
     entries = _batch(ns, 5)
     for e in entries:
         recs[0].changed(e, HOST, True)
@@ -157,3 +165,50 @@ def test_recorder_changed_many_queues_what_changed_would(max_queue):
     assert list(recs[1].queue) == list(recs[0].queue)
     assert recs[1].overflowed == recs[0].overflowed == (max_queue < 5)
     assert recs[1].queue[1][4] == "text-of-2" and bool(recs[1].woke) == bool(recs[0].woke)
+
+
+@pytest.mark.parametrize("max_queue", [100, 3])
+def test_a_remembered_commit_queues_one_record_of_its_blocks(max_queue):
+    """The blocks of the commit remember() just took go in as one CommitRun (the internal
+    shape: one item, not one per block) standing for the same changes: each block's text is
+    the book's (what changed() would queue), the backlog counts every block (max_queue
+    overflows as it would per block), one wake-up. The events a consumer sees from it are
+    the per-block items' (tests/test_events_put.py: a Put's blocks, queued one by one, and a
+    Commit's announce the same blocks, parents and token ids)."""
+    ns, (one, many) = _recorders(max_queue)
+    entries = _batch(ns, 5)
+    keys = [e.key for e in entries]
+    texts = LazyTexts(ns, keys, None, bytes(4 * 4 * 5), 4)
+    for rec in (one, many):
+        rec.remember(ns, keys, texts)
+    for e in entries:
+        one.changed(e, HOST, True)
+    many.changed_many(entries, HOST, True)
+    assert many.overflowed == one.overflowed == (max_queue < 5)
+    assert bool(many.woke) == bool(one.woke)
+    if max_queue < 5:
+        assert not many.queue
+        return
+    (run,) = many.queue
+    assert isinstance(run, CommitRun) and run.n == 5 and run.tiers == (HOST,)
+    assert many.queued == one.queued == 5
+    assert [(it[4].owner, it[4].i) for it in one.queue] == [(texts, i) for i in range(5)]
+    assert [it[4]() for it in one.queue] == [run.text.text(i) for i in range(5)]
+    assert [it[0] for it in one.queue][0] == run.gkey and run.entered and not run.gone
+
+
+def test_changed_many_after_another_change_queues_per_block():
+    """A change between remember() and changed_many (it may have touched the book) makes the
+    batch go in block by block; so does a batch that is not the remembered commit."""
+    ns, (rec,) = _recorders(100, 1)
+    entries = _batch(ns, 4)
+    keys = [e.key for e in entries]
+    texts = LazyTexts(ns, keys, None, bytes(4 * 4 * 4), 4)
+    rec.remember(ns, keys, texts)
+    rec.discarded(entries[0])                   # not resident: queues nothing, forgets
+    rec.changed_many(entries, HOST, True)
+    assert len(rec.queue) == 4 and not any(isinstance(it, CommitRun) for it in rec.queue)
+    rec.queue.clear()
+    rec.remember(ns, keys, texts)
+    rec.changed_many(entries[1:], HOST, True)   # a part only
+    assert len(rec.queue) == 3 and not any(isinstance(it, CommitRun) for it in rec.queue)

@@ -34,7 +34,7 @@ from xxhash import xxh3_64_intdigest
 
 from ..entry import GPU, HOST, SSD
 from . import wire
-from .recorder import Item, Recorder
+from .recorder import CommitRun, Item, Recorder
 from .relay import Relay, TokenCache
 from .runs import EventRun
 from .spans import chain_span, removal_span
@@ -177,7 +177,11 @@ class Publisher:
                 return
         now = time.monotonic()
         for i, st in enumerate(self.streams):
-            if st.subscribed():
+            # Only a stream whose socket polled readable has subscriptions to read: a read
+            # of an empty one raises zmq.Again, ~80 us of GIL on every tick (the poll is
+            # level-triggered, so one left unread shows again next tick). Replay requests
+            # likewise.
+            if st.pub in ready and st.subscribed():
                 self._reannounce[i] = self._announced_at[i] + REANNOUNCE_EVERY_S
         if not self._started:
             if time.monotonic() < self._bound_at + START_DELAY_S:
@@ -196,7 +200,8 @@ class Publisher:
                 else:
                     self._learned(arg)
         for s in self.streams:
-            s.serve_replay()
+            if s.replay is not None and s.replay in ready:     # (as subscriptions, above)
+                s.serve_replay()
         if self.recorder.overflowed:
             self._overflow()
         due = {i for i, at in self._reannounce.items() if at <= now}
@@ -271,6 +276,7 @@ class Publisher:
             return
         try:
             self.recorder.queue.clear()
+            self.recorder.taken = self.recorder.queued
             self.recorder.overflowed = False
         finally:
             self.state.lock.release()
@@ -332,9 +338,9 @@ class Publisher:
 
     # -- changes ------------------------------------------------------------------------------
     def _drain(self) -> int:
-        """Turn the queued changes into events; returns how many it took. Consecutive
-        changes of one commit's blocks entering a tier (their texts one LazyTexts, in order)
-        and consecutive removals of SDK-stored blocks from one tier reach the run at once: the
+        """Turn the queued changes into events; returns how many it took. A commit's blocks
+        (a CommitRun, or consecutive changes whose texts are one LazyTexts, in order) and
+        consecutive removals of SDK-stored blocks from one tier reach the run at once: the
         same events _apply makes of each change in turn, without Python work per block on the
         GIL the requests need."""
         q = self.recorder.queue
@@ -366,9 +372,19 @@ class Publisher:
         tiers_of = list(map(_TIERS_OF, items))
         texts = list(map(_TEXT, items))
         entered_of = list(map(_ENTERED, items))
+        rec = self.recorder
+        rec.taken += n                      # (a CommitRun adds the rest of its blocks below)
         j = 0
         while j < n:
             item = items[j]
+            if type(item) is CommitRun:     # (the recorder queues only published ones)
+                flush()
+                got = ns_cache.get(item.gkey[:16])
+                chain = [item.text, 0, item.n, item.tiers[0],
+                         (got if got is not None else ns(item.gkey[:16]))[1]]
+                rec.taken += item.n - 1
+                j += 1
+                continue
             g, tiers, entered, _, text = item
             if len(tiers) == 1:
                 if type(text) is LazyText:          # a commit's block, entering a tier

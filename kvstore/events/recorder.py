@@ -3,9 +3,10 @@
 Everything here runs inside a store call holding the store lock, so it does the least it can:
 a namespace lookup (cached), a tuple appended to a deque, and the book of token texts kept in
 step (texts of blocks with a host or gpu copy; an SSD copy keeps its text in its LMDB meta).
-Encoding and sending are the publisher thread's (publisher.py). The queue is bounded: when
-the publisher falls max_queue changes behind, new changes are dropped until it starts every
-stream over from what the daemon holds; a store never waits for it.
+A commit's new blocks are one queued record (CommitRun), not one per block. Encoding and
+sending are the publisher thread's (publisher.py). The queue is bounded: when the publisher
+falls max_queue changes behind, new changes are dropped until it starts every stream over from
+what the daemon holds; a store never waits for it.
 """
 
 from __future__ import annotations
@@ -13,14 +14,34 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
-from typing import Any
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 from ..entry import GPU, HOST, REMOTE, SSD, Entry
 from .texts import OWN, BlockText, LazyTexts, kind_of
 
-# A queued change: (gkey, tiers, entered, gone, text). `gone`: the block holds no published
-# tier any more (the publisher forgets what it kept for it); `text`: its text when known then.
-Item = tuple[bytes, tuple[str, ...], bool, bool, BlockText | None]
+
+class CommitRun(NamedTuple):
+    """All the blocks of one commit entering a tier, in order, as one queued record: the
+    changes changed() would queue for each, whose texts are the commit's LazyTexts. Why: one
+    item per block cost the store path a tuple, a book lookup and a key each, and the
+    publisher a look at each (its fields 0-4 line up with a change's, so the publisher's
+    per-field views of the queue stay valid: its text is no LazyText, so no run of single
+    changes continues through it)."""
+
+    gkey: bytes                 # the first block's
+    tiers: tuple[str, ...]
+    entered: bool               # True
+    gone: bool                  # False
+    text: LazyTexts             # block i's text is text.text(i)
+    n: int                      # how many blocks (changes) it stands for
+
+
+# A queued change: (gkey, tiers, entered, gone, text), or a CommitRun of many. `gone`: the
+# block holds no published tier any more (the publisher forgets what it kept for it); `text`:
+# its text when known then.
+Item = tuple[bytes, tuple[str, ...], bool, bool, BlockText | None] | CommitRun
+_KEY, _NS, _SSD = attrgetter("key"), attrgetter("ns_id"), attrgetter("ssd")    # of an Entry
 
 
 class Recorder:
@@ -31,7 +52,16 @@ class Recorder:
         self.stream_models = stream_models      # per stream: fnmatch patterns ([] = all)
         self.max_queue = max_queue
         self.queue: deque[Item] = deque()
+        # Changes queued in all (a CommitRun counts its blocks) and taken by the publisher:
+        # each written by one thread only (queued under the store lock, taken by the
+        # publisher), so their difference, the backlog max_queue bounds, needs no lock.
+        self.queued = 0
+        self.taken = 0
         self.book: dict[bytes, BlockText] = {}
+        # The commit remember() just took (ns_id, keys, LazyTexts), for the changed_many call
+        # that publishes its blocks next under the same hold of the lock; any other change
+        # forgets it (it may have touched the book).
+        self._fresh: tuple[bytes, list[bytes], LazyTexts] | None = None
         self.overflowed = False                 # set here, cleared by the publisher (locked)
         self.overflows = 0
         self._ns: dict[bytes, tuple[str, int]] = {}
@@ -68,7 +98,9 @@ class Recorder:
         book = self.book
         if type(texts) is LazyTexts and len(texts) == len(keys):
             texts.keep(book, ns_id, keys)
+            self._fresh = (ns_id, keys, texts)
             return
+        self._fresh = None
         for k, t in zip(keys, texts, strict=True):
             book[ns_id + k] = t
 
@@ -77,6 +109,7 @@ class Recorder:
         # (Inlined lookups: this runs for every block of every store, under the store lock.)
         if tier == REMOTE:
             return              # a Redis-only block is announced by no node (docs/routing.md)
+        self._fresh = None
         got = self._ns.get(e.ns_id)
         if not (got if got is not None else self.ns(e.ns_id))[1]:
             return
@@ -98,20 +131,25 @@ class Recorder:
             item = (g, (tier,), False, not (fast or e.ssd), None)
         if self.overflowed:
             return
-        if len(self.queue) >= self.max_queue:
+        if self.queued - self.taken >= self.max_queue:
             self._overflow()
             return
         self.queue.append(item)
+        self.queued += 1
         if not self.woken:
             self.woken = True
             self.wake()
 
     def changed_many(self, entries: Sequence[Entry], tier: str, entered: bool) -> None:
         """changed() for each entry, in order, in one call: a commit's blocks (locked). Why:
-        per block, the call and its checks were most of what events cost a store."""
+        per block, the call and its checks were most of what events cost a store. The blocks
+        of the commit remember() just took, all new, are queued as one CommitRun."""
         if tier == REMOTE or not entered or not entries:
             for e in entries:
                 self.changed(e, tier, entered)
+            return
+        fresh, self._fresh = self._fresh, None
+        if fresh is not None and self._commit_run(fresh, entries, tier):
             return
         book, cache = self.book, self._ns
         tiers = (tier,)         # one tuple for the batch (the publisher compares them in runs)
@@ -135,9 +173,36 @@ class Recorder:
             items.append((g, tiers, True, False, text))
         self._put_many(items)
 
+    def _commit_run(self, fresh: tuple[bytes, list[bytes], LazyTexts],
+                    entries: Sequence[Entry], tier: str) -> bool:
+        """Queue `entries` as one CommitRun when they are exactly the blocks of the commit
+        remember() took, in order, none with an SSD copy (so each one's text is its book
+        entry, as changed() would find it); False to have them queued one by one. The checks
+        run in C over the whole batch."""
+        ns_id, keys, texts = fresh
+        n = len(entries)
+        if (n != len(keys) or list(map(_KEY, entries)) != keys
+                or list(map(_NS, entries)).count(ns_id) != n or any(map(_SSD, entries))):
+            return False
+        got = self._ns.get(ns_id)
+        if not (got if got is not None else self.ns(ns_id))[1]:
+            return True                 # not published: nothing to queue, as changed()
+        if self.overflowed:
+            return True
+        if self.queued - self.taken + n > self.max_queue:
+            self._overflow()
+            return True
+        self.queue.append(CommitRun(ns_id + keys[0], (tier,), True, False, texts, n))
+        self.queued += n
+        if not self.woken:
+            self.woken = True
+            self.wake()
+        return True
+
     def discarded(self, e: Entry) -> None:
         # (Inlined lookups and a table of the tier tuples: a delete calls this for each of its
         # blocks under the store lock, and a generator per block was most of its cost.)
+        self._fresh = None
         ns_id = e.ns_id
         got = self._ns.get(ns_id)
         if not (got if got is not None else self.ns(ns_id))[1]:
@@ -151,10 +216,11 @@ class Recorder:
     def _put(self, item: Item) -> None:
         if self.overflowed:
             return
-        if len(self.queue) >= self.max_queue:
+        if self.queued - self.taken >= self.max_queue:
             self._overflow()
             return
         self.queue.append(item)
+        self.queued += 1
         if not self.woken:
             self.woken = True
             self.wake()
@@ -163,13 +229,15 @@ class Recorder:
         """_put() for each item, in order: those that fit the queue, then an overflow."""
         if not items or self.overflowed:
             return
-        room = self.max_queue - len(self.queue)
+        room = self.max_queue - (self.queued - self.taken)
         if len(items) > room:
             if room > 0:
                 self.queue.extend(items[:room])
+                self.queued += room
             self._overflow()
             return
         self.queue.extend(items)
+        self.queued += len(items)
         if not self.woken:
             self.woken = True
             self.wake()
