@@ -49,6 +49,7 @@ import grpc
 from kvstore_client.common.errors import KVStoreError
 
 from .auth import Auth
+from .refusal import Refusal
 from .tenants import Tenant
 
 log = logging.getLogger("kvstore.gate")
@@ -362,25 +363,10 @@ def _code(name: str) -> grpc.StatusCode:
 
 
 def _refusal(handler: Any, code: str, message: str) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s shape that answers `code` without reading the request.
-
-    It sets the status and returns instead of calling `context.abort`: grpcio then sends the
-    status it was given without raising and catching an exception for the call (a refusal is
+    """A handler of `handler`'s shape that answers `code` without reading the request, on
+    grpcio's serving thread where kvstore/refusal.py could install that path (a refusal is
     what an unauthenticated peer can make the daemon do in a loop)."""
-    status = _code(code)
-
-    def refuse(_requests: Any, context: Any) -> Any:
-        context.set_code(status)
-        context.set_details(message)
-        return None
-
-    def refuse_stream(_requests: Any, context: Any) -> Iterator[Any]:
-        context.set_code(status)
-        context.set_details(message)
-        yield from ()
-    if handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream)
-    return grpc.stream_unary_rpc_method_handler(refuse)
+    return Refusal(handler, _code(code), message)
 
 
 _current = threading.local()          # (Deadlines, token) of the call on this worker thread

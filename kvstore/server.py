@@ -30,7 +30,7 @@ import grpc
 from google.protobuf.message import Message
 from kvstore_client.common.errors import InvalidArgument, KVStoreError, Unavailable
 
-from . import gate
+from . import gate, refusal
 from .auth import OPEN, Auth
 from .handlers.admin import AdminCalls
 from .handlers.leases import LeaseCalls
@@ -252,6 +252,7 @@ def build_server(servicer: KVStoreServicer, workers: int, max_message_bytes: int
         budget = gate.RefusalBudget(*refusals)
     else:
         admission, threads, budget = gate.Admission({}), workers, gate.OPEN_BUDGET
+    refusal.install()
     deadlines = gate.Deadlines(request_deadline_s)
     health_state = gate.Health()
     interceptor = gate.Gate(auth, admission, deadlines, health_state, servicer._observe,
