@@ -128,7 +128,8 @@ class Daemon:
             self.server, self.front = build_server(
                 self.servicer, cfg.server.workers, cfg.server.max_message_bytes,
                 cfg.server.max_receive_bytes, lim.request_deadline_s, lim.tenant_calls,
-                lim.preauth_calls, (lim.refusals_per_s, lim.refusal_burst))
+                lim.preauth_calls,
+                (lim.refusals_per_s, lim.refusal_burst, lim.unknown_id_burst()))
             self.health = self.front.health
             pending = Caps(deadline_s=lim.hello_deadline_s, per_uid=lim.pending_per_uid,
                            total=lim.pending_total)

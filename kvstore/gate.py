@@ -7,7 +7,8 @@ held every worker, and a body was buffered whole before the handler could check 
 
 - Credentials are checked here, on the gRPC server's own thread, from the call's metadata
   (a dict lookup, or one SHA-256 per new token), before a worker is given to the call. A call
-  without them is answered UNAUTHENTICATED by a handler that reads nothing.
+  without them is answered UNAUTHENTICATED without reading anything, on that same thread
+  (kvstore/refusal.py), as is every other refusal of the gate.
 - Every KVStore method is registered as request-streaming (the wire is the same for a unary
   client): grpcio then hands the handler an iterator instead of waiting for the message on the
   worker's behalf, and the servicer reads the message only after the gate has let the call in.
@@ -17,9 +18,11 @@ held every worker, and a body was buffered whole before the handler could check 
   tenant and no cap (calls queue for `server.workers` threads, as a single-engine sidecar
   expects).
 - Each tenant has a budget of refused calls (`limits.refusals_per_s`, a token bucket holding
-  `limits.refusal_burst`): every call of its that ends INVALID_ARGUMENT, NOT_FOUND,
-  PERMISSION_DENIED or OUT_OF_RANGE spends one, and while it has none left its calls are
-  refused RESOURCE_EXHAUSTED here, before a worker reads a byte of them. A correct client
+  `limits.refusal_burst`): every call of its that ends INVALID_ARGUMENT, PERMISSION_DENIED or
+  OUT_OF_RANGE spends one, and while it has none left its calls are refused
+  RESOURCE_EXHAUSTED here, before a worker reads a byte of them. NOT_FOUND (an unknown id)
+  spends from a second bucket of the same rate holding what the tenant may hold at once
+  (RefusalBudget says why). A correct client
   makes such mistakes rarely; a hostile one sending 1 MiB requests the daemon must receive
   and refuse (about 8 ms of daemon CPU each) bought that much of the daemon per request, in
   a loop. Refusals for a cap or a full pool (RESOURCE_EXHAUSTED) are not charged: a busy
@@ -168,45 +171,67 @@ class Admission:
 
 
 class RefusalBudget:
-    """Refused calls each tenant may make per second (module docstring): a token bucket per
-    admission class, refilled at `per_s` up to `burst`; `per_s` 0 turns it off."""
+    """Refused calls each tenant may make per second (module docstring): token buckets per
+    admission class, refilled at `per_s`; `per_s` 0 turns it off.
+
+    Two buckets, because two kinds of refusal come from different clients:
+    - a mistake (INVALID_ARGUMENT, PERMISSION_DENIED, OUT_OF_RANGE) is the client's own: a
+      correct one makes few, so `burst` of them is plenty;
+    - an unknown id (NOT_FOUND) is what every honest engine meets after the daemon restarts or
+      after a stall outlived its leases: each lease, namespace and session it held comes back
+      unknown once, all at once. Its bucket holds `unknown_burst`, what a tenant may hold at
+      once (its lease and namespace caps), so such an engine recovers without being refused,
+      while a flood of unknown ids is refused once it has spent that.
+    A call is let in while both buckets have a token left."""
 
     CHARGED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                          grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE})
 
-    def __init__(self, per_s: float, burst: int) -> None:
+    def __init__(self, per_s: float, burst: int, unknown_burst: int | None = None) -> None:
         self.per_s = per_s
         self.burst = float(burst)
-        self._left: dict[str, tuple[float, float]] = {}   # class -> (tokens, at monotonic)
+        self.unknown_burst = float(burst if unknown_burst is None
+                                   else max(burst, unknown_burst))
+        # (class, unknown?) -> (tokens, at monotonic); absent: a full bucket
+        self._left: dict[tuple[str, bool], tuple[float, float]] = {}
+        self._spent: set[str] = set()           # classes with a bucket below full
         self._lock = threading.Lock()
         self.refused = 0
 
-    def _now_left(self, cls: str, now: float) -> float:
-        tokens, at = self._left.get(cls, (self.burst, now))
-        return min(self.burst, tokens + (now - at) * self.per_s)
+    def _now_left(self, key: tuple[str, bool], now: float) -> float:
+        full = self.unknown_burst if key[1] else self.burst
+        tokens, at = self._left.get(key, (full, now))
+        return min(full, tokens + (now - at) * self.per_s)
 
     def allows(self, cls: str) -> bool:
         """Whether `cls` has a refusal left to spend (counted as refused if not)."""
-        if not self.per_s or cls not in self._left:
-            return True
+        if not self.per_s or cls not in self._spent:
+            return True                 # the common case, no lock: it never spent one
         with self._lock:
-            if self._now_left(cls, time.monotonic()) >= 1.0:
+            now = time.monotonic()
+            if (self._now_left((cls, False), now) >= 1.0
+                    and self._now_left((cls, True), now) >= 1.0):
                 return True
             self.refused += 1
             return False
 
     def charge(self, cls: str, code: Any) -> None:
-        """A call of `cls` ended with `code`: one token spent if it is a client's mistake."""
+        """A call of `cls` ended with `code`: one token spent if it is a client's mistake or
+        an unknown id."""
         if not self.per_s or code not in self.CHARGED or cls == PREAUTH:
             return                  # PREAUTH: no tenant yet, nobody to charge
+        key = (cls, code == grpc.StatusCode.NOT_FOUND)
         with self._lock:
             now = time.monotonic()
-            self._left[cls] = (max(0.0, self._now_left(cls, now) - 1.0), now)
+            self._left[key] = (max(0.0, self._now_left(key, now) - 1.0), now)
+            self._spent.add(cls)
 
     def wait_s(self, cls: str) -> float:
         """Seconds until `cls` has a refusal to spend again."""
         with self._lock:
-            return max(0.0, (1.0 - self._now_left(cls, time.monotonic())) / self.per_s)
+            now = time.monotonic()
+            short = max(1.0 - self._now_left((cls, k), now) for k in (False, True))
+            return max(0.0, short / self.per_s)
 
 
 OPEN_BUDGET = RefusalBudget(0.0, 1)

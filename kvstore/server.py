@@ -228,15 +228,16 @@ class Front:
 def build_server(servicer: KVStoreServicer, workers: int, max_message_bytes: int,
                  max_receive_bytes: int = 4 << 20, request_deadline_s: float = 30.0,
                  tenant_calls: int = 0, preauth_calls: int = 8,
-                 refusals: tuple[float, int] = (10.0, 50)) -> tuple[grpc.Server, Front]:
+                 refusals: tuple[float, int, int] = (10.0, 50, 50)
+                 ) -> tuple[grpc.Server, Front]:
     """A thread-pool gRPC server with the KVStore service behind the gate (kvstore/gate.py),
     health checking and reflection.
 
     Returns (server, front); the caller binds ports, starts it and flips front.health to
     SERVING once it is really ready. With tenants each has `tenant_calls` (0: `workers`)
-    calls in flight and the pool a thread for each, and `refusals` (per second, burst) calls
-    refused as its own mistake before the gate refuses its calls unread; without tenants,
-    `workers` threads serve all.
+    calls in flight and the pool a thread for each, and `refusals` (per second, burst, burst of
+    unknown ids: gate.RefusalBudget) calls refused as its own mistake before the gate refuses
+    its calls unread; without tenants, `workers` threads serve all.
     """
     from grpc_health.v1 import health
     from grpc_reflection.v1alpha import reflection

@@ -1,7 +1,11 @@
-"""Refused calls: what they cost the daemon.
+"""Refused calls: what they cost the daemon, and the budget (kvstore/gate.py, RefusalBudget) that
+limits them, against an honest engine and a flood.
 
-A peer can make the daemon refuse calls in a loop (no token, a tenant out of its refusal
-budget); each refusal must cost the daemon as little as grpcio allows.
+A tenant's refused calls are budgeted so that a hostile tenant cannot buy daemon CPU with
+requests the daemon must receive and refuse. Unknown ids (NOT_FOUND) were charged like
+mistakes, so an honest engine holding leases when the daemon restarted met one "unknown
+lease" per lease at once and was then refused for seconds. Unknown ids now spend from a
+bucket as large as what a tenant may hold; mistakes keep the small one.
 """
 
 from __future__ import annotations
@@ -10,12 +14,17 @@ import textwrap
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
+from kvstore_client import KVLayout, connect
+from kvstore_client._proto import kvstore_pb2 as pb
+from kvstore_client._proto import kvstore_pb2_grpc as pbg
 
 from kvstore.tenants import hash_token
 from tests.daemon import cleanup, start_daemon
-from tests.trust_net_helpers import TOKENS, channel, settled
+from tests.trust_net_helpers import TOKENS, channel, md, settled
 
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="bfloat16")
 BURST = 5
 LEASES = 40                          # limits.leases_per_tenant
 NAMESPACES = 4                       # limits.namespaces_per_tenant
@@ -34,6 +43,58 @@ def settings(tmp: Path) -> dict:
     return {"auth.tokens_file": str(tokens), "limits.refusals_per_s": 0.2,
             "limits.refusal_burst": BURST, "limits.leases_per_tenant": LEASES,
             "limits.namespaces_per_tenant": NAMESPACES}
+
+
+def test_an_engine_holding_leases_through_a_restart_is_served_at_once(tmp_path: Path) -> None:
+    """Every lease the engine held comes back unknown after the restart (more of them than the
+    mistakes' burst); releasing them all must not lock the engine out of its next calls."""
+    d = start_daemon(tmp_path, settings(tmp_path))
+    try:
+        with connect(d.address, token=TOKENS["a"], transport="grpc") as a:
+            ns = a.namespace(LAYOUT, model="a-model")
+            held = [a.call("Reserve", pb.ReserveRequest(namespace_id=ns.ns_id, count=1))
+                    .lease.lease_id for _ in range(LEASES)]
+            d.restart()
+            codes = []
+            for lease_id in held:
+                try:
+                    a.call("Release", pb.ReleaseRequest(lease_id=lease_id), timeout=5)
+                    codes.append("OK")
+                except Exception as e:  # noqa: BLE001 - the code is what is checked
+                    codes.append(getattr(e, "code", type(e).__name__))
+            assert set(codes) == {"NOT_FOUND"}, codes
+            # at once: no call of the engine's is refused for the unknown ids it met
+            ns2 = a.namespace(LAYOUT, model="a-model")
+            assert ns2.lookup(np.arange(LAYOUT.block_tokens * 4)) == 0
+            lease = a.call("Reserve", pb.ReserveRequest(namespace_id=ns2.ns_id, count=2)).lease
+            assert len(lease.slots) == 2
+            a.release(lease.lease_id)
+    finally:
+        cleanup(d)
+
+
+def test_a_flood_of_unknown_ids_is_still_refused(tmp_path: Path) -> None:
+    """B naming ids it does not hold (A's namespace, leases it never had) gets NOT_FOUND until
+    it has spent what a tenant may hold, then RESOURCE_EXHAUSTED, unread; its mistakes are
+    refused after the small burst as before; A is charged for neither."""
+    d = start_daemon(tmp_path, settings(tmp_path))
+    try:
+        with connect(d.address, token=TOKENS["a"], transport="grpc") as a, \
+                channel(d.address) as ch:
+            a_ns = a.namespace(LAYOUT, model="a-model").ns_id
+            stub = pbg.KVStoreStub(ch)
+            foreign = pb.LookupRequest(namespace_id=a_ns, keys=[b"\x01" * 16])
+            codes = []
+            for _ in range(BURST + LEASES + NAMESPACES + 5):
+                with pytest.raises(grpc.RpcError) as ei:
+                    stub.Lookup(foreign, timeout=10, metadata=md("b"))
+                codes.append(ei.value.code())
+            allowance = BURST + LEASES + NAMESPACES
+            assert set(codes[:allowance]) == {grpc.StatusCode.NOT_FOUND}, codes
+            assert set(codes[allowance:]) == {grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+            assert a.namespace(LAYOUT, model="a-model").lookup(np.arange(16)) == 0
+    finally:
+        cleanup(d)
 
 
 def test_refusals_take_no_worker_thread(tmp_path: Path) -> None:
