@@ -278,7 +278,9 @@ class Daemon:
                 self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             if self.servicer is not None:
                 self.servicer.start_shutdown()
-            if self.server is not None:
+            if self.front is not None and self.front.held is not None:
+                self.front.held.close()         # held refusals answered now: grpcio waits
+            if self.server is not None:       # for every call it has not ended
                 self.server.stop(grace).wait(grace + 5)
                 self.server = None
             self._phase = ("store", time.monotonic())
@@ -299,7 +301,7 @@ class Daemon:
             self.server.stop(None)
             self.server = None
         if self.front is not None:
-            self.front.deadlines.close()
+            self.front.close()
             self.front = None
         if self.metrics is not None and close_metrics:
             self.metrics.close()

@@ -19,14 +19,16 @@ held every worker, and a body was buffered whole before the handler could check 
   expects).
 - Each tenant has a budget of refused calls (`limits.refusals_per_s`, a token bucket holding
   `limits.refusal_burst`): every call of its that ends INVALID_ARGUMENT, PERMISSION_DENIED or
-  OUT_OF_RANGE spends one, and while it has none left its calls are refused
-  RESOURCE_EXHAUSTED here, before a worker reads a byte of them. NOT_FOUND (an unknown id)
-  spends from a second bucket of the same rate holding what the tenant may hold at once
-  (RefusalBudget says why). A correct client
-  makes such mistakes rarely; a hostile one sending 1 MiB requests the daemon must receive
-  and refuse (about 8 ms of daemon CPU each) bought that much of the daemon per request, in
-  a loop. Refusals for a cap or a full pool (RESOURCE_EXHAUSTED) are not charged: a busy
-  engine meets them in normal work, and must not be locked out of the calls that free room.
+  OUT_OF_RANGE spends one per CHARGE_BYTES (256 KiB) of its request message started, and
+  while it has none left its calls are refused RESOURCE_EXHAUSTED here, before a worker reads
+  a byte of them, one second late (kvstore/refusal.py, Held). NOT_FOUND (an unknown id) spends
+  from a second bucket of the same rate holding what the tenant may hold at once
+  (RefusalBudget says why). A correct client makes such mistakes rarely; a hostile one
+  sending 1 MiB requests the daemon must receive and refuse (about 4-8 ms of daemon CPU each,
+  nearly all of it receiving the bytes) bought that much of the daemon per request, in a
+  loop: charged by size, it buys a fixed share of the daemon's time, not of its calls.
+  Refusals for a cap or a full pool (RESOURCE_EXHAUSTED) are not charged: a busy engine
+  meets them in normal work, and must not be locked out of the calls that free room.
 - A call's request (every message of a Put) and a Get's reply must move within
   `limits.request_deadline_s` of the call's start: past it the watchdog cancels the call
   (DEADLINE_EXCEEDED), which wakes the thread waiting on it.
@@ -52,7 +54,7 @@ import grpc
 from kvstore_client.common.errors import KVStoreError
 
 from .auth import Auth
-from .refusal import Refusal
+from .refusal import HOLD_S, Held, Refusal
 from .tenants import Tenant
 
 log = logging.getLogger("kvstore.gate")
@@ -61,6 +63,7 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING, NOT_SERVING = 1, 2         # grpc.health.v1 HealthCheckResponse.ServingStatus
 IMPLICIT = ""                       # the admission class of every call without tenants
 PREAUTH = "\0preauth"               # mTLS calls whose certificate is not matched yet
+CHARGE_BYTES = 256 << 10            # a refused request spends a refusal per these bytes
 REFUSE_THREADS = 2                  # pool threads beyond the caps, for refusals (µs each)
 
 Observer = Callable[[str, str, float], None]
@@ -215,15 +218,17 @@ class RefusalBudget:
             self.refused += 1
             return False
 
-    def charge(self, cls: str, code: Any) -> None:
-        """A call of `cls` ended with `code`: one token spent if it is a client's mistake or
-        an unknown id."""
+    def charge(self, cls: str, code: Any, request_bytes: int = 0) -> None:
+        """A call of `cls` ended with `code` after a request of `request_bytes`: if it is a
+        client's mistake or an unknown id, one token spent per CHARGE_BYTES started (what
+        the daemon spent on it is mostly receiving those bytes)."""
         if not self.per_s or code not in self.CHARGED or cls == PREAUTH:
             return                  # PREAUTH: no tenant yet, nobody to charge
         key = (cls, code == grpc.StatusCode.NOT_FOUND)
+        cost = 1.0 + max(0, request_bytes - 1) // CHARGE_BYTES
         with self._lock:
             now = time.monotonic()
-            self._left[key] = (max(0.0, self._now_left(key, now) - 1.0), now)
+            self._left[key] = (max(0.0, self._now_left(key, now) - cost), now)
             self._spent.add(cls)
 
     def wait_s(self, cls: str) -> float:
@@ -266,9 +271,10 @@ class Gate(grpc.ServerInterceptor):
 
     def __init__(self, auth: Auth, admission: Admission, deadlines: Deadlines,
                  health: Health, observe: Observer | None = None,
-                 budget: RefusalBudget = OPEN_BUDGET) -> None:
+                 budget: RefusalBudget = OPEN_BUDGET, held: Held | None = None) -> None:
         self.auth = auth
         self.budget = budget
+        self.held = held
         self.admission = admission
         self.deadlines = deadlines
         self.health = health
@@ -298,11 +304,14 @@ class Gate(grpc.ServerInterceptor):
                 e = self.auth.no_credentials()
                 return self._refuse(handler, method, e.code, str(e))
         if not self.budget.allows(cls):
+            # answered HOLD_S late, holding no worker: a flood that waits for its answers
+            # is slowed to that pace (kvstore/refusal.py)
             return self._refuse(handler, method, "RESOURCE_EXHAUSTED",
                                 f"tenant {cls}'s calls were refused (invalid, unknown or not "
                                 f"its own) more than {self.budget.per_s:g} times a second "
                                 f"(limits.refusals_per_s); its calls are refused for "
-                                f"{self.budget.wait_s(cls):.1f} s more")
+                                f"{self.budget.wait_s(cls):.1f} s more",
+                                (self.held, cls, HOLD_S) if self.held is not None else None)
         if not self.admission.enter(cls):
             who = "calls without a token" if cls == PREAUTH else f"tenant {cls}'s calls"
             return self._refuse(handler, method, "RESOURCE_EXHAUSTED",
@@ -310,10 +319,11 @@ class Gate(grpc.ServerInterceptor):
                                 "concurrent calls (limits.tenant_calls); retry when one ends")
         return self._admitted(handler, cls, tenant)
 
-    def _refuse(self, handler: Any, method: str, code: str, message: str) -> Any:
+    def _refuse(self, handler: Any, method: str, code: str, message: str,
+                hold: tuple[Held, str, float] | None = None) -> Any:
         if self._observe is not None:
             self._observe(_method_name(method), code, 0.0)
-        return _refusal(handler, code, message)
+        return _refusal(handler, code, message, hold)
 
     def _admitted(self, handler: Any, cls: str, tenant: Tenant | None) -> Any:
         """`handler` with the caller bound, the call counted under `cls` until it ends, and
@@ -340,6 +350,7 @@ class Gate(grpc.ServerInterceptor):
                 gate.auth.bind(tenant)
             token = gate.deadlines.arm(context, "the call")
             _current.armed = (gate.deadlines, token)
+            _current.request_bytes = 0
             return now_cls, token
 
         if handler.response_streaming:
@@ -356,7 +367,7 @@ class Gate(grpc.ServerInterceptor):
                     _current.armed = None
                     gate.deadlines.disarm(token)
                     gate.admission.leave(held)
-                    gate.budget.charge(held, context.code())
+                    gate.budget.charge(held, context.code(), _request_bytes())
             return grpc.stream_stream_rpc_method_handler(
                 streaming, handler.request_deserializer, handler.response_serializer)
         inner_unary = handler.stream_unary
@@ -372,7 +383,7 @@ class Gate(grpc.ServerInterceptor):
                 _current.armed = None
                 gate.deadlines.disarm(token)
                 gate.admission.leave(held)
-                gate.budget.charge(held, context.code())
+                gate.budget.charge(held, context.code(), _request_bytes())
         return grpc.stream_unary_rpc_method_handler(
             unary, handler.request_deserializer, handler.response_serializer)
 
@@ -387,19 +398,34 @@ def _code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
 
 
-def _refusal(handler: Any, code: str, message: str) -> grpc.RpcMethodHandler:
+def _refusal(handler: Any, code: str, message: str,
+             hold: tuple[Held, str, float] | None = None) -> grpc.RpcMethodHandler:
     """A handler of `handler`'s shape that answers `code` without reading the request, on
     grpcio's serving thread where kvstore/refusal.py could install that path (a refusal is
-    what an unauthenticated peer can make the daemon do in a loop)."""
-    return Refusal(handler, _code(code), message)
+    what an unauthenticated peer can make the daemon do in a loop), `hold` later if given."""
+    return Refusal(handler, _code(code), message, hold)
 
 
 _current = threading.local()          # (Deadlines, token) of the call on this worker thread
 
 
-def received() -> None:
-    """The call on this thread has read what it waited for from its client: its deadline no
-    longer applies (its own work, a Flush say, is not cut short by it)."""
+def request_bytes(n: int) -> None:
+    """The call on this thread received a request of `n` bytes (RefusalBudget.charge)."""
+    _current.request_bytes = n
+
+
+def _request_bytes() -> int:
+    n = getattr(_current, "request_bytes", 0)
+    _current.request_bytes = 0
+    return n
+
+
+def received(nbytes: int = 0) -> None:
+    """The call on this thread has read what it waited for from its client (`nbytes` of
+    request, if it was one message): its deadline no longer applies (its own work, a Flush
+    say, is not cut short by it)."""
+    if nbytes:
+        _current.request_bytes = nbytes
     armed = getattr(_current, "armed", None)
     if armed is not None:
         _current.armed = None

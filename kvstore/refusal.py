@@ -10,6 +10,15 @@ grpcio has a cheaper path of its own, the one it uses for an unknown method or a
 one batch (initial metadata, receive close, status) posted from the serving thread. `install`
 routes the gate's `Refusal` handlers onto that path.
 
+A tenant out of its refusal budget is answered late (`Held`): its refusal is posted HOLD_S
+after the call. The call holds no worker and no
+body past the stream's window meanwhile, only grpcio's record of it; a tenant has at most as
+many held as it may have calls in flight, and the next is answered at once. Why: a refusal's
+cost is mostly grpcio's per-call work (HTTP/2 frames, a call set up and torn down, the threads
+woken on both sides), which no cheaper Python can remove; a flood that waits for each answer
+before its next request (what a client does) then sends one request per HOLD_S per thread
+instead of one per round trip, and one that does not wait meets the cap.
+
 That path is grpcio's private `_server._reject_rpc`. `install` checks that the names it needs
 are there; where they are not (another grpcio), a `Refusal` is still an ordinary handler of
 the call's shape and is answered through the pool, as before: slower, never wrong.
@@ -17,23 +26,29 @@ the call's shape and is answered through the pool, as before: slower, never wron
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
 log = logging.getLogger("kvstore.refusal")
 
+HOLD_S = 1.0                  # the longest a held refusal waits (Held)
+
 
 class Refusal(grpc.RpcMethodHandler):
     """A handler that answers `code` and `details` without reading the request."""
 
     def __init__(self, like: grpc.RpcMethodHandler, code: grpc.StatusCode,
-                 details: str) -> None:
+                 details: str, hold: tuple[Held, str, float] | None = None) -> None:
         self.code = code
         self.details = details
+        self.hold = hold              # (where, whose, seconds): answered that much later
         self.request_streaming = like.request_streaming
         self.response_streaming = like.response_streaming
         self.request_deserializer = None
@@ -59,6 +74,67 @@ class Refusal(grpc.RpcMethodHandler):
         yield from ()
 
 
+class Held:
+    """Refusals answered later, each at its due time, by one thread (module docstring).
+
+    `hold` takes a refusal if its class has fewer than `caps[cls]` held (a class without a cap
+    is never held); the thread posts each when due, all of them at `close`."""
+
+    def __init__(self, caps: dict[str, int]) -> None:
+        self.caps = caps
+        self._held: dict[str, int] = {}
+        self._due: list[tuple[float, int, str, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self.answered = 0
+        self._thread = threading.Thread(target=self._run, name="kvstore-held-refusals",
+                                        daemon=True)
+        self._thread.start()
+
+    def hold(self, cls: str, delay_s: float, answer: Callable[[], None]) -> bool:
+        """Whether `answer` was taken, to be called in `delay_s` (at most HOLD_S)."""
+        with self._cond:
+            n = self._held.get(cls, 0)
+            if self._closed or n >= self.caps.get(cls, 0):
+                return False
+            self._held[cls] = n + 1
+            due = time.monotonic() + min(max(delay_s, 0.0), HOLD_S)
+            heapq.heappush(self._due, (due, next(self._seq), cls, answer))
+            if self._due[0][3] is answer:
+                self._cond.notify()
+            return True
+
+    def held(self, cls: str) -> int:
+        return self._held.get(cls, 0)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(2)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due and not self._closed:
+                    self._cond.wait()
+                if not self._due:
+                    return                              # closed, nothing held
+                due, _, cls, answer = self._due[0]
+                left = due - time.monotonic()
+                if left > 0 and not self._closed:
+                    self._cond.wait(left)
+                    continue
+                heapq.heappop(self._due)
+                self._held[cls] -= 1
+                self.answered += 1
+            try:
+                answer()
+            except Exception:  # noqa: BLE001 - a call the client ended meanwhile
+                log.debug("a held refusal could not be posted", exc_info=True)
+
+
 _installed: bool | None = None
 _lock = threading.Lock()
 
@@ -82,8 +158,12 @@ def install() -> bool:
 
         def handle(rpc_event: Any, state: Any, method_handler: Any, thread_pool: Any) -> Any:
             if type(method_handler) is Refusal:
-                reject(rpc_event, state, to_cygrpc[method_handler.code],
-                       method_handler.details.encode("utf-8", "replace"))
+                code = to_cygrpc[method_handler.code]
+                details = method_handler.details.encode("utf-8", "replace")
+                hold = method_handler.hold
+                if hold is None or not hold[0].hold(
+                        hold[1], hold[2], lambda: reject(rpc_event, state, code, details)):
+                    reject(rpc_event, state, code, details)
                 return None            # no future: grpcio counts no call in flight for it
             return original(rpc_event, state, method_handler, thread_pool)
 

@@ -11,6 +11,7 @@ bucket as large as what a tenant may hold; mistakes keep the small one.
 from __future__ import annotations
 
 import textwrap
+import time
 from pathlib import Path
 
 import grpc
@@ -132,5 +133,44 @@ def test_refusals_take_no_worker_thread(tmp_path: Path) -> None:
             after = len(list(tasks.iterdir()))
         assert answers == {(grpc.StatusCode.UNAUTHENTICATED, True)}, answers
         assert after <= before + 1, (before, after)
+    finally:
+        cleanup(d)
+
+
+def test_a_tenant_out_of_budget_is_answered_late_and_holds_little(tmp_path: Path) -> None:
+    """Past its budget a tenant's refusals are posted a second late (kvstore/refusal.py,
+    Held), so a flood that waits for its answers is slowed to that pace; it may have at most
+    its call cap of them held, and past that it is answered at once. A is not slowed."""
+    import threading
+    s = settings(tmp_path)
+    s["limits.tenant_calls"] = 4
+    d = start_daemon(tmp_path, s)
+    try:
+        with connect(d.address, token=TOKENS["a"], transport="grpc") as a, \
+                channel(d.address) as ch:
+            ns = a.namespace(LAYOUT, model="a-model")
+            stub = pbg.KVStoreStub(ch)
+            garbage = pb.LookupRequest(namespace_id=b"", keys=[b"\x01" * 16])
+            for _ in range(BURST):                      # B's mistakes: its budget spent
+                with pytest.raises(grpc.RpcError) as ei:
+                    stub.Lookup(garbage, timeout=10, metadata=md("b"))
+                assert ei.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+            t0 = time.monotonic()
+            answered: list[tuple[float, object]] = []
+
+            def call() -> None:
+                try:
+                    stub.Lookup(garbage, timeout=10, metadata=md("b"))
+                except grpc.RpcError as e:
+                    answered.append((time.monotonic() - t0, e.code()))
+            threads = [threading.Thread(target=call) for _ in range(4 + 3)]
+            for t in threads:
+                t.start()
+            assert ns.lookup(np.arange(16)) == 0        # A is served meanwhile
+            for t in threads:
+                t.join(10)
+            assert {c for _, c in answered} == {grpc.StatusCode.RESOURCE_EXHAUSTED}, answered
+            late = [at for at, _ in answered if at >= 0.9]
+            assert len(answered) == 7 and len(late) == 4, answered   # the cap's worth held
     finally:
         cleanup(d)
