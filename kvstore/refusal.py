@@ -10,18 +10,18 @@ grpcio has a cheaper path of its own, the one it uses for an unknown method or a
 one batch (initial metadata, receive close, status) posted from the serving thread. `install`
 routes the gate's `Refusal` handlers onto that path.
 
-A tenant out of its refusal budget is answered late (`Held`): its refusal is posted HOLD_S
-after the call. The call holds no worker and no
-body past the stream's window meanwhile, only grpcio's record of it; a tenant has at most as
-many held as it may have calls in flight, and the next is answered at once. Why: a refusal's
-cost is mostly grpcio's per-call work (HTTP/2 frames, a call set up and torn down, the threads
-woken on both sides), which no cheaper Python can remove; a flood that waits for each answer
-before its next request (what a client does) then sends one request per HOLD_S per thread
-instead of one per round trip, and one that does not wait meets the cap.
-
 That path is grpcio's private `_server._reject_rpc`. `install` checks that the names it needs
 are there; where they are not (another grpcio), a `Refusal` is still an ordinary handler of
 the call's shape and is answered through the pool, as before: slower, never wrong.
+
+A tenant out of its refusal budget is answered late (`Held`): its refusal is posted HOLD_S
+after the call. Meanwhile the call holds no worker and no body past the stream's window, only
+grpcio's record of it; a tenant has at most as many held as it may have calls in flight, and
+the next is answered at once. Why: what a refusal still costs is mostly grpcio's per-call
+work (HTTP/2 frames, a call set up and torn down, threads woken on both sides), which no
+cheaper Python removes; a flood that waits for each answer before its next request (as a
+client does) then sends one request per HOLD_S per thread instead of one per round trip, and
+one that does not wait meets the cap and is no better off than before.
 """
 
 from __future__ import annotations
