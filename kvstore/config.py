@@ -305,8 +305,9 @@ class LimitsConfig:
     request_deadline_s: float = 30.0  # a gRPC call's request (all of a Put) and a Get's reply
     tenant_calls: int = 0           # gRPC calls in flight per tenant (0: server.workers)
     preauth_calls: int = 8          # mTLS calls in flight while their certificate is matched
-    # A tenant's calls refused as its own mistake (invalid, unknown, not its own), per second,
-    # and at once; past them its calls are refused at the gate unread (kvstore/gate.py).
+    # A tenant's calls refused as its own mistake (invalid, not its own), per second, and at
+    # once; past them its calls are refused at the gate unread (kvstore/gate.py). Unknown ids
+    # refill at the same rate into a larger bucket (unknown_id_burst).
     refusals_per_s: float = 10.0    # 0: no budget
     refusal_burst: int = 50
     hello_deadline_s: float = 5.0   # .auth request / .lane hello, from the connect
@@ -322,6 +323,14 @@ class LimitsConfig:
     lease_slots_per_tenant: int = 1 << 18
     namespaces_per_tenant: int = 1024
     namespace_spec_bytes: int = 4096
+
+    def unknown_id_burst(self) -> int:
+        """NOT_FOUND answers a tenant may get at once before the gate refuses its calls: one
+        for each lease and namespace it may hold (an uncapped kind counts as its default), as
+        an honest engine meets after a daemon restart (kvstore/gate.py, RefusalBudget)."""
+        leases = self.leases_per_tenant or LimitsConfig.leases_per_tenant
+        namespaces = self.namespaces_per_tenant or LimitsConfig.namespaces_per_tenant
+        return self.refusal_burst + leases + namespaces
 
     def check(self) -> None:
         for key in ("request_deadline_s", "hello_deadline_s", "frame_deadline_s"):

@@ -128,7 +128,8 @@ class Daemon:
             self.server, self.front = build_server(
                 self.servicer, cfg.server.workers, cfg.server.max_message_bytes,
                 cfg.server.max_receive_bytes, lim.request_deadline_s, lim.tenant_calls,
-                lim.preauth_calls, (lim.refusals_per_s, lim.refusal_burst))
+                lim.preauth_calls,
+                (lim.refusals_per_s, lim.refusal_burst, lim.unknown_id_burst()))
             self.health = self.front.health
             pending = Caps(deadline_s=lim.hello_deadline_s, per_uid=lim.pending_per_uid,
                            total=lim.pending_total)
@@ -277,7 +278,9 @@ class Daemon:
                 self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             if self.servicer is not None:
                 self.servicer.start_shutdown()
-            if self.server is not None:
+            if self.front is not None and self.front.held is not None:
+                self.front.held.close()         # held refusals answered now: grpcio waits
+            if self.server is not None:       # for every call it has not ended
                 self.server.stop(grace).wait(grace + 5)
                 self.server = None
             self._phase = ("store", time.monotonic())
@@ -298,7 +301,7 @@ class Daemon:
             self.server.stop(None)
             self.server = None
         if self.front is not None:
-            self.front.deadlines.close()
+            self.front.close()
             self.front = None
         if self.metrics is not None and close_metrics:
             self.metrics.close()

@@ -7,7 +7,8 @@ held every worker, and a body was buffered whole before the handler could check 
 
 - Credentials are checked here, on the gRPC server's own thread, from the call's metadata
   (a dict lookup, or one SHA-256 per new token), before a worker is given to the call. A call
-  without them is answered UNAUTHENTICATED by a handler that reads nothing.
+  without them is answered UNAUTHENTICATED without reading anything, on that same thread
+  (kvstore/refusal.py), as is every other refusal of the gate.
 - Every KVStore method is registered as request-streaming (the wire is the same for a unary
   client): grpcio then hands the handler an iterator instead of waiting for the message on the
   worker's behalf, and the servicer reads the message only after the gate has let the call in.
@@ -17,13 +18,17 @@ held every worker, and a body was buffered whole before the handler could check 
   tenant and no cap (calls queue for `server.workers` threads, as a single-engine sidecar
   expects).
 - Each tenant has a budget of refused calls (`limits.refusals_per_s`, a token bucket holding
-  `limits.refusal_burst`): every call of its that ends INVALID_ARGUMENT, NOT_FOUND,
-  PERMISSION_DENIED or OUT_OF_RANGE spends one, and while it has none left its calls are
-  refused RESOURCE_EXHAUSTED here, before a worker reads a byte of them. A correct client
-  makes such mistakes rarely; a hostile one sending 1 MiB requests the daemon must receive
-  and refuse (about 8 ms of daemon CPU each) bought that much of the daemon per request, in
-  a loop. Refusals for a cap or a full pool (RESOURCE_EXHAUSTED) are not charged: a busy
-  engine meets them in normal work, and must not be locked out of the calls that free room.
+  `limits.refusal_burst`): every call of its that ends INVALID_ARGUMENT, PERMISSION_DENIED or
+  OUT_OF_RANGE spends one per CHARGE_BYTES (256 KiB) of its request message started, and
+  while it has none left its calls are refused RESOURCE_EXHAUSTED here, before a worker reads
+  a byte of them, one second late (kvstore/refusal.py, Held). NOT_FOUND (an unknown id) spends
+  from a second bucket of the same rate holding what the tenant may hold at once
+  (RefusalBudget says why). A correct client makes such mistakes rarely; a hostile one
+  sending 1 MiB requests the daemon must receive and refuse (about 4-8 ms of daemon CPU each,
+  nearly all of it receiving the bytes) bought that much of the daemon per request, in a
+  loop: charged by size, it buys a fixed share of the daemon's time, not of its calls.
+  Refusals for a cap or a full pool (RESOURCE_EXHAUSTED) are not charged: a busy engine
+  meets them in normal work, and must not be locked out of the calls that free room.
 - A call's request (every message of a Put) and a Get's reply must move within
   `limits.request_deadline_s` of the call's start: past it the watchdog cancels the call
   (DEADLINE_EXCEEDED), which wakes the thread waiting on it.
@@ -49,6 +54,7 @@ import grpc
 from kvstore_client.common.errors import KVStoreError
 
 from .auth import Auth
+from .refusal import HOLD_S, Held, Refusal
 from .tenants import Tenant
 
 log = logging.getLogger("kvstore.gate")
@@ -57,6 +63,7 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING, NOT_SERVING = 1, 2         # grpc.health.v1 HealthCheckResponse.ServingStatus
 IMPLICIT = ""                       # the admission class of every call without tenants
 PREAUTH = "\0preauth"               # mTLS calls whose certificate is not matched yet
+CHARGE_BYTES = 256 << 10            # a refused request spends a refusal per these bytes
 REFUSE_THREADS = 2                  # pool threads beyond the caps, for refusals (µs each)
 
 Observer = Callable[[str, str, float], None]
@@ -167,45 +174,69 @@ class Admission:
 
 
 class RefusalBudget:
-    """Refused calls each tenant may make per second (module docstring): a token bucket per
-    admission class, refilled at `per_s` up to `burst`; `per_s` 0 turns it off."""
+    """Refused calls each tenant may make per second (module docstring): token buckets per
+    admission class, refilled at `per_s`; `per_s` 0 turns it off.
+
+    Two buckets, because two kinds of refusal come from different clients:
+    - a mistake (INVALID_ARGUMENT, PERMISSION_DENIED, OUT_OF_RANGE) is the client's own: a
+      correct one makes few, so `burst` of them is plenty;
+    - an unknown id (NOT_FOUND) is what every honest engine meets after the daemon restarts or
+      after a stall outlived its leases: each lease, namespace and session it held comes back
+      unknown once, all at once. Its bucket holds `unknown_burst`, what a tenant may hold at
+      once (its lease and namespace caps), so such an engine recovers without being refused,
+      while a flood of unknown ids is refused once it has spent that.
+    A call is let in while both buckets have a token left."""
 
     CHARGED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                          grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE})
 
-    def __init__(self, per_s: float, burst: int) -> None:
+    def __init__(self, per_s: float, burst: int, unknown_burst: int | None = None) -> None:
         self.per_s = per_s
         self.burst = float(burst)
-        self._left: dict[str, tuple[float, float]] = {}   # class -> (tokens, at monotonic)
+        self.unknown_burst = float(burst if unknown_burst is None
+                                   else max(burst, unknown_burst))
+        # (class, unknown?) -> (tokens, at monotonic); absent: a full bucket
+        self._left: dict[tuple[str, bool], tuple[float, float]] = {}
+        self._spent: set[str] = set()           # classes with a bucket below full
         self._lock = threading.Lock()
         self.refused = 0
 
-    def _now_left(self, cls: str, now: float) -> float:
-        tokens, at = self._left.get(cls, (self.burst, now))
-        return min(self.burst, tokens + (now - at) * self.per_s)
+    def _now_left(self, key: tuple[str, bool], now: float) -> float:
+        full = self.unknown_burst if key[1] else self.burst
+        tokens, at = self._left.get(key, (full, now))
+        return min(full, tokens + (now - at) * self.per_s)
 
     def allows(self, cls: str) -> bool:
         """Whether `cls` has a refusal left to spend (counted as refused if not)."""
-        if not self.per_s or cls not in self._left:
-            return True
+        if not self.per_s or cls not in self._spent:
+            return True                 # the common case, no lock: it never spent one
         with self._lock:
-            if self._now_left(cls, time.monotonic()) >= 1.0:
+            now = time.monotonic()
+            if (self._now_left((cls, False), now) >= 1.0
+                    and self._now_left((cls, True), now) >= 1.0):
                 return True
             self.refused += 1
             return False
 
-    def charge(self, cls: str, code: Any) -> None:
-        """A call of `cls` ended with `code`: one token spent if it is a client's mistake."""
+    def charge(self, cls: str, code: Any, request_bytes: int = 0) -> None:
+        """A call of `cls` ended with `code` after a request of `request_bytes`: if it is a
+        client's mistake or an unknown id, one token spent per CHARGE_BYTES started (what
+        the daemon spent on it is mostly receiving those bytes)."""
         if not self.per_s or code not in self.CHARGED or cls == PREAUTH:
             return                  # PREAUTH: no tenant yet, nobody to charge
+        key = (cls, code == grpc.StatusCode.NOT_FOUND)
+        cost = 1.0 + max(0, request_bytes - 1) // CHARGE_BYTES
         with self._lock:
             now = time.monotonic()
-            self._left[cls] = (max(0.0, self._now_left(cls, now) - 1.0), now)
+            self._left[key] = (max(0.0, self._now_left(key, now) - cost), now)
+            self._spent.add(cls)
 
     def wait_s(self, cls: str) -> float:
         """Seconds until `cls` has a refusal to spend again."""
         with self._lock:
-            return max(0.0, (1.0 - self._now_left(cls, time.monotonic())) / self.per_s)
+            now = time.monotonic()
+            short = max(1.0 - self._now_left((cls, k), now) for k in (False, True))
+            return max(0.0, short / self.per_s)
 
 
 OPEN_BUDGET = RefusalBudget(0.0, 1)
@@ -240,9 +271,10 @@ class Gate(grpc.ServerInterceptor):
 
     def __init__(self, auth: Auth, admission: Admission, deadlines: Deadlines,
                  health: Health, observe: Observer | None = None,
-                 budget: RefusalBudget = OPEN_BUDGET) -> None:
+                 budget: RefusalBudget = OPEN_BUDGET, held: Held | None = None) -> None:
         self.auth = auth
         self.budget = budget
+        self.held = held
         self.admission = admission
         self.deadlines = deadlines
         self.health = health
@@ -272,11 +304,14 @@ class Gate(grpc.ServerInterceptor):
                 e = self.auth.no_credentials()
                 return self._refuse(handler, method, e.code, str(e))
         if not self.budget.allows(cls):
+            # answered HOLD_S late, holding no worker: a flood that waits for its answers
+            # is slowed to that pace (kvstore/refusal.py)
             return self._refuse(handler, method, "RESOURCE_EXHAUSTED",
                                 f"tenant {cls}'s calls were refused (invalid, unknown or not "
                                 f"its own) more than {self.budget.per_s:g} times a second "
                                 f"(limits.refusals_per_s); its calls are refused for "
-                                f"{self.budget.wait_s(cls):.1f} s more")
+                                f"{self.budget.wait_s(cls):.1f} s more",
+                                (self.held, cls, HOLD_S) if self.held is not None else None)
         if not self.admission.enter(cls):
             who = "calls without a token" if cls == PREAUTH else f"tenant {cls}'s calls"
             return self._refuse(handler, method, "RESOURCE_EXHAUSTED",
@@ -284,10 +319,11 @@ class Gate(grpc.ServerInterceptor):
                                 "concurrent calls (limits.tenant_calls); retry when one ends")
         return self._admitted(handler, cls, tenant)
 
-    def _refuse(self, handler: Any, method: str, code: str, message: str) -> Any:
+    def _refuse(self, handler: Any, method: str, code: str, message: str,
+                hold: tuple[Held, str, float] | None = None) -> Any:
         if self._observe is not None:
             self._observe(_method_name(method), code, 0.0)
-        return _refusal(handler, code, message)
+        return _refusal(handler, code, message, hold)
 
     def _admitted(self, handler: Any, cls: str, tenant: Tenant | None) -> Any:
         """`handler` with the caller bound, the call counted under `cls` until it ends, and
@@ -314,6 +350,7 @@ class Gate(grpc.ServerInterceptor):
                 gate.auth.bind(tenant)
             token = gate.deadlines.arm(context, "the call")
             _current.armed = (gate.deadlines, token)
+            _current.request_bytes = 0
             return now_cls, token
 
         if handler.response_streaming:
@@ -330,7 +367,7 @@ class Gate(grpc.ServerInterceptor):
                     _current.armed = None
                     gate.deadlines.disarm(token)
                     gate.admission.leave(held)
-                    gate.budget.charge(held, context.code())
+                    gate.budget.charge(held, context.code(), _request_bytes())
             return grpc.stream_stream_rpc_method_handler(
                 streaming, handler.request_deserializer, handler.response_serializer)
         inner_unary = handler.stream_unary
@@ -346,7 +383,7 @@ class Gate(grpc.ServerInterceptor):
                 _current.armed = None
                 gate.deadlines.disarm(token)
                 gate.admission.leave(held)
-                gate.budget.charge(held, context.code())
+                gate.budget.charge(held, context.code(), _request_bytes())
         return grpc.stream_unary_rpc_method_handler(
             unary, handler.request_deserializer, handler.response_serializer)
 
@@ -361,34 +398,34 @@ def _code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
 
 
-def _refusal(handler: Any, code: str, message: str) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s shape that answers `code` without reading the request.
-
-    It sets the status and returns instead of calling `context.abort`: grpcio then sends the
-    status it was given without raising and catching an exception for the call (a refusal is
-    what an unauthenticated peer can make the daemon do in a loop)."""
-    status = _code(code)
-
-    def refuse(_requests: Any, context: Any) -> Any:
-        context.set_code(status)
-        context.set_details(message)
-        return None
-
-    def refuse_stream(_requests: Any, context: Any) -> Iterator[Any]:
-        context.set_code(status)
-        context.set_details(message)
-        yield from ()
-    if handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream)
-    return grpc.stream_unary_rpc_method_handler(refuse)
+def _refusal(handler: Any, code: str, message: str,
+             hold: tuple[Held, str, float] | None = None) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s shape that answers `code` without reading the request, on
+    grpcio's serving thread where kvstore/refusal.py could install that path (a refusal is
+    what an unauthenticated peer can make the daemon do in a loop), `hold` later if given."""
+    return Refusal(handler, _code(code), message, hold)
 
 
 _current = threading.local()          # (Deadlines, token) of the call on this worker thread
 
 
-def received() -> None:
-    """The call on this thread has read what it waited for from its client: its deadline no
-    longer applies (its own work, a Flush say, is not cut short by it)."""
+def request_bytes(n: int) -> None:
+    """The call on this thread received a request of `n` bytes (RefusalBudget.charge)."""
+    _current.request_bytes = n
+
+
+def _request_bytes() -> int:
+    n = getattr(_current, "request_bytes", 0)
+    _current.request_bytes = 0
+    return n
+
+
+def received(nbytes: int = 0) -> None:
+    """The call on this thread has read what it waited for from its client (`nbytes` of
+    request, if it was one message): its deadline no longer applies (its own work, a Flush
+    say, is not cut short by it)."""
+    if nbytes:
+        _current.request_bytes = nbytes
     armed = getattr(_current, "armed", None)
     if armed is not None:
         _current.armed = None

@@ -30,7 +30,7 @@ import grpc
 from google.protobuf.message import Message
 from kvstore_client.common.errors import InvalidArgument, KVStoreError, Unavailable
 
-from . import gate
+from . import gate, refusal
 from .auth import OPEN, Auth
 from .handlers.admin import AdminCalls
 from .handlers.leases import LeaseCalls
@@ -51,7 +51,7 @@ Observer = Callable[[str, str, float], None]
 def _one(requests: Iterator[bytes], method: str) -> bytes:
     """The one request message of a unary call (the gate's deadline ends a wait for it)."""
     raw = next(requests, None)
-    gate.received()
+    gate.received(len(raw) if raw is not None else 0)
     if raw is None:
         raise InvalidArgument(f"{method} carried no request message")
     return raw
@@ -161,6 +161,7 @@ class KVStoreServicer:
                 raw = next(requests, None)      # the deadline stays armed: a Get's reply
                 if raw is None:                 # must be taken within it too
                     raise InvalidArgument(f"{method} carried no request message")
+                gate.request_bytes(len(raw))
                 yield from fn(raw)
             except GeneratorExit:   # the client went away mid-stream
                 code = "CANCELLED"
@@ -223,20 +224,29 @@ class Front:
     admission: gate.Admission
     deadlines: gate.Deadlines
     budget: gate.RefusalBudget
+    held: refusal.Held | None       # refusals answered late (kvstore/refusal.py)
+
+    def close(self) -> None:
+        """Post the held refusals now and stop the gate's threads (before the server stops:
+        a held call is one grpcio waits for)."""
+        if self.held is not None:
+            self.held.close()
+        self.deadlines.close()
 
 
 def build_server(servicer: KVStoreServicer, workers: int, max_message_bytes: int,
                  max_receive_bytes: int = 4 << 20, request_deadline_s: float = 30.0,
                  tenant_calls: int = 0, preauth_calls: int = 8,
-                 refusals: tuple[float, int] = (10.0, 50)) -> tuple[grpc.Server, Front]:
+                 refusals: tuple[float, int, int] = (10.0, 50, 50)
+                 ) -> tuple[grpc.Server, Front]:
     """A thread-pool gRPC server with the KVStore service behind the gate (kvstore/gate.py),
     health checking and reflection.
 
     Returns (server, front); the caller binds ports, starts it and flips front.health to
     SERVING once it is really ready. With tenants each has `tenant_calls` (0: `workers`)
-    calls in flight and the pool a thread for each, and `refusals` (per second, burst) calls
-    refused as its own mistake before the gate refuses its calls unread; without tenants,
-    `workers` threads serve all.
+    calls in flight and the pool a thread for each, and `refusals` (per second, burst, burst of
+    unknown ids: gate.RefusalBudget) calls refused as its own mistake before the gate refuses
+    its calls unread; without tenants, `workers` threads serve all.
     """
     from grpc_health.v1 import health
     from grpc_reflection.v1alpha import reflection
@@ -250,16 +260,19 @@ def build_server(servicer: KVStoreServicer, workers: int, max_message_bytes: int
         admission = gate.Admission(caps)
         threads = admission.threads
         budget = gate.RefusalBudget(*refusals)
+        held = refusal.Held({name: per for name in auth.tenants})
     else:
         admission, threads, budget = gate.Admission({}), workers, gate.OPEN_BUDGET
+        held = None
+    refusal.install()
     deadlines = gate.Deadlines(request_deadline_s)
     health_state = gate.Health()
     interceptor = gate.Gate(auth, admission, deadlines, health_state, servicer._observe,
-                            budget)
+                            budget, held)
     server = grpc.server(ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
                          options=grpc_options(max_message_bytes, max_receive_bytes),
                          interceptors=(interceptor,), maximum_concurrent_rpcs=None)
     server.add_generic_rpc_handlers((servicer.handler(),))
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    return server, Front(health_state, admission, deadlines, budget)
+    return server, Front(health_state, admission, deadlines, budget, held)
