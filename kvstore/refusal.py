@@ -27,6 +27,7 @@ one that does not wait meets the cap and is no better off than before.
 from __future__ import annotations
 
 import heapq
+import inspect
 import itertools
 import logging
 import threading
@@ -155,6 +156,13 @@ def install() -> bool:
         except (ImportError, AttributeError) as e:
             log.warning("refusals go through the worker pool (this grpcio lacks %s)", e)
             return False
+        # A private path may change shape in any release: take it only where both functions
+        # have the parameters this module calls them with, or every call would fail.
+        if (_params(original) != ["rpc_event", "state", "method_handler", "thread_pool"]
+                or len(_params(reject)) != 4):
+            log.warning("refusals go through the worker pool (grpcio %s's private rejection "
+                        "path differs from the one kvstore knows)", grpc.__version__)
+            return False
 
         def handle(rpc_event: Any, state: Any, method_handler: Any, thread_pool: Any) -> Any:
             if type(method_handler) is Refusal:
@@ -170,3 +178,10 @@ def install() -> bool:
         _server._handle_with_method_handler = handle
         _installed = True
         return True
+
+
+def _params(fn: Callable[..., Any]) -> list[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
