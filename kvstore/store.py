@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from kvstore_client.common.errors import (
 )
 from kvstore_client.common.layout import NamespaceSpec, check_retention
 
+from .carried import Carried
 from .config import StoreConfig
 from .gpu_slots import GpuSlots
 from .host_reads import REMOTE_CHUNK, HostReads
@@ -99,6 +100,7 @@ class Store:
                                                               st.policies)
         self.host, self.ssd, self.remote, self.gpu, self.events = (st.host, st.ssd, st.remote,
                                                                    st.gpu, st.events)
+        self.carried = Carried(st, self.leases, self._end_lease)
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         if background:
@@ -229,7 +231,18 @@ class Store:
         caps are soft by what calls running at once hold, and an unknown namespace is left to
         the call to answer NOT_FOUND."""
         self.pools.check_lease_pool(ns_id, tier)
-        self.leases.admit(ns_id, slots)
+        self._admit(ns_id, slots)
+
+    def _admit(self, ns_id: bytes, slots: int) -> None:
+        """leases.admit, counting no lease a client already gave back (release_carried)."""
+        try:
+            self.leases.admit(ns_id, slots)
+        except ResourceExhausted:
+            if not self.carried:
+                raise
+            with self.state.lock:
+                self.carried.end_all()
+            self.leases.admit(ns_id, slots)
 
     # ----------------------------------------------------------------- namespaces
 
@@ -363,7 +376,7 @@ class Store:
         if for_client:
             self._admit_lease(ns_id, tier, len(keys))
         else:
-            self.leases.admit(ns_id, len(keys))
+            self._admit(ns_id, len(keys))
         return self.readers[tier].acquire(ns_id, keys, ttl, device)
 
     def with_prefix(self, ns_id: bytes, keys: Sequence[bytes], fn, copies=None):
@@ -406,8 +419,15 @@ class Store:
             self.state.check_open()
             return self.leases.renew(lease_id, ttl_s)
 
+    def release_carried(self, lease_ids: Iterable[str]) -> None:
+        """End leases a call carries, checked as the caller's (kvstore/carried.py)."""
+        self.carried.give_back(lease_ids)
+
     def reap_expired(self) -> None:
-        """End every lease past its deadline (locked)."""
+        """End every lease past its deadline, and those clients gave back in passing
+        (locked)."""
+        if self.carried:
+            self.carried.end_all()
         for lease in self.leases.reap():
             self.state.counters["leases_expired"] += 1
             self._end_lease(lease)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvstore_client._proto import kvstore_pb2 as pb
-from kvstore_client.common.errors import InvalidArgument, KVStoreError, LeaseExpired
+from kvstore_client.common.errors import InvalidArgument, KVStoreError
 
 from .state import CallState
 from .validate import (
@@ -105,17 +105,15 @@ class LeaseCalls:
         return pb.AcquireResponse(lease=s.lease_out(lease))
 
     def _release_carried(self, lease_ids: Iterable[str]) -> None:
-        """Release the leases a call carries (the client's finished loads), as Release would;
-        one it no longer holds (expired, or the daemon restarted) is already free."""
+        """Give back the leases a call carries (the client's finished loads), each checked as
+        the caller's first; the store ends them in its next hold of the lock
+        (Store.release_carried)."""
         s = self.s
-        for raw_id in lease_ids:
-            lease_id = check_lease_id(raw_id)
+        ids = [check_lease_id(raw_id) for raw_id in lease_ids]
+        for lease_id in ids:
             s.auth.check_lease(lease_id)
-            try:
-                s.store.release(lease_id, missing_ok=True)
-            except LeaseExpired:
-                continue                # reaped at its deadline: its slots are free already
-            s.store.counters["releases_carried"] += 1
+        if ids:
+            s.store.release_carried(ids)
 
     def Release(self, raw: bytes) -> pb.ReleaseResponse:
         req = parse_request(pb.ReleaseRequest, raw)
