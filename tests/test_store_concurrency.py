@@ -751,3 +751,47 @@ def test_allocation_waits_for_demotions_in_flight(tmp_path):
         lease = store.acquire(ns, new)
         check_lease(store, ns, new, lease)
         store.release(lease.id)
+
+
+def test_demoter_keeps_a_batch_in_flight_while_a_writer_waits(tmp_path):
+    """A writer waits for room while one demotion batch is in flight and host use minus that
+    batch is under the low watermark: the idle demoter still picks a second batch, so the
+    disk has the next write queued when the first lands (a spilling store's throughput)."""
+    slots = 32
+    with make_store(tmp_path, host_capacity=slots * 4096, high_watermark=0.75,
+                    low_watermark=0.3) as store:
+        ns = namespace(store)
+        rng = np.random.default_rng(31)
+        put_filled = store.ssd.put_filled
+        calls: list[int] = []
+        entered = [threading.Event(), threading.Event()]
+        go = threading.Event()
+
+        def held_put_filled(items, fill):
+            calls.append(len(items))
+            entered[min(len(calls), 2) - 1].set()
+            assert go.wait(30)
+            return put_filled(items, fill)
+        store.ssd.put_filled = held_put_filled
+        try:
+            first = random_prompt(rng, 24)[1]          # up to the high watermark
+            store.put(ns, first, [expected(k) for k in first])
+            assert entered[0].wait(10), "no background demotion started"
+            assert not entered[1].is_set()   # host minus the batch in flight: under low
+            new = random_prompt(rng, 1)[1]
+            result: list = []
+            putting = threading.Thread(
+                target=lambda: result.append(store.put(ns, new, [expected(new[0])])))
+            putting.start()
+            assert entered[1].wait(10), "no second batch while the writer waited for room"
+            assert putting.is_alive() and not result      # still waiting: nothing landed
+        finally:
+            go.set()
+        putting.join(30)
+        assert not putting.is_alive() and result and result[0].stored == 1
+        store.ssd.put_filled = put_filled
+        check_quiet(store)
+        for keys in (first, new):
+            lease = store.acquire(ns, keys)
+            check_lease(store, ns, keys, lease)
+            store.release(lease.id)
