@@ -118,10 +118,9 @@ class HostRoom:
                     cap, used = self.pools.segment_room(seg)
                     host = st.config.host
                     over = used - (self.evicting if seg == 0 else 0) - host.low_watermark * cap
-                    waiting = seg == 0 and self._waiting > 0
-                    if over <= 0 and not (waiting and self._feed_disk()):
+                    if over <= 0:
                         continue
-                    if waiting:
+                    if seg == 0 and self._waiting:
                         # Callers wait for room: the disk is the limit, and each batch pays
                         # its pick, LMDB commit and settle once, so batches are whole (the
                         # room between the watermarks), not the few blocks just over.
@@ -135,20 +134,6 @@ class HostRoom:
                         log.warning("background demotion failed: %s", exc)
                 if not freed:
                     self._wake.wait(0.25)
-
-    def _feed_disk(self) -> bool:
-        """Whether a demoter picks another batch below the low watermark while writers wait
-        for room (locked): yes until every demoter has a whole batch in flight.
-
-        Why: a demoter whose batch landed used to pick its next one only once the waiting
-        writer had refilled the room that batch freed and passed the low watermark again, so
-        after the other demoter's write the disk idled for that refill plus the next pick and
-        first fill: 7-12 ms after every second batch of 2 MiB blocks in bench/scale.py, a
-        quarter to a third of the SSD writer's time. Picked at once, the next batch is filled
-        while the writer refills; host still holds up to the high watermark, more of it on
-        its way down.
-        """
-        return self.evicting < DEMOTERS * BATCH_BYTES
 
     def close(self) -> None:
         """Let the demoter exit (the caller holds the lock and has set state.closed)."""
