@@ -25,7 +25,7 @@ Measured straight on one engine on an idle 2-core machine: the floor (a prompt w
 was all cached) is about 35 ms with a 4x512 model and 65 ms with 4x1024; a miss costs 0.27 and
 0.75 ms per token (1024 tokens: 280 and 750 ms). The workload's misses are 300 to 2,200 tokens,
 so with 4x1024 a miss is 5 to 25 floors, and rr_none's median request (a partial miss of about
-500 tokens) about 6. 8x1024 halves the floor's share again (95 ms against 1.4 s per 1024
+450 tokens) about 5. 8x1024 halves the floor's share again (95 ms against 1.4 s per 1024
 tokens) but doubles the replay's CPU time, which `--quick` cannot afford. Scaling the prompts
 (tokens per trace block) instead would scale the tokens every turn brings with it, which even
 kv_aware must prefill, as much as those it reuses; it only shrinks the floor's share, as a

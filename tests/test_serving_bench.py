@@ -25,9 +25,9 @@ def _row(ts: int, ids: list[int], length: int) -> dict:
 
 
 def _trace(folder: Path) -> Path:
-    """Three conversations of three turns (each turn extends the last one's ids but its
-    partial last block), one one-off request sharing only the system-prompt id 0, and a
-    conversation too long for the prompt limit used below."""
+    """Three conversations of three turns (each turn extends the last one's ids but its last
+    block, which is partial but in line 7), one one-off request sharing only the
+    system-prompt id 0, and a conversation too long for the prompt limit used below."""
     rows = [
         _row(0, [0, 1, 2], 1300),
         _row(1, [0, 10, 11], 1200),
@@ -36,7 +36,7 @@ def _trace(folder: Path) -> Path:
         _row(4, [0, 1, 3, 4], 1700),               # continues line 0 (shares 0, 1)
         _row(5, [0, 10, 11, 12], 1900),            # continues line 1
         _row(6, [0, 1, 3, 5, 6], 2300),            # continues line 4
-        _row(7, [0, 20, 21, 23, 24], 2200),
+        _row(7, [0, 20, 21, 23, 24], 2560),         # its last block is full
         _row(8, [0, 10, 11, 13, 14], 2400),
         _row(9, [0, 20, 21, 23, 25, 26], 2700),
         _row(10, [0, *range(30, 60)], 15000),      # too long once scaled
@@ -59,10 +59,15 @@ def test_conversations_and_shared_tokens(tmp_path):
         (1, 2, 8), (2, 2, 9)]
     by = {(r.conversation, r.turn): r.tokens for r in reqs}
     assert len(by[0, 0]) == 1300 * 64 // 512
-    # turn 1 of conversation 0 shares ids 0, 1: exactly 2 blocks of tokens, then differs
-    assert workload.shared_prefix(by[0, 0], by[0, 1]) == 128
-    assert workload.shared_prefix(by[0, 1], by[0, 2]) == 192          # ids 0, 1, 3
+    # turn 1 of conversation 0 shares ids 0, 1, and its block 3 replaces turn 0's partial
+    # block 2, so it starts with that block's 162 - 128 tokens: all of turn 0, then differs
+    assert workload.shared_prefix(by[0, 0], by[0, 1]) == len(by[0, 0]) == 162
+    assert by[0, 1][162:164] != by[0, 0][128:130]
+    assert workload.shared_prefix(by[0, 1], by[0, 2]) == len(by[0, 1]) == 212
     assert workload.shared_prefix(by[0, 0], by[1, 0]) == 64           # the system prompt
+    # a turn that replaces a full last block (line 9 replaces line 7's block 24, and 2560
+    # tokens fill 5 blocks) changed its text, not appended to it: it shares only the ids
+    assert workload.shared_prefix(by[2, 1], by[2, 2]) == 256 == len(by[2, 1]) - 64
     assert workload.common_prefix(reqs) == by[0, 0][:64]
     # the same ids make the same tokens on every build
     again = workload.build(rows, conversations_n=3, turns=3, tokens_per_block=64,
@@ -71,6 +76,36 @@ def test_conversations_and_shared_tokens(tmp_path):
     with pytest.raises(ValueError, match="only 3 conversations"):
         workload.build(rows, conversations_n=4, turns=3, tokens_per_block=64,
                        max_prompt_tokens=1000)
+
+
+def test_followups_start_with_the_partial_block_they_extend():
+    """On the real trace: a follow-up whose block replaces its parent's partial last block
+    (the turn appended text to it) holds all of the parent's tokens, and the --quick
+    workload's follow-ups add about what the trace's input lengths say a turn adds."""
+    rows = workload.load_trace(trace_path())
+    blocks = workload.BlockTokens(rows, 128)
+    extended = 0
+    for j, (parent, k) in enumerate(workload.parents(rows)):
+        a, b = rows[parent]["hash_ids"], rows[j]["hash_ids"]
+        if parent < 0 or k != len(a) - 1 or len(b) <= k or rows[parent]["input_length"] % 512 == 0:
+            continue
+        extended += 1
+        pa, pb = workload.prompt(rows[parent], blocks), workload.prompt(rows[j], blocks)
+        assert workload.shared_prefix(pa, pb) >= min(len(pa), len(pb)), (parent, j)
+    assert extended > 3000
+    reqs = workload.build(rows, conversations_n=6, turns=8, tokens_per_block=128,
+                          max_prompt_tokens=3064)
+    last: dict[int, workload.Request] = {}
+    new, grown = [], []
+    for r in reqs:
+        if r.conversation in last:
+            p = last[r.conversation]
+            new.append(len(r.tokens) - workload.shared_prefix(p.tokens, r.tokens))
+            grown.append((rows[r.trace_line]["input_length"]
+                          - rows[p.trace_line]["input_length"]) * 128 // 512)
+        last[r.conversation] = r
+    assert len(new) == 42
+    assert abs(sorted(new)[21] - sorted(grown)[21]) <= 2, (sorted(new), sorted(grown))
 
 
 def test_find_trace_says_where_it_looked(tmp_path, monkeypatch):
