@@ -142,6 +142,9 @@ class Store:
         promised durable. `progress` gets a line about once a second while it flushes.
         """
         st = self.state
+        dump = getattr(st.lock, "dump", None)      # KVS_LOCK_TIMING (lock_timing.py)
+        if dump is not None:
+            dump()
         with st.lock:
             if st.closed:
                 while not st.shut:
