@@ -77,13 +77,17 @@ class GpuSlots:
 
     def commit(self, lease_id: str, keys: list[bytes], parent: bytes | None,
                checksums: Sequence[int] | None, first_slot: int = 0,
-               texts: list | None = None) -> CommitResult:
+               texts: list | None = None,
+               check: Callable[[Lease], None] | None = None) -> CommitResult:
         """Commit for a gpu write lease: hash the slots without the lock, then publish.
-        `texts`: the blocks' KV-event texts (kvstore/events/), kept as they are published."""
+        `texts`: the blocks' KV-event texts (kvstore/events/), kept as they are published;
+        `check`: the store's checks of the lease, run in the first hold of the lock."""
         st = self.state
         with st.lock:
             st.check_open()
             lease = self.leases.get(lease_id)
+            if check is not None:
+                check(lease)
             if len(keys) > len(lease.slots):
                 raise InvalidArgument(f"{len(keys)} keys for a lease of {len(lease.slots)} "
                                       "slots")

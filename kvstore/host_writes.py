@@ -72,14 +72,17 @@ class HostWrites:
 
     def commit(self, lease_id: str, keys: list[bytes], parent: bytes | None,
                checksums: Sequence[int] | None, first_slot: int = 0,
-               texts: list | None = None) -> CommitResult:
-        """Publish keys[i] from slot first_slot + i of a write lease (checked by the store);
-        free its other slots. `texts`: the blocks' KV-event texts, kept as they are
-        published."""
+               texts: list | None = None,
+               check: Callable[[Lease], None] | None = None) -> CommitResult:
+        """Publish keys[i] from slot first_slot + i of a write lease (checked by the store, or
+        by `check` in this call's first hold of the lock); free its other slots. `texts`: the
+        blocks' KV-event texts, kept as they are published."""
         st = self.state
         with st.lock:
             st.check_open()
             lease = self.leases.get(lease_id)
+            if check is not None:
+                check(lease)
             used = lease.slots[first_slot:first_slot + len(keys)]
             checked = self._commit_sample(len(used), checksums)
             views = [st.host.view(used[i].offset, used[i].length) for i in checked]

@@ -31,6 +31,7 @@ from kvstore_client.common.layout import NamespaceSpec
 
 from .config import StoreConfig
 from .index import NS_ID_BYTES, BlockIndex
+from .lock_timing import make_lock
 
 if TYPE_CHECKING:
     from tiers.base import DeviceSlotTier, DiskTier, NetworkTier, SlotTier
@@ -63,7 +64,7 @@ class StoreState:
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        self.lock = threading.RLock()
+        self.lock = make_lock()     # a plain RLock; timed where KVS_LOCK_TIMING is set
         self.idle = threading.Condition(self.lock)   # notified when a busy call settles
         self.busy = 0               # calls that released the lock mid-way and will take it back
         self.closed = False         # close() has started: no new call begins

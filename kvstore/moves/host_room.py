@@ -49,6 +49,7 @@ from ..state import StoreState, aligned
 from .common import Flight, corrupt_host_copy, pick_victims
 from .host_remote import HostRemote
 from .host_to_ssd import HostToSSD
+from .room_waits import RoomWaits, RoomWant
 
 log = logging.getLogger("kvstore.store")
 BATCH_BLOCKS = 64
@@ -78,6 +79,7 @@ class HostRoom:
         self._flights: set[threading.Event] = set()
         self._room = threading.Condition(state.lock)
         self._waiting = 0           # callers in _wait_landing
+        self._waits = RoomWaits(state)   # of those, the writers a landing hands a slot
         # Blocks promotions copied into the shared slab, oldest first (keys only: an Entry
         # held here would never go back to packed form).
         self._promoted: deque[bytes] = deque(maxlen=PROMOTED_KEPT)
@@ -197,7 +199,7 @@ class HostRoom:
             return None
 
     def alloc(self, nbytes: int, ns_id: bytes | None = None, promotion: bool = False,
-              wait: bool = True) -> int:
+              wait: bool = True, count: int = 1, extra: list[int] | None = None) -> int:
         """A host slot of `nbytes`, evicting until one fits (locked; may release the lock).
 
         Other threads may take the room an eviction made while the lock was released, so this
@@ -206,7 +208,8 @@ class HostRoom:
         flight, or after ROOM_WAIT_S. A writer's slot leaves the promotions' share free
         (`promotion_share`) unless nothing else is left; `promotion` may take it. Without
         `wait`, only a slot that is free now (a Reserve ahead of a store that may not come
-        neither evicts nor waits).
+        neither evicts nor waits). A caller that wants `count` slots in all and passes
+        `extra` may be handed more than one by a landing: the rest are appended to `extra`.
         """
         st = self.state
         seg = self.pools.segment_of(ns_id)
@@ -221,12 +224,17 @@ class HostRoom:
                 raise ResourceExhausted(f"no free host room for {nbytes} bytes now")
             if promotion and not seg and self._reclaim_promoted(need):
                 continue
-            short = need                # what is missing, the promotions' share kept
-            if share:
-                cap, used = self.pools.segment_room(seg)
-                short = max(need, used + need + share - cap)
-            if not seg and self.evicting >= short and self._wait_landing(deadline):
-                continue     # batches in flight free enough: no second writer on the disk
+            short = self._short(seg, need, share)   # what is missing, the share kept
+            if not seg and self.evicting >= short:
+                # Batches in flight free enough: no second writer on the disk. The landing
+                # hands this caller its slot (room_waits.py).
+                want = RoomWant(nbytes, share, promotion, count if extra is not None else 1)
+                if self._wait_landing(deadline, want):
+                    if want.offs:
+                        if extra is not None:
+                            extra += want.offs[1:]
+                        return want.offs[0]
+                    continue
             _, _, picked = self._evict_batches(short, self.pools.segment_namespaces(seg))
             if picked or self._wait_landing(deadline):
                 continue
@@ -262,8 +270,11 @@ class HostRoom:
                 pass                    # fragmented: alloc below coalesces, evicts, waits
         offsets: list[int] = []
         try:
-            for _ in range(n):
-                offsets.append(self.alloc(nbytes, ns_id, wait=wait))
+            while len(offsets) < n:
+                more: list[int] = []
+                offsets.append(self.alloc(nbytes, ns_id, wait=wait, count=n - len(offsets),
+                                          extra=more))
+                offsets += more
         except BaseException:           # full, or a demotion that failed
             for off in offsets:
                 host.free(off)
@@ -306,9 +317,17 @@ class HostRoom:
             st.counters["promotion_reclaimed_bytes"] += freed
         return freed > 0
 
-    def _wait_landing(self, deadline: float) -> bool:
+    def _short(self, seg: int, need: int, share: int) -> int:
+        """Bytes missing for a slot of `need` that leaves `share` free (locked)."""
+        if not share:
+            return need
+        cap, used = self.pools.segment_room(seg)
+        return max(need, used + need + share - cap)
+
+    def _wait_landing(self, deadline: float, want: RoomWant | None = None) -> bool:
         """Wait (releasing the lock) until one of the demotions now in flight has landed;
-        False when none was. ResourceExhausted past `deadline`. The caller counts as busy
+        False when none was. With `want`, until a landing hands it a slot or wakes it
+        (room_waits.py). ResourceExhausted past `deadline`. The caller counts as busy
         meanwhile, so close() waits for it to finish its call."""
         st = self.state
         pending = list(self._flights)
@@ -317,19 +336,32 @@ class HostRoom:
         st.busy += 1
         self._waiting += 1
         try:
+            if want is not None:
+                if not self._waits.wait(want, pending, lambda: deadline - time.monotonic()):
+                    self._timed_out()
+                return True
             while not any(ev.is_set() for ev in pending):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    st.counters["host_room_wait_timeouts"] += 1
-                    raise ResourceExhausted(
-                        f"no host room after {ROOM_WAIT_S:g} s waiting for demotions to SSD "
-                        "to land; the disk is slower than the writes")
+                    self._timed_out()
                 self._room.wait(left)
         finally:
             self._waiting -= 1
             st.busy -= 1
             st.idle.notify_all()
         return True
+
+    def _timed_out(self) -> None:
+        self.state.counters["host_room_wait_timeouts"] += 1
+        raise ResourceExhausted(f"no host room after {ROOM_WAIT_S:g} s waiting for demotions "
+                                "to SSD to land; the disk is slower than the writes")
+
+    def _serve_waits(self) -> None:
+        """A flight landed (locked): hand the writers waiting for room their slots."""
+        self._waits.serve(
+            lambda w: self._take(w.nbytes, 0, w.share),
+            lambda w: self.evicting >= self._short(0, aligned(w.nbytes), w.share),
+            self._flights)
 
     # -- eviction ---------------------------------------------------------------------------------
     def evict(self, nbytes: int | None, only: set[bytes] | None = None) -> tuple[int, int]:
@@ -433,6 +465,7 @@ class HostRoom:
         self._flights.discard(flight.event)
         flight.land()
         self._room.notify_all()
+        self._serve_waits()
 
     def _disk_full(self, batch: list[Entry], exc: DiskFull) -> list:
         """The SSD write of an eviction batch did not land (filesystem full): the victims
