@@ -186,3 +186,23 @@ def ssd_image(state: StoreState) -> dict[str, bytes] | None:
     except Exception:  # noqa: BLE001 - without an image the next start scans
         log.exception("no index image: building it failed")
         return None
+
+
+def close_tiers(state: StoreState, moves, host_pin: PinnedHost) -> None:
+    """Release what open_tiers opened, in the order its users need: the event streams before
+    the SSD tier (they read texts from LMDB), the SSD tier with the index image a warm restart
+    reads, the moves' threads, the devices, then the slab's page-locking and the slab."""
+    if state.events is not None:
+        try:
+            state.events.close()
+        except Exception:  # noqa: BLE001 - a stop must go on to release the tiers
+            log.exception("closing the KV event streams failed")
+    if state.ssd is not None:
+        state.ssd.close(image=ssd_image(state))
+    if state.remote is not None:
+        state.remote.close()
+    moves.close()
+    for t in state.gpu.values():
+        t.close()
+    host_pin.close()
+    state.host.close()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,14 +37,21 @@ from .leases import Lease, LeaseTable
 from .lookup import LookupResult, Queries
 from .moves import Moves
 from .namespaces import Registry
-from .opening import open_tiers, ssd_image
+from .opening import close_tiers, open_tiers
 from .state import NamespaceInfo, StoreState
 from .store_stats import stats
-from .validate import MAX_KEYS_PER_CALL, checked_keys, checked_parent
+from .upkeep import Upkeep
+from .validate import (
+    MAX_KEYS_PER_CALL,
+    check_checksums,
+    check_commit,
+    checked_keys,
+    checked_parent,
+    checked_token_ids,
+)
 
 log = logging.getLogger("kvstore.store")
 
-TUNE_SLICE = 256            # deferred policy-tuning accesses fed per hold of the store lock
 __all__ = ["MAX_KEYS_PER_CALL", "REMOTE_CHUNK", "CommitResult", "LookupResult", "Store"]
 
 
@@ -101,8 +107,8 @@ class Store:
         self.host, self.ssd, self.remote, self.gpu, self.events = (st.host, st.ssd, st.remote,
                                                                    st.gpu, st.events)
         self.carried = Carried(st, self.leases, self._end_lease)
-        self._stop = threading.Event()
-        self._reaper: threading.Thread | None = None
+        self.upkeep = Upkeep(st, self.reap_expired)
+        self._starting = False
         if background:
             self.start_background()
 
@@ -114,10 +120,9 @@ class Store:
         seconds that every first call then waited for."""
         st = self.state
         with st.lock:
-            if self._reaper is not None or st.closed:
+            if self._starting or st.closed:
                 return
-            self._reaper = threading.Thread(target=self._reap_loop, name="kvstore-reaper",
-                                            daemon=True)
+            self._starting = True
         self._slab.start_prefault()
         if st.ssd is not None:
             st.ssd.warm_up()
@@ -127,7 +132,7 @@ class Store:
             self.moves.start_background()
         if st.events is not None:
             st.events.start()
-        self._reaper.start()
+        self.upkeep.start()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -151,7 +156,7 @@ class Store:
                     st.idle.wait()
                 return
             st.closed = True
-            self._stop.set()
+            self.upkeep.stop()
             while st.busy:
                 st.idle.wait()
             try:
@@ -161,59 +166,16 @@ class Store:
                 log.warning("not every host block was flushed at close: %s", exc)  # blocks go
             finally:
                 try:
-                    self._release_resources()
+                    close_tiers(st, self.moves, self._host_pin)
                 finally:
                     st.shut = True
                     st.idle.notify_all()
-
-    def _release_resources(self) -> None:
-        st = self.state
-        if st.events is not None:       # before the SSD tier: it reads texts from LMDB
-            try:
-                st.events.close()
-            except Exception:  # noqa: BLE001 - a stop must go on to release the tiers
-                log.exception("closing the KV event streams failed")
-        if st.ssd is not None:
-            st.ssd.close(image=ssd_image(st))
-        if st.remote is not None:
-            st.remote.close()
-        self.moves.close()
-        self._close_device_side()
-        st.host.close()
-
-    def _close_device_side(self) -> None:
-        for t in self.state.gpu.values():
-            t.close()
-        self._host_pin.close()
 
     def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _reap_loop(self) -> None:
-        st = self.state
-        while not self._stop.wait(0.25):
-            try:
-                with st.lock:
-                    if not st.closed:
-                        self.reap_expired()
-                self._tune_policy()
-            except Exception:  # the reaper must outlive any single bad lease
-                log.exception("lease reaper")
-
-    def _tune_policy(self) -> None:
-        """Feed the host policy's tuning what commits and loads deferred, a slice per lock hold
-        so no call waits long behind it."""
-        st = self.state
-        tune = getattr(st.policies["host"], "tune", None)
-        if tune is None:
-            return
-        while not self._stop.is_set():
-            with st.lock:
-                if st.closed or not tune(TUNE_SLICE):
-                    return
 
     # ----------------------------------------------------------------- validation
 
@@ -307,16 +269,8 @@ class Store:
         st = self.state
         keys = checked_keys(keys, allow_empty=True, chain=True)
         parent = checked_parent(parent)
-        if checksums and 0 in checksums:
-            i = list(checksums).index(0)
-            raise InvalidArgument(f"checksums[{i}] is 0; send each block's xxh3-64, or no "
-                                  "checksums at all (the daemon then hashes every block)")
-        if token_ids is not None and not isinstance(token_ids, bytes):
-            from .events.texts import tokens_u32  # in-process callers may pass a sequence
-            try:
-                token_ids = tokens_u32(token_ids)
-            except ValueError as e:
-                raise InvalidArgument(str(e)) from None
+        check_checksums(checksums)
+        token_ids = checked_token_ids(token_ids)
         if token_ids is None:
             # The usual Commit: its checks run in the writer's own first hold of the lock
             # (one take fewer; each take is a wait behind every other caller under load).
@@ -340,25 +294,9 @@ class Store:
 
     def _check_commit(self, lease: Lease, keys: list[bytes], first_slot: int,
                       checksums: Sequence[int] | None, token_ids: bytes | None) -> None:
-        """What Commit asks of its lease (locked); InvalidArgument."""
-        st = self.state
-        if lease.kind != "write":
-            raise InvalidArgument(f"lease {lease.id} is a read lease; commit takes the lease "
-                                  "Reserve returned")
-        if first_slot and lease.tier != "host":
-            raise InvalidArgument("first_slot is for host leases; commit a gpu lease from "
-                                  "its first slot")
-        if first_slot + len(keys) > len(lease.slots):
-            raise InvalidArgument(f"{len(keys)} keys from slot {first_slot} for a lease of "
-                                  f"{len(lease.slots)} slots")
-        if checksums and len(checksums) != len(keys):
-            raise InvalidArgument(f"{len(checksums)} checksums for {len(keys)} keys")
-        if token_ids and len(token_ids) != 4 * len(keys) * (
-                bt := st.namespace(lease.ns_id).spec.layout.block_tokens):
-            got = (f"{len(token_ids) // 4} token ids" if len(token_ids) % 4 == 0 else
-                   f"{len(token_ids)} bytes of token ids (4 a token)")
-            raise InvalidArgument(f"{got} for {len(keys)} keys; send {bt} per key (the "
-                                  "namespace's block_tokens, little-endian uint32) or none")
+        """What Commit asks of its lease (locked): kvstore/validate.py's check_commit."""
+        bt = self.state.namespace(lease.ns_id).spec.layout.block_tokens if token_ids else 0
+        check_commit(lease, len(keys), first_slot, checksums, token_ids, bt)
 
     def put(self, ns_id: bytes, keys: Sequence[bytes], blocks: Sequence,
             parent: bytes | None = None, token_ids: bytes | None = None) -> CommitResult:

@@ -1,4 +1,4 @@
-"""Checks of what a call names: block keys and a parent key.
+"""Checks of what a call names: block keys, a parent key, and what a Commit brings.
 
 Why keys are checked at C speed first: a Lookup names up to thousands of keys and runs once per
 engine request; the per-key loop only runs to say which key is wrong. In steps of
@@ -51,3 +51,46 @@ def checked_parent(parent: bytes | None) -> bytes | None:
         raise InvalidArgument(f"parent key is {len(parent)} bytes; block keys are "
                               f"{MIN_KEY_BYTES}..{MAX_KEY_BYTES} bytes")
     return bytes(parent)
+
+
+def check_checksums(checksums: Sequence[int] | None) -> None:
+    """A checksum of 0 is refused: every host or gpu copy's checksum is checked on every read
+    as it is, so a client may not mark a block "unknown"."""
+    if checksums and 0 in checksums:
+        i = list(checksums).index(0)
+        raise InvalidArgument(f"checksums[{i}] is 0; send each block's xxh3-64, or no "
+                              "checksums at all (the daemon then hashes every block)")
+
+
+def checked_token_ids(token_ids: bytes | Sequence[int] | None) -> bytes | None:
+    """Token ids as Commit carries them (little-endian uint32 bytes); in-process callers may
+    pass a sequence of ints."""
+    if token_ids is None or isinstance(token_ids, bytes):
+        return token_ids
+    from .events.texts import tokens_u32
+    try:
+        return tokens_u32(token_ids)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+
+
+def check_commit(lease, n_keys: int, first_slot: int, checksums: Sequence[int] | None,
+                 token_ids: bytes | None, block_tokens: int) -> None:
+    """What Commit asks of its lease: a write lease, slots for every key, a checksum per key
+    where any come, and `block_tokens` token ids per key where any come."""
+    if lease.kind != "write":
+        raise InvalidArgument(f"lease {lease.id} is a read lease; commit takes the lease "
+                              "Reserve returned")
+    if first_slot and lease.tier != "host":
+        raise InvalidArgument("first_slot is for host leases; commit a gpu lease from "
+                              "its first slot")
+    if first_slot + n_keys > len(lease.slots):
+        raise InvalidArgument(f"{n_keys} keys from slot {first_slot} for a lease of "
+                              f"{len(lease.slots)} slots")
+    if checksums and len(checksums) != n_keys:
+        raise InvalidArgument(f"{len(checksums)} checksums for {n_keys} keys")
+    if token_ids and len(token_ids) != 4 * n_keys * block_tokens:
+        got = (f"{len(token_ids) // 4} token ids" if len(token_ids) % 4 == 0 else
+               f"{len(token_ids)} bytes of token ids (4 a token)")
+        raise InvalidArgument(f"{got} for {n_keys} keys; send {block_tokens} per key (the "
+                              "namespace's block_tokens, little-endian uint32) or none")

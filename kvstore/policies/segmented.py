@@ -135,7 +135,7 @@ class SegmentedPolicy:
         and nothing they decide is needed until the next eviction. Every reader of what they
         decide (pick, the mode, a snapshot, a hint) first feeds them everything pending, in
         order and with the capacity each access saw, so the cache evicts exactly as it would
-        have; the store feeds them in the background meanwhile (Store._tune_policy)."""
+        have; the store feeds them in the background meanwhile (kvstore/upkeep.py)."""
         if self._pending is None:
             self._pending = []
 
