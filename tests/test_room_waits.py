@@ -208,3 +208,140 @@ def test_a_reserve_short_of_room_is_served_as_one(tmp_path, monkeypatch):
             check_lease(store, ns, keys, got)
             store.release(got.id)
         check_quiet(store)
+
+
+
+def _reserve_behind_a_run(store, rng, run_blocks: int, ns):
+    """A host full of eight one-block prompts, an eviction run of `run_blocks` in batches of
+    four (its SSD writes gated; the first batch is the four oldest prompts), a reader holding
+    two of the first batch's victims (so its landing frees two slots, not four), and a
+    Reserve of three waiting behind the run. Returns (entered, gates, evicted, runner,
+    reserver, leases, errors, readers)."""
+    prompts = [random_prompt(rng, 1)[1] for _ in range(8)]
+    for keys in prompts:
+        store.put(ns, keys, [expected(keys[0])])
+    entered, gates = _gated_writes(store)
+    evicted: list = []
+    runner = _evict(store, run_blocks * BLOCK, evicted)
+    assert entered[0].wait(10)
+    readers = [store.acquire(ns, keys) for keys in prompts[:2]]
+    assert [len(r.keys) for r in readers] == [1, 1]
+    room = store.moves.host_room
+    leases: list = []
+    errors: list = []
+
+    def reserve() -> None:
+        try:
+            leases.append(store.reserve(ns, 3))
+        except ResourceExhausted as exc:
+            errors.append(exc)
+    reserver = threading.Thread(target=reserve)
+    reserver.start()
+    _wait_for(lambda: room._waiting == 1, "the Reserve waiting")
+    return entered, gates, evicted, runner, reserver, leases, errors, readers
+
+
+def _commit_and_check(store, ns, rng, lease) -> None:
+    keys = random_prompt(rng, len(lease.slots))[1]
+    for s, k in zip(lease.slots, keys, strict=True):
+        store.host.view(s.offset, s.length)[:] = np.frombuffer(expected(k), np.uint8)
+    assert store.commit(lease.id, keys).stored == len(keys)
+    got = store.acquire(ns, keys)
+    check_lease(store, ns, keys, got)
+    store.release(got.id)
+
+
+def test_a_writer_left_short_sleeps_through_the_run(tmp_path, monkeypatch):
+    """A Reserve of three waits on a run that evicts in two batches: the first landing hands it
+    the two slots it frees while no batch is in flight, but the run picks its second batch in
+    the same hold, so the Reserve sleeps on and wakes once, served, at the second landing.
+    (Woken at the first landing, it found the second batch in flight and slept again: two
+    wake-ups.)"""
+    monkeypatch.setenv(lock_timing.ENV, str(tmp_path / "lock.json"))
+    monkeypatch.setattr(host_room, "BATCH_BLOCKS", 4)
+    with make_store(tmp_path, host_capacity=8 * BLOCK, high_watermark=1.0,
+                    low_watermark=1.0) as store:
+        lock = store.state.lock
+        ns = namespace(store)
+        rng = np.random.default_rng(34)
+        entered, gates, evicted, runner, reserver, leases, errors, readers = (
+            _reserve_behind_a_run(store, rng, 8, ns))
+        before = _wakeups(lock)
+        gates[0].set()
+        assert entered[1].wait(10)              # the run's second batch, in flight
+        assert reserver.is_alive()
+        gates[1].set()
+        reserver.join(20)
+        runner.join(20)
+        assert not reserver.is_alive() and not runner.is_alive()
+        assert not errors and len(leases) == 1 and len(leases[0].slots) == 3
+        assert evicted == [(6 * BLOCK, 6)]
+        assert _wakeups(lock) - before == 1
+        for g in gates:
+            g.set()
+        for r in readers:
+            store.release(r.id)
+        _commit_and_check(store, ns, rng, leases[0])
+        check_quiet(store)
+
+
+def test_a_writer_left_short_wakes_when_the_run_ends(tmp_path, monkeypatch):
+    """The run is one batch: the Reserve left one slot short sleeps through the landing, wakes
+    when the run ends with nothing in flight (not at its deadline), and evicts the block it
+    still lacks itself. (No background demoter: its runs' ends would wake the Reserve too.)"""
+    monkeypatch.setenv(lock_timing.ENV, str(tmp_path / "lock.json"))
+    monkeypatch.setattr(host_room, "BATCH_BLOCKS", 4)
+    monkeypatch.setattr(host_room, "ROOM_WAIT_S", 60.0)
+    with make_store(tmp_path, host_capacity=8 * BLOCK, high_watermark=1.0,
+                    low_watermark=1.0, background_demotion=False) as store:
+        lock = store.state.lock
+        ns = namespace(store)
+        rng = np.random.default_rng(35)
+        entered, gates, evicted, runner, reserver, leases, errors, readers = (
+            _reserve_behind_a_run(store, rng, 4, ns))
+        before = _wakeups(lock)
+        gates[1].set()                          # the Reserve's own eviction is not held
+        gates[0].set()
+        reserver.join(20)
+        runner.join(20)
+        assert not reserver.is_alive() and not runner.is_alive()
+        assert not errors and len(leases) == 1 and len(leases[0].slots) == 3
+        assert evicted == [(2 * BLOCK, 2)]
+        assert _wakeups(lock) - before == 1
+        assert store.state.counters["host_room_wait_timeouts"] == 0
+        for g in gates:
+            g.set()
+        for r in readers:
+            store.release(r.id)
+        _commit_and_check(store, ns, rng, leases[0])
+        check_quiet(store)
+
+
+def test_a_writer_sleeping_through_a_run_gives_up_at_its_deadline(tmp_path, monkeypatch):
+    """The run's second batch does not land in time: the Reserve holding two handed slots
+    still gives up at ROOM_WAIT_S, gives them back, and is no longer counted as waiting."""
+    monkeypatch.setattr(host_room, "BATCH_BLOCKS", 4)
+    monkeypatch.setattr(host_room, "ROOM_WAIT_S", 0.5)
+    with make_store(tmp_path, host_capacity=8 * BLOCK, high_watermark=1.0,
+                    low_watermark=1.0) as store:
+        ns = namespace(store)
+        rng = np.random.default_rng(36)
+        entered, gates, evicted, runner, reserver, leases, errors, readers = (
+            _reserve_behind_a_run(store, rng, 8, ns))
+        gates[0].set()
+        assert entered[1].wait(10)
+        reserver.join(10)
+        assert not reserver.is_alive()
+        assert not leases and len(errors) == 1
+        room = store.moves.host_room
+        assert room._waiting == 0 and not room._waits.wants
+        assert store.state.counters["host_room_wait_timeouts"] == 1
+        gates[1].set()
+        runner.join(20)
+        for g in gates:
+            g.set()
+        assert evicted == [(6 * BLOCK, 6)]
+        for r in readers:
+            store.release(r.id)
+        check_quiet(store)
+        assert store.host.used_bytes == 2 * BLOCK      # the two the reader held

@@ -80,6 +80,10 @@ class HostRoom:
         self._room = threading.Condition(state.lock)
         self._waiting = 0           # callers in _wait_landing
         self._waits = RoomWaits(state)   # of those, the writers a landing hands a slot
+        # Evictors' runs going on (an _evict_batches call; a demoter from waking to sleeping):
+        # a run may pick its next batch in the hold its landing is served in, so a writer
+        # the landing leaves short sleeps on until the run ends (room_waits.py).
+        self._runs = 0
         # Blocks promotions copied into the shared slab, oldest first (keys only: an Entry
         # held here would never go back to packed form).
         self._promoted: deque[bytes] = deque(maxlen=PROMOTED_KEPT)
@@ -113,29 +117,41 @@ class HostRoom:
         st = self.state
         with st.lock:
             while not st.closed:
-                freed = 0
-                # Each tenant's own pool is kept under its own watermark with its own blocks:
-                # one tenant's writes never demote another's (kvstore/pools.py).
-                for seg in range(self.pools.segment_count()):
-                    cap, used = self.pools.segment_room(seg)
-                    host = st.config.host
-                    over = used - (self.evicting if seg == 0 else 0) - host.low_watermark * cap
-                    if over <= 0:
-                        continue
-                    if seg == 0 and self._waiting:
-                        # Callers wait for room: the disk is the limit, and each batch pays
-                        # its pick, LMDB commit and settle once, so batches are whole (the
-                        # room between the watermarks), not the few blocks just over.
-                        over = max(over, (host.high_watermark - host.low_watermark) * cap)
-                    try:
-                        f, _ = self.evict(int(over), self.pools.segment_namespaces(seg))
-                        freed += f
-                        st.counters["background_demotion_bytes"] += f
-                    except Exception as exc:  # the next round retries; inline eviction remains
-                        st.counters["background_demotion_errors"] += 1
-                        log.warning("background demotion failed: %s", exc)
-                if not freed:
+                self._runs += 1             # one run: from waking until nothing is freed
+                try:
+                    while not st.closed and self._demote_round():
+                        pass
+                finally:
+                    self._runs -= 1
+                    self._serve_waits()
+                if not st.closed:
                     self._wake.wait(0.25)
+
+    def _demote_round(self) -> int:
+        """One pass of background demotion over the segments (locked); the bytes freed."""
+        st = self.state
+        freed = 0
+        # Each tenant's own pool is kept under its own watermark with its own blocks: one
+        # tenant's writes never demote another's (kvstore/pools.py).
+        for seg in range(self.pools.segment_count()):
+            cap, used = self.pools.segment_room(seg)
+            host = st.config.host
+            over = used - (self.evicting if seg == 0 else 0) - host.low_watermark * cap
+            if over <= 0:
+                continue
+            if seg == 0 and self._waiting:
+                # Callers wait for room: the disk is the limit, and each batch pays its pick,
+                # LMDB commit and settle once, so batches are whole (the room between the
+                # watermarks), not the few blocks just over.
+                over = max(over, (host.high_watermark - host.low_watermark) * cap)
+            try:
+                f, _ = self.evict(int(over), self.pools.segment_namespaces(seg))
+                freed += f
+                st.counters["background_demotion_bytes"] += f
+            except Exception as exc:  # the next round retries; inline eviction remains
+                st.counters["background_demotion_errors"] += 1
+                log.warning("background demotion failed: %s", exc)
+        return freed
 
     def close(self) -> None:
         """Let the demoter exit (the caller holds the lock and has set state.closed)."""
@@ -357,11 +373,12 @@ class HostRoom:
                                 "to SSD to land; the disk is slower than the writes")
 
     def _serve_waits(self) -> None:
-        """A flight landed (locked): hand the writers waiting for room their slots."""
+        """A flight landed or a run ended (locked): hand the writers waiting for room their
+        slots."""
         self._waits.serve(
             lambda w: self._take(w.nbytes, 0, w.share),
             lambda w: self.evicting >= self._short(0, aligned(w.nbytes), w.share),
-            self._flights)
+            self._flights, self._runs > 0)
 
     # -- eviction ---------------------------------------------------------------------------------
     def evict(self, nbytes: int | None, only: set[bytes] | None = None) -> tuple[int, int]:
@@ -388,16 +405,21 @@ class HostRoom:
                     and (lower or e.ssd or e.remote or e.gpu is not None or e.children == 0)
                     and (only is None or e.ns_id in only))
         freed = blocks = picked = planned = 0
-        while nbytes is None or planned < nbytes:
-            room = BATCH_BYTES if nbytes is None else min(BATCH_BYTES, nbytes - planned)
-            batch = pick_victims(st.policies["host"], can, index.get,
-                                 lambda e: e.host is not None, BATCH_BLOCKS, room)
-            if not batch:
-                break
-            picked += len(batch)
-            planned += sum(aligned(e.size) for e in batch)
-            f, b = self._evict_batch(batch)
-            freed, blocks = freed + f, blocks + b
+        self._runs += 1
+        try:
+            while nbytes is None or planned < nbytes:
+                room = BATCH_BYTES if nbytes is None else min(BATCH_BYTES, nbytes - planned)
+                batch = pick_victims(st.policies["host"], can, index.get,
+                                     lambda e: e.host is not None, BATCH_BLOCKS, room)
+                if not batch:
+                    break
+                picked += len(batch)
+                planned += sum(aligned(e.size) for e in batch)
+                f, b = self._evict_batch(batch)
+                freed, blocks = freed + f, blocks + b
+        finally:
+            self._runs -= 1
+            self._serve_waits()             # the writers left waiting for this run's batches
         return freed, blocks, picked
 
     def _evict_batch(self, batch: list[Entry]) -> tuple[int, int]:

@@ -15,6 +15,12 @@ kept waiting for the flights in flight now; any other is woken to go on as befor
 itself, or give up). A Reserve short of room asks for every slot it still lacks at once: served
 a slot at a time, each of its slots went to the back of the queue, and every Reserve took as
 long as the slowest.
+
+A waiter left short while an evictor's run goes on (`running`) sleeps on too, though no batch
+is in flight at that instant: the evictor picks its next batch in the same hold, so a waiter
+woken then only found that batch in flight and slept again (one more take of the store lock
+each time). It is looked at again at each landing, and woken at the run's end if no batch is
+in flight then (to evict for itself, or give up). Its deadline holds throughout.
 """
 
 from __future__ import annotations
@@ -76,25 +82,30 @@ class RoomWaits:
 
     def serve(self, take: Callable[[RoomWant], int | None],
               keeps_waiting: Callable[[RoomWant], bool],
-              flights: set[threading.Event]) -> None:
-        """A flight has landed (locked): each waiter that one of its flights' landing would have
-        woken, in the order they began waiting, is handed the slots it asked for (`take`, one
-        at a time), or kept waiting for the rest from the flights now in flight
-        (`keeps_waiting`: it would wait again), or woken with what it got."""
+              flights: set[threading.Event], running: bool) -> None:
+        """A flight has landed, or an evictor's run ended (locked): each waiter that one of its
+        flights' landing would have woken, or left waiting for the run, in the order they
+        began waiting, is handed the slots it asked for (`take`, one at a time), or kept
+        waiting for the rest from the flights now in flight (`keeps_waiting`: it would wait
+        again) or, with none in flight, for the batches of the evictor's run going on
+        (`running`), or woken with what it got."""
         if not self.wants:
             return
         for w in list(self.wants):
-            if not any(ev.is_set() for ev in w.pending):
+            if w.pending and not any(ev.is_set() for ev in w.pending):
                 continue
             while len(w.offs) < w.count:
                 off = take(w)
                 if off is None:
                     break
                 w.offs.append(off)
-            if (len(w.offs) < w.count and not w.promotion and flights
-                    and keeps_waiting(w)):
-                w.pending = list(flights)
-                continue
+            if len(w.offs) < w.count and not w.promotion:
+                if flights and keeps_waiting(w):
+                    w.pending = list(flights)
+                    continue
+                if running:
+                    w.pending = []          # looked at again at each landing and the run's end
+                    continue
             w.woken = True
             self.wants.remove(w)
             w.cond.notify()
