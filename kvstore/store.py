@@ -52,6 +52,8 @@ from .validate import (
 
 log = logging.getLogger("kvstore.store")
 
+EVICT_ALL_ROUNDS = 8        # an Evict of all host blocks: rounds of evicting, then waiting
+
 __all__ = ["MAX_KEYS_PER_CALL", "REMOTE_CHUNK", "CommitResult", "LookupResult", "Store"]
 
 
@@ -439,7 +441,18 @@ class Store:
                     raise Unavailable("the ssd tier is not enabled")
                 raise InvalidArgument(f"cannot evict from tier {tier!r}; use 'host', 'ssd' or "
                                       "'gpu' (where enabled)")
-            return evict(nbytes or None, only)
+            if nbytes or tier != "host":
+                return evict(nbytes or None, only)
+            # Everything evictable: blocks the background demoter has in flight are no victims
+            # of this call, so wait for them to land (and evict what came meanwhile), or they
+            # would still be on host when it returns. Rounds are bounded under a steady writer.
+            freed = blocks = 0
+            for _ in range(EVICT_ALL_ROUNDS):
+                f, b = evict(None, only)
+                freed, blocks = freed + f, blocks + b
+                if not st.wait_demotions():
+                    break
+            return freed, blocks
 
     def flush(self, only: set[bytes] | None = None) -> int:
         """Write every host-only block (of the namespaces `only` names) down to SSD and sync;
