@@ -67,6 +67,23 @@ def _evict(store, nbytes: int, out: list) -> threading.Thread:
     return t
 
 
+def _flights(store, seed: int, *sizes: int):
+    """A full pool of 8 one-block prompts, its SSD writes gated, and one eviction thread per
+    size in `sizes`, each in flight (its write entered) before the next starts. Returns
+    (ns, rng, full, entered, gates, evicted, threads)."""
+    ns = namespace(store)
+    rng = np.random.default_rng(seed)
+    full = random_prompt(rng, 8)[1]
+    store.put(ns, full, [expected(k) for k in full])
+    entered, gates = _gated_writes(store)
+    evicted: list = []
+    threads = []
+    for i, size in enumerate(sizes):
+        threads.append(_evict(store, size, evicted))
+        assert entered[i].wait(10)
+    return ns, rng, full, entered, gates, evicted, threads
+
+
 def test_a_landing_wakes_only_the_writers_it_serves(tmp_path, monkeypatch):
     """Six writers wait on a full host while two batches are demoted: the first landing frees
     two slots and wakes exactly the two writers it hands them to; the second serves the rest.
@@ -77,16 +94,8 @@ def test_a_landing_wakes_only_the_writers_it_serves(tmp_path, monkeypatch):
                     low_watermark=1.0) as store:
         lock = store.state.lock
         assert isinstance(lock, lock_timing.TimedRLock)
-        ns = namespace(store)
-        rng = np.random.default_rng(31)
-        full = random_prompt(rng, 8)[1]
-        store.put(ns, full, [expected(k) for k in full])
-        entered, gates = _gated_writes(store)
-        evicted: list = []
-        first = _evict(store, 2 * BLOCK, evicted)
-        assert entered[0].wait(10)
-        second = _evict(store, 6 * BLOCK, evicted)
-        assert entered[1].wait(10)
+        ns, rng, full, entered, gates, evicted, (first, second) = _flights(
+            store, 31, 2 * BLOCK, 6 * BLOCK)
         room = store.moves.host_room
         news = [random_prompt(rng, 1)[1] for _ in range(6)]
         results: list = []
@@ -130,14 +139,7 @@ def test_a_waiting_writer_still_gives_up_at_its_deadline(tmp_path, monkeypatch):
     monkeypatch.setattr(host_room, "ROOM_WAIT_S", 0.3)
     with make_store(tmp_path, host_capacity=8 * BLOCK, high_watermark=1.0,
                     low_watermark=1.0) as store:
-        ns = namespace(store)
-        rng = np.random.default_rng(32)
-        full = random_prompt(rng, 8)[1]
-        store.put(ns, full, [expected(k) for k in full])
-        entered, gates = _gated_writes(store)
-        evicted: list = []
-        t = _evict(store, 8 * BLOCK, evicted)
-        assert entered[0].wait(10)
+        ns, rng, full, entered, gates, evicted, (t,) = _flights(store, 32, 8 * BLOCK)
         new = random_prompt(rng, 1)[1]
         with pytest.raises(ResourceExhausted):
             store.put(ns, new, [expected(new[0])])
@@ -163,16 +165,8 @@ def test_a_reserve_short_of_room_is_served_as_one(tmp_path, monkeypatch):
     with make_store(tmp_path, host_capacity=8 * BLOCK, high_watermark=1.0,
                     low_watermark=1.0) as store:
         lock = store.state.lock
-        ns = namespace(store)
-        rng = np.random.default_rng(33)
-        full = random_prompt(rng, 8)[1]
-        store.put(ns, full, [expected(k) for k in full])
-        entered, gates = _gated_writes(store)
-        evicted: list = []
-        first = _evict(store, 4 * BLOCK, evicted)
-        assert entered[0].wait(10)
-        second = _evict(store, 4 * BLOCK, evicted)
-        assert entered[1].wait(10)
+        ns, rng, full, entered, gates, evicted, (first, second) = _flights(
+            store, 33, 4 * BLOCK, 4 * BLOCK)
         room = store.moves.host_room
         leases: list = []
 
