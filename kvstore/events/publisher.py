@@ -75,6 +75,10 @@ COUNTERS_EVERY_S = 0.1
 
 
 class Publisher:
+    """The thread and what only it touches (the streams, the relays, the wake pipe); built and
+    closed by Events (service.py). `cache` (the relays' engine blocks) and `pending_cap` are
+    its PendingTexts'."""
+
     def __init__(self, state: Any, recorder: Recorder, streams: list[Stream],
                  relays: dict[int, Relay], cache: TokenCache, ctx: zmq.Context,
                  batch_events: int, interval_s: float, pending_cap: int) -> None:
@@ -82,7 +86,6 @@ class Publisher:
         self.recorder = recorder
         self.streams = streams
         self.relays = relays
-        self.cache = cache
         self.ctx = ctx
         self.batch_events = batch_events
         self.interval_s = interval_s
