@@ -2,7 +2,9 @@
 
 Each tick it reads the engines' relays and the replay sockets, turns the queued residency
 changes (recorder.py) into BlockStored / BlockRemoved events for every stream that publishes
-the block's namespace, and sends them in batches. It holds the store lock only to take a slice
+the block's namespace, and sends them in batches, with heartbeats and its counters. Where a
+block's token text comes from, and the blocks that wait for theirs, are pending.py's; the walk
+of what the daemon holds is held.py's. The thread holds the store lock only to take a slice
 of the index when a stream starts over, and to keep a text learned late (a vLLM block named by
 its engine's events after it was stored) with its block.
 
@@ -22,28 +24,26 @@ import math
 import os
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from itertools import repeat, starmap
 from operator import itemgetter
 from typing import Any
 
-import msgpack
 import zmq
-from kvstore_client.common.errors import KVStoreError
 from xxhash import xxh3_64_intdigest
 
-from ..entry import GPU, HOST, SSD
 from . import wire
+from .held import held_blocks
+from .pending import PendingTexts
 from .recorder import CommitRun, Item, Recorder
 from .relay import Relay, TokenCache
 from .runs import EventRun
 from .spans import chain_span, removal_span
 from .stream import Stream
-from .texts import OWN, SGLANG, VLLM, BlockText, LazyText, own_hash, resolve, sglang_hash
+from .texts import OWN, SGLANG, VLLM, LazyText, own_hash, resolve, sglang_hash
 
 log = logging.getLogger("kvstore.events")
 
-WALK_SLICE = 16384          # index rows read per hold of the store lock
 DRAIN_MAX = 65536           # queued changes turned into events per tick
 LOCK_WAIT_S = 0.2
 # The first announcement waits this long after the streams are bound: routers subscribed to
@@ -75,6 +75,10 @@ COUNTERS_EVERY_S = 0.1
 
 
 class Publisher:
+    """The thread and what only it touches (the streams, the relays, the wake pipe); built and
+    closed by Events (service.py). `cache` (the relays' engine blocks) and `pending_cap` are
+    its PendingTexts'."""
+
     def __init__(self, state: Any, recorder: Recorder, streams: list[Stream],
                  relays: dict[int, Relay], cache: TokenCache, ctx: zmq.Context,
                  batch_events: int, interval_s: float, pending_cap: int) -> None:
@@ -82,18 +86,13 @@ class Publisher:
         self.recorder = recorder
         self.streams = streams
         self.relays = relays
-        self.cache = cache
         self.ctx = ctx
         self.batch_events = batch_events
         self.interval_s = interval_s
-        self.pending_cap = max(pending_cap, 1024)
         self.counters: Counter = Counter()
         self.vh: dict[bytes, tuple[int, ...]] = {}      # vLLM blocks announced -> their hashes
-        # Blocks that entered a tier before their text was known (an engine's events late):
-        # gkey -> tiers; found again by key (vLLM) or event hash (SGLang) when it arrives.
-        self.pending: OrderedDict[bytes, set[str]] = OrderedDict()
-        self._pend_by: dict[bytes | int, list[bytes]] = {}
-        self.joins: list[tuple[bytes, BlockText]] = []
+        # Where texts come from, and the blocks waiting for theirs (an engine's events late).
+        self.pending = PendingTexts(state, recorder, cache, pending_cap, self.counters)
         self._poller = zmq.Poller()
         for r in relays.values():
             self._poller.register(r.sub, zmq.POLLIN)
@@ -209,7 +208,7 @@ class Publisher:
             self._start_over(due, clear=False)
         drained = self._drain()
         self._linger(drained)
-        self._keep_joins()
+        self.pending.keep_joins(self._locked)
         now = time.monotonic()
         for st in self.streams:
             if now - st.sent_at >= HEARTBEAT_S:
@@ -239,7 +238,7 @@ class Publisher:
         now = time.monotonic()
         if not self._started:
             return max(0.0, self._bound_at + START_DELAY_S - now)
-        if self.recorder.queue or self.recorder.overflowed or self.joins:
+        if self.recorder.queue or self.recorder.overflowed or self.pending.joins:
             return 0.0                      # left from a tick that stopped at DRAIN_MAX
         due = now + (self.interval_s if self.recorder.woken else 1.0)     # lingering
         for st in self.streams:
@@ -282,7 +281,6 @@ class Publisher:
             self.state.lock.release()
         self.vh.clear()
         self.pending.clear()
-        self._pend_by.clear()
         now = time.monotonic()
         if now - self._overflow_logged > 60:
             self._overflow_logged = now
@@ -305,32 +303,12 @@ class Publisher:
         want = 0
         for i in which:
             want |= 1 << i
-        held: list[tuple[bytes, tuple[str, ...], BlockText, int]] = []
-        start = 0
-        index, ns = self.state.index, self.recorder.ns
-        while start >= 0:
-            if not self._locked():
-                return
-            try:
-                start, rows = index.held(start, WALK_SLICE)
-            finally:
-                self.state.lock.release()
-            for g, on_gpu, on_host, on_ssd in rows:
-                kind, mask = ns(g[:16])
-                if not mask & want:
-                    continue
-                tiers = tuple(t for t, on in ((GPU, on_gpu), (HOST, on_host), (SSD, on_ssd))
-                              if on)
-                text = self._resolve(g, kind)
-                if text is None:
-                    if kind != OWN:
-                        self._pend(g, kind, tiers)
-                    continue
-                if kind == VLLM:
-                    self.vh[g] = text.hashes
-                held.append((g, tiers, text, mask & want))
+        held = held_blocks(self.state, self.recorder, self.pending, self.vh, want,
+                           self._locked)
+        if held is None:
+            return
         out: dict[int, list[bytes]] = {i: [] for i in which}
-        for _, tiers, text, mask in _parents_first(held):
+        for _, tiers, text, mask in held:
             for t in tiers:
                 self._emit(out, mask, text.event(wire.MEDIUM[t]))
         self._send(out)
@@ -430,17 +408,17 @@ class Publisher:
         if not mask:
             return
         if entered:
-            text = self._resolve(g, kind) if text is None else resolve(text)
+            text = self.pending.find(g, kind) if text is None else resolve(text)
             if text is None:
                 if kind != OWN:
-                    self._pend(g, kind, tiers)
+                    self.pending.pend(g, kind, tiers)
                 return
             if kind == VLLM:
                 self.vh[g] = text.hashes
             for t in tiers:
                 run.stored(mask, wire.MEDIUM[t], text)
             return
-        self._unpend(g, tiers, gone)
+        self.pending.unpend(g, tiers, gone)
         if kind == VLLM:
             hashes = self.vh.pop(g, None) if gone else self.vh.get(g)
             if hashes is None:
@@ -467,117 +445,17 @@ class Publisher:
             for j in range(0, len(evs), n):
                 self.streams[i].send(evs[j:j + n])
 
-    # -- texts --------------------------------------------------------------------------------
-    def _resolve(self, g: bytes, kind: str) -> BlockText | None:
-        """A block's text: from the book, the engines' events, or its SSD meta."""
-        text = resolve(self.recorder.book.get(g))
-        if text is not None:
-            return text
-        if kind != OWN:
-            text = self._join(g, kind)
-            if text is not None:
-                self.joins.append((g, text))
-                return text
-        return self._meta_text(g)
-
-    def _join(self, g: bytes, kind: str) -> BlockText | None:
-        info = self.state.namespaces.get(g[:16])
-        if info is None:
-            return None
-        key = g[16:]
-        last = self.cache.by_key.get(key) if kind == VLLM else sglang_hash(key)
-        if last is None:
-            return None
-        return self.cache.text(last, info.spec.layout.block_tokens)
-
-    def _meta_text(self, g: bytes) -> BlockText | None:
-        return ssd_text(self.state.ssd, g)
-
-    def _keep_joins(self) -> None:
-        """Keep texts learned late with their blocks: in the book for a block with a host or
-        gpu copy (its demotion writes the text into its SSD meta), else in its SSD meta."""
-        if not self.joins:
-            return
-        joins, self.joins = self.joins, []
-        to_meta = []
-        if not self._locked():
-            return
-        try:
-            book, index = self.recorder.book, self.state.index
-            for g, text in joins:
-                e = index.peek(g)
-                if e is None:
-                    continue
-                if e.host is not None or e.gpu is not None:
-                    book.setdefault(g, text)
-                elif e.ssd:
-                    to_meta.append((g, text))
-        finally:
-            self.state.lock.release()
-        ssd = self.state.ssd
-        for g, text in to_meta:
-            try:
-                meta = ssd.get_meta(g)
-                m = msgpack.unpackb(meta, raw=False) if meta else None
-                if isinstance(m, dict) and "e" not in m:
-                    m["e"] = text.pack()
-                    ssd.set_meta(g, msgpack.packb(m, use_bin_type=True))
-            except (KVStoreError, ValueError, msgpack.UnpackException):
-                continue                # evicted meanwhile: nothing to keep
-
-    # -- blocks waiting for their engine's events --------------------------------------------
-    def _pend(self, g: bytes, kind: str, tiers: tuple[str, ...]) -> None:
-        p = self.pending.get(g)
-        if p is None:
-            if len(self.pending) >= self.pending_cap:
-                old, _ = self.pending.popitem(last=False)
-                self._unindex(old)
-                self.counters["events_pending_dropped"] += 1
-            p = self.pending[g] = set()
-            by = g[16:] if kind == VLLM else sglang_hash(g[16:])
-            self._pend_by.setdefault(by, []).append(g)
-        p.update(tiers)
-
-    def _unpend(self, g: bytes, tiers: tuple[str, ...], gone: bool) -> None:
-        p = self.pending.get(g)
-        if p is None:
-            return
-        p.difference_update(tiers)
-        if gone or not p:
-            del self.pending[g]
-            self._unindex(g)
-
-    def _unindex(self, g: bytes) -> None:
-        for by in (g[16:], sglang_hash(g[16:])):
-            lst = self._pend_by.get(by)
-            if lst and g in lst:
-                lst.remove(g)
-                if not lst:
-                    del self._pend_by[by]
-
     def _learned(self, learned: list[tuple[bytes | None, int]]) -> None:
         """An engine's events named blocks: announce those that waited for their text."""
-        if not self._pend_by:
+        found = self.pending.learned(learned)
+        if not found:
             return
         out: dict[int, list[bytes]] = {i: [] for i in range(len(self.streams))}
-        for key, h in learned:
-            found = list(self._pend_by.get(h, ()))
-            if key is not None:
-                found += self._pend_by.get(key, ())
-            for g in found:
-                if g not in self.pending:
-                    continue
-                kind, mask = self.recorder.ns(g[:16])
-                text = self._join(g, kind)
-                if text is None:
-                    continue            # the chunk's other blocks are not known yet
-                tiers = self.pending.pop(g)
-                self._unindex(g)
-                self.joins.append((g, text))
-                if kind == VLLM:
-                    self.vh[g] = text.hashes
-                for t in sorted(tiers):
-                    self._emit(out, mask, text.event(wire.MEDIUM[t]))
+        for g, kind, mask, text, tiers in found:
+            if kind == VLLM:
+                self.vh[g] = text.hashes
+            for t in sorted(tiers):
+                self._emit(out, mask, text.event(wire.MEDIUM[t]))
         self._send(out)
 
 
@@ -591,36 +469,3 @@ def _read_all(fd: int) -> None:
 
 def _no_wake() -> None:
     pass
-
-
-def ssd_text(ssd: Any, g: bytes) -> BlockText | None:
-    """A block's text from its SSD meta record; None without one (or without the tier)."""
-    if ssd is None:
-        return None
-    try:
-        meta = ssd.get_meta(g)
-        if not meta:
-            return None
-        m = msgpack.unpackb(meta, raw=False)
-    except Exception:  # noqa: BLE001 - a damaged or vanished record is just no text
-        return None
-    return BlockText.unpack(m.get("e")) if isinstance(m, dict) else None
-
-
-def _parents_first(held: list[tuple[bytes, tuple[str, ...], BlockText, int]]
-                   ) -> list[tuple[bytes, tuple[str, ...], BlockText, int]]:
-    """`held` ordered so each block comes after the block its text names as parent (a router
-    drops a block whose parent it has not been told of)."""
-    by_last = {h[2].hashes[-1]: i for i, h in enumerate(held)}
-    done = [False] * len(held)
-    order: list[int] = []
-    for i in range(len(held)):
-        chain = []
-        j: int | None = i
-        while j is not None and not done[j]:
-            done[j] = True
-            chain.append(j)
-            p = held[j][2].parent
-            j = by_last.get(p) if p is not None else None
-        order.extend(reversed(chain))
-    return [held[i] for i in order]

@@ -15,7 +15,8 @@ import zmq
 
 from ..config import EventsConfig
 from ..index import BlockIndex
-from .publisher import Publisher, ssd_text
+from .pending import ssd_text
+from .publisher import Publisher
 from .recorder import Recorder
 from .relay import Relay, TokenCache
 from .stream import Stream
