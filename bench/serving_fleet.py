@@ -318,6 +318,9 @@ def engine_argv(setup: Setup, node: Node, sizes: Sizes, python: str, model: Path
             "--num-gpu-blocks-override", str(sizes.gpu_blocks), "--enforce-eager",
             "--seed", "0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--return-tokens-as-token-ids",
+            # each completion's id in the log: which engine served a request, with requests
+            # overlapping (bench/serving_replay.py)
+            "--enable-log-requests",
             "--max-num-seqs", "4"]
     tc = transfer_config(setup, node, sizes)
     if tc is not None:
@@ -359,10 +362,12 @@ def start_engine(setup: Setup, node: Node, sizes: Sizes, python: str, model: Pat
                    cwd=node.folder).start()
 
 
-def start_standin(setup: Setup, node: Node, python: str, root: Path) -> Service:
+def start_standin(setup: Setup, node: Node, python: str, root: Path, prefill_us: float = 0.0,
+                  floor_ms: float = 0.0) -> Service:
     """The dry run's engine (bench/serving_standin.py): the same port and event endpoint."""
     argv = [python, "-m", "bench.serving_standin", "--port", str(node.engine_port),
-            "--model", MODEL_NAME, "--block-size", str(ENGINE_BLOCK)]
+            "--model", MODEL_NAME, "--block-size", str(ENGINE_BLOCK),
+            "--prefill-us", str(prefill_us), "--floor-ms", str(floor_ms)]
     if setup.events:
         # who subscribes to the engine's own endpoint: the daemon's relay behind kvstore,
         # else the router and the bench's tap
