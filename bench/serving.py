@@ -144,6 +144,7 @@ class Context:
     gap_s: float
     in_flight: str = "one"      # bench/serving_replay.py
     time_scale: float = 1.0
+    engine_threads: int = 0     # OMP_NUM_THREADS of each engine; 0: torch's default
     common_prefix: list[int] = field(default_factory=list)
     dry_run: bool = False       # stand-in engines (bench/serving_standin.py), the rest real
     say: Any = print
@@ -180,7 +181,8 @@ def _launch_engines(setup: Setup, nodes: list[Node], ctx: Context, which: list[i
             nodes[i].engine = (
                 start_standin(setup, nodes[i], sys.executable, ROOT, DRY_PREFILL_US,
                               DRY_FLOOR_MS) if ctx.dry_run else
-                start_engine(setup, nodes[i], ctx.sizes, ctx.vllm_python, ctx.model, ROOT))
+                start_engine(setup, nodes[i], ctx.sizes, ctx.vllm_python, ctx.model, ROOT,
+                             ctx.engine_threads))
             services.append(nodes[i].engine)
         else:
             nodes[i].engine.start()
@@ -400,6 +402,7 @@ def main(argv: list[str] | None = None) -> None:
             "turns": args.turns, "nodes": NODES, "restart_before_request": restart_at,
             "setups": args.setup_list, "max_tokens": MAX_TOKENS,
             "in_flight": args.in_flight, "gap_ms": args.gap_ms,
+            "engine_threads": args.engine_threads,
             "time_scale": args.time_scale if args.in_flight == "trace" else None,
             "offered_rps": (round(len(requests) * args.time_scale / max(
                 requests[-1].timestamp_ms - requests[0].timestamp_ms, 1) * 1000, 3)
@@ -423,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         redis_bin=(_tool(args.redis_server, "redis-server", "`make redis` installs it")
                    if "rr_kvstore_redis" in args.setup_list else ""),
         out=Path(args.out), gap_s=args.gap_ms / 1000, in_flight=args.in_flight,
-        time_scale=args.time_scale,
+        time_scale=args.time_scale, engine_threads=args.engine_threads,
         common_prefix=workload.common_prefix(requests), dry_run=args.dry_run,
         say=lambda m: print(m, file=sys.stderr, flush=True))
     ctx.out.mkdir(parents=True, exist_ok=True)

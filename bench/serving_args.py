@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None, description: str, root: Path) -> argparse
     ap.add_argument("--time-scale", type=float, default=TIME_SCALE,
                     help=f"--in-flight trace: the trace's time compression (default "
                     f"{TIME_SCALE:g})")
+    ap.add_argument("--engine-threads", type=int, default=None,
+                    help="OMP_NUM_THREADS of each engine, 0 for torch's own (one a core; "
+                    "default with --in-flight one); default with --in-flight trace: 1")
     ap.add_argument("--restart-node", type=int, default=-1,
                     help="the node whose engine restarts mid-run (default: the one that "
                     "served the most requests until then)")
@@ -78,6 +81,12 @@ def parse_args(argv: list[str] | None, description: str, root: Path) -> argparse
     bad = [s for s in args.setup_list if s not in known]
     if bad or not args.setup_list:
         ap.error(f"unknown setups {bad}; choose from {sorted(known)}")
+    if args.engine_threads is None:
+        # overlapping requests keep both engines computing at once: with a thread a core
+        # each, their OpenMP threads spin against each other on the same cores
+        args.engine_threads = 1 if args.in_flight == "trace" else 0
+    if args.engine_threads < 0:
+        ap.error("--engine-threads must be >= 0")
     if not args.time_scale > 0:
         ap.error("--time-scale must be positive")
     if not -1 <= args.restart_node < NODES:

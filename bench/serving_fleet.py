@@ -332,8 +332,13 @@ def engine_argv(setup: Setup, node: Node, sizes: Sizes, python: str, model: Path
     return argv
 
 
-def engine_env(setup: Setup, base: dict[str, str], root: Path) -> dict[str, str]:
+def engine_env(setup: Setup, base: dict[str, str], root: Path, threads: int = 0
+               ) -> dict[str, str]:
     env = {k: v for k, v in base.items() if not k.startswith(("KVSTORE_", "VLLM_"))}
+    if threads > 0:
+        # the engine's torch/OpenMP threads (default: one a core). Two engines that each
+        # spin one a core on the same cores slow each other down while both compute
+        env["OMP_NUM_THREADS"] = str(threads)
     env.update({
         # The API server always runs the engine core as a process of its own; this keeps
         # the model worker inside that process instead of a third one.
@@ -355,10 +360,11 @@ def engine_env(setup: Setup, base: dict[str, str], root: Path) -> dict[str, str]
 
 
 def start_engine(setup: Setup, node: Node, sizes: Sizes, python: str, model: Path,
-                 root: Path) -> Service:
+                 root: Path, threads: int = 0) -> Service:
     argv = engine_argv(setup, node, sizes, python, model)
     return Service(f"vllm engine of node {node.index}", argv,
-                   engine_env(setup, dict(os.environ), root), node.folder / "engine.log",
+                   engine_env(setup, dict(os.environ), root, threads),
+                   node.folder / "engine.log",
                    cwd=node.folder).start()
 
 
