@@ -30,12 +30,12 @@ with a short gap after each answer (think time, in which events and offloads lan
 its trace arrival time compressed by `--time-scale`, after its conversation's previous answer
 and the gap, overlapping; every request asks for 8 greedy tokens. Each engine, after each
 start, first serves two unrelated warm-up prompts directly (first forward passes pay one-off
-costs that are no part of TTFT); at a setup's start
-they begin with the prefix every conversation shares (the trace's system prompt), as on a
-fleet that has been serving. In the middle of the run, before the same request in every
-setup, the engine of the node that served the most requests so far is stopped and started
-again: its prefix cache and vLLM's CPU tier die with it; kvstore's daemon and vLLM's fs tier
-do not, and what the router is told about them is what differs.
+costs that are no part of TTFT); at a setup's start they begin with the prefix every
+conversation shares (the trace's system prompt), as on a fleet that has been serving. In the
+middle of the run, before the same request in every setup (in `trace` mode once every request
+before it has answered), the engine of the node that served the most requests so far is
+stopped and started again: its prefix cache and vLLM's CPU tier die with it; kvstore's daemon
+and vLLM's fs tier do not, and what the router is told about them is what differs.
 
 Figures: TTFT (to the first streamed token, through the router) p50/p90, tokens prefilled
 (the prompt tokens the engine computed: prompt tokens less `cached_tokens`) and requests per
