@@ -20,35 +20,30 @@ prompts passed. Setups, in one run:
    Its CPU tier gets the RAM kvstore's host tier has in 2-4 (same offload RAM per node).
 
 Sizes: a request's TTFT is a fixed floor (HTTP, the router, a scheduler step, one forward
-pass over the model's weights) plus its prefill, and only the prefill is what caching saves.
-Measured straight on one engine on an idle 2-core machine: the floor (a prompt whose prefix
-was all cached) is about 35 ms with a 4x512 model and 65 ms with 4x1024; a miss costs 0.27 and
-0.75 ms per token (1024 tokens: 280 and 750 ms). The workload's misses are 300 to 2,200 tokens,
-so with 4x1024 a miss is 5 to 25 floors, and rr_none's median request (a partial miss of about
-450 tokens) about 5. 8x1024 halves the floor's share again (95 ms against 1.4 s per 1024
-tokens) but doubles the replay's CPU time, which `--quick` cannot afford. Scaling the prompts
-(tokens per trace block) instead would scale the tokens every turn brings with it, which even
-kv_aware must prefill, as much as those it reuses; it only shrinks the floor's share, as a
-heavier model does, and longer prompts need a larger prefix cache and context.
+pass over the weights) plus its prefill, and caching saves only the prefill; a 4x1024 model
+makes a miss 5 to 25 floors (docs/serving.md, "Why a 4x1024 model").
 
 Workload: conversations from the Mooncake conversation trace (bench/serving_workload.py),
 their turns in the trace's arrival order, prompts scaled to 128 tokens per 512-token trace
-block, as token ids. One request is in flight at a time (2 cores run everything), with a short
-gap between requests (think time, in which events and offloads land); every request asks for 8
-greedy tokens. Each engine, after each start, first serves two unrelated warm-up prompts
-directly (first forward passes pay one-off costs that are no part of TTFT); at a setup's start
-they begin with the prefix every conversation shares (the trace's system prompt), as on a
-fleet that has been serving. In the middle of the run, before the same request in every
-setup, the engine of the node that served the most requests so far is stopped and started
-again: its prefix cache and vLLM's CPU tier die with it; kvstore's daemon and vLLM's fs tier
-do not, and what the router is told about them is what differs.
+block, as token ids, sent as bench/serving_replay.py says (`--in-flight`): one at a time
+with a short gap after each answer (think time, in which events and offloads land), or each at
+its trace arrival time compressed by `--time-scale`, after its conversation's previous answer
+and the gap, overlapping; every request asks for 8 greedy tokens. Each engine, after each
+start, first serves two unrelated warm-up prompts directly (first forward passes pay one-off
+costs that are no part of TTFT); at a setup's start they begin with the prefix every
+conversation shares (the trace's system prompt), as on a fleet that has been serving. In the
+middle of the run, before the same request in every setup (in `trace` mode once every request
+before it has answered), the engine of the node that served the most requests so far is
+stopped and started again: its prefix cache and vLLM's CPU tier die with it; kvstore's daemon
+and vLLM's fs tier do not, and what the router is told about them is what differs.
 
 Figures: TTFT (to the first streamed token, through the router) p50/p90, tokens prefilled
 (the prompt tokens the engine computed: prompt tokens less `cached_tokens`) and requests per
-second (requests / the sum of their latencies: one in flight at a time), per setup, and each
-as a ratio to `rr_none`; raw milliseconds, hit and prefill counts (vLLM's own counters by
-source), requests per node, the same figures for the requests after the restart, and whether
-every setup produced the same greedy tokens (`outputs_equal`).
+second (one in flight: requests / the sum of their latencies; overlapping: requests / the
+replay's wall time), per setup, and each as a ratio to `rr_none`; raw milliseconds, hit and
+prefill counts (vLLM's own counters by source), requests per node, the same figures for the
+requests after the restart, and whether every setup produced the same greedy tokens
+(`outputs_equal`).
 
     python bench/serving.py [--quick] [--dry-run] [--workload-only] [--setups a,b] [--trace FILE]
 
@@ -85,8 +80,11 @@ for p in (ROOT, ROOT / "client"):
         sys.path.insert(0, str(p))
 
 from bench import serving_workload as workload  # noqa: E402
+from bench.serving_args import (  # noqa: E402
+    NODES,
+    parse_args,
+)
 from bench.serving_client import (  # noqa: E402
-    Completion,
     add_counters,
     complete,
     engine_counters,
@@ -112,19 +110,23 @@ from bench.serving_fleet import (  # noqa: E402
     wait_http,
     wait_redis,
 )
+from bench.serving_replay import (  # noqa: E402
+    Sent,
+    attribute,
+    match_decisions,
+    max_in_flight,
+    replay,
+)
 from bench.serving_report import Record, SetupRun, plot, report, setup_figures  # noqa: E402
 
-MODEL = {"layers": 4, "hidden": 1024, "heads": 16, "kv_heads": 2}
-TOKENS_PER_BLOCK = 128          # per 512-token trace block
 MAX_TOKENS = 8                  # greedy tokens per request
 MAX_PROMPT_TOKENS = 3072        # longer conversations are left out (time, and the GPU cache)
-GAP_S = 0.1                     # between requests
-DRY_GAP_S = 0.02                # stand-ins announce a request's blocks before they answer it
+DRY_PREFILL_US = 50.0           # a stand-in's prefill: slow enough that requests overlap
+DRY_FLOOR_MS = 5.0
 ENGINE_START_S = 900.0          # two vLLM imports per engine; minutes on a loaded machine
 DAEMON_START_S = 120.0
 ROUTER_START_S = 60.0
 ROUTER_HEARD_S = 60.0           # the router's first event batch from a warmed engine
-NODES = 2
 WARMUP_TOKENS = 512
 
 
@@ -140,19 +142,15 @@ class Context:
     redis_bin: str
     out: Path
     gap_s: float
+    in_flight: str = "one"      # bench/serving_replay.py
+    time_scale: float = 1.0
+    engine_threads: int = 0     # OMP_NUM_THREADS of each engine; 0: torch's default
     common_prefix: list[int] = field(default_factory=list)
     dry_run: bool = False       # stand-in engines (bench/serving_standin.py), the rest real
     say: Any = print
 
 
 # -- one setup --------------------------------------------------------------------------------
-
-def _count_posts(service: Service) -> int:
-    try:
-        return service.log.read_text(errors="replace").count('"POST /v1/completions HTTP')
-    except OSError:
-        return 0
-
 
 def _warm_up(port: int, seed: int, prefix: list[int]) -> None:
     """A full prefill, then one on top of a cached prefix: the first forward passes of each
@@ -181,8 +179,10 @@ def _launch_engines(setup: Setup, nodes: list[Node], ctx: Context, which: list[i
     for i in which:
         if nodes[i].engine is None:
             nodes[i].engine = (
-                start_standin(setup, nodes[i], sys.executable, ROOT) if ctx.dry_run else
-                start_engine(setup, nodes[i], ctx.sizes, ctx.vllm_python, ctx.model, ROOT))
+                start_standin(setup, nodes[i], sys.executable, ROOT, DRY_PREFILL_US,
+                              DRY_FLOOR_MS) if ctx.dry_run else
+                start_engine(setup, nodes[i], ctx.sizes, ctx.vllm_python, ctx.model, ROOT,
+                             ctx.engine_threads))
             services.append(nodes[i].engine)
         else:
             nodes[i].engine.start()
@@ -278,37 +278,35 @@ def run_setup(setup: Setup, ctx: Context) -> SetupRun:
         run.loadavg.append(_loadavg())
         ctx.say(f"[{setup.name}] engines up in {run.start_s[0]} s; replaying "
                 f"{len(ctx.requests)} requests")
-        for req in ctx.requests:
-            if req.index == ctx.restart_at:
-                victim = nodes[_victim(run.records, ctx.restart_node)]
-                run.restarted_node = victim.index
-                if tap is not None:
-                    run.events_before_restart = tap.snapshot()
-                run.counters = add_counters(run.counters, _counters(victim))
-                victim.engine.stop()
-                ctx.say(f"[{setup.name}] restarting node {victim.index}'s engine before "
-                        f"request {req.index}")
-                t0 = _launch_engines(setup, nodes, ctx, [victim.index], services)
-                _await_engines(nodes, [victim.index], run, t0)
-                _warm_up_engines(setup, nodes, ctx, [victim.index], router)
-                router.check()
-            before = [_count_posts(n.engine) for n in nodes]
-            done: Completion = complete(rport, MODEL_NAME, req.tokens, MAX_TOKENS)
-            after = [_count_posts(n.engine) for n in nodes]
-            served = [i for i in range(NODES) if after[i] > before[i]]
-            run.records.append(Record(
-                index=req.index, conversation=req.conversation, turn=req.turn,
-                node=served[0] if len(served) == 1 else -1,
-                after_restart=req.index >= ctx.restart_at,
-                ttft_ms=round(done.ttft_s * 1000, 1), latency_ms=round(done.latency_s * 1000, 1),
-                prompt_tokens=done.prompt_tokens, cached_tokens=done.cached_tokens,
-                tokens=done.tokens))
-            time.sleep(ctx.gap_s)
+
+        def restart(first: list[Sent]) -> None:
+            victim = nodes[_victim(_records(first, nodes, ctx), ctx.restart_node)]
+            run.restarted_node = victim.index
+            if tap is not None:
+                run.events_before_restart = tap.snapshot()
+            run.counters = add_counters(run.counters, _counters(victim))
+            victim.engine.stop()
+            ctx.say(f"[{setup.name}] restarting node {victim.index}'s engine before "
+                    f"request {ctx.restart_at}")
+            t1 = _launch_engines(setup, nodes, ctx, [victim.index], services)
+            _await_engines(nodes, [victim.index], run, t1)
+            _warm_up_engines(setup, nodes, ctx, [victim.index], router)
+            router.check()
+
+        sent, run.replay_s = replay(
+            ctx.requests, lambda r: complete(rport, MODEL_NAME, r.tokens, MAX_TOKENS),
+            in_flight=ctx.in_flight, time_scale=ctx.time_scale, gap_s=ctx.gap_s,
+            restart_at=ctx.restart_at, restart=restart)
+        run.records = _records(sent, nodes, ctx)
+        run.max_in_flight = max_in_flight(sent)
         run.loadavg.append(_loadavg())
-        decisions = router_decisions(router.output(1 << 26))
-        if len(decisions) == len(run.records):
-            for rec, (_, _, credited) in zip(run.records, decisions, strict=True):
-                rec.router_credited_tokens = credited
+        if setup.policy == "kv_aware":
+            order = sorted(run.records, key=lambda r: r.sent_s)
+            credited = match_decisions(
+                [(nodes[r.node].url if r.node >= 0 else "", r.prompt_tokens) for r in order],
+                router_decisions(router.log.read_text(errors="replace")))
+            for rec, c in zip(order, credited, strict=True):
+                rec.router_credited_tokens = c
         for n in nodes:
             run.counters = add_counters(run.counters, _counters(n))
         if tap is not None:
@@ -325,6 +323,24 @@ def run_setup(setup: Setup, ctx: Context) -> SetupRun:
         shutil.rmtree(folder, ignore_errors=True)
     run.wall_s = round(time.monotonic() - t_setup, 1)
     return run
+
+
+def _records(sent: list[Sent], nodes: list[Node], ctx: Context) -> list[Record]:
+    """What was sent, each with the node whose engine logged its completion id."""
+    logs = []
+    for n in nodes:
+        try:
+            logs.append(n.engine.log.read_text(errors="replace"))
+        except OSError:
+            logs.append("")
+    where = attribute([s.done.id for s in sent], logs)
+    return [Record(
+        index=s.req.index, conversation=s.req.conversation, turn=s.req.turn, node=node,
+        after_restart=s.req.index >= ctx.restart_at,
+        ttft_ms=round(s.done.ttft_s * 1000, 1), latency_ms=round(s.done.latency_s * 1000, 1),
+        prompt_tokens=s.done.prompt_tokens, cached_tokens=s.done.cached_tokens,
+        tokens=s.done.tokens, sent_s=round(s.sent_s, 3), done_s=round(s.done_s, 3),
+        due_s=round(s.due_s, 3)) for s, node in zip(sent, where, strict=True)]
 
 
 def _loadavg() -> float:
@@ -364,66 +380,6 @@ def _tool(path: str, what: str, hint: str) -> str:
     return found
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer conversations (a few minutes)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="the harness with stand-in engines: seconds, no figure that means "
-                    "anything")
-    ap.add_argument("--workload-only", action="store_true",
-                    help="build and describe the workload only; start nothing")
-    ap.add_argument("--setups", default=",".join(s.name for s in SETUPS),
-                    help="comma-separated subset of: " + ", ".join(s.name for s in SETUPS))
-    ap.add_argument("--trace", default="", help="the Mooncake conversation trace (file or "
-                    "folder; default: $KVS_TRACES_DIR, else shared/traces beside the checkout)")
-    ap.add_argument("--conversations", type=int, default=0,
-                    help="conversations replayed (default 6 with --quick, else 10)")
-    ap.add_argument("--turns", type=int, default=8, help="turns replayed per conversation")
-    ap.add_argument("--tokens-per-block", type=int, default=TOKENS_PER_BLOCK,
-                    help="prompt tokens per 512-token trace block")
-    ap.add_argument("--gap-ms", type=float, default=None,
-                    help=f"pause between requests (default {GAP_S * 1000:.0f}, "
-                    f"{DRY_GAP_S * 1000:.0f} in a dry run)")
-    ap.add_argument("--restart-node", type=int, default=-1,
-                    help="the node whose engine restarts mid-run (default: the one that "
-                    "served the most requests until then)")
-    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
-    ap.add_argument("--router-bin", default=str(ROOT / ".venv-routers" / "bin" / "vllm-router"))
-    ap.add_argument("--redis-server", default="redis-server")
-    ap.add_argument("--model-dir", default="", help="the random model's folder (default: "
-                    "bench/out/serving-model-<size>, made once)")
-    ap.add_argument("--model-size", default="",
-                    help="LAYERSxHIDDEN of the random model (default "
-                    f"{MODEL['layers']}x{MODEL['hidden']}; heads = hidden / 64)")
-    ap.add_argument("--out", default="", help="folder for the plot, the per-request records "
-                    "and the logs (default bench/out/serving, bench/out/serving-dry for a dry "
-                    "run)")
-    args = ap.parse_args(argv)
-    args.model = dict(MODEL)
-    if args.model_size:
-        try:
-            layers, hidden = (int(x) for x in args.model_size.lower().split("x"))
-        except ValueError:
-            ap.error(f"--model-size: expected LAYERSxHIDDEN, got {args.model_size!r}")
-        if layers < 1 or hidden < 64 or hidden % 64:
-            ap.error("--model-size: at least one layer, hidden a multiple of 64")
-        args.model.update(layers=layers, hidden=hidden, heads=hidden // 64)
-    if not args.conversations:
-        args.conversations = 6 if args.quick else 10
-    if not args.out:
-        args.out = str(ROOT / "bench" / "out" / ("serving-dry" if args.dry_run else "serving"))
-    if args.gap_ms is None:
-        args.gap_ms = (DRY_GAP_S if args.dry_run else GAP_S) * 1000
-    known = {s.name for s in SETUPS}
-    args.setup_list = [s for s in args.setups.split(",") if s]
-    bad = [s for s in args.setup_list if s not in known]
-    if bad or not args.setup_list:
-        ap.error(f"unknown setups {bad}; choose from {sorted(known)}")
-    if not -1 <= args.restart_node < NODES:
-        ap.error(f"--restart-node must be 0..{NODES - 1} (or -1: the busiest)")
-    return args
-
-
 def build_workload(args: argparse.Namespace, sizes: Sizes) -> list[workload.Request]:
     rows = workload.load_trace(workload.find_trace(args.trace, ROOT))
     return workload.build(rows, conversations_n=args.conversations, turns=args.turns,
@@ -433,7 +389,7 @@ def build_workload(args: argparse.Namespace, sizes: Sizes) -> list[workload.Requ
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__.splitlines()[0], ROOT)
     sizes = Sizes()
     t_start = time.monotonic()
     try:
@@ -445,6 +401,12 @@ def main(argv: list[str] | None = None) -> None:
     head = {"workload": info, "model": args.model, "tokens_per_block": args.tokens_per_block,
             "turns": args.turns, "nodes": NODES, "restart_before_request": restart_at,
             "setups": args.setup_list, "max_tokens": MAX_TOKENS,
+            "in_flight": args.in_flight, "gap_ms": args.gap_ms,
+            "engine_threads": args.engine_threads,
+            "time_scale": args.time_scale if args.in_flight == "trace" else None,
+            "offered_rps": (round(len(requests) * args.time_scale / max(
+                requests[-1].timestamp_ms - requests[0].timestamp_ms, 1) * 1000, 3)
+                if args.in_flight == "trace" else None),
             "gpu_cache_tokens": sizes.gpu_blocks * 32,
             "common_prefix_tokens": len(workload.common_prefix(requests))}
     if args.workload_only:
@@ -463,7 +425,8 @@ def main(argv: list[str] | None = None) -> None:
                          "`make routers-env` builds .venv-routers; or pass --router-bin"),
         redis_bin=(_tool(args.redis_server, "redis-server", "`make redis` installs it")
                    if "rr_kvstore_redis" in args.setup_list else ""),
-        out=Path(args.out), gap_s=args.gap_ms / 1000,
+        out=Path(args.out), gap_s=args.gap_ms / 1000, in_flight=args.in_flight,
+        time_scale=args.time_scale, engine_threads=args.engine_threads,
         common_prefix=workload.common_prefix(requests), dry_run=args.dry_run,
         say=lambda m: print(m, file=sys.stderr, flush=True))
     ctx.out.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ class Completion:
     tokens: list[int]
     prompt_tokens: int
     cached_tokens: int
+    id: str = ""                # the completion's id (`cmpl-...`), as the engine logs it
     extra: dict = field(default_factory=dict)
 
     @property
@@ -57,6 +58,7 @@ def complete(port: int, model: str, prompt: list[int], max_tokens: int,
         ttft = None
         tokens: list[int] = []
         usage = None
+        cid = ""
         for raw in resp:
             if time.monotonic() > end:
                 raise RuntimeError(f"the response took longer than {deadline_s:.0f} s")
@@ -67,6 +69,7 @@ def complete(port: int, model: str, prompt: list[int], max_tokens: int,
             if data == b"[DONE]":
                 break
             chunk = json.loads(data)
+            cid = cid or str(chunk.get("id") or "")
             for choice in chunk.get("choices") or ():
                 got = _token_ids(choice)
                 if got and ttft is None:
@@ -79,7 +82,7 @@ def complete(port: int, model: str, prompt: list[int], max_tokens: int,
     if ttft is None or usage is None:
         raise RuntimeError("the streamed response carried no token or no usage")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return Completion(ttft, latency, tokens, int(usage["prompt_tokens"]), int(cached))
+    return Completion(ttft, latency, tokens, int(usage["prompt_tokens"]), int(cached), cid)
 
 
 def _token_ids(choice: dict) -> list[int]:

@@ -318,6 +318,9 @@ def engine_argv(setup: Setup, node: Node, sizes: Sizes, python: str, model: Path
             "--num-gpu-blocks-override", str(sizes.gpu_blocks), "--enforce-eager",
             "--seed", "0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--return-tokens-as-token-ids",
+            # each completion's id in the log: which engine served a request, with requests
+            # overlapping (bench/serving_replay.py)
+            "--enable-log-requests",
             "--max-num-seqs", "4"]
     tc = transfer_config(setup, node, sizes)
     if tc is not None:
@@ -329,8 +332,13 @@ def engine_argv(setup: Setup, node: Node, sizes: Sizes, python: str, model: Path
     return argv
 
 
-def engine_env(setup: Setup, base: dict[str, str], root: Path) -> dict[str, str]:
+def engine_env(setup: Setup, base: dict[str, str], root: Path, threads: int = 0
+               ) -> dict[str, str]:
     env = {k: v for k, v in base.items() if not k.startswith(("KVSTORE_", "VLLM_"))}
+    if threads > 0:
+        # the engine's torch/OpenMP threads (default: one a core). Two engines that each
+        # spin one a core on the same cores slow each other down while both compute
+        env["OMP_NUM_THREADS"] = str(threads)
     env.update({
         # The API server always runs the engine core as a process of its own; this keeps
         # the model worker inside that process instead of a third one.
@@ -352,17 +360,20 @@ def engine_env(setup: Setup, base: dict[str, str], root: Path) -> dict[str, str]
 
 
 def start_engine(setup: Setup, node: Node, sizes: Sizes, python: str, model: Path,
-                 root: Path) -> Service:
+                 root: Path, threads: int = 0) -> Service:
     argv = engine_argv(setup, node, sizes, python, model)
     return Service(f"vllm engine of node {node.index}", argv,
-                   engine_env(setup, dict(os.environ), root), node.folder / "engine.log",
+                   engine_env(setup, dict(os.environ), root, threads),
+                   node.folder / "engine.log",
                    cwd=node.folder).start()
 
 
-def start_standin(setup: Setup, node: Node, python: str, root: Path) -> Service:
+def start_standin(setup: Setup, node: Node, python: str, root: Path, prefill_us: float = 0.0,
+                  floor_ms: float = 0.0) -> Service:
     """The dry run's engine (bench/serving_standin.py): the same port and event endpoint."""
     argv = [python, "-m", "bench.serving_standin", "--port", str(node.engine_port),
-            "--model", MODEL_NAME, "--block-size", str(ENGINE_BLOCK)]
+            "--model", MODEL_NAME, "--block-size", str(ENGINE_BLOCK),
+            "--prefill-us", str(prefill_us), "--floor-ms", str(floor_ms)]
     if setup.events:
         # who subscribes to the engine's own endpoint: the daemon's relay behind kvstore,
         # else the router and the bench's tap

@@ -30,6 +30,9 @@ class Record:
     cached_tokens: int
     tokens: list[int]
     router_credited_tokens: int | None = None   # kv_aware: the prefix its events credited
+    sent_s: float = 0.0         # since the replay started, the restart left out
+    done_s: float = 0.0
+    due_s: float = 0.0          # when the schedule wanted it sent
 
 
 @dataclass
@@ -43,6 +46,8 @@ class SetupRun:
     wall_s: float = 0.0
     restarted_node: int = -1
     loadavg: list[float] = field(default_factory=list)     # 1-min, replay start and end
+    replay_s: float = 0.0       # the replay's wall time, the restart left out
+    max_in_flight: int = 0
 
 
 
@@ -64,12 +69,22 @@ def setup_figures(run: SetupRun, nodes: int) -> dict[str, Any]:
         "ttft_p90_ms": round(_pct(ttft, 90), 1),
         "prefill_tokens": sum(r.prompt_tokens - r.cached_tokens for r in recs),
         "cached_tokens": sum(r.cached_tokens for r in recs),
-        "rps": round(len(recs) / (sum(r.latency_ms for r in recs) / 1000), 3),
+        # one in flight: requests / the sum of their latencies, the rate of a fleet that
+        # serves one at a time; overlapping: requests / the replay's wall time
+        "rps": round(len(recs) / (sum(r.latency_ms for r in recs) / 1000 if
+                                  run.max_in_flight <= 1 else run.replay_s), 3),
+        "replay_s": round(run.replay_s, 1),
+        "max_in_flight": run.max_in_flight,
+        "late_p50_ms": round(_pct([max(r.sent_s - r.due_s, 0) * 1000 for r in recs], 50), 1),
         "ttft_p50_after_restart_ms": round(_pct([r.ttft_ms for r in after], 50), 1),
         "prefill_tokens_after_restart": sum(r.prompt_tokens - r.cached_tokens for r in after),
-        "router_credited_tokens": (sum(r.router_credited_tokens for r in recs)
-                                   if recs and all(r.router_credited_tokens is not None
-                                                   for r in recs) else None),
+        "router_credited_tokens": (sum(r.router_credited_tokens or 0 for r in recs)
+                                   if any(r.router_credited_tokens is not None for r in recs)
+                                   else None),
+        # requests for which the router logged no decision of their node and prompt length:
+        # 0 unless the node attribution is wrong
+        "router_unmatched": (sum(r.router_credited_tokens is None for r in recs)
+                             if run.setup.policy == "kv_aware" else None),
         "gpu_hit_tokens": int(c.get("prompt_tokens_local_cache_hit", 0)),
         "tier_hit_tokens": int(c.get("prompt_tokens_external_kv_transfer", 0)),
         "computed_tokens": int(c.get("prompt_tokens_local_compute", 0)),
@@ -120,6 +135,9 @@ def report(runs: list[SetupRun], nodes: int, restart_at: int, requests: int
                 kv["ttft_p50_after_restart_ms"], figs[other]["ttft_p50_after_restart_ms"])
     outputs = [[r.tokens for r in run.records] for run in runs]
     out["outputs_equal"] = all(o == outputs[0] for o in outputs)
+    # requests whose greedy tokens differ between setups (batching may change them)
+    out["outputs_differ_requests"] = sum(len({tuple(o[i]) for o in outputs}) > 1
+                                         for i in range(min(map(len, outputs), default=0)))
     met = {k: out.get(k) is not None and out[k] <= bound for k, bound in TARGETS
            if k in out}
     out["targets_met"] = met

@@ -11,7 +11,10 @@ What it does, as vLLM does it:
 - `POST /v1/completions` with a token-id prompt, streamed: the generated tokens as logprob
   tokens `token_id:N` (as `--return-tokens-as-token-ids` names them), then the usage with
   `prompt_tokens_details.cached_tokens`: the prompt's longest prefix of whole blocks it served
-  before (an unbounded prefix cache);
+  before (an unbounded prefix cache), each chunk with the completion's `id`, which it logs as
+  vLLM's `--enable-log-requests` does ("Received request cmpl-...-0"); with `--prefill-us`,
+  it takes that long a token not cached (plus `--floor-ms`), one request at a time, so that
+  requests sent together overlap and queue;
 - its prefix cache's new blocks as `BlockStored` (medium GPU, full 32-byte hashes chained by
   parent, token ids, group 0) on `--events`, in vLLM's wire format, binding a wildcard or ipc
   endpoint and connecting to any other, as vLLM's publisher does. Unlike vLLM, whose first
@@ -31,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 VOCAB = 8000
@@ -49,8 +53,11 @@ def generated(prompt: list[int], n: int) -> list[int]:
 
 
 class Engine:
-    def __init__(self, model: str, block_size: int, events: str, subscribers: int) -> None:
+    def __init__(self, model: str, block_size: int, events: str, subscribers: int,
+                 prefill_us: float = 0.0, floor_ms: float = 0.0) -> None:
         self.model, self.block_size = model, block_size
+        self.prefill_us, self.floor_ms = prefill_us, floor_ms
+        self.busy = threading.Lock()
         self.cached: set[bytes] = set()
         self.counts = {"local_compute": 0, "local_cache_hit": 0}
         self.lock = threading.Lock()
@@ -115,6 +122,13 @@ class Engine:
         self.pub.send_multipart([b"", self.seq.to_bytes(8, "big"), batch])
         self.seq += 1
 
+    def compute(self, tokens: int) -> None:
+        """Stand for a prefill: `prefill_us` a token, one request at a time, so that
+        requests sent together overlap and queue as on an engine."""
+        if self.prefill_us > 0:
+            with self.busy:
+                time.sleep(self.floor_ms / 1000 + tokens * self.prefill_us / 1e6)
+
     def metrics(self) -> str:
         return "".join(f'vllm:prompt_tokens_by_source_total{{source="{k}"}} {v}.0\n'
                        for k, v in self.counts.items())
@@ -156,10 +170,15 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
                 self._send(400, b'{"error": "a streamed completion of a token-id prompt"}')
                 return
             n = int(body.get("max_tokens") or 1)
+            cid = f"cmpl-{uuid.uuid4().hex}"
+            # the line vLLM logs with --enable-log-requests: the harness finds its ids here
+            sys.stderr.write(f"INFO: Received request {cid}-0: params: max_tokens={n}.\n")
+            sys.stderr.flush()
             cached = engine.serve(prompt)
-            chunks = [{"choices": [{"index": 0, "text": "", "logprobs": {
+            engine.compute(len(prompt) - cached)
+            chunks = [{"id": cid, "choices": [{"index": 0, "text": "", "logprobs": {
                 "tokens": [f"token_id:{t}"]}}]} for t in generated(prompt, n)]
-            chunks.append({"choices": [], "usage": {
+            chunks.append({"id": cid, "choices": [], "usage": {
                 "prompt_tokens": len(prompt), "completion_tokens": n,
                 "total_tokens": len(prompt) + n,
                 "prompt_tokens_details": {"cached_tokens": cached}}})
@@ -182,8 +201,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--events", default="", help="the --kv-events-config endpoint")
     ap.add_argument("--subscribers", type=int, default=1,
                     help="subscriptions to wait for before the first batch")
+    ap.add_argument("--prefill-us", type=float, default=0.0,
+                    help="microseconds a prefilled token takes (0: answer at once)")
+    ap.add_argument("--floor-ms", type=float, default=0.0,
+                    help="milliseconds every request takes besides its prefill tokens")
     args = ap.parse_args(argv)
-    engine = Engine(args.model, args.block_size, args.events, args.subscribers)
+    engine = Engine(args.model, args.block_size, args.events, args.subscribers,
+                    args.prefill_us, args.floor_ms)
     server = ThreadingHTTPServer(("127.0.0.1", args.port), handler(engine))
     print(f"stand-in engine on 127.0.0.1:{args.port}", file=sys.stderr, flush=True)
     try:

@@ -222,3 +222,48 @@ def test_dry_run_wires_every_setup(tmp_path):
     assert set(records) == set(SETUPS)
     assert all(len(r["records"]) == n for r in records.values())
     assert (out_dir / "ttft_per_turn.png").stat().st_size > 0
+
+
+def test_dry_run_replays_arrival_times_with_requests_overlapping(tmp_path):
+    """`--in-flight trace`: requests at their (compressed) trace arrival times, each turn
+    after its conversation's previous answer, overlapping on stand-ins that take time to
+    prefill. Which node served each request comes from the engines' logs of completion ids,
+    and must agree with the router's own decisions (worker and prompt length) and with what
+    the stand-ins found cached; the restart waits for every request of the first half."""
+    out_dir = tmp_path / "out"
+    p = _bench("--dry-run", "--conversations", "3", "--turns", "3", "--trace",
+               str(trace_path()), "--out", str(out_dir), "--setups", "rr_none,kv_aware",
+               "--in-flight", "trace", "--time-scale", "400", timeout=600)
+    assert p.returncode == 0, p.stderr[-6000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["in_flight"] == "trace" and out["time_scale"] == 400
+    assert out["outputs_equal"] is True
+    n, restart_at = out["workload"]["requests"], out["restart_before_request"]
+    gap_s = out["gap_ms"] / 1000
+    assert out["kv_aware_router_unmatched"] == 0
+    assert out["kv_aware_router_credited_tokens"] > 0
+    records = json.loads((out_dir / "records.json").read_text())
+    common = out["common_prefix_tokens"]
+    for s in ("rr_none", "kv_aware"):
+        assert out[f"{s}_max_in_flight"] >= 2, s                    # they did overlap
+        assert sum(out[f"{s}_requests_per_node"]) == n, s
+        recs = records[s]["records"]
+        assert out[f"{s}_rps"] == round(n / out[f"{s}_replay_s"], 3) or abs(
+            out[f"{s}_rps"] - n / out[f"{s}_replay_s"]) < 0.2 * out[f"{s}_rps"], s
+        first = [r for r in recs if r["index"] < restart_at]
+        second = [r for r in recs if r["index"] >= restart_at]
+        # the quiesce: nothing of the second half went out before the first half answered
+        assert max(r["done_s"] for r in first) <= min(r["sent_s"] for r in second), s
+        by = {(r["conversation"], r["turn"]): r for r in recs}
+        for r in recs:
+            prev = by.get((r["conversation"], r["turn"] - 1))
+            if prev is not None and (prev["index"] < restart_at) == (r["index"] < restart_at):
+                # a user reads the answer, then thinks, before the next turn (the clock
+                # leaves the restart out, which came between the halves)
+                assert r["sent_s"] >= prev["done_s"] + gap_s * 0.9, (s, r["index"])
+            # an unbounded stand-in cache holds more than the shared system prompt only
+            # where an earlier turn of the conversation went to the same node
+            if r["cached_tokens"] > common:
+                assert any(q["node"] == r["node"] for q in recs
+                           if q["conversation"] == r["conversation"]
+                           and q["turn"] < r["turn"]), (s, r)
