@@ -245,6 +245,24 @@ def _commit_and_check(store, ns, rng, lease) -> None:
     store.release(got.id)
 
 
+def _served_three(reserver, runner, leases, errors) -> None:
+    """The Reserve and the run both ended, the Reserve with its three slots."""
+    reserver.join(20)
+    runner.join(20)
+    assert not reserver.is_alive() and not runner.is_alive()
+    assert not errors and len(leases) == 1 and len(leases[0].slots) == 3
+
+
+def _wind_up(store, ns, rng, gates, readers, lease) -> None:
+    """Open every gate, drop the readers, and show the Reserve's slots store and serve."""
+    for g in gates:
+        g.set()
+    for r in readers:
+        store.release(r.id)
+    _commit_and_check(store, ns, rng, lease)
+    check_quiet(store)
+
+
 def test_a_writer_left_short_sleeps_through_the_run(tmp_path, monkeypatch):
     """A Reserve of three waits on a run that evicts in two batches: the first landing hands it
     the two slots it frees while no batch is in flight, but the run picks its second batch in
@@ -265,18 +283,10 @@ def test_a_writer_left_short_sleeps_through_the_run(tmp_path, monkeypatch):
         assert entered[1].wait(10)              # the run's second batch, in flight
         assert reserver.is_alive()
         gates[1].set()
-        reserver.join(20)
-        runner.join(20)
-        assert not reserver.is_alive() and not runner.is_alive()
-        assert not errors and len(leases) == 1 and len(leases[0].slots) == 3
+        _served_three(reserver, runner, leases, errors)
         assert evicted == [(6 * BLOCK, 6)]
         assert _wakeups(lock) - before == 1
-        for g in gates:
-            g.set()
-        for r in readers:
-            store.release(r.id)
-        _commit_and_check(store, ns, rng, leases[0])
-        check_quiet(store)
+        _wind_up(store, ns, rng, gates, readers, leases[0])
 
 
 def test_a_writer_left_short_wakes_when_the_run_ends(tmp_path, monkeypatch):
@@ -296,19 +306,11 @@ def test_a_writer_left_short_wakes_when_the_run_ends(tmp_path, monkeypatch):
         before = _wakeups(lock)
         gates[1].set()                          # the Reserve's own eviction is not held
         gates[0].set()
-        reserver.join(20)
-        runner.join(20)
-        assert not reserver.is_alive() and not runner.is_alive()
-        assert not errors and len(leases) == 1 and len(leases[0].slots) == 3
+        _served_three(reserver, runner, leases, errors)
         assert evicted == [(2 * BLOCK, 2)]
         assert _wakeups(lock) - before == 1
         assert store.state.counters["host_room_wait_timeouts"] == 0
-        for g in gates:
-            g.set()
-        for r in readers:
-            store.release(r.id)
-        _commit_and_check(store, ns, rng, leases[0])
-        check_quiet(store)
+        _wind_up(store, ns, rng, gates, readers, leases[0])
 
 
 def test_a_writer_sleeping_through_a_run_gives_up_at_its_deadline(tmp_path, monkeypatch):
