@@ -19,7 +19,10 @@ of the tail from waits on the daemon (16 clients and the daemon's threads share 
 `daemon_runq_s`, the seconds the daemon's threads waited for a core while runnable over the
 load phase (schedstat), and for the slowest 1% of loads their mean latency
 (`slowest_loads_ms`) and how much of it the client itself waited for a core
-(`slowest_loads_client_runq_ms`).
+(`slowest_loads_client_runq_ms`). The daemon's CPU seconds over the load phase
+(`daemon_cpu_s`, /proc/PID/stat) and that per 64 KiB block demoted in the background
+(`daemon_cpu_us_per_demoted_block`): every microsecond of Python the demoters spend is
+interpreter time the request threads queue behind.
 
 Usage: python bench/tail.py [--quick] [--seconds S] [--clients N]. `--quick` runs about two
 minutes in all, the full run ten. The last line is one JSON object.
@@ -141,6 +144,15 @@ def _runq_s(pid: int) -> float:
     return total / 1e9
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) all threads of `pid` have used so far (/proc/PID/stat)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="about two minutes in all")
@@ -175,8 +187,10 @@ def main() -> None:
             # of the tail, as against waits on the daemon itself.
             time.sleep(max(0.0, start_at - time.time()))
             runq["start"] = _runq_s(daemon.proc.pid)
+            runq["cpu_start"] = _cpu_s(daemon.proc.pid)
             time.sleep(max(0.0, end_at - time.time()))
             runq["end"] = _runq_s(daemon.proc.pid)
+            runq["cpu_end"] = _cpu_s(daemon.proc.pid)
         sampler = threading.Thread(target=sample_runq, daemon=True)
         sampler.start()
         try:
@@ -208,6 +222,11 @@ def main() -> None:
     result["loadavg_end"] = os.getloadavg()
     if "end" in runq:
         result["daemon_runq_s"] = round(runq["end"] - runq["start"], 2)
+        cpu = runq["cpu_end"] - runq["cpu_start"]
+        result["daemon_cpu_s"] = round(cpu, 2)
+        demoted = counters.get("background_demotion_bytes", 0) / (64 << 10)
+        if demoted:
+            result["daemon_cpu_us_per_demoted_block"] = round(1e6 * cpu / demoted, 1)
     load_runq.sort(reverse=True)
     worst = load_runq[:max(1, len(lat["load"]) // 100)]
     if worst:

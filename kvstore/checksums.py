@@ -52,8 +52,10 @@ def xxh3_many(views: Sequence[Any]) -> list[int]:
     that loses its core on a busy machine does not hold up the whole batch.
     """
     total = sum(len(v) if not hasattr(v, "nbytes") else v.nbytes for v in views)
+    if total < PARALLEL_MIN_BYTES:      # the common case: no system call to count cores
+        return _run(views)
     w = min(_threads(), len(views))
-    if w <= 1 or total < PARALLEL_MIN_BYTES:
+    if w <= 1:
         return _run(views)
     per = max(1, -(-len(views) // (w * RANGES_PER_THREAD)))
     starts = iter(range(0, len(views), per))

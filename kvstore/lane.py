@@ -26,13 +26,13 @@ import threading
 import time
 from typing import Any
 
+from kvstore_client.common.lane_frames import Frames
 from kvstore_client.common.lane_wire import (
     CODE_ID,
     HEADER,
     MAX_FRAME,
     METHODS,
     VERSION,
-    recv_exact,
 )
 
 from .unix_listener import Caps, UnixListener, refuse
@@ -111,28 +111,21 @@ class Lane:
         t.start()
 
     def _serve(self, conn: socket.socket, tenant: Any, who: str) -> None:
+        frames = Frames(conn)       # one read a frame where its bytes allow (lane_frames.py)
         try:
             while not self._stop.is_set():
-                try:
-                    conn.settimeout(IDLE_S)     # between frames: idle, not a request
-                    first = conn.recv(HEADER.size)
-                    if not first:
-                        return
-                    deadline = time.monotonic() + self.frame_deadline_s
-                    head = first + recv_exact(conn, HEADER.size - len(first), deadline) \
-                        if len(first) < HEADER.size else first
-                    n, method = HEADER.unpack(head)
-                    if n > MAX_FRAME or method >= len(METHODS):
-                        return            # not a request of ours: drop the connection unread
-                    raw = recv_exact(conn, n, deadline)
+                try:            # IDLE_S between frames; a frame whole within the deadline
+                    got = frames.read(IDLE_S, self.frame_deadline_s, MAX_FRAME, len(METHODS))
                 except (EOFError, TimeoutError, OSError):
                     return
+                if got is None:
+                    return                # not a request of ours: drop the connection unread
+                method, raw = got
                 code, body = self.servicer.lane_call(METHODS[method], raw, tenant)
                 if self._stop.is_set():
                     return                # stopping: this answer would race the teardown
-                conn.settimeout(self.frame_deadline_s)
-                conn.sendall(HEADER.pack(len(body), CODE_ID.get(code, CODE_ID["INTERNAL"]))
-                             + body)
+                frames.send(HEADER.pack(len(body), CODE_ID.get(code, CODE_ID["INTERNAL"]))
+                            + body, time.monotonic() + self.frame_deadline_s)
         except (EOFError, OSError):
             return
         except Exception as exc:          # one bad peer must not end the daemon

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import socket
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from kvstore_client import KVLayout, LeaseExpired, NotFound, connect
 from kvstore_client._proto import kvstore_pb2 as pb
-from kvstore_client.common.lane_wire import CODES, HEADER, METHOD_ID, lane_path, recv_exact
+from kvstore_client.common.lane_frames import Frames
+from kvstore_client.common.lane_wire import CODES, HEADER, METHOD_ID, lane_path
 
 from kvstore.tenants import hash_token
 from tests.daemon import cleanup, start_daemon
@@ -135,6 +137,44 @@ def test_garbage_on_the_lane_is_dropped_and_the_daemon_serves_on(daemon) -> None
         assert ns.store(ids, kv) == 2
 
 
+def test_frames_are_read_however_their_bytes_arrive(daemon) -> None:
+    """The daemon reads a frame in as few reads as its bytes allow: a frame split across
+    writes, two frames in one write, and a frame larger than one read all get their answers,
+    in order."""
+    with connect(daemon.address) as c:
+        ns = c.namespace(LAYOUT, model="lane-frames")
+        ids = prompt(21, 3)
+        assert ns.store(ids, make_kv(21, 3)) == 3
+        keys = ns.keys(ids)
+        ns_id = ns.ns_id
+    def frame(keys: list[bytes]) -> bytes:
+        raw = pb.LookupRequest(namespace_id=ns_id, keys=keys).SerializeToString()
+        return HEADER.pack(len(raw), METHOD_ID["Lookup"]) + raw
+
+    s, reply = hello(lane_path(daemon.socket), b'{"v": 1, "token": ""}\n')
+    assert reply == {"ok": True}
+    answers = Frames(s)         # the test's own reader: answers may arrive in one read
+
+    def answer(s: socket.socket) -> int:
+        code, body = answers.read(10, 10)
+        assert CODES[code] == "OK", body
+        return pb.LookupResponse.FromString(body).prefix_blocks
+
+    one = frame(keys[:2])
+    for cut in (2, HEADER.size, HEADER.size + 3):             # split inside and after the header
+        s.sendall(one[:cut])
+        time.sleep(0.05)
+        s.sendall(one[cut:])
+        assert answer(s) == 2
+    s.sendall(frame(keys[:1]) + frame(keys))                  # two frames in one write
+    assert (answer(s), answer(s)) == (1, 3)
+    big = keys + [bytes([i % 256, i // 256]) * 8 for i in range(2000)]   # ~40 KB of keys
+    assert len(frame(big)) > 16 << 10
+    s.sendall(frame(big))
+    assert answer(s) == 3
+    s.close()
+
+
 def test_a_restarted_daemon_is_reached_again(tmp_path: Path) -> None:
     d = start_daemon(tmp_path)
     try:
@@ -213,9 +253,9 @@ def test_tenants_need_a_token_and_stay_apart_on_the_lane(tmp_path: Path) -> None
             assert reply.get("ok") is True, reply
             raw = pb.AcquireRequest(namespace_id=na.ns_id, keys=na.keys(ids)).SerializeToString()
             s.sendall(HEADER.pack(len(raw), METHOD_ID["Acquire"]) + raw)
-            n, code = HEADER.unpack(recv_exact(s, HEADER.size))
-            assert CODES[code] == "NOT_FOUND", (code, recv_exact(s, n))
-            assert b"unknown namespace" in recv_exact(s, n)
+            code, body = Frames(s).read(10, 10)
+            assert CODES[code] == "NOT_FOUND", (code, body)
+            assert b"unknown namespace" in body
             s.close()
             # None of it was served: only A's call counts as a lane call.
             assert lane_calls() - before == 1

@@ -25,7 +25,8 @@ import threading
 import time
 
 from .common.errors import from_code
-from .common.lane_wire import CODES, HEADER, METHOD_ID, VERSION, recv_exact, recv_line
+from .common.lane_frames import Frames
+from .common.lane_wire import CODES, HEADER, METHOD_ID, VERSION, recv_line
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class LaneClient:
         self.path = path
         self.token = token
         self.timeout = timeout
-        self._idle: list[tuple[socket.socket, float]] = []
+        self._idle: list[tuple[Frames, float]] = []
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self.broken = False             # closed: the lane is not used again
@@ -58,34 +59,35 @@ class LaneClient:
         """The response bytes of `method`; errors as the SDK's exceptions; NotSent when the
         request could not be sent (no lane, or the daemon behind it is gone)."""
         deadline = time.monotonic() + timeout
-        sock = self._take()
+        conn = self._take()
         try:
-            sock.settimeout(timeout)
-            sock.sendall(HEADER.pack(len(raw), METHOD_ID[method]) + raw)
+            conn.send(HEADER.pack(len(raw), METHOD_ID[method]) + raw, deadline)
         except OSError as e:
-            sock.close()
+            conn.close()
             self.drop()
             raise NotSent(str(e)) from None
         try:
-            n, code = HEADER.unpack(recv_exact(sock, HEADER.size, deadline))
-            body = recv_exact(sock, n, deadline)
+            left = deadline - time.monotonic()
+            got = conn.read(left, left, deadline=deadline)
+            assert got is not None      # no limit on an answer: it is always read
         except TimeoutError:
-            sock.close()
+            conn.close()
             raise from_code("DEADLINE_EXCEEDED", f"{method} over the lane {self.path} did not "
                             f"finish within its deadline ({timeout:g} s)") from None
         except (EOFError, OSError) as e:
-            sock.close()
+            conn.close()
             self.drop()
             raise from_code("UNAVAILABLE", f"{method}: the daemon at {self.path} closed the "
                             f"lane during the call ({e}); it may or may not have served it"
                             ) from None
-        self._give(sock)
+        self._give(conn)
+        code, body = got
         if code:
             name = CODES[code] if code < len(CODES) else "UNKNOWN"
             raise from_code(name, f"{method}: {body.decode(errors='replace')}")
         return body
 
-    def _take(self) -> socket.socket:
+    def _take(self) -> Frames:
         if self.broken:
             raise NotSent("lane closed")
         if self._retry_at and time.monotonic() < self._retry_at:
@@ -95,20 +97,20 @@ class LaneClient:
                 self._idle, self._pid = [], os.getpid()
             now = time.monotonic()
             while self._idle:
-                sock, since = self._idle.pop()
+                conn, since = self._idle.pop()
                 if now - since < IDLE_S:
-                    return sock
-                sock.close()
+                    return conn
+                conn.close()
         return self._open()
 
-    def _give(self, sock: socket.socket) -> None:
+    def _give(self, conn: Frames) -> None:
         with self._lock:
             if len(self._idle) < MAX_IDLE and self._pid == os.getpid():
-                self._idle.append((sock, time.monotonic()))
+                self._idle.append((conn, time.monotonic()))
                 return
-        sock.close()
+        conn.close()
 
-    def _open(self) -> socket.socket:
+    def _open(self) -> Frames:
         deadline = time.monotonic() + self.timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -125,7 +127,7 @@ class LaneClient:
             self._refused(f"lane {self.path} refused: {reply}")
             raise NotSent(f"lane refused: {reply}")
         self._backoff, self._retry_at = RETRY_S, 0.0
-        return sock
+        return Frames(sock)     # blocking from here: one read an answer (lane_frames.py)
 
     def renew(self, token: str) -> None:
         """A new session token (the client made a fresh handshake): new connections say it,
@@ -146,8 +148,8 @@ class LaneClient:
         """Close the idle connections (the daemon behind them went away)."""
         with self._lock:
             idle, self._idle = self._idle, []
-        for sock, _ in idle:
-            sock.close()
+        for conn, _ in idle:
+            conn.close()
 
     def close(self) -> None:
         self.broken = True

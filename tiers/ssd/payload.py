@@ -14,9 +14,10 @@ themselves in by epoch), so reuse never races a read.
 
 Writes: a batch's extents are grouped into runs of adjacent extents (up to RUN_BYTES). Each
 run is filled on the calling thread into a reused page-aligned buffer, checksummed there while
-the bytes are in cache, and handed to one writer thread for a single pwrite while the caller
-fills the next run: copies overlap the disk, and writes reach the disk one at a time (on this
-kind of disk, concurrent O_DIRECT writes were slower than one after another). A filled run is
+the bytes are in cache, and handed to one writer thread to write while the caller fills the
+next run: copies overlap the disk, and writes reach the disk one at a time (on this kind of
+disk, concurrent O_DIRECT writes were slower than one after another), each of at most
+WRITE_PIECE bytes so that a read never queues behind megabytes of them. A filled run is
 queued before the caller waits for the one before it, so the writer goes from one pwrite
 straight to the next: waiting first left the disk idle for two thread wake-ups per run,
 several ms each on a loaded machine.
@@ -57,6 +58,12 @@ PREFAULT_BUFFERS = 3                # write buffers populated at open (one per w
 PREFAULT_MIN_CAPACITY = 256 << 20   # ... for a tier at least this big (not the tests' tiny ones)
 MAX_FREE_BUFFERS = 8
 READ_RUN_BYTES = 16 << 20           # adjacent extents read with one pread up to this size
+# A run goes to the disk in O_DIRECT writes of at most this size, one after another. Why: the
+# kernel splits one large write into requests that all reach the disk's queue at once, and a
+# read (a load promoting blocks an engine waits for) queues behind every one of them. Under
+# bench/tail.py, two demoters writing whole 4-8 MiB runs made promotion reads wait 20-34 ms;
+# in 1 MiB pieces the slowest waited 9-14 ms, and the tier wrote as much.
+WRITE_PIECE = 1 << 20
 ADDRESS_LIMIT = 1 << 60
 
 # Fills run `run` (item indexes, adjacent extents) into the buffer; False: nothing in it kept.
@@ -285,12 +292,15 @@ class PayloadFile:
 
     def _pwrite_run(self, stage: mmap.mmap, total: int, start: int,
                     values: list[tuple[int, int]]) -> None:
-        """Write a filled run: one O_DIRECT pwrite of the whole aligned run, or, where the
-        filesystem refuses O_DIRECT, each value's bytes with buffered pwrites."""
+        """Write a filled run: O_DIRECT pwrites of the whole aligned run (WRITE_PIECE at a
+        time), or, where the filesystem refuses O_DIRECT, each value's bytes with buffered
+        pwrites."""
         dfd = self.dfd
         if dfd is not None:
             try:
-                _pwrite_all(dfd, memoryview(stage)[:total], start)
+                with memoryview(stage) as view:
+                    for at in range(0, total, WRITE_PIECE):
+                        _pwrite_all(dfd, view[at:min(total, at + WRITE_PIECE)], start + at)
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:

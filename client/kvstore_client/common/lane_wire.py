@@ -56,30 +56,6 @@ def _wait(sock, deadline: float | None) -> None:
         sock.settimeout(left)
 
 
-def recv_exact(sock, n: int, deadline: float | None = None) -> bytes:
-    """n bytes from a blocking socket; EOFError when the peer closed first, TimeoutError past
-    `deadline` (time.monotonic()), which bounds the whole read, not each recv."""
-    if n <= RECV_CHUNK:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            _wait(sock, deadline)
-            k = sock.recv_into(view[got:])
-            if not k:
-                raise EOFError("the lane connection closed")
-            got += k
-        return bytes(buf)
-    parts = bytearray()
-    while len(parts) < n:
-        _wait(sock, deadline)
-        chunk = sock.recv(min(n - len(parts), RECV_CHUNK))
-        if not chunk:
-            raise EOFError("the lane connection closed")
-        parts += chunk
-    return bytes(parts)
-
-
 def recv_line(sock, limit: int = MAX_HELLO, deadline: float | None = None) -> bytes:
     """One newline-terminated line (a hello or its answer), at most `limit` bytes, whole
     before `deadline`."""
