@@ -66,7 +66,7 @@ READ_RUN_BYTES = 16 << 20           # adjacent extents read with one pread up to
 # engine waits for) queues behind every one of them: under bench/tail.py, two demoters
 # writing whole 4-8 MiB runs made promotion reads wait 20-34 ms, in 1 MiB pieces 13-20 ms at
 # most. Why only then: one piece at a time leaves the disk's queue shallower, and a spill
-# with no reads behind it wrote 15-20% slower that way (bench/tiers.py, bench/scale.py).
+# with no reads behind it wrote about 20% slower that way (bench/tiers.py, bench/scale.py).
 WRITE_PIECE = 1 << 20
 READS_RECENT_S = 1.0
 ADDRESS_LIMIT = 1 << 60
