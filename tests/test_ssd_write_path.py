@@ -317,3 +317,35 @@ def test_cold_promotion_reads_adjacent_blocks_back_exact(tmp_path):
         data, got = _demote_and_read(store, ns, 40, seed=6)
         assert [d for _, d in got] == data
         assert store.stats()["counters"].get("corrupt_blocks", 0) == 0
+
+
+def test_runs_go_down_in_pieces_only_while_reads_come(ssd, monkeypatch):
+    """A spill with no reads behind it writes each run in one go (the disk's queue stays
+    deep); once reads come, runs go in WRITE_PIECE pieces, so that a read queues behind one
+    piece of writes at most, not a whole run."""
+    import tiers.ssd.payload as mod
+    if not ssd.direct_io:
+        pytest.skip("the filesystem refuses O_DIRECT: writes are buffered, value by value")
+    monkeypatch.setattr(mod, "WRITE_PIECE", 64 << 10)
+    sizes: list[int] = []
+    real = mod._pwrite_all
+
+    def pwrite(fd: int, data: memoryview, offset: int) -> None:
+        sizes.append(len(data))
+        real(fd, data, offset)
+
+    monkeypatch.setattr(mod, "_pwrite_all", pwrite)
+    values = [val(i, 60_000) for i in range(8)]           # adjacent extents: one run
+    ssd.put_many([(k(i), v, b"") for i, v in enumerate(values)])
+    assert len(sizes) == 1 and sizes[0] > 4 * (64 << 10), sizes
+    assert ssd.get(k(3)) == values[3]                      # a read: pieces from now on
+    sizes.clear()
+    more = [val(20 + i, 60_000) for i in range(8)]
+    ssd.put_many([(k(20 + i), v, b"") for i, v in enumerate(more)])
+    assert len(sizes) >= 7 and max(sizes) <= 64 << 10, sizes
+    assert [ssd.get(k(20 + i)) for i in range(8)] + [ssd.get(k(i)) for i in range(8)] \
+        == more + values
+    monkeypatch.setattr(mod, "READS_RECENT_S", 0.0)       # reads long past: whole runs again
+    sizes.clear()
+    ssd.put_many([(k(40 + i), v, b"") for i, v in enumerate(values)])
+    assert len(sizes) == 1, sizes

@@ -16,8 +16,9 @@ Writes: a batch's extents are grouped into runs of adjacent extents (up to RUN_B
 run is filled on the calling thread into a reused page-aligned buffer, checksummed there while
 the bytes are in cache, and handed to one writer thread to write while the caller fills the
 next run: copies overlap the disk, and writes reach the disk one at a time (on this kind of
-disk, concurrent O_DIRECT writes were slower than one after another), each of at most
-WRITE_PIECE bytes so that a read never queues behind megabytes of them. A filled run is
+disk, concurrent O_DIRECT writes were slower than one after another); while reads are
+coming, each of at most WRITE_PIECE bytes, so that a read never queues behind megabytes of
+them. A filled run is
 queued before the caller waits for the one before it, so the writer goes from one pwrite
 straight to the next: waiting first left the disk idle for two thread wake-ups per run,
 several ms each on a loaded machine.
@@ -34,6 +35,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -58,12 +60,15 @@ PREFAULT_BUFFERS = 3                # write buffers populated at open (one per w
 PREFAULT_MIN_CAPACITY = 256 << 20   # ... for a tier at least this big (not the tests' tiny ones)
 MAX_FREE_BUFFERS = 8
 READ_RUN_BYTES = 16 << 20           # adjacent extents read with one pread up to this size
-# A run goes to the disk in O_DIRECT writes of at most this size, one after another. Why: the
-# kernel splits one large write into requests that all reach the disk's queue at once, and a
-# read (a load promoting blocks an engine waits for) queues behind every one of them. Under
-# bench/tail.py, two demoters writing whole 4-8 MiB runs made promotion reads wait 20-34 ms;
-# in 1 MiB pieces the slowest waited 9-14 ms, and the tier wrote as much.
+# While reads are coming (one in the last READS_RECENT_S), a run goes to the disk in O_DIRECT
+# writes of at most WRITE_PIECE, one after another. Why: the kernel splits one large write into
+# requests that all reach the disk's queue at once, and a read (a load promoting blocks an
+# engine waits for) queues behind every one of them: under bench/tail.py, two demoters
+# writing whole 4-8 MiB runs made promotion reads wait 20-34 ms, in 1 MiB pieces 13-20 ms at
+# most. Why only then: one piece at a time leaves the disk's queue shallower, and a spill
+# with no reads behind it wrote about 20% slower that way (bench/tiers.py, bench/scale.py).
 WRITE_PIECE = 1 << 20
+READS_RECENT_S = 1.0
 ADDRESS_LIMIT = 1 << 60
 
 # Fills run `run` (item indexes, adjacent extents) into the buffer; False: nothing in it kept.
@@ -96,6 +101,7 @@ class PayloadFile:
         self.alloc: ExtentAllocator = ExtentAllocator(0, ALIGN)
         self.lock = threading.Lock()
         self.closed = False
+        self.last_read = float("-inf")     # time.monotonic() of the latest read
         # Deferred frees and the readers that hold them back (module docstring).
         self._epoch = 0
         self._active: dict[int, int] = {}
@@ -293,14 +299,19 @@ class PayloadFile:
     def _pwrite_run(self, stage: mmap.mmap, total: int, start: int,
                     values: list[tuple[int, int]]) -> None:
         """Write a filled run: O_DIRECT pwrites of the whole aligned run (WRITE_PIECE at a
-        time), or, where the filesystem refuses O_DIRECT, each value's bytes with buffered
-        pwrites."""
+        time while reads are coming), or, where the filesystem refuses O_DIRECT, each value's
+        bytes with buffered pwrites."""
         dfd = self.dfd
         if dfd is not None:
             try:
                 with memoryview(stage) as view:
-                    for at in range(0, total, WRITE_PIECE):
-                        _pwrite_all(dfd, view[at:min(total, at + WRITE_PIECE)], start + at)
+                    at = 0
+                    while at < total:
+                        n = total - at
+                        if time.monotonic() - self.last_read < READS_RECENT_S:
+                            n = min(n, WRITE_PIECE)
+                        _pwrite_all(dfd, view[at:at + n], start + at)
+                        at += n
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
@@ -317,6 +328,7 @@ class PayloadFile:
     def read(self, off: int, length: int) -> memoryview:
         """`length` bytes at `off`, read into this thread's reusable read buffer (valid until
         this thread's next read)."""
+        self.last_read = time.monotonic()  # writes go in pieces meanwhile (WRITE_PIECE)
         size = extent_size(length)
         buf = getattr(self._tls, "rbuf", None)
         if buf is None or len(buf) < size:
