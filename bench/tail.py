@@ -144,15 +144,6 @@ def _runq_s(pid: int) -> float:
     return total / 1e9
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) all threads of `pid` have used so far (/proc/PID/stat)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="about two minutes in all")
@@ -162,6 +153,7 @@ def main() -> None:
     args = ap.parse_args()
     seconds = args.seconds or (75.0 if args.quick else 540.0)
     sys.path.insert(0, str(ROOT))
+    from bench.rpc import cpu_seconds
     from tests.daemon import cleanup, start_daemon
 
     result: dict = {"bench": "tail", "quick": args.quick, "clients": args.clients,
@@ -186,11 +178,11 @@ def main() -> None:
             # The daemon's threads' wait for a core over the load phase: the machine's share
             # of the tail, as against waits on the daemon itself.
             time.sleep(max(0.0, start_at - time.time()))
+            runq["cpu_start"] = cpu_seconds(daemon.proc.pid)
             runq["start"] = _runq_s(daemon.proc.pid)
-            runq["cpu_start"] = _cpu_s(daemon.proc.pid)
             time.sleep(max(0.0, end_at - time.time()))
+            runq["cpu_end"] = cpu_seconds(daemon.proc.pid)   # first: "end" means both are in
             runq["end"] = _runq_s(daemon.proc.pid)
-            runq["cpu_end"] = _cpu_s(daemon.proc.pid)
         sampler = threading.Thread(target=sample_runq, daemon=True)
         sampler.start()
         try:

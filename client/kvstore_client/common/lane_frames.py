@@ -61,10 +61,10 @@ class Frames:
         end = HEADER.size + n
         if end > len(self.buf):
             body = bytearray(self.view[HEADER.size:self.have])
+            chunk = memoryview(bytearray(min(n - len(body), RECV_CHUNK)))
             while len(body) < n:
                 self._recv_timeout(end_by - time.monotonic())
-                chunk = bytearray(min(n - len(body), RECV_CHUNK))
-                body += chunk[:self._read_into(memoryview(chunk))]
+                body += chunk[:self._read_into(chunk[:n - len(body)])]
             self.have = 0
             return kind, bytes(body)
         while self.have < end:
