@@ -273,17 +273,25 @@ class Store:
         parent = checked_parent(parent)
         check_checksums(checksums)
         token_ids = checked_token_ids(token_ids)
-        if token_ids is None:
-            # The usual Commit: its checks run in the writer's own first hold of the lock
-            # (one take fewer; each take is a wait behind every other caller under load).
-            # Which writer: the lease's tier, which never changes (read without the lock; a
-            # lease not found goes the long way, which raises).
-            found = self.leases.find(lease_id)
-            if found is not None:
-                def check(lease: Lease) -> None:
-                    self._check_commit(lease, keys, first_slot, checksums, None)
-                return self.writers[found.tier].commit(lease_id, keys, parent, checksums,
-                                                       first_slot, None, check)
+        # The checks run in the writer's own first hold of the lock (one take fewer; each take
+        # is a wait behind every other caller under load), token ids or not. Which writer: the
+        # lease's tier, which never changes (read without the lock; a lease not found goes the
+        # long way, which raises). A commit's event texts are lazy (nothing is packed until
+        # the publisher reads them), so they are made here before the checks: texts of a
+        # commit the checks refuse are never kept.
+        found = self.leases.find(lease_id)
+        if found is not None:
+            texts = None
+            if token_ids and st.events is not None:
+                info = st.namespaces.get(found.ns_id)
+                if info is not None:        # (else the checks raise NotFound)
+                    texts = st.events.texts(found.ns_id, keys, parent, token_ids,
+                                            info.spec.layout.block_tokens)
+
+            def check(lease: Lease) -> None:
+                self._check_commit(lease, keys, first_slot, checksums, token_ids)
+            return self.writers[found.tier].commit(lease_id, keys, parent, checksums,
+                                                   first_slot, texts, check)
         with st.lock:
             st.check_open()
             lease = self.leases.get(lease_id)

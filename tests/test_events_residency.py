@@ -212,3 +212,24 @@ def test_changed_many_after_another_change_queues_per_block():
     rec.remember(ns, keys, texts)
     rec.changed_many(entries[1:], HOST, True)   # a part only
     assert len(rec.queue) == 3 and not any(isinstance(it, CommitRun) for it in rec.queue)
+
+
+def test_a_commits_book_entries_reach_every_reader_of_the_book():
+    """A commit's book entries are made after it (Recorder.flush: by the publisher, or by the
+    first reader under the lock): a later change of one of its blocks still finds its text,
+    a removal still forgets it, and a text put in later (a Put's) still wins over it."""
+    ns, (rec,) = _recorders(100, 1)
+    entries = _batch(ns, 4)
+    keys = [e.key for e in entries]
+    texts = LazyTexts(ns, keys, None, bytes(range(4 * 4 * 4)), 4)
+    rec.remember(ns, keys, texts)
+    rec.changed_many(entries, HOST, True)
+    entries[2].ssd = True                       # demoted: its SSD copy enters
+    rec.changed(entries[2], SSD, True)
+    assert rec.queue[-1][4]() == texts.text(2)
+    assert set(rec.book) == {ns + k for k in keys}
+    rec.remember(ns, keys, texts)
+    rec.discarded(entries[0])                   # deleted: forgotten, not made again after
+    rec.remember(ns, keys[1:2], ["put's text"])
+    rec.flush()
+    assert ns + keys[0] not in rec.book and rec.book[ns + keys[1]] == "put's text"

@@ -85,6 +85,7 @@ class PendingTexts:
         if not locked():
             return
         try:
+            self.recorder.flush()
             book, index = self.recorder.book, self.state.index
             for g, text in joins:
                 e = index.peek(g)

@@ -207,6 +207,7 @@ class Publisher:
         if due and self._started:
             self._start_over(due, clear=False)
         drained = self._drain()
+        self._keep_commits()
         self._linger(drained)
         self.pending.keep_joins(self._locked)
         now = time.monotonic()
@@ -269,6 +270,19 @@ class Publisher:
                 return False
         return True
 
+    def _keep_commits(self) -> None:
+        """Make the book entries of the commits the recorder took (Recorder.flush), here
+        rather than in the commit: the book is what a demotion, a start-over and a later
+        change of those blocks read their texts from. A commit changed or read meanwhile was
+        flushed by that reader already."""
+        rec = self.recorder
+        if not rec.unkept or not self._locked():
+            return
+        try:
+            rec.flush()
+        finally:
+            self.state.lock.release()
+
     # -- starting over ------------------------------------------------------------------------
     def _overflow(self) -> None:
         if not self._locked():
@@ -303,6 +317,7 @@ class Publisher:
         want = 0
         for i in which:
             want |= 1 << i
+        self._keep_commits()            # the walk reads texts from the book
         held = held_blocks(self.state, self.recorder, self.pending, self.vh, want,
                            self._locked)
         if held is None:

@@ -3,8 +3,10 @@
 Everything here runs inside a store call holding the store lock, so it does the least it can:
 a namespace lookup (cached), a tuple appended to a deque, and the book of token texts kept in
 step (texts of blocks with a host or gpu copy; an SSD copy keeps its text in its LMDB meta).
-A commit's new blocks are one queued record (CommitRun), not one per block. Encoding and
-sending are the publisher thread's (publisher.py). The queue is bounded: when the publisher
+A commit's new blocks are one queued record (CommitRun), not one per block, and their book
+entries are made off the commit (flush(): by the publisher thread, or by the first reader of
+the book, whichever comes first). Encoding and sending are the publisher thread's
+(publisher.py). The queue is bounded: when the publisher
 falls max_queue changes behind, new changes are dropped until it starts every stream over from
 what the daemon holds; a store never waits for it.
 """
@@ -14,7 +16,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
-from operator import attrgetter
 from typing import Any, NamedTuple
 
 from ..entry import GPU, HOST, REMOTE, SSD, Entry
@@ -41,7 +42,6 @@ class CommitRun(NamedTuple):
 # block holds no published tier any more (the publisher forgets what it kept for it); `text`:
 # its text when known then.
 Item = tuple[bytes, tuple[str, ...], bool, bool, BlockText | None] | CommitRun
-_KEY, _NS, _SSD = attrgetter("key"), attrgetter("ns_id"), attrgetter("ssd")    # of an Entry
 
 
 class Recorder:
@@ -57,7 +57,14 @@ class Recorder:
         # publisher), so their difference, the backlog max_queue bounds, needs no lock.
         self.queued = 0
         self.taken = 0
+        # gkey -> text. Every reader under the lock calls flush() first (changed, discarded,
+        # Events.book); the publisher reads it unlocked only for blocks no unkept commit holds
+        # (those reach it as CommitRuns, or through a start-over, which flushes first).
         self.book: dict[bytes, BlockText] = {}
+        # Commits remember() took whose book entries are not made yet: (ns_id, keys,
+        # LazyTexts), oldest first. Why: filling the book cost a commit of 256 blocks ~50 us
+        # under the lock (a key, a LazyText and a dict slot each), on the store's path.
+        self.unkept: list[tuple[bytes, list[bytes], LazyTexts]] = []
         # The commit remember() just took (ns_id, keys, LazyTexts), for the changed_many call
         # that publishes its blocks next under the same hold of the lock; any other change
         # forgets it (it may have touched the book).
@@ -94,15 +101,25 @@ class Recorder:
 
     def remember(self, ns_id: bytes, keys: list[bytes], texts: Sequence[Any]) -> None:
         """Texts of blocks a commit is about to publish (locked). A commit's LazyTexts, for
-        the keys it was made with, goes in at once (no Python call per block)."""
-        book = self.book
+        the keys it was made with, waits in `unkept` for flush() (no work per block here)."""
         if type(texts) is LazyTexts and len(texts) == len(keys):
-            texts.keep(book, ns_id, keys)
+            self.unkept.append((ns_id, keys, texts))
             self._fresh = (ns_id, keys, texts)
             return
         self._fresh = None
+        if self.unkept:
+            self.flush()
+        book = self.book
         for k, t in zip(keys, texts, strict=True):
             book[ns_id + k] = t
+
+    def flush(self) -> None:
+        """Make the book entries of the commits remember() took (locked), in their order:
+        one pass in C per commit."""
+        unkept, self.unkept = self.unkept, []
+        book = self.book
+        for ns_id, keys, texts in unkept:
+            texts.keep(book, ns_id, keys)
 
     # -- ResidencyListener ---------------------------------------------------------------
     def changed(self, e: Entry, tier: str, entered: bool) -> None:
@@ -110,6 +127,8 @@ class Recorder:
         if tier == REMOTE:
             return              # a Redis-only block is announced by no node (docs/routing.md)
         self._fresh = None
+        if self.unkept:
+            self.flush()
         got = self._ns.get(e.ns_id)
         if not (got if got is not None else self.ns(e.ns_id))[1]:
             return
@@ -151,6 +170,8 @@ class Recorder:
         fresh, self._fresh = self._fresh, None
         if fresh is not None and self._commit_run(fresh, entries, tier):
             return
+        if self.unkept:
+            self.flush()
         book, cache = self.book, self._ns
         tiers = (tier,)         # one tuple for the batch (the publisher compares them in runs)
         items: list[Item] = []
@@ -177,12 +198,18 @@ class Recorder:
                     entries: Sequence[Entry], tier: str) -> bool:
         """Queue `entries` as one CommitRun when they are exactly the blocks of the commit
         remember() took, in order, none with an SSD copy (so each one's text is its book
-        entry, as changed() would find it); False to have them queued one by one. The checks
-        run in C over the whole batch."""
+        entry, as changed() would find it); False to have them queued one by one. Why the
+        ends are enough: `fresh` survives only from remember() to the next listener call, and
+        in that span only the commit's own publish of new blocks (index.add_host_many, which
+        makes an entry of each key in order, none on SSD) reaches this; a per-block check
+        cost the store path ~12 us a commit of 256."""
         ns_id, keys, texts = fresh
         n = len(entries)
-        if (n != len(keys) or list(map(_KEY, entries)) != keys
-                or list(map(_NS, entries)).count(ns_id) != n or any(map(_SSD, entries))):
+        if n != len(keys) or not n:
+            return False
+        first, last = entries[0], entries[-1]
+        if (first.key != keys[0] or last.key != keys[-1] or first.ns_id != ns_id
+                or last.ns_id != ns_id or first.ssd or last.ssd):
             return False
         got = self._ns.get(ns_id)
         if not (got if got is not None else self.ns(ns_id))[1]:
@@ -203,6 +230,8 @@ class Recorder:
         # (Inlined lookups and a table of the tier tuples: a delete calls this for each of its
         # blocks under the store lock, and a generator per block was most of its cost.)
         self._fresh = None
+        if self.unkept:
+            self.flush()
         ns_id = e.ns_id
         got = self._ns.get(ns_id)
         if not (got if got is not None else self.ns(ns_id))[1]:

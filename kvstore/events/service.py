@@ -62,6 +62,7 @@ class Events:
     def book(self) -> dict[bytes, BlockText]:
         """Texts of the published blocks with a host or gpu copy (read under the store lock
         when a block is written to SSD: its meta keeps the text)."""
+        self.recorder.flush()
         return self.recorder.book
 
     @property
