@@ -287,7 +287,7 @@ def main() -> None:
     keep = ("reserve_waits", "reserve_wait_seconds", "background_demotion_bytes",
             "acquire_cut_host_full", "corrupt_blocks", "ssd_disk_full_errors",
             "gc_full_collections", "gc_walked_objects")
-    result["daemon_counters"] = {k: counters[k] for k in keep if k in counters}
+    result["daemon_counters"] = {k: counters.get(k, 0) for k in keep}
     result["targets_met"] = {
         f"max_{op}_vs_p50": (result[f"max_{op}_vs_p50"] is not None
                              and result[f"max_{op}_vs_p50"] <= TARGET_MAX_VS_P50)
