@@ -76,6 +76,9 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                   "reserve_waits": "Reserves that evicted inline because background demotion "
                                    "had not kept host use under the high watermark",
                   "reserve_wait_seconds": "Seconds those Reserves spent making room",
+                  "promotion_room_waits": "Promotions (loads from a lower tier) that found no "
+                                          "free host slot at once and made or waited for room",
+                  "promotion_room_wait_seconds": "Seconds those promotions spent on room",
                   "reserve_ahead": "Write leases a Commit reserved for the client's next store",
                   "releases_carried": "Leases released by a later call that carried them "
                                       "(no Release round trip of their own)",

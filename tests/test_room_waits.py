@@ -341,3 +341,42 @@ def test_a_writer_sleeping_through_a_run_gives_up_at_its_deadline(tmp_path, monk
             store.release(r.id)
         check_quiet(store)
         assert store.host.used_bytes == 2 * BLOCK      # the two the reader held
+
+
+def test_a_load_short_of_room_is_counted_with_its_wait(tmp_path, monkeypatch):
+    """A promotion that finds the pool full waits for the landing that frees it, and that wait
+    is counted apart from the writers' (promotion_room_waits, _seconds: an operator's view of
+    loads held up by demotion); a promotion that finds a free slot counts nothing."""
+    with make_store(tmp_path, host_capacity=8 * BLOCK, high_watermark=1.0,
+                    low_watermark=1.0) as store:
+        ns = namespace(store)
+        rng = np.random.default_rng(37)
+        cold = [random_prompt(rng, 1)[1] for _ in range(2)]
+        for keys in cold:
+            store.put(ns, keys, [expected(keys[0])])
+        store.evict("host")
+        counters = store.state.counters
+        lease = store.acquire(ns, cold[0])               # room free: no wait counted
+        check_lease(store, ns, cold[0], lease)
+        store.release(lease.id)
+        assert counters["promotion_room_waits"] == 0
+        store.evict("host")
+        _, _, _, _, gates, evicted, (t,) = _flights(store, 38, 8 * BLOCK)
+        got: list = []
+        loader = threading.Thread(target=lambda: got.append(store.acquire(ns, cold[1])))
+        loader.start()
+        room = store.moves.host_room
+        _wait_for(lambda: room._waiting == 1, "the load waiting for room")
+        held = 0.2
+        time.sleep(held)
+        gates[0].set()
+        t.join(30)
+        loader.join(30)
+        for g in gates:
+            g.set()
+        assert evicted == [(8 * BLOCK, 8)] and len(got) == 1
+        check_lease(store, ns, cold[1], got[0])
+        store.release(got[0].id)
+        assert counters["promotion_room_waits"] == 1
+        assert held <= counters["promotion_room_wait_seconds"] < 30
+        check_quiet(store)

@@ -232,6 +232,25 @@ class HostRoom:
         share = 0 if promotion else self.promotion_share(seg)
         need = aligned(nbytes)
         deadline = time.monotonic() + ROOM_WAIT_S
+        first = self._take(nbytes, seg, share)
+        if first is not None:
+            return first
+        waited = time.perf_counter()
+        try:
+            return self._alloc_short(nbytes, seg, share, need, deadline, ns_id, promotion,
+                                     wait, count, extra)
+        finally:
+            if promotion:
+                # A load waiting on room: the wait an engine sees, counted apart from the
+                # writers' backpressure (reserve_waits).
+                st.counters["promotion_room_waits"] += 1
+                st.counters["promotion_room_wait_seconds"] += time.perf_counter() - waited
+
+    def _alloc_short(self, nbytes: int, seg: int, share: int, need: int, deadline: float,
+                     ns_id: bytes | None, promotion: bool, wait: bool, count: int,
+                     extra: list[int] | None) -> int:
+        """alloc once no slot was free at once: evict, or wait for landings (locked)."""
+        st = self.state
         while True:
             off = self._take(nbytes, seg, share)
             if off is not None:
