@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 import sys
 
+# First, before anything starts gRPC: the SDK picks gRPC's socket layer on import
+# (kvstore_client/common/grpc_stack.py), as in an engine that imports it before its channels.
+import kvstore_client  # noqa: F401
+
 MALLOC_ENV = {
     "MALLOC_ARENA_MAX": "4",
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),

@@ -12,6 +12,10 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from .common.grpc_stack import prefer_classic_poller
+
+prefer_classic_poller()         # before anything here creates a channel (common/grpc_stack.py)
+
 # public name -> submodule that defines it
 _WHERE = {
     "Client": "client", "connect": "client",

@@ -20,4 +20,5 @@ imported by name.
 | `kernel_externs` | the C functions (memcpy, XXH3-64) compiled copy kernels call |
 | `read_ahead` | a gRPC stream received on a thread of its own (Put in the daemon, Get in the SDK) |
 | `lazy` | modules imported on first use (start-time budget) |
+| `grpc_stack` | gRPC's socket layer for the process (the classic poller), set on first import |
 """
