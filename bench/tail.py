@@ -284,7 +284,8 @@ def main() -> None:
         result[f"warmup_max_{op}_ms"] = round(warm_max[op] * 1e3, 2)
     slow.sort(key=lambda r: -r[1])
     result["slowest_loads_at_s"] = [round(at, 1) for op, _, at in slow if op == "load"][:8]
-    keep = ("reserve_waits", "reserve_wait_seconds", "background_demotion_bytes",
+    keep = ("reserve_waits", "reserve_wait_seconds", "promotion_room_waits",
+            "promotion_room_wait_seconds", "background_demotion_bytes",
             "acquire_cut_host_full", "corrupt_blocks", "ssd_disk_full_errors",
             "gc_full_collections", "gc_walked_objects")
     result["daemon_counters"] = {k: counters.get(k, 0) for k in keep}
