@@ -10,8 +10,8 @@ waited longest, so a thread that gives it up often loses a round now and then an
 it. Under bench/tail.py a daemon call that gave it up five times (the header's poll and read,
 the body's poll and read, the reply's poll) waited up to tens of milliseconds to win it back,
 its own work taking a fraction of one. So the socket blocks, the kernel keeps the deadlines
-(SO_RCVTIMEO and SO_SNDTIMEO, set before each read or write to what is left: setting them does
-not give up the GIL), and a frame whose bytes have all arrived (each end writes header and
+(SO_RCVTIMEO and SO_SNDTIMEO, set to what is left where the one set would not do: setting them
+does not give up the GIL), and a frame whose bytes have all arrived (each end writes header and
 body at once) is read in one call.
 
 Every wait is still bounded: the first bytes of a frame within `wait_s`, the whole frame within
