@@ -149,16 +149,17 @@ class HostReads:
         """
         st = self.state
         promoter = self.promoter
-        flight = threading.Event()
+        flights: list[threading.Event] = []  # the round's event, made at its first promotion
         with st.lock:
             st.check_open()
             self.reap()
             info = st.namespace(ns_id)
-            chain, wait = self._plan(ns_id, keys, remote_values, flight)
+            chain, wait = self._plan(ns_id, keys, remote_values, flights)
             jobs = [p for p in chain if isinstance(p, Promotion)]
             if not jobs:
                 return chain, wait, self._end_round(chain, wait, lease)
             st.enter_busy()                  # close() waits for this round to settle
+            flight = flights[0]
         try:
             promoter.fill(info, jobs)
         except BaseException:
@@ -207,8 +208,11 @@ class HostReads:
             raise
 
     def _plan(self, ns_id: bytes, keys: list[bytes], remote_values: dict,
-              flight: threading.Event) -> tuple[list, threading.Event | None]:
-        """Phase 1 of a round (locked): host hits pinned, promotions reserved, in key order."""
+              flights: list[threading.Event]) -> tuple[list, threading.Event | None]:
+        """Phase 1 of a round (locked): host hits pinned, promotions reserved, in key order.
+        The round's event, which its promotions' waiters wait on, is made (into `flights`)
+        at the first one: a round of host hits only, most loads, makes none (an Event is a
+        lock and a condition, a microsecond and a half of every acquire)."""
         st = self.state
         chain: list[Entry | Promotion] = []
         try:
@@ -223,8 +227,10 @@ class HostReads:
                     continue
                 if e.moving is not None:
                     return chain, e.moving   # another acquire is promoting it
+                if not flights:
+                    flights.append(threading.Event())
                 try:
-                    p = self.promoter.reserve(e, remote_values, flight)
+                    p = self.promoter.reserve(e, remote_values, flights[0])
                 except ResourceExhausted:
                     if not chain:
                         raise
@@ -240,7 +246,8 @@ class HostReads:
                 if isinstance(x, Promotion):
                     self.promoter.abandon(x)
             _unpin([x for x in chain if isinstance(x, Entry)])
-            flight.set()
+            for flight in flights:
+                flight.set()
             raise
         return chain, None
 

@@ -75,7 +75,7 @@ class NamespaceCalls:
         req = parse_request(pb.LookupRequest, raw, distinct_keys=True)
         ns = check_ns(req.namespace_id)
         self.s.auth.check_ns(ns)
-        keys = check_keys(req.keys, allow_empty=True)
+        keys = check_keys(req.keys, allow_empty=True, distinct=True)
         res = self.s.lookup(ns, keys)
         return pb.LookupResponse(prefix_blocks=res.prefix_blocks,
                                  per_tier={str(k): int(v) for k, v in res.per_tier.items()})
@@ -84,7 +84,7 @@ class NamespaceCalls:
         req = parse_request(pb.LocateRequest, raw, distinct_keys=True)
         ns = check_ns(req.namespace_id)
         self.s.auth.check_ns(ns)
-        keys = check_keys(req.keys, allow_empty=True)
+        keys = check_keys(req.keys, allow_empty=True, distinct=True)
         where = self.s.store.where(ns, keys)
         names = [t for t in TIERS if t in set(where)]
         code = {t: i + 1 for i, t in enumerate(names)}

@@ -24,6 +24,7 @@ from kvstore_client.common.layout import KVLayout, NamespaceSpec
 from kvstore_client.common.limits import MAX_KEY_BYTES, MAX_KEYS, MAX_REQUEST_BYTES, MIN_KEY_BYTES
 
 from ..keychain import STEP, check_distinct
+from ..validate import MAX_KEYS_PER_CALL, CheckedKeys
 from .key_scan import refuse_repeated_keys
 
 NS_ID_BYTES = 16
@@ -32,6 +33,8 @@ MAX_TEXT = 1024               # model, revision, tenant salt, extra entries
 MAX_EXTRA = 64
 TIERS = ("gpu", "host", "ssd", "remote")
 SLOT_TIERS = ("host", "gpu")  # tiers that hand out slots under leases
+if MAX_KEYS > MAX_KEYS_PER_CALL:   # check_keys' CheckedKeys must pass the store's own check
+    raise ImportError("the request limit on keys is above the store's")
 
 
 def parse_request(cls: type[Message], raw: bytes, distinct_keys: bool = False) -> Any:
@@ -70,7 +73,8 @@ def check_key(key: bytes, field: str) -> bytes:
 
 def check_keys(keys: Iterable[bytes], field: str = "keys", allow_empty: bool = False,
                distinct: bool = False) -> list[bytes]:
-    """The keys as a list of bytes, each 16..32 bytes (and distinct if asked).
+    """The keys as a list of bytes, each 16..32 bytes (and distinct if asked: then as
+    CheckedKeys, which the store passes without checking them again).
 
     Counted before anything is copied, then converted and checked STEP keys at a time: one C
     call over 65,536 keys would hold the GIL for tens of milliseconds, every other call's
@@ -83,7 +87,7 @@ def check_keys(keys: Iterable[bytes], field: str = "keys", allow_empty: bool = F
     if n > MAX_KEYS:
         raise InvalidArgument(f"{n} {field} in one request; the limit is {MAX_KEYS}, "
                               "split the request")
-    out: list[bytes] = []
+    out: list[bytes] = CheckedKeys() if distinct else []
     seen: set[bytes] = set()
     for i in range(0, n, STEP):
         part = list(keys[i:i + STEP])

@@ -10,8 +10,8 @@ waited longest, so a thread that gives it up often loses a round now and then an
 it. Under bench/tail.py a daemon call that gave it up five times (the header's poll and read,
 the body's poll and read, the reply's poll) waited up to tens of milliseconds to win it back,
 its own work taking a fraction of one. So the socket blocks, the kernel keeps the deadlines
-(SO_RCVTIMEO and SO_SNDTIMEO, set before each read or write to what is left: setting them does
-not give up the GIL), and a frame whose bytes have all arrived (each end writes header and
+(SO_RCVTIMEO and SO_SNDTIMEO, set to what is left where the one set would not do: setting them
+does not give up the GIL), and a frame whose bytes have all arrived (each end writes header and
 body at once) is read in one call.
 
 Every wait is still bounded: the first bytes of a frame within `wait_s`, the whole frame within
@@ -78,19 +78,25 @@ class Frames:
         return kind, out
 
     def send(self, data: bytes, deadline: float) -> None:
-        """All of `data`, by `deadline` (time.monotonic())."""
+        """All of `data`, by `deadline` (time.monotonic()).
+
+        The send timeout set on the socket is kept while it ends by the deadline and is at
+        least half of what is left: each reply's deadline is a little later than the last
+        one's, and setting it anew for each (a system call) was a microsecond of every call.
+        A timeout that ends before the deadline only wakes the send early: it sets the
+        timeout to what is left and tries again."""
         view = memoryview(data)
         while view:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the lane peer did not take its bytes in time")
-            if left != self._snd:
+            if self._snd > left or self._snd < left / 2:
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(left))
                 self._snd = left
             try:
                 view = view[self.sock.send(view):]
-            except BlockingIOError:
-                raise TimeoutError("the lane peer did not take its bytes in time") from None
+            except BlockingIOError:     # SO_SNDTIMEO ran out: the deadline, or a set one
+                self._snd = -1.0        # shorter than it (set anew at the top)
 
     def close(self) -> None:
         self.sock.close()
