@@ -232,58 +232,49 @@ class HostRoom:
         share = 0 if promotion else self.promotion_share(seg)
         need = aligned(nbytes)
         deadline = time.monotonic() + ROOM_WAIT_S
-        first = self._take(nbytes, seg, share)
-        if first is not None:
-            return first
-        waited = time.perf_counter()
+        waited: float | None = None     # when no slot was free at once
         try:
-            return self._alloc_short(nbytes, seg, share, need, deadline, ns_id, promotion,
-                                     wait, count, extra)
+            while True:
+                off = self._take(nbytes, seg, share)
+                if off is not None:
+                    return off
+                if waited is None:
+                    waited = time.perf_counter()
+                if not wait:
+                    raise ResourceExhausted(f"no free host room for {nbytes} bytes now")
+                if promotion and not seg and self._reclaim_promoted(need):
+                    continue
+                short = self._short(seg, need, share)   # what is missing, the share kept
+                if not seg and self.evicting >= short:
+                    # Batches in flight free enough: no second writer on the disk. The landing
+                    # hands this caller its slot (room_waits.py).
+                    want = RoomWant(nbytes, share, promotion, count if extra is not None else 1)
+                    if self._wait_landing(deadline, want):
+                        if want.offs:
+                            if extra is not None:
+                                extra += want.offs[1:]
+                            return want.offs[0]
+                        continue
+                _, _, picked = self._evict_batches(short, self.pools.segment_namespaces(seg))
+                if picked or self._wait_landing(deadline):
+                    continue
+                off = self._take(nbytes, seg, 0)     # the share too: this is the real limit
+                if off is not None:
+                    return off
+                if seg:
+                    raise self.pools.segment_full(seg) from None
+                host = st.host
+                # Watermarks are a target, not a guarantee; this is the real limit.
+                raise ResourceExhausted(
+                    f"host tier full: {host.used_bytes} of {host.capacity} bytes are "
+                    "leased or pinned and nothing is evictable; release leases or raise "
+                    "host.capacity") from None
         finally:
-            if promotion:
-                # A load waiting on room: the wait an engine sees, counted apart from the
+            if promotion and waited is not None:
+                # A load short of room: the wait an engine sees, counted apart from the
                 # writers' backpressure (reserve_waits).
                 st.counters["promotion_room_waits"] += 1
                 st.counters["promotion_room_wait_seconds"] += time.perf_counter() - waited
-
-    def _alloc_short(self, nbytes: int, seg: int, share: int, need: int, deadline: float,
-                     ns_id: bytes | None, promotion: bool, wait: bool, count: int,
-                     extra: list[int] | None) -> int:
-        """alloc once no slot was free at once: evict, or wait for landings (locked)."""
-        st = self.state
-        while True:
-            off = self._take(nbytes, seg, share)
-            if off is not None:
-                return off
-            if not wait:
-                raise ResourceExhausted(f"no free host room for {nbytes} bytes now")
-            if promotion and not seg and self._reclaim_promoted(need):
-                continue
-            short = self._short(seg, need, share)   # what is missing, the share kept
-            if not seg and self.evicting >= short:
-                # Batches in flight free enough: no second writer on the disk. The landing
-                # hands this caller its slot (room_waits.py).
-                want = RoomWant(nbytes, share, promotion, count if extra is not None else 1)
-                if self._wait_landing(deadline, want):
-                    if want.offs:
-                        if extra is not None:
-                            extra += want.offs[1:]
-                        return want.offs[0]
-                    continue
-            _, _, picked = self._evict_batches(short, self.pools.segment_namespaces(seg))
-            if picked or self._wait_landing(deadline):
-                continue
-            off = self._take(nbytes, seg, 0)     # the share too: this is the real limit
-            if off is not None:
-                return off
-            if seg:
-                raise self.pools.segment_full(seg) from None
-            host = st.host
-            # Watermarks are a target, not a guarantee; this is the real limit.
-            raise ResourceExhausted(
-                f"host tier full: {host.used_bytes} of {host.capacity} bytes are "
-                "leased or pinned and nothing is evictable; release leases or raise "
-                "host.capacity") from None
 
     def alloc_many(self, nbytes: int, n: int, ns_id: bytes | None = None,
                    wait: bool = True) -> list[int]:
