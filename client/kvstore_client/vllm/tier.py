@@ -151,6 +151,8 @@ class KVStoreTier(SecondaryTierManager):
         self._finished: list[JobResult] = []
         self._lock = threading.Lock()
         self._ns_lock = threading.Lock()
+        self._hints: list[tuple[Any, list[bytes], str]] = []    # (namespace, keys, level)
+        self._hint_lock = threading.Lock()
         self._client: Any = None
         self._ns: Any = None
         self._disabled: str | None = None
@@ -469,14 +471,23 @@ class KVStoreTier(SecondaryTierManager):
         level = level_for(signal)
         if level == "normal":
             return
-        ns = self._ns
+        with self._lock:
+            self._hints.append((self._ns, list(dict.fromkeys(keys)), level))
+        self._io.submit(self._send_hints)
 
-        def send() -> None:
-            try:
-                ns.retain(list(dict.fromkeys(keys)), level)
-            except Exception as e:
-                log.debug("kvstore: retention hint failed: %s", e)
-        self._io.submit(send)
+    def _send_hints(self) -> None:
+        """Send the hints queued so far, in the order the engine gave its signals. Why in order:
+        a hint reorders eviction as a use would, so of two blocks hinted "high" the one hinted
+        last is kept longest; sent from the io threads as they came free, a preemption's hint
+        could overtake the finished request's before it (seen in tests/test_vllm_tier.py)."""
+        with self._hint_lock:               # one sender at a time: the daemon sees them in order
+            with self._lock:
+                todo, self._hints = self._hints, []
+            for ns, keys, level in todo:
+                try:
+                    ns.retain(keys, level)
+                except Exception as e:
+                    log.debug("kvstore: retention hint failed: %s", e)
 
     # -- stats ------------------------------------------------------------------------------
     @classmethod
