@@ -7,9 +7,8 @@ carries the figures).
                         that publishes). Two fresh daemons alike but for [events] serve the same
                         prompts; their calls alternate (which goes first swaps every round) and
                         the figure is the median over pairs of rounds of their ratios' mean
-                        (`paired_ratio`), so both sides of a ratio saw
-                        the machine's load of the same moment and going first counts on both.
-                        Target >= 0.95.
+                        (`paired_ratio`), so both sides of a ratio saw the machine's load of
+                        the same moment and going first counts on both. Target >= 0.95.
   events_load_cost      the same for loads of the stored prompts. Target >= 0.95.
 Also reported: events_store_cpu_cost, the ratio of the daemons' CPU seconds (user + system,
 publisher thread included) over the timed stores, and how many stored blocks the consumer

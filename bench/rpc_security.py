@@ -133,7 +133,7 @@ def one_cpu(*pids: int) -> Iterator[None]:
     figure, not the tenant checks. With the two daemons' calls alternated one by one, one
     daemon of a pair answered at ~50 us and the other at ~75-80 us for a whole run, whichever
     had tenants: runs of bench/rpc.py read 1.50 and 0.67 (in blocks of 100 calls a daemon, as
-    before, 0.68 to 1.18). Pinned so, three runs read 1.014 to 1.024. (Presumably a thread
+    before, 0.68 to 1.18). Pinned so, nine runs read 1.014 to 1.034. (Presumably a thread
     woken on its caller's CPU runs at once, and one woken on the other CPU, idle in a virtual
     machine, first waits for that CPU to wake.)"""
     mine = os.sched_getaffinity(0)
@@ -164,8 +164,8 @@ def settle(d: object, deadline_s: float = 60.0) -> None:
 def run(tmp: Path, workers: int, nblocks: int, reps: int, rounds: int,
         per_round: int, env: dict, aligned_kv: Callable, percentiles: Callable) -> dict:
     """Both figures, each between two fresh daemons started here that differ only in what is
-    measured (the main one has served the other benches, and may still be demoting their
-    blocks): the Get check on and off, and tenants configured or not."""
+    measured (bench/rpc.py's main daemon served the other figures, and is stopped before
+    this runs): the Get check on and off, and tenants configured or not."""
     from kvstore.tenants import hash_token
     from tests.daemon import cleanup, start_daemon
 
