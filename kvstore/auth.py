@@ -77,17 +77,6 @@ class Auth:
         self._local = threading.local()
 
     # -- identity -----------------------------------------------------------------------------
-    def identify(self, context: Any) -> Tenant | None:
-        """The caller of this RPC (None: the implicit tenant); remembered for the checks."""
-        if not self.enabled:
-            return None
-        tenant = (self.from_metadata(context.invocation_metadata() or ())
-                  or self.from_certificate(context))
-        if tenant is None:
-            raise self.no_credentials()
-        self._local.tenant = tenant
-        return tenant
-
     def no_credentials(self) -> Unauthenticated:
         return Unauthenticated(
             "no credentials: this daemon has tenants, so every call must carry "

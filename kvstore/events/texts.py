@@ -23,7 +23,6 @@ from functools import partial
 from itertools import repeat
 from typing import Any, NamedTuple
 
-import msgpack
 import numpy as np
 import xxhash
 
@@ -63,9 +62,6 @@ class BlockText(NamedTuple):
     def event(self, medium: str) -> bytes:
         return wire.stored(self.hashes, self.parent, self.tokens, self.block_size, medium,
                            self.lora)
-
-    def token_list(self) -> list[int]:
-        return msgpack.unpackb(self.tokens)
 
     def pack(self) -> list[Any]:
         """The form kept in a block's SSD meta (key "e"); a LoRA block's adds its pair."""
@@ -224,12 +220,6 @@ def pack_commit(ns_id: bytes, keys: list[bytes], parent: bytes | None, raw_token
         return Packed(hashes, prev, b"", [0], block_tokens)
     data, offsets = _pack_blocks(raw_tokens, block_tokens)
     return Packed(hashes, prev, data, offsets, block_tokens)
-
-
-def own_texts(ns_id: bytes, keys: list[bytes], parent: bytes | None, raw_tokens: bytes,
-              block_tokens: int) -> list[BlockText]:
-    """Texts of SDK-stored blocks (pack_commit's, one per block)."""
-    return _split(pack_commit(ns_id, keys, parent, raw_tokens, block_tokens))
 
 
 def _split(p: Packed) -> list[BlockText]:
