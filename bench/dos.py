@@ -75,50 +75,12 @@ from dos_attackers import (  # noqa: E402 - beside this script, on sys.path as i
     run_b,
     run_unauth,
 )
+from procstat import RunQueue, cpu_seconds  # noqa: E402 - beside this script, on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------- the bench itself
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class RunQueue:
-    """Seconds the threads of a process waited for a CPU while runnable (schedstat) over a
-    window: how much the machine's cores, not the daemon, held them back.
-
-    Read per thread, sampled: a process's total is not in /proc (its own schedstat is its
-    first thread's), and a thread that ends takes its figure with it. Summing the threads
-    alive at the start and at the end, as this bench once did, subtracted the whole past wait
-    of every thread that ended in the window (a Put's read-ahead thread, a handler's) and
-    missed the wait of threads that came and went in it. Here each thread counts from its
-    first sample to its last (sampled every 50 ms with the RSS)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.first: dict[str, int] = {}
-        self.last: dict[str, int] = {}
-        self.sample()
-
-    def sample(self) -> None:
-        try:
-            tasks = list(Path(f"/proc/{self.pid}/task").iterdir())
-        except OSError:
-            return
-        for task in tasks:
-            try:
-                wait = int((task / "schedstat").read_text().split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            self.first.setdefault(task.name, wait)
-            self.last[task.name] = wait
-
-    def seconds(self) -> float:
-        return sum(v - self.first[t] for t, v in self.last.items()) / 1e9
-
 
 RSS_PARTS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
 
@@ -199,7 +161,7 @@ def window(a: TenantA, pids: dict[str, int], seconds: float, scrape_url: str | N
         threads.append(threading.Thread(target=scrape, daemon=True))
     for t in threads:
         t.start()
-    cpu0 = {k: _cpu_s(v) for k, v in pids.items()}
+    cpu0 = {k: cpu_seconds(v) for k, v in pids.items()}
     lat: list[float] = []
     errors = 0
     t0 = time.monotonic()
@@ -212,7 +174,7 @@ def window(a: TenantA, pids: dict[str, int], seconds: float, scrape_url: str | N
             print(f"  tenant A's round failed: {type(e).__name__}: {e}", flush=True)
     stop.set()
     wall = time.monotonic() - t0
-    cpu = {k: round((_cpu_s(v) - cpu0[k]) / wall, 2) for k, v in pids.items()}
+    cpu = {k: round((cpu_seconds(v) - cpu0[k]) / wall, 2) for k, v in pids.items()}
     for r in runq.values():
         r.sample()
     for t in threads:
@@ -295,17 +257,17 @@ def probes(address: str, sock: str, pid: int, a_ns: bytes) -> dict[str, float]:
     }
     out: dict[str, float] = {}
     time.sleep(1.0)
-    t0, c0 = time.monotonic(), _cpu_s(pid)
+    t0, c0 = time.monotonic(), cpu_seconds(pid)
     time.sleep(1.0)
-    idle = (_cpu_s(pid) - c0) / (time.monotonic() - t0)     # background work per second
+    idle = (cpu_seconds(pid) - c0) / (time.monotonic() - t0)     # background work per second
     for name, fn in kinds.items():
-        c0, t0 = _cpu_s(pid), time.monotonic()
+        c0, t0 = cpu_seconds(pid), time.monotonic()
         try:
             fn()
         except grpc.RpcError:
             pass                                            # refused: what we measure
         time.sleep(0.1)                                     # the daemon's tail of it
-        used = _cpu_s(pid) - c0 - idle * (time.monotonic() - t0)
+        used = cpu_seconds(pid) - c0 - idle * (time.monotonic() - t0)
         out[name] = round(max(0.0, used), 3)
     ch.close()
     return out

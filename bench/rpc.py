@@ -51,23 +51,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.procstat import cpu_seconds  # noqa: E402
 from bench.rpc_setup import MALLOC_ENV  # noqa: E402
 from bench.rpc_setup import aligned_kv as _aligned_kv  # noqa: E402
 from bench.rpc_setup import reexec_with_malloc_env as _reexec_with_malloc_env  # noqa: E402
 
 ECHO_METHOD = "/bench.Echo/Echo"
 MAX_MESSAGE = 256 << 20
-
-
-def cpu_seconds(pid: int | None = None) -> float:
-    """CPU seconds used so far by this process (pid None: every thread, ended ones included) or
-    by process `pid` (Linux /proc, clock-tick resolution)."""
-    if pid is None:
-        import resource
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def echo_server(socket_path: str, workers: int) -> None:

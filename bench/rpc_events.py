@@ -35,7 +35,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.rpc_security import _cpu_s, settle
+from bench.procstat import cpu_seconds
+from bench.rpc_security import settle
 
 MIN_ROUNDS = 151
 SHAPE = (8, 4, 64)          # layers, kv heads, head dim: 128 KiB bf16 blocks of 16 tokens
@@ -114,11 +115,11 @@ def run(tmp: Path, workers: int, nblocks: int, reps: int, env: dict[str, str],
             order = ("off", "on") if r % 2 else ("on", "off")
             for name in order:
                 c, ns, pid = sides[name]
-                c0 = _cpu_s(pid)
+                c0 = cpu_seconds(pid)
                 t0 = time.perf_counter()
                 n = ns.store(ids, kv)
                 t1 = time.perf_counter()
-                c1 = _cpu_s(pid)
+                c1 = cpu_seconds(pid)
                 got = ns.load(ids, out=out)
                 t2 = time.perf_counter()
                 if n != nblocks or got != nblocks * T:

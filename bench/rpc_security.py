@@ -29,16 +29,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench.procstat import cpu_seconds
 
-def _cpu_s(pid: int | None) -> float:
-    """User + system CPU seconds of a process so far (0 where /proc does not say)."""
-    if pid is None:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+def _cpu_of(pid: int | None) -> float:
+    return cpu_seconds(pid) if pid else 0.0       # no pid known: nothing to count
 
 
 def bench_get_verify(verified: str, unverified: str, nblocks: int, reps: int,
@@ -66,14 +61,14 @@ def bench_get_verify(verified: str, unverified: str, nblocks: int, reps: int,
             ns.store(ids, kv)
         for r in range(2 * reps + 2):
             for name, ns in pairs if r % 2 else pairs[::-1]:
-                c0 = _cpu_s(pids.get(name))
+                c0 = _cpu_of(pids.get(name))
                 t = time.perf_counter()
                 got = ns.load(ids, out=out)
                 if got != nblocks * T:
                     raise RuntimeError(f"{name}: loaded {got}/{nblocks * T} tokens")
                 if r >= 2:
                     times[name].append(time.perf_counter() - t)
-                    cpu[name] += _cpu_s(pids.get(name)) - c0
+                    cpu[name] += _cpu_of(pids.get(name)) - c0
         if not torch.equal(out.view(torch.int16), kv.view(torch.int16)):
             raise RuntimeError("Get returned bytes that differ from those stored")
     v, u = statistics.median(times["verified"]), statistics.median(times["unverified"])

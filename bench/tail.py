@@ -81,6 +81,8 @@ def client(address: str, seed: int, warm_at: float, start_at: float, end_at: flo
     from kvstore_client import KVLayout
     from kvstore_client.errors import KVStoreError
 
+    from bench.procstat import thread_runq_s
+
     lay = KVLayout(*SHAPE)
     T = lay.block_tokens
     rng = np.random.default_rng(seed)
@@ -134,12 +136,12 @@ def client(address: str, seed: int, warm_at: float, start_at: float, end_at: flo
                         ns.lookup_keys(keys)
                         note(op, clock() - t, now)
                     else:
-                        q = _runq_self()
+                        q = thread_runq_s()
                         t = clock()
                         ns.load_keys(keys, buf)
                         dt = clock() - t
                         if note(op, dt, now):
-                            waits.append((dt, _runq_self() - q))
+                            waits.append((dt, thread_runq_s() - q))
             except KVStoreError as e:
                 name = f"{op}:{type(e).__name__}"
                 errors[name] = errors.get(name, 0) + 1
@@ -154,30 +156,6 @@ def _counters(address: str) -> dict[str, float]:
         return dict(c.stats().get("counters", {}))
 
 
-def _runq_self() -> float:
-    """Seconds this thread has waited for a CPU while runnable (schedstat)."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def _runq_s(pid: int) -> float:
-    """Seconds the threads of `pid` alive now have waited for a CPU while runnable."""
-    total = 0
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return 0.0
-    for task in tasks:
-        try:
-            total += int((task / "schedstat").read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / 1e9
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="about two minutes in all")
@@ -190,7 +168,7 @@ def main() -> None:
     seconds = args.seconds or (75.0 if args.quick else 540.0)
     warmup = args.warmup if args.warmup is not None else (10.0 if args.quick else 30.0)
     sys.path.insert(0, str(ROOT))
-    from bench.rpc import cpu_seconds
+    from bench.procstat import RunQueue, cpu_seconds
     from tests.daemon import cleanup, start_daemon
 
     result: dict = {"bench": "tail", "quick": args.quick, "clients": args.clients,
@@ -214,17 +192,18 @@ def main() -> None:
                  for i in range(args.clients)]
         runq: dict[str, float] = {}
         at_start: dict[str, float] = {}
+        waits: dict[str, RunQueue] = {}
 
         def sample_runq() -> None:
             # The daemon's threads' wait for a core over the load phase: the machine's share
             # of the tail, as against waits on the daemon itself.
             time.sleep(max(0.0, start_at - time.time()))
             runq["cpu_start"] = cpu_seconds(daemon.proc.pid)
-            runq["start"] = _runq_s(daemon.proc.pid)
+            waits["daemon"] = RunQueue(daemon.proc.pid)
             at_start.update(_counters(daemon.address))    # counted over the phase only
             time.sleep(max(0.0, end_at - time.time()))
-            runq["cpu_end"] = cpu_seconds(daemon.proc.pid)   # first: "end" means both are in
-            runq["end"] = _runq_s(daemon.proc.pid)
+            waits["daemon"].sample()
+            runq["cpu_end"] = cpu_seconds(daemon.proc.pid)   # last: "cpu_end" means all are in
         sampler = threading.Thread(target=sample_runq, daemon=True)
         sampler.start()
         try:
@@ -258,8 +237,8 @@ def main() -> None:
             for op, x in got["warm_max"].items():
                 warm_max[op] = max(warm_max[op], x)
     result["loadavg_end"] = os.getloadavg()
-    if "end" in runq:
-        result["daemon_runq_s"] = round(runq["end"] - runq["start"], 2)
+    if "cpu_end" in runq:
+        result["daemon_runq_s"] = round(waits["daemon"].seconds(), 2)
         cpu = runq["cpu_end"] - runq["cpu_start"]
         result["daemon_cpu_s"] = round(cpu, 2)
         demoted = counters.get("background_demotion_bytes", 0) / (64 << 10)
