@@ -24,7 +24,7 @@ from typing import Any
 
 from kvstore_client.common.errors import InvalidArgument
 
-from .config import ConfigError, StoreConfig, load_config
+from .config import ConfigError, StoreConfig, format_size, load_config
 
 # glibc malloc tunables for large gRPC messages (see module docstring and README.md (Metrics)).
 MALLOC_ENV = {
@@ -165,21 +165,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Said before the slow part (imports, prefaulting the pool, opening LMDB), so a watcher
     # sees at once what the daemon is doing.
     print(f"kvstore: starting: data folder {os.path.abspath(cfg.data_dir)}, host pool "
-          f"{_size(cfg.host.capacity)}, ssd "
-          f"{_size(cfg.ssd.capacity) if cfg.ssd.enabled else 'off'}", file=sys.stderr,
+          f"{format_size(cfg.host.capacity)}, ssd "
+          f"{format_size(cfg.ssd.capacity) if cfg.ssd.enabled else 'off'}", file=sys.stderr,
           flush=True)
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .daemon import run
     return run(cfg)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def format_status(resp: Any) -> str:
@@ -190,7 +182,7 @@ def format_status(resp: Any) -> str:
         fill = f"{100 * t.used_bytes / t.capacity_bytes:.1f}%" if t.capacity_bytes else "-"
         looked = t.hits + t.misses
         rate = f"{100 * t.hits / looked:.1f}%" if looked else "-"
-        rows.append((t.name, _size(t.capacity_bytes), _size(t.used_bytes), fill,
+        rows.append((t.name, format_size(t.capacity_bytes), format_size(t.used_bytes), fill,
                      str(t.blocks), str(t.hits), str(t.misses), rate, str(t.evictions)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"daemon {resp.daemon_id}   namespaces {resp.namespaces}   "
@@ -307,9 +299,9 @@ def _defaults_help() -> dict[str, str]:
         "metrics": f"Prometheus listen address host:port, '' disables (default: "
                    f"{d.server.metrics})",
         "host_capacity": f"host (shared-memory) tier size, e.g. 2GiB (default: "
-                         f"{_size(d.host.capacity)}; {_size(SMALL_HOST_POOL)} on machines "
-                         f"with less than {_size(SMALL_MACHINE_BYTES)} of memory)",
-        "ssd_capacity": f"SSD tier size, e.g. 100GiB (default: {_size(d.ssd.capacity)})",
+                         f"{format_size(d.host.capacity)}; {format_size(SMALL_HOST_POOL)} on "
+                         f"machines with less than {format_size(SMALL_MACHINE_BYTES)} of memory)",
+        "ssd_capacity": f"SSD tier size, e.g. 100GiB (default: {format_size(d.ssd.capacity)})",
         "log_level": f"debug | info | warning | error (default: {d.log_level})",
     }
 

@@ -44,6 +44,15 @@ def parse_size(value: Any, key: str = "size") -> int:
     return n
 
 
+def format_size(n: float) -> str:
+    """A byte count as a person reads it: "512 B", "1.5 GiB" (parse_size reads it back)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 @dataclass
 class TierConfig:
     enabled: bool = True

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .config import format_size
+
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2,
                "bfloat16": 2, "bf16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1,
                "int8": 1}
@@ -190,27 +192,19 @@ def plan(shape: ModelShape, block_tokens: int, tiers: dict[str, int]) -> dict[st
             "tiers": [asdict(f) for f in tier_fits(shape, block_tokens, tiers)]}
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def format_plan(result: dict[str, Any]) -> str:
     """The plan as a person reads it at a terminal."""
     m = result["model"]
     heads = (f"latent {m['latent_dim']}" if m["attention"] == "MLA"
              else f"{m['kv_heads']} KV heads x head dim {m['head_dim']}")
     lines = [f"model: {m['attention']}, {m['layers']} layers, {heads}, {m['dtype']}",
-             f"bytes per token: {m['bytes_per_token']:,} ({_size(m['bytes_per_token'])})",
+             f"bytes per token: {m['bytes_per_token']:,} ({format_size(m['bytes_per_token'])})",
              f"bytes per block ({result['block_tokens']} tokens): "
-             f"{result['bytes_per_block']:,} ({_size(result['bytes_per_block'])})", ""]
+             f"{result['bytes_per_block']:,} ({format_size(result['bytes_per_block'])})", ""]
     rows = [("tier", "capacity", "codec", "per block", "blocks", "tokens")]
     for t in result["tiers"]:
-        rows.append((t["tier"], _size(t["capacity_bytes"]), t["codec"],
-                     _size(t["bytes_per_block"]), f"{t['blocks']:,}", f"{t['tokens']:,}"))
+        rows.append((t["tier"], format_size(t["capacity_bytes"]), t["codec"],
+                     format_size(t["bytes_per_block"]), f"{t['blocks']:,}", f"{t['tokens']:,}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i in (0, 2) else c.rjust(w)

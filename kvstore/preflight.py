@@ -20,7 +20,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from .config import StoreConfig
+from .config import StoreConfig, format_size
 
 MAX_SOCKET_PATH = 107          # sockaddr_un.sun_path holds 108 bytes with the NUL
 MIN_FREE_DISK = 64 << 20       # LOCK file, LMDB meta pages and the first blocks
@@ -29,14 +29,6 @@ SHM_DIR = "/dev/shm"
 
 class PreflightError(Exception):
     """An operator's mistake found before start; the message is the one line to print."""
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _free_bytes(path: Path) -> int:
@@ -61,8 +53,8 @@ def check_data_dir(data_dir: str) -> None:
     _check_writable(probe_in, p)
     free = _free_bytes(probe_in)
     if free < MIN_FREE_DISK:
-        raise PreflightError(f"data folder {p} is on a full disk ({_size(free)} free, at least "
-                             f"{_size(MIN_FREE_DISK)} needed); free some space {fix}")
+        raise PreflightError(f"data folder {p} is on a full disk ({format_size(free)} free, at "
+                             f"least {format_size(MIN_FREE_DISK)} needed); free some space {fix}")
 
 
 def _check_writable(folder: Path, data_dir: Path) -> None:
@@ -195,11 +187,11 @@ def check_shm(cfg: StoreConfig, shm_dir: str = SHM_DIR) -> None:
     free = _free_bytes(Path(shm_dir))
     device = _cpu_device_bytes(cfg)
     if cfg.host.capacity + device > free:
-        what = (f"host.capacity is {_size(cfg.host.capacity)}" if not device else
-                f"host.capacity ({_size(cfg.host.capacity)}) plus the CPU-device gpu tier "
-                f"({_size(device)}) need {_size(cfg.host.capacity + device)}")
+        what = (f"host.capacity is {format_size(cfg.host.capacity)}" if not device else
+                f"host.capacity ({format_size(cfg.host.capacity)}) plus the CPU-device gpu tier "
+                f"({format_size(device)}) need {format_size(cfg.host.capacity + device)}")
         raise PreflightError(
-            f"{what} but {shm_dir} has only {_size(free)} free; lower --host-capacity"
+            f"{what} but {shm_dir} has only {format_size(free)} free; lower --host-capacity"
             f"{' / gpu.capacity' if device else ''} or enlarge {shm_dir} (containers: docker "
             "run --shm-size=..., Kubernetes: an emptyDir with medium: Memory)")
 
