@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore.moves import host_room
 from tests.daemon import start_daemon
 from tests.store_helpers import kv_block, make_store, namespace, random_prompt
 
@@ -130,8 +131,10 @@ def test_background_demotion_keeps_host_under_low_watermark(tmp_path):
 
 def test_background_demotions_overlap(tmp_path, monkeypatch):
     """While one demoter's batch is on the disk, writes past the low watermark start the next
-    batch on the other demoter (the disk never waits for one thread to fill, sync and settle),
-    and every block comes back byte-exact."""
+    batch on the assistant (the disk never waits for one thread to fill, sync and settle),
+    and every block comes back byte-exact. The assistant works only for large blocks
+    (ASSIST_MIN_BLOCK), so here every block counts as large."""
+    monkeypatch.setattr(host_room, "ASSIST_MIN_BLOCK", 0)
     store = make_store(tmp_path, host_capacity=1 << 20)     # 1 MiB: ~250 slots of 4 KiB
     try:
         put_filled = store.ssd.put_filled
@@ -163,6 +166,37 @@ def test_background_demotions_overlap(tmp_path, monkeypatch):
         low = store.config.host.low_watermark * store.host.capacity
         assert _wait(lambda: store.host.used_bytes <= low), store.host.used_bytes
         assert [v for _, v in store.get(ns, keys)] == blocks
+    finally:
+        store.close()
+
+
+def test_small_blocks_are_demoted_by_one_thread(tmp_path, monkeypatch):
+    """Blocks below ASSIST_MIN_BLOCK are demoted by the demoter alone: the assistant, a second
+    thread of Python work on the interpreter the requests need, stays idle, and every block
+    still reaches SSD and comes back byte-exact."""
+    store = make_store(tmp_path, host_capacity=1 << 20)     # 4 KiB blocks
+    try:
+        put_filled = store.ssd.put_filled
+        writers: set[str] = set()
+
+        def noted(items, fill):
+            writers.add(threading.current_thread().name)
+            return put_filled(items, fill)
+        monkeypatch.setattr(store.ssd, "put_filled", noted)
+        ns = namespace(store)
+        rng = np.random.default_rng(6)
+        low = store.config.host.low_watermark * store.host.capacity
+        stored = []
+        for n in (210, 20, 20, 20, 20, 20, 20):    # to just under low, then past it six times
+            _, keys = random_prompt(rng, n)        # (by less than the room under high: no
+            blocks = [kv_block(k) for k in keys]   # writer evicts on its own thread)
+            store.put(ns, keys, blocks)
+            stored.append((keys, blocks))
+            assert _wait(lambda: store.host.used_bytes <= low), store.host.used_bytes
+        assert writers == {"kvstore-demoter-0"}, writers
+        assert store.stats()["counters"].get("reserve_waits", 0) == 0
+        for keys, blocks in stored:
+            assert [v for _, v in store.get(ns, keys)] == blocks
     finally:
         store.close()
 

@@ -6,7 +6,7 @@ watermark background threads (`kvstore-demoter-N`, DEMOTERS of them) evict so wr
 have to. Victims are picked from the host policy in batches of up to BATCH_BLOCKS blocks and
 about BATCH_BYTES (each batch ends with one SSD write and one index commit, so the disk idles
 between one thread's batches: large blocks want few, large batches; small blocks many per
-batch; a second demoter fills the idle time with its own batch).
+batch; for large blocks an assistant fills the idle time with its own batch).
 
 A batch moves in three phases: picked under the lock (out of the host policy, marked
 `moving`, their bytes counted in `evicting` so concurrent callers do not evict again for the
@@ -56,12 +56,20 @@ BATCH_BLOCKS = 64
 BATCH_BYTES = 32 << 20
 DISK_FULL_LOG_S = 60.0      # a full disk is logged at most this often
 ROOM_WAIT_S = 30.0          # the longest an allocation waits for demotions in flight to land
-# Background demotion threads. Why two: with one, the disk idled while the thread filled the
-# next batch (copy, commit-checksum check, frame hash: ~64% of its time) and between batches
-# (fdatasync, index commit, settle, next pick), and a spilling store waited on it. Two keep a
-# batch filling, or syncing and settling, while the other's runs are written; the SSD
-# tier still writes one run at a time on its one writer thread.
+# Background demotion threads: a demoter, and an assistant that works beside it only while
+# the blocks being demoted are large. Why the assistant: with large blocks a batch is mostly
+# disk time, and with one thread the disk idled while it filled the next batch and between
+# batches (fdatasync, index commit, settle, next pick); two keep a batch filling, or syncing
+# and settling, while the other's runs are written (the SSD tier still writes one run at a
+# time on its one writer thread). Why only then: with small blocks a batch is mostly the
+# threads' own Python (picking, a call per block to copy and check it, settling), so the
+# interpreter is the limit, and a second such thread only queues the request threads behind
+# one more holder of the GIL. Under bench/tail.py (64 KiB blocks, 16 clients, 2 cores) one
+# thread demoted about as many bytes, and the loads' p99 fell from about 4.1 to 3.7 ms and
+# their worst from about 18 to 14 ms (medians of 10 and 9 alternated runs,
+# docs/performance.md).
 DEMOTERS = 2
+ASSIST_MIN_BLOCK = 512 << 10    # the assistant works while demoted blocks average this or more
 PROMOTED_KEPT = 1024        # promoted blocks remembered for a promotion short of room to drop
 RECLAIM_LOOKS = 64          # of those, the most one allocation looks at
 
@@ -88,8 +96,11 @@ class HostRoom:
         # held here would never go back to packed form).
         self._promoted: deque[bytes] = deque(maxlen=PROMOTED_KEPT)
         self._disk_full_logged = -1e9
-        # Background demotion: woken when host use passes the low watermark.
+        # Background demotion: woken when host use passes the low watermark; the assistant
+        # only while demoted blocks are large (their mean size, weighted to recent batches).
         self._wake = threading.Condition(state.lock)
+        self._assist = threading.Condition(state.lock)
+        self._block_bytes: float | None = None
         self._demoters: list[threading.Thread] = []
 
     # -- background demotion --------------------------------------------------------------------
@@ -100,32 +111,44 @@ class HostRoom:
                 or (st.ssd is None and st.remote is None)):
             return
         for i in range(DEMOTERS):
-            t = threading.Thread(target=self._demote_loop, name=f"kvstore-demoter-{i}",
-                                 daemon=True)
+            t = threading.Thread(target=self._demote_loop, args=(i > 0,),
+                                 name=f"kvstore-demoter-{i}", daemon=True)
             self._demoters.append(t)
             t.start()
 
-    def _demote_loop(self) -> None:
+    def _demote_loop(self, assistant: bool) -> None:
         """Keep host use at or under the low watermark, so writers rarely evict inline.
 
         Why: demotion (encode + SSD write) ran on the Reserve that needed room, so a spilling
         engine stored 10-30 blocks/s and every other engine's lookups waited behind it. Here
         it runs in batches on its own thread, releasing the store lock for each batch's encode
         and write exactly as an inline eviction does; a writer evicts inline only when use
-        would pass the high watermark anyway (counted as `reserve_waits`).
+        would pass the high watermark anyway (counted as `reserve_waits`). The `assistant`
+        runs only while demoted blocks are large (DEMOTERS).
         """
         st = self.state
+        wake = self._assist if assistant else self._wake
         with st.lock:
             while not st.closed:
-                self._runs += 1             # one run: from waking until nothing is freed
-                try:
-                    while not st.closed and self._demote_round():
-                        pass
-                finally:
-                    self._runs -= 1
-                    self._serve_waits()
+                if not assistant or self._large_blocks():
+                    self._runs += 1         # one run: from waking until nothing is freed
+                    try:
+                        while not st.closed and self._demote_round():
+                            pass
+                    finally:
+                        self._runs -= 1
+                        self._serve_waits()
                 if not st.closed:
-                    self._wake.wait(0.25)
+                    wake.wait(0.25)
+
+    def _large_blocks(self) -> bool:
+        return self._block_bytes is not None and self._block_bytes >= ASSIST_MIN_BLOCK
+
+    def _wake_demoters(self) -> None:
+        """Host use passed the low watermark (locked)."""
+        self._wake.notify()
+        if self._large_blocks():
+            self._assist.notify()
 
     def _demote_round(self) -> int:
         """One pass of background demotion over the segments (locked); the bytes freed."""
@@ -154,8 +177,9 @@ class HostRoom:
         return freed
 
     def close(self) -> None:
-        """Let the demoter exit (the caller holds the lock and has set state.closed)."""
+        """Let the demoters exit (the caller holds the lock and has set state.closed)."""
         self._wake.notify_all()
+        self._assist.notify_all()
 
     # -- room and allocation --------------------------------------------------------------------
     def make_room(self, need: int, ns_id: bytes | None = None, promotion: bool = False) -> None:
@@ -171,10 +195,10 @@ class HostRoom:
         used -= self.evicting if seg == 0 else 0
         if promotion and self._demoters:
             if used + need > low:
-                self._wake.notify()
+                self._wake_demoters()
             return
         if used + need > low and self._demoters:
-            self._wake.notify()          # the background demoter makes room from here on
+            self._wake_demoters()        # the background demoters make room from here on
         if used + need <= high:
             return
         target = max(0.0, min(low, high - need))
@@ -459,6 +483,9 @@ class HostRoom:
             return freed, blocks
         flight = Flight(st, batch)
         size = sum(aligned(e.size) for e in batch)
+        mean = size / len(batch)
+        self._block_bytes = mean if self._block_bytes is None else (
+            0.75 * self._block_bytes + 0.25 * mean)
         self.evicting += size
         st.demotions.add(flight.event)
         self._flights.add(flight.event)
