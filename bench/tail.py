@@ -313,8 +313,8 @@ def main() -> None:
             "acquire_cut_host_full", "corrupt_blocks", "ssd_disk_full_errors",
             "gc_full_collections", "gc_walked_objects")
     result["daemon_counters"] = {k: counters.get(k, 0) for k in keep}
-    if floor is not None:
-        ff = figures(floor["lat"])
+    ff = figures(floor["lat"]) if floor is not None else None
+    if floor is not None and ff is not None:
         result["floor"] = {
             "host_capacity": FLOOR_HOST, "pace_ms": figs["p50_store_ms"],
             "errors": floor["errors"], "daemon_cpu_s": floor.get("daemon_cpu_s"),
@@ -328,7 +328,7 @@ def main() -> None:
         f"max_{op}_vs_p50": (result[f"max_{op}_vs_p50"] is not None
                              and result[f"max_{op}_vs_p50"] <= TARGET_MAX_VS_P50)
         for op in ("store", "load")}
-    for name, f in (("", figs), ("floor ", figures(floor["lat"]) if floor else None)):
+    for name, f in (("", figs), ("floor ", ff)):
         for op in ("lookup", "store", "load") if f else ():
             s = f[op]
             print(f"{name}{op:7} calls {s['calls']:6}  p50 {s['p50_ms']:8.2f} ms"
