@@ -58,18 +58,28 @@ def _time(fn: Any, reps: int) -> float:
     return statistics.median(out)
 
 
+def engine_side(desc: dict, n_slots: int, n_cache: int) -> tuple[Any, Any, np.ndarray]:
+    """In an engine's process: the daemon's pool opened over CUDA IPC, a vLLM-layout paged
+    cache of `n_cache` blocks, and `n_slots` distinct random target blocks in it."""
+    import torch
+
+    torch.cuda.set_device(0)
+    pool = cg.open_pool(desc)
+    L = LAYOUT
+    caches = [torch.zeros((2, n_cache, L.block_tokens, L.num_kv_heads, L.head_dim),
+                          dtype=torch.bfloat16, device="cuda") for _ in range(L.num_layers)]
+    cache = cg.PagedKVCache.from_vllm(caches)
+    targets = np.random.default_rng(1).permutation(n_cache)[:n_slots]
+    return pool, cache, targets
+
+
 def _client(desc: dict, slots: list[int], n_cache: int, reps: int, q: Any) -> None:
     """Runs in its own process: the pool is a real IPC mapping here."""
     try:
         import torch
 
-        torch.cuda.set_device(0)
-        pool = cg.open_pool(desc)
+        pool, cache, targets = engine_side(desc, len(slots), n_cache)
         L = LAYOUT
-        caches = [torch.zeros((2, n_cache, L.block_tokens, L.num_kv_heads, L.head_dim),
-                              dtype=torch.bfloat16, device="cuda") for _ in range(L.num_layers)]
-        cache = cg.PagedKVCache.from_vllm(caches)
-        targets = np.random.default_rng(1).permutation(n_cache)[:len(slots)]
         nbytes = len(slots) * L.block_bytes
         res: dict[str, Any] = {}
         for method in ("auto", "torch"):

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from kvstore_client import gpu as cg  # noqa: E402
 
-from bench.gpu import LAYOUT  # noqa: E402
+from bench.gpu import LAYOUT, engine_side  # noqa: E402
 
 BLOCKS = 256
 REPS = 20
@@ -46,13 +46,8 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
         from kvstore_client import paged_copy as pc
         from kvstore_client.copy_plan import check_batch, check_distinct, copy_width
 
-        torch.cuda.set_device(0)
-        pool = cg.open_pool(desc)
+        pool, cache, targets = engine_side(desc, len(slots), n_cache)
         L = LAYOUT
-        caches = [torch.zeros((2, n_cache, L.block_tokens, L.num_kv_heads, L.head_dim),
-                              dtype=torch.bfloat16, device="cuda") for _ in range(L.num_layers)]
-        cache = cg.PagedKVCache.from_vllm(caches)
-        targets = np.random.default_rng(1).permutation(n_cache)[:len(slots)]
         cp = cg.PagedCopier(pool, cache, L, method="auto")
         for _ in range(3):
             cp.load(targets, slots).wait(60)
