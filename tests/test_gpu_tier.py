@@ -327,6 +327,46 @@ def test_duplicate_destinations_are_refused():
         cp.load([3, 3], [0, 32768])
 
 
+@pytest.mark.parametrize("bad, match", [
+    (dict(blocks=[10]), "outside"),
+    (dict(blocks=[-1]), "negative"),
+    (dict(blocks=np.array([1 << 63], dtype=np.uint64)), "negative"),
+    (dict(slots=[-4096]), "negative"),
+    (dict(slots=[(1 << 20) - 4096]), "past the"),
+    (dict(blocks=[1, 2], slots=[0]), "2 block ids but 1"),
+    (dict(blocks=[3, 3], slots=[0, 32768]), "twice"),
+    (dict(blocks=[1, 2], slots=[0, 4096], to_pool=True), "twice"),
+])
+def test_stage_batch_refuses_what_check_batch_refuses(bad, match):
+    """The GPU path checks a batch while staging it: same refusals, same words."""
+    from kvstore_client.copy_plan import index_array, stage_batch
+
+    _, cache = make_caches(LAYOUT, 10, 1)
+    sp = cg.static_plan(cache.geoms(), LAYOUT)
+    blocks = index_array("block_ids", bad.get("blocks", [1]))
+    slots = index_array("slot_offsets", bad.get("slots", [0]))
+    out = np.zeros((2, 8), np.int64)[:, :blocks.size]
+    with pytest.raises(InvalidArgument, match=match):
+        stage_batch(sp, LAYOUT, blocks, slots, 1 << 20, bad.get("to_pool", False), out)
+
+
+def test_stage_batch_stages_the_batch_and_returns_the_slots_alignment():
+    from kvstore_client.copy_plan import index_array, stage_batch
+    from kvstore_client.triton_copy import bucket
+
+    _, cache = make_caches(LAYOUT, 10, 1)
+    sp = cg.static_plan(cache.geoms(), LAYOUT)
+    out = np.zeros((2, 3), np.int64)
+    bits = stage_batch(sp, LAYOUT, index_array("b", torch.tensor([4, 0, 9])),
+                       index_array("s", np.array([65536, 8, 131088], np.uint32)), 1 << 20,
+                       True, out)
+    assert out.tolist() == [[4, 0, 9], [65536, 8, 131088]]
+    assert cg.copy_width(np.array([0]), bits) == 8
+    with pytest.raises(InvalidArgument, match="1-D"):
+        index_array("block_ids", [1.5])
+    assert [bucket(n) for n in (0, 1, 64, 65, 1000)] == [64, 64, 64, 128, 1024]
+
+
 def test_coalesce_runs_merges_only_runs_contiguous_on_both_sides():
     src = np.array([8192, 0, 4096, 20000], np.int64)
     dst = np.array([8192, 0, 4096, 50000], np.int64)
@@ -368,6 +408,18 @@ def test_bench_runs_on_the_cpu_device_without_cuda():
     assert out["gpu_tier_gather_bytes_equal"] is True and out["corrupt_blocks"] == 0
     for key in ("gpu_tier_gather_vs_memcpy", "gpu_demote_vs_memcpy"):
         assert out[key] > 0          # a ratio was measured (its target lives in the bench)
+
+
+def test_gpu_suite_says_in_one_line_that_it_skips_without_cuda(tmp_path):
+    """The GPU proof's entry point exits 0 with one JSON line (and the same in --out)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = tmp_path / "suite.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), "--out", str(out)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["cuda"] == "skipped: no CUDA device"
+    assert json.loads(out.read_text()) == json.loads(lines[0])
 
 
 # =============================================================================================
@@ -669,6 +721,49 @@ def test_triton_and_torch_paths_agree(tier):
             for b, s in zip([5, 1, 9, 2, 14, 0], slots, strict=True):
                 got = tier.view(s, LAYOUT.block_bytes).view(torch.float16).view(LAYOUT.block_shape)
                 assert torch.equal(got, canonical_block(src, b)), (kind, method)
+
+
+@cuda_test
+@pytest.mark.parametrize("launch", ["graph", "launch", "graph+mapped", "launch+mapped"])
+def test_every_launch_mode_moves_every_batch_exactly(tier, launch):
+    """Batches in several size buckets, two of one bucket in flight at once (the staging
+    buffer is reused only once the first is done), an `after` chain, and bad batches refused
+    on the GPU path with nothing moved."""
+    optional_deps.module("triton", "the CUDA build of torch installs it")
+    L = LAYOUT
+    pool = cg.open_pool(tier.describe())
+    slots = [tier.alloc(L.block_bytes) for _ in range(198)]
+    _, src = make_caches(L, 256, 5, "vllm", "cuda")
+    _, dst = make_caches(L, 256, None, "flashinfer", "cuda")
+    store = cg.PagedCopier(pool, src, L, method="triton", launch=launch)
+    load = cg.PagedCopier(pool, dst, L, method="triton", launch=launch)
+    rng = np.random.default_rng(3)
+    blocks = rng.permutation(256)[:198]
+    pending, at = [], 0
+    for n in (1, 5, 63, 64, 65):        # buckets 64, 64, 64, 64, 128; no waits in between
+        t = store.store(blocks[at:at + n], slots[at:at + n],
+                        after=pending[-1] if pending else None)
+        pending.append(t)
+        at += n
+    for t in pending:
+        t.wait(30)
+    for b, s in zip(blocks.tolist(), slots, strict=True):
+        got = tier.view(s, L.block_bytes).view(torch.float16).view(L.block_shape)
+        assert torch.equal(got, canonical_block(src, b)), (launch, b)
+    targets = rng.permutation(256)[:198]
+    load.load(targets, slots).wait(30)                   # bucket 256
+    for b, b2 in zip(blocks.tolist(), targets.tolist(), strict=True):
+        assert torch.equal(canonical_block(dst, b2), canonical_block(src, b)), (launch, b2)
+    assert not canonical_block(dst, int(np.setdiff1d(np.arange(256), targets)[0])).any()
+    before = tier.view(0, tier.capacity).clone()
+    for bad, match in [(([1, 1], slots[:2]), "twice"), (([256], slots[:1]), "outside"),
+                       (([0], [tier.capacity]), "past the")]:
+        with pytest.raises(InvalidArgument, match=match):
+            store.store(*bad)
+    torch.cuda.synchronize()
+    assert torch.equal(tier.view(0, tier.capacity), before)
+    want = launch if "mapped" not in launch else (launch, launch.split("+")[0])
+    assert store._triton.mode in want and load._triton.mode in want, store._triton.mode
 
 
 @cuda_test

@@ -10,6 +10,7 @@ The work is split by job (each module's docstring says why it is shaped as it is
 | `pools` | open/close a pool once per process: CUDA IPC slabs, CPU-device shm slabs |
 | `copy_plan` | block table -> equal-size contiguous runs (pure numpy) |
 | `paged_copy` | `PagedKVCache`, `PagedCopier`: execute plans (Triton, or torch on GPU or CPU) |
+| `triton_copy` | the Triton kernel, launched per batch or replayed as a CUDA graph |
 | `transfer` | `Transfer`: completion of a copy, with a deadline |
 
 `import kvstore_client.gpu` works with no torch, no CUDA, no CuPy; only calling into the GPU

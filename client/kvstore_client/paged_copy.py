@@ -28,8 +28,11 @@ from .copy_plan import (
     check_batch,
     check_distinct,
     copy_width,
+    index_array,
+    stage_batch,
     static_plan,
 )
+from .triton_copy import LAUNCH_MODES, TritonExecutor, triton_kernel
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -40,16 +43,10 @@ TORCH_STAGE_BYTES = 256 << 20
 # torch's index ops over the overlapping-row view run at a fraction of memcpy speed there.
 HOST_RUN_MIN_BYTES = 4096
 
-# Filled in by _triton_kernel(); module globals so Triton's JIT can resolve them.
-triton: Any = None
-tl: Any = None
-
-
 # ---------------------------------------------------------------------------------------------
 # executing plans
 # ---------------------------------------------------------------------------------------------
 _WIDE = {16: "complex128", 8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
-_TRITON_WIDE = {8: "int64", 4: "int32", 2: "int16", 1: "int8"}
 
 
 def _span_tensor(base: int, end: int, device: int | None, owner: object) -> torch.Tensor:
@@ -58,62 +55,6 @@ def _span_tensor(base: int, end: int, device: int | None, owner: object) -> torc
     if device is None:
         return host_tensor(base, end - base, owner)
     return device_tensor(base, end - base, device, owner)
-
-
-_kernel: Any = None
-# Bytes each Triton program moves (at most one run), and its warps. On an H200, 256 x 2 MiB
-# blocks with 64 KiB runs: one program per run reached 0.83-0.85 of a device-to-device copy on
-# CUDA-event time against 0.72-0.74 with 8-32 KiB programs, and bench/gpu.py's IPC gather
-# 0.45 against 0.33 in the same run; warps 4 or 8 made no difference.
-TRITON_PROGRAM_BYTES = 65536
-TRITON_WARPS = 4
-
-
-def _triton_kernel() -> Any:
-    """Compile-on-first-use batched block copy; None when Triton is not installed."""
-    global _kernel
-    if _kernel is not None:
-        return _kernel or None
-    try:
-        import triton as _triton
-        import triton.language as _tl
-    except ImportError:
-        _kernel = False
-        return None
-    globals()["triton"] = _triton   # Triton resolves `tl` through the function's globals
-    globals()["tl"] = _tl
-
-    @_triton.jit
-    def _copy_blocks(base, blocks, slots, eng_off, eng_stride, pool_off, runs, run_elems,
-                     TO_POOL: tl.constexpr, W: tl.constexpr, VEC: tl.constexpr,
-                     BLOCK: tl.constexpr):
-        # program = (block i, run r, part of the run); offsets in bytes, then in W-byte elements
-        pid = tl.program_id(0).to(tl.int64)
-        parts = tl.cdiv(run_elems, BLOCK)
-        part = pid % parts
-        t = pid // parts
-        r = t % runs
-        i = t // runs
-        b = tl.load(blocks + i)
-        s = tl.load(slots + i)
-        e = (tl.load(eng_off + r) + b * tl.load(eng_stride + r)) // W
-        p = (tl.load(pool_off + r) + s) // W
-        if TO_POOL:
-            src = e
-            dst = p
-        else:
-            src = p
-            dst = e
-        src = tl.multiple_of(src, VEC)   # VEC: run starts are VEC-element aligned
-        dst = tl.multiple_of(dst, VEC)
-        idx = part * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < run_elems
-        v = tl.load(base + (src + idx), mask=mask)
-        tl.store(base + (dst + idx), v, mask=mask)
-
-    _kernel = _copy_blocks
-    return _kernel
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,15 +114,18 @@ class PagedCopier:
     here; a transfer uploads only its block ids and slot offsets and expands them to run
     addresses on the device. Copies run on `stream` (default: a stream owned by this copier),
     after the work already queued on the engine's current stream. `method`: "auto" (Triton
-    when installed), "triton" or "torch".
+    when installed), "triton" or "torch". `launch`: how Triton batches are launched
+    (`triton_copy.TritonExecutor`; "auto" picks the cheapest this machine allows).
     """
 
     def __init__(self, pool: Any, cache: PagedKVCache, layout: KVLayout,
-                 stream: Any = None, method: str = "auto") -> None:
+                 stream: Any = None, method: str = "auto", launch: str = "auto") -> None:
         import torch
 
         if method not in ("auto", "triton", "torch", "runs"):
             raise InvalidArgument(f"unknown copy method {method!r}")
+        if launch not in LAUNCH_MODES:
+            raise InvalidArgument(f"unknown launch mode {launch!r}; one of {LAUNCH_MODES}")
         cache.check(layout)
         self.pool, self.cache, self.layout, self.method = pool, cache, layout, method
         self.device: int | None = None
@@ -214,11 +158,20 @@ class PagedCopier:
         if self.stream is not None:
             self._static.record_stream(self.stream)   # used on our stream, made on another
         self._span: Any = None
-        self._kernel = None
-        if self.device is not None and method in ("auto", "triton"):
-            self._kernel = _triton_kernel()
-            if self._kernel is None and method == "triton":
-                raise Unavailable("Triton is not installed; use method='torch'")
+        self._triton: TritonExecutor | None = None
+        if self.device is not None:
+            # Once, not per call: the caching allocator then holds these tensors' memory
+            # until every copy queued on our stream so far is done, should the engine free it.
+            for t in self.cache.tensors:
+                t.record_stream(self.stream)
+            self._ready = torch.cuda.Event()      # the engine's stream, re-recorded per call
+            if method in ("auto", "triton"):
+                if triton_kernel() is not None:
+                    self._triton = TritonExecutor(self._span_view(), self._static,
+                                                  self.runs_per_block, sp.run_bytes,
+                                                  self.device, self.stream, launch)
+                elif method == "triton":
+                    raise Unavailable("Triton is not installed; use method='torch'")
 
     @property
     def runs_per_block(self) -> int:
@@ -252,6 +205,8 @@ class PagedCopier:
 
         if getattr(self.pool, "closed", False):
             raise InvalidArgument("the GPU pool mapping is closed (daemon restarted? re-open it)")
+        if self._triton is not None:
+            return self._run_triton(block_ids, slot_offsets, after, to_pool)
         blocks, slots = check_batch(self._sp, self.layout, block_ids, slot_offsets,
                                     self.pool.size)
         check_distinct(blocks, slots, self.layout.block_bytes, to_pool)
@@ -277,15 +232,42 @@ class PagedCopier:
             with torch.cuda.stream(s):
                 # pinned staging: a pageable upload would block the host on the stream
                 ids_d = ids.pin_memory().to(self._dev, non_blocking=True)
-                if self._kernel is not None:
-                    method = self._execute_triton(ids_d, w, to_pool)
-                else:
-                    method = self._execute_torch(ids_d, w, to_pool)
+                method = self._execute_torch(ids_d, w, to_pool)
                 ev = torch.cuda.Event()
                 ev.record(s)
-        for t in self.cache.tensors:   # the caching allocator must not reuse them mid-copy
-            t.record_stream(s)
         return Transfer(ev, keepalive=(self.pool, ids_d), method=method, nbytes=nbytes)
+
+    def _run_triton(self, block_ids: Any, slot_offsets: Any, after: Any,
+                    to_pool: bool) -> Transfer:
+        """The GPU's common path, kept short (triton_copy says why): check the batch into the
+        bucket's staging buffer, order after the engine's stream, replay or launch, record."""
+        import torch
+
+        blocks = index_array("block_ids", block_ids)
+        slots = index_array("slot_offsets", slot_offsets)
+        n = blocks.size
+        if n == 0 == slots.size:
+            return Transfer(None, method="none")
+        ex = self._triton
+        with ex.lock:
+            st = ex.staging(n)
+            w = copy_width(self._w, stage_batch(self._sp, self.layout, blocks, slots,
+                                                self.pool.size, to_pool, st.batch(n)))
+            s = self.stream
+            with torch.cuda.device(self.device):
+                self._ready.record(torch.cuda.current_stream(self.device))
+                s.wait_event(self._ready)             # the engine's writes first
+                if isinstance(after, Transfer):
+                    after.wait_stream(s)
+                elif after is not None:               # a torch.cuda.Event
+                    s.wait_event(after)
+                with torch.cuda.stream(s):
+                    ex.run(st, n, w, to_pool)
+                    ev = torch.cuda.Event()
+                    ev.record(s)
+            st.event = ev
+        return Transfer(ev, keepalive=self.pool, method="triton",
+                        nbytes=n * self.layout.block_bytes)
 
     def _execute_runs(self, blocks: np.ndarray, slots: np.ndarray, to_pool: bool) -> None:
         """Host memory: one memcpy per run of the plan (no temporaries, no second pass)."""
@@ -298,23 +280,6 @@ class PagedCopier:
                                      np.full(src.size, sp.run_bytes, np.int64))
         for so, do, n in zip(src.tolist(), dst.tolist(), nb.tolist(), strict=True):
             np.copyto(span[do:do + n], span[so:so + n])
-
-    def _execute_triton(self, ids_d: torch.Tensor, w: int, to_pool: bool) -> str:
-        import torch
-
-        tw = min(w, 8)
-        span = self._span_view().view(getattr(torch, _TRITON_WIDE[tw])) if tw > 1 else \
-            self._span_view().view(torch.int8)
-        run = self._sp.run_bytes // tw
-        per_prog = TRITON_PROGRAM_BYTES // tw
-        block = per_prog if run >= per_prog else max(16, 1 << (run - 1).bit_length())
-        n, runs = ids_d.shape[1], self.runs_per_block
-        grid = (n * runs * ((run + block - 1) // block),)
-        st = self._static
-        self._kernel[grid](span, ids_d[0], ids_d[1], st[0], st[1], st[2], runs, run,
-                           TO_POOL=to_pool, W=tw, VEC=2 if w >= 16 else 1, BLOCK=block,
-                           num_warps=TRITON_WARPS)
-        return "triton"
 
     def _execute_torch(self, ids: torch.Tensor, w: int, to_pool: bool) -> str:
         """Fallback: index_select into a bounded temporary, then index_copy_, over overlapping
