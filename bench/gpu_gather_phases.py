@@ -2,13 +2,14 @@
 
 bench/gpu.py times an engine process's `PagedCopier.load(...).wait()` of 256 x 2 MiB blocks
 from the daemon's pool (opened over CUDA IPC) against one device-to-device copy of the same
-bytes. This splits that end-to-end time: the batch's checks (`check_batch`,
-`check_distinct`, `copy_width`), the block-id upload (pinned staging and the host-to-device
-copy), the Triton launch as the host sees it, the wait for the copy, and the kernel alone
-(ten launches back to back between two CUDA events, so that launch overheads overlap the
-copies), for three program sizes and three warp counts. A gather whose kernel runs at device
-speed but whose end-to-end figure does not is losing its time on the host before the kernel
-starts.
+bytes. This splits that end-to-end time, for each way of launching the kernel
+(`kvstore_client.triton_copy`): checking the batch into its staging buffer, ordering after the
+engine's stream, the launch or graph replay as the host sees it, recording the completion
+event, and the wait; and it times the kernel alone (ten launches back to back between two
+CUDA events, so that launch overheads overlap the copies) at two program sizes and two warp
+counts. A gather whose kernel runs at device speed but whose end-to-end figure does not is
+losing its time on the host before the kernel starts. `host` times a Python loop step and a
+numpy sort, to compare the host's speed with other machines'.
 
 Usage: python bench/gpu_gather_phases.py. The last line is one JSON object; without a CUDA
 device it says so in one line and exits 0.
@@ -43,58 +44,78 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
     """Runs in its own process, where the pool is a real IPC mapping."""
     try:
         import torch
-        from kvstore_client import paged_copy as pc
-        from kvstore_client.copy_plan import check_batch, check_distinct, copy_width
+        from kvstore_client import triton_copy as tc
+        from kvstore_client.copy_plan import copy_width, index_array, stage_batch
 
         pool, cache, targets = engine_side(desc, len(slots), n_cache)
         L = LAYOUT
-        cp = cg.PagedCopier(pool, cache, L, method="auto")
-        for _ in range(3):
-            cp.load(targets, slots).wait(60)
-        e2e = []
-        for _ in range(REPS):
-            t = time.perf_counter()
-            cp.load(targets, slots).wait(60)
-            e2e.append(time.perf_counter() - t)
-        phases: dict[str, list[float]] = {"checks": [], "ids_upload": [], "launch": [],
-                                          "wait": []}
-        w = 0
-        ids = None
-        for _ in range(REPS):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            blocks, sl = check_batch(cp._sp, L, targets, slots, pool.size)
-            check_distinct(blocks, sl, L.block_bytes, False)
-            w = copy_width(cp._w, sl)
-            ids = torch.from_numpy(np.stack([blocks, sl]))
-            t1 = time.perf_counter()
-            with torch.cuda.stream(cp.stream):
-                ids_d = ids.pin_memory().to(cp._dev, non_blocking=True)
-                t2 = time.perf_counter()
-                cp._execute_triton(ids_d, w, False)
-                t3 = time.perf_counter()
-            cp.stream.synchronize()
-            t4 = time.perf_counter()
-            for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
-                phases[k].append(dt)
-        ids_d = ids.to(cp._dev)
+        out: dict[str, Any] = {"launch": {}}
+        # host-pointer modes last: were a driver to fault on them, the rest is measured
+        for launch in ("graph", "launch", "graph+mapped", "launch+mapped"):
+            cp = cg.PagedCopier(pool, cache, L, method="triton", launch=launch)
+            ex = cp._triton
+            try:
+                for _ in range(3):
+                    cp.load(targets, slots).wait(60)
+            except Exception as e:
+                if "mapped" not in launch:
+                    raise
+                out["launch"][launch] = {"error": repr(e)[:300]}
+                continue
+            e2e = []
+            for _ in range(REPS):
+                t = time.perf_counter()
+                cp.load(targets, slots).wait(60)
+                e2e.append(time.perf_counter() - t)
+            phases: dict[str, list[float]] = {"checks": [], "order": [], "launch": [],
+                                              "record": [], "wait": []}
+            for _ in range(REPS):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                blocks = index_array("block_ids", targets)
+                sl = index_array("slot_offsets", slots)
+                st = ex.staging(blocks.size)
+                w = copy_width(cp._w, stage_batch(cp._sp, L, blocks, sl, pool.size, False,
+                                                  st.batch(blocks.size)))
+                t1 = time.perf_counter()
+                cp._ready.record(torch.cuda.current_stream())
+                cp.stream.wait_event(cp._ready)
+                with torch.cuda.stream(cp.stream):
+                    t2 = time.perf_counter()
+                    ex.run(st, blocks.size, w, False)
+                    t3 = time.perf_counter()
+                    ev = torch.cuda.Event()
+                    ev.record(cp.stream)
+                t4 = time.perf_counter()
+                st.event = ev
+                cg.Transfer(ev).wait(60)
+                t5 = time.perf_counter()
+                for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4),
+                                 strict=True):
+                    phases[k].append(dt)
+            out["launch"][launch] = {"used": ex.mode, "e2e_ms": _ms(e2e),
+                                     "phases_ms": {k: _ms(v) for k, v in phases.items()}}
+        ex = cg.PagedCopier(pool, cache, L, method="triton", launch="launch")._triton
+        st = ex.staging(len(slots))
+        st.batch(len(slots))[:] = np.stack([targets, np.asarray(slots)])
+        w = 16
 
         def kernel_ms(prog: int, warps: int, reps: int = 10) -> float:
-            old = pc.TRITON_PROGRAM_BYTES, pc.TRITON_WARPS
-            pc.TRITON_PROGRAM_BYTES, pc.TRITON_WARPS = prog, warps
+            old = tc.TRITON_PROGRAM_BYTES, tc.TRITON_WARPS
+            tc.TRITON_PROGRAM_BYTES, tc.TRITON_WARPS = prog, warps
             try:
-                with torch.cuda.stream(cp.stream):
-                    cp._execute_triton(ids_d, w, False)
+                with torch.cuda.stream(ex.stream):
+                    ex.run(st, len(slots), w, False)
                     a = torch.cuda.Event(enable_timing=True)
                     b = torch.cuda.Event(enable_timing=True)
-                    a.record(cp.stream)
+                    a.record(ex.stream)
                     for _ in range(reps):
-                        cp._execute_triton(ids_d, w, False)
-                    b.record(cp.stream)
+                        ex.run(st, len(slots), w, False)
+                    b.record(ex.stream)
                 b.synchronize()
                 return a.elapsed_time(b) / reps
             finally:
-                pc.TRITON_PROGRAM_BYTES, pc.TRITON_WARPS = old
+                tc.TRITON_PROGRAM_BYTES, tc.TRITON_WARPS = old
 
         nbytes = len(slots) * L.block_bytes
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -108,14 +129,31 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
         b.record()
         b.synchronize()
         d2d = a.elapsed_time(b) / 10
-        kernel = {f"{prog >> 10}k_w{warps}": round(d2d / kernel_ms(prog, warps), 3)
-                  for prog in (16384, 32768, 65536) for warps in (4, 8, 16)}
-        q.put(("ok", {"e2e_ms": _ms(e2e), "d2d_ms": round(d2d, 4),
-                      "e2e_vs_d2d": round(d2d / (statistics.median(e2e) * 1e3), 3),
-                      "phases_ms": {k: _ms(v) for k, v in phases.items()},
-                      "copy_width": w, "kernel_vs_d2d": kernel}))
+        out["kernel_vs_d2d"] = {f"{prog >> 10}k_w{warps}": round(d2d / kernel_ms(prog, warps), 3)
+                                for prog in (16384, 65536) for warps in (4, 8)}
+        out["d2d_ms"] = round(d2d, 4)
+        for v in out["launch"].values():
+            if "e2e_ms" in v:
+                v["e2e_vs_d2d"] = round(d2d / v["e2e_ms"], 3)
+        out["host"] = host_speed()
+        q.put(("ok", out))
     except BaseException as e:  # report instead of hanging the parent
         q.put(("error", repr(e)))
+
+
+def host_speed() -> dict[str, float]:
+    """This host's Python and numpy speed (microseconds), to compare machines: the gather's
+    host work is a few dozen such steps."""
+    x = np.arange(256, dtype=np.int64)
+    t = time.perf_counter()
+    for _ in range(10000):
+        pass
+    loop = (time.perf_counter() - t) / 10000
+    t = time.perf_counter()
+    for _ in range(1000):
+        np.sort(x)
+    sort = (time.perf_counter() - t) / 1000
+    return {"py_loop_iter_us": round(loop * 1e6, 4), "np_sort_256_us": round(sort * 1e6, 2)}
 
 
 def main() -> int:

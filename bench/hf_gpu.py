@@ -1,0 +1,488 @@
+"""An HF transformers engine on a GPU reusing a prompt prefix that another process stored in
+kvstore's gpu tier: time to first token with reuse against recomputing the prefix.
+
+Why: the gpu tier exists so that a prefix one engine computed reaches another engine's cache
+by a device-to-device gather instead of a prefill. bench/gpu.py measures the gather as a copy;
+this measures what an engine gains from it, end to end, on a real model: a ~1B-parameter
+random-weight Llama (bf16, SDPA) built from a config (no download), an 8k-token prompt, blocks
+of 32 tokens.
+
+- A producer process prefills the prefix (the full blocks before the last token) and stores
+  its blocks into the daemon's gpu tier with `DeviceKV.store_keys` from a token-major copy of
+  the HF cache tensors (HF's head-major [1, H, S, D] interleaves blocks, which `PagedKVCache`
+  refuses), then exits.
+- A consumer process (the same seeded weights) times two paths, alternated, medians of R:
+  reuse: `DeviceKV.load_keys` (Acquire + gather into its token-major buffers + Release), a
+  DynamicCache over [1, H, P, D] views of those buffers, the forward of the suffix; recompute:
+  the prefix prefill, then the same forward of the suffix. TTFT ends at the argmax of the last
+  logits.
+- Both paths then decode greedily; the tokens must agree, and the loaded KV must equal the
+  recomputed KV bit for bit (`hf_gpu_outputs_equal`, `hf_gpu_kv_equal`).
+
+Usage: python bench/hf_gpu.py [--device cuda|cpu] [--tokens N] [--quick] [--out FILE]
+The last stdout line is one JSON object (also written to FILE); progress goes to stderr.
+Without a CUDA device the default run prints only `"cuda": "skipped: no CUDA device"`.
+`--device cpu` runs everything on the daemon's CPU device (a shared-memory slab standing in
+for device memory, the same client code) with a tiny model and 256 tokens: the test's path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+# This folder holds scripts named like packages (bench/tiers.py, bench/vllm.py): off the path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
+for _p in (ROOT / "client", ROOT):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+BLOCK_TOKENS = 32
+MODEL_NAME = "bench/hf_gpu"
+# ~1.1B parameters in bf16: 16 layers x 2 x 8 kv heads x 64 dims x 2 bytes = 32 KiB per token,
+# so 8k tokens are 256 MiB of KV and a block of 32 tokens is 1 MiB.
+SHAPES: dict[str, dict[str, int]] = {
+    "cuda": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=32000),
+    "cpu": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=512),
+}
+DEFAULT_TOKENS = {"cuda": 8192, "cpu": 256}
+# The gpu tier holds the prefix with room to spare; nothing is demoted, so the host tier is
+# small and there is no SSD tier. Leases live 120 s: a first Triton compile runs under one.
+_COMMON = {"gpu.enabled": "true", "host.capacity": "64MiB", "ssd.enabled": "false",
+           "leases.default_ttl_s": "120"}
+DAEMON_SETTINGS: dict[str, dict[str, str]] = {
+    "cuda": {**_COMMON, "gpu.backend": "cuda", "gpu.capacity": "1GiB"},
+    "cpu": {**_COMMON, "gpu.backend": "cpu", "gpu.capacity": "64MiB"},
+}
+DAEMON_START_S = 120.0
+PRODUCER_DEADLINE_S = 300.0
+CONSUMER_DEADLINE_S = 480.0
+TARGETS = {"hf_gpu_ttft_speedup_8k": 5.0, "hf_gpu_outputs_equal": True}
+
+_T0 = time.time()          # wall clock: the spawned processes stamp their lines from the same
+
+
+def say(msg: str) -> None:
+    print(f"[hf_gpu {time.time() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# engine side (runs in the spawned producer and consumer processes)
+# ---------------------------------------------------------------------------------------------
+def _engine(setup: dict) -> tuple[Any, Any, Any]:
+    """(torch, model, sync) in this process: the seeded model built on the target device.
+
+    Both processes run exactly this, so their weights are bit-identical: the same seed, the
+    same construction on the same device (CUDA initialises there: no CPU-side 1B init), the
+    same cast."""
+    import torch
+    import transformers
+
+    dev = setup["device"]
+    if dev == "cuda":
+        torch.cuda.set_device(0)
+        sync = torch.cuda.synchronize
+    else:
+        torch.set_num_threads(1)        # small model, 2-core machines: one thread is steadier
+
+        def sync() -> None:
+            return None
+    cfg = transformers.LlamaConfig(**setup["shape"],
+                                   max_position_embeddings=setup["max_positions"],
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device("cuda:0" if dev == "cuda" else "cpu"):
+        model = transformers.LlamaForCausalLM(cfg)
+    model = model.to(getattr(torch, setup["dtype"])).eval()
+    sync()
+    return torch, model, sync
+
+
+def _fingerprint(torch: Any, tensors: Any) -> str:
+    """xxh3 of the tensors' bytes in order (moved to host memory): equal iff bit-identical."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _weights_fingerprint(torch: Any, model: Any) -> str:
+    """A cheap identity of the weights: each parameter's float64 sum, hashed."""
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    return _fingerprint(torch, [sums])
+
+
+def _prefix_kv(cache: Any, layers: int, tokens: int) -> list[Any]:
+    """K, V of every layer's first `tokens` positions, [1, H, tokens, D] each, in layer order."""
+    from kvstore_client.hf import _layer_kv
+
+    out = []
+    for layer in range(layers):
+        k, v = _layer_kv(cache, layer)
+        out += [k[:, :, :tokens], v[:, :, :tokens]]
+    return out
+
+
+def _token_major(t: Any, block_tokens: int) -> Any:
+    """An HF cache tensor [1, H, S, D] as paged-cache blocks [S / bt, bt, H, D], contiguous:
+    a view where the tensor is token-major already, else a copy.
+
+    Why not a view of HF's own head-major layout: a block of it is interleaved with the other
+    blocks (head h of block b sits between heads h-1 and h+1 of every block), which
+    `PagedKVCache` refuses (copy_plan.static_plan: a block must span no more than the block
+    stride)."""
+    x = t[0].transpose(0, 1)                        # [S, H, D]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    seq, heads, dim = x.shape
+    return x.view(seq // block_tokens, block_tokens, heads, dim)
+
+
+def _hf_view(blocks: Any) -> Any:
+    """Paged-cache blocks [n, bt, H, D] seen as the HF tensor [1, H, n * bt, D] (a view)."""
+    n, bt, heads, dim = blocks.shape
+    return blocks.view(n * bt, heads, dim).transpose(0, 1).unsqueeze(0)
+
+
+def _new_cache(model: Any) -> Any:
+    """An empty DynamicCache for `model`, made the way kvstore_client.hf makes one for the
+    installed transformers version."""
+    import torch
+    from kvstore_client.hf import canonical_to_cache
+
+    return canonical_to_cache(torch.empty((0, 2, 0, 0, 0)), model.config)
+
+
+def _produce(setup: dict) -> dict:
+    torch, model, sync = _engine(setup)
+    import numpy as np
+    from kvstore_client import connect
+    from kvstore_client.device_kv import DeviceKV
+    from kvstore_client.gpu import PagedKVCache
+    from kvstore_client.hf import cache_seq_length, forward_with_cache, layout_for_model
+
+    bt, p = setup["block_tokens"], setup["prefix"]
+    nb = p // bt
+    layers = model.config.num_hidden_layers
+    ids = torch.tensor(setup["ids"], dtype=torch.int64)
+    out: dict[str, Any] = {"weights": _weights_fingerprint(torch, model)}
+    # Everything under inference mode: the cache tensors the forward makes are inference
+    # tensors, and the copier's stream bookkeeping (record_stream) counts as writing them.
+    with torch.inference_mode(), connect(setup["address"]) as c:
+        layout = layout_for_model(model, block_tokens=bt)
+        ns = c.namespace(layout, model=MODEL_NAME)
+        keys = ns.keys(ids[:p].numpy())
+        if len(keys) != nb:
+            raise RuntimeError(f"{len(keys)} keys for a {p}-token prefix of {bt}-token blocks")
+        cache = _new_cache(model)
+        sync()
+        t0 = time.perf_counter()
+        forward_with_cache(model, ids[:p], cache, 0)
+        sync()
+        out["prefill_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        if cache_seq_length(cache) != p:
+            raise RuntimeError(f"the cache holds {cache_seq_length(cache)} tokens, not {p}")
+        kv = _prefix_kv(cache, layers, p)
+        blocks = [_token_major(t, bt) for t in kv]
+        dkv = DeviceKV(ns, PagedKVCache([(blocks[2 * i], blocks[2 * i + 1])
+                                         for i in range(layers)]), device=0)
+        t0 = time.perf_counter()
+        out["stored"] = dkv.store_keys(keys, np.arange(nb))
+        out["store_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        out["per_tier"] = ns.lookup_result(keys).per_tier
+        out["kv"] = _fingerprint(torch, kv)
+    say(f"producer: prefill of {p} tokens {out['prefill_ms']:.1f} ms, stored {out['stored']} "
+        f"blocks into the gpu tier in {out['store_ms']:.1f} ms ({out['per_tier']})")
+    return out
+
+
+def _consume(setup: dict) -> dict:
+    torch, model, sync = _engine(setup)
+    import numpy as np
+    import transformers
+    from kvstore_client import connect
+    from kvstore_client.device_kv import DeviceKV
+    from kvstore_client.gpu import PagedKVCache
+    from kvstore_client.hf import forward_with_cache, greedy_decode, layout_for_model
+
+    bt, p, reps, steps = setup["block_tokens"], setup["prefix"], setup["reps"], setup["steps"]
+    nb = p // bt
+    cfg = model.config
+    layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = getattr(torch, setup["dtype"])
+    dev = torch.device("cuda:0" if setup["device"] == "cuda" else "cpu")
+    ids = torch.tensor(setup["ids"], dtype=torch.int64)
+    prefix_ids, suffix_ids = ids[:p], ids[p:]
+    block_ids = np.arange(nb)
+    out: dict[str, Any] = {
+        "weights": _weights_fingerprint(torch, model),
+        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "cuda_runtime": torch.version.cuda if dev.type == "cuda" else None,
+        "params": sum(x.numel() for x in model.parameters()),
+        "attn_implementation": getattr(cfg, "_attn_implementation", None),
+    }
+
+    with torch.inference_mode(), connect(setup["address"]) as c:
+        layout = layout_for_model(model, block_tokens=bt)
+        ns = c.namespace(layout, model=MODEL_NAME)
+        keys = ns.keys(prefix_ids.numpy())
+        out["block_bytes"] = layout.block_bytes
+        out["prefix_bytes"] = nb * layout.block_bytes
+        out["per_tier_before"] = ns.lookup_result(keys).per_tier
+        # The engine's buffers for a loaded prefix, bound to the gpu tier once (as an engine
+        # binds its cache); each load below still leases, gathers and releases. They are
+        # token-major blocks [n, bt, H, D]; the model sees them as [1, H, P, D] through a
+        # view, which the DynamicCache takes as it takes any key/value tensor.
+        blocks = [torch.empty((nb, bt, kv_heads, head_dim), dtype=dtype, device=dev)
+                  for _ in range(2 * layers)]
+        bufs = [_hf_view(b) for b in blocks]
+        dkv = DeviceKV(ns, PagedKVCache([(blocks[2 * i], blocks[2 * i + 1])
+                                         for i in range(layers)]), device=0)
+        out["runs_per_block"] = getattr(dkv.copier, "runs_per_block", None)
+
+        def reuse() -> dict:
+            sync()
+            t0 = time.perf_counter()
+            n = dkv.load_keys(keys, block_ids)      # returns once the gather is complete
+            t1 = time.perf_counter()
+            if n != nb:
+                raise RuntimeError(f"load_keys returned {n} of the prefix's {nb} blocks "
+                                   f"(lookup now: {ns.lookup_result(keys).per_tier})")
+            cache = _new_cache(model)
+            for layer in range(layers):
+                cache.update(bufs[2 * layer], bufs[2 * layer + 1], layer)
+            logits = forward_with_cache(model, suffix_ids, cache, p)
+            tok = int(logits.argmax())
+            sync()
+            t2 = time.perf_counter()
+            return {"ttft": t2 - t0, "load": t1 - t0, "logits": logits, "cache": cache,
+                    "token": tok, "blocks": n}
+
+        def recompute() -> dict:
+            sync()
+            t0 = time.perf_counter()
+            cache = _new_cache(model)
+            forward_with_cache(model, prefix_ids, cache, 0)
+            logits = forward_with_cache(model, suffix_ids, cache, p)
+            tok = int(logits.argmax())
+            sync()
+            return {"ttft": time.perf_counter() - t0, "logits": logits, "cache": cache,
+                    "token": tok}
+
+        say("consumer: warm-up (a load from the daemon and a prefill)")
+        reuse()
+        recompute()
+        times: dict[str, list[float]] = {"reuse": [], "recompute": [], "load": []}
+        first_tokens: set[int] = set()
+        loaded: list[int] = []
+        for i in range(reps):
+            for name in (("reuse", "recompute") if i % 2 == 0 else ("recompute", "reuse")):
+                r = reuse() if name == "reuse" else recompute()
+                times[name].append(r["ttft"])
+                if name == "reuse":
+                    times["load"].append(r["load"])
+                    loaded.append(r["blocks"])
+                first_tokens.add(r["token"])
+                del r
+            say(f"consumer: rep {i + 1}/{reps}: reuse {times['reuse'][-1] * 1e3:.2f} ms "
+                f"(load {times['load'][-1] * 1e3:.2f}), recompute "
+                f"{times['recompute'][-1] * 1e3:.2f} ms")
+        med = statistics.median
+        out["ttft_reuse_ms"] = med(times["reuse"]) * 1e3
+        out["ttft_recompute_ms"] = med(times["recompute"]) * 1e3
+        out["load_ms"] = med(times["load"]) * 1e3
+        out["reuse_times_ms"] = [round(t * 1e3, 3) for t in times["reuse"]]
+        out["recompute_times_ms"] = [round(t * 1e3, 3) for t in times["recompute"]]
+        out["first_tokens_agree"] = len(first_tokens) == 1
+
+        # Correctness: a load into poisoned buffers, against a fresh recompute.
+        for t in blocks:
+            t.fill_(float("nan"))
+        r = reuse()
+        ref = recompute()
+        ref_kv = _prefix_kv(ref["cache"], layers, p)
+        out["blocks_loaded"] = min(loaded + [r["blocks"]])     # each load checked == nb
+        out["kv_equal"] = all(torch.equal(a, b) for a, b in zip(bufs, ref_kv, strict=True))
+        out["kv_loaded"] = _fingerprint(torch, bufs)
+        out["kv_recomputed"] = _fingerprint(torch, ref_kv)
+        out["max_abs_logit_diff"] = float((r["logits"].float() - ref["logits"].float())
+                                          .abs().max())
+        out["tokens_reuse"], _ = greedy_decode(model, r["logits"], r["cache"], steps)
+        out["tokens_recompute"], _ = greedy_decode(model, ref["logits"], ref["cache"], steps)
+        del r, ref, ref_kv
+        stats = c.stats()
+        out["gpu_tier"] = stats["tiers"].get("gpu", {})
+        out["gpu_counters"] = {k: v for k, v in stats["counters"].items() if "gpu" in k}
+    return out
+
+
+def _child(fn_name: str, setup: dict, q: Any) -> None:
+    """Entry point of a spawned process: the result, or the error, goes back through `q`."""
+    global _T0
+    _T0 = setup["t0"]
+    try:
+        q.put(("ok", globals()[fn_name](setup)))
+    except BaseException as e:  # report instead of leaving the parent waiting
+        q.put(("error", "".join(traceback.format_exception(e))[-6000:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent: daemon, processes, report
+# ---------------------------------------------------------------------------------------------
+def _run_child(ctx: Any, what: str, fn_name: str, setup: dict, deadline_s: float) -> dict:
+    """Run `fn_name` in a spawned process; its result, or RuntimeError with its error.
+    Every wait has a deadline; a child that outlives it is terminated, then killed."""
+    q = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn_name, setup, q), daemon=True,
+                       name=f"hf_gpu-{what}")
+    proc.start()
+    end = time.monotonic() + deadline_s
+    try:
+        while True:
+            try:
+                status, res = q.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not proc.is_alive():
+                    try:                # the result may have landed as it exited
+                        status, res = q.get(timeout=5.0)
+                        break
+                    except queue.Empty:
+                        raise RuntimeError(f"the {what} process exited with code "
+                                           f"{proc.exitcode} without a result") from None
+                if time.monotonic() > end:
+                    raise RuntimeError(f"the {what} process gave no result within "
+                                       f"{deadline_s:.0f} s") from None
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+    if status != "ok":
+        raise RuntimeError(f"the {what} process failed:\n{res}")
+    return res
+
+
+def _emit(out: dict, path: str | None) -> None:
+    line = json.dumps(out)
+    if path:
+        Path(path).write_text(line + "\n")
+    print(line, flush=True)
+
+
+def run(args: argparse.Namespace) -> dict:
+    import numpy as np
+
+    from kvstore_demo.chat import temporary_daemon
+
+    dev = args.device
+    shape = SHAPES[dev]
+    tokens = args.tokens or DEFAULT_TOKENS[dev]
+    bt = BLOCK_TOKENS
+    prefix = (tokens - 1) // bt * bt
+    if prefix < bt:
+        raise SystemExit(f"--tokens must exceed one block ({bt} tokens)")
+    reps = 3 if args.quick else 5
+    steps = 16
+    ids = np.random.default_rng(1).integers(0, shape["vocab_size"], tokens).tolist()
+    out: dict[str, Any] = {"bench": "hf_gpu", "backend": dev, "quick": args.quick,
+                           "tokens": tokens, "prefix_tokens": prefix, "block_tokens": bt,
+                           "prefix_blocks": prefix // bt, "reps": reps, "steps": steps,
+                           "dtype": "bfloat16", "model": {**shape}}
+    # The daemon and the spawned engines import kvstore and kvstore_client from this checkout.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(ROOT / "client")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    ctx = mp.get_context("spawn")       # CUDA cannot be used in forked children
+    say(f"starting a daemon (gpu tier backend {dev!r}); model {shape}, {tokens} tokens")
+    with temporary_daemon(DAEMON_SETTINGS[dev], start_timeout_s=DAEMON_START_S,
+                          say=say) as address:
+        setup = {"device": dev, "shape": shape, "dtype": "bfloat16", "ids": ids,
+                 "max_positions": tokens + steps + 64, "block_tokens": bt, "prefix": prefix,
+                 "address": address, "reps": reps, "steps": steps, "t0": _T0}
+        say("producer: build the model, prefill the prefix, store its blocks")
+        prod = _run_child(ctx, "producer", "_produce", setup, PRODUCER_DEADLINE_S)
+        out["producer"] = {k: prod[k] for k in ("prefill_ms", "store_ms", "stored",
+                                                 "per_tier")}
+        if prod["stored"] != prefix // bt:
+            raise RuntimeError(f"the producer stored {prod['stored']} blocks, not the "
+                               f"prefix's {prefix // bt}")
+        say("consumer: build the model, time reuse against recompute")
+        cons = _run_child(ctx, "consumer", "_consume", setup, CONSUMER_DEADLINE_S)
+    reuse, recompute = cons.pop("ttft_reuse_ms"), cons.pop("ttft_recompute_ms")
+    load_s = cons["load_ms"] / 1e3
+    out.update({
+        "device": cons.pop("device"), "torch": cons.pop("torch"),
+        "transformers": cons.pop("transformers"), "cuda_runtime": cons.pop("cuda_runtime"),
+        "params": cons.pop("params"), "prefix_bytes": cons["prefix_bytes"],
+        "hf_gpu_ttft_reuse_ms": round(reuse, 3),
+        "hf_gpu_ttft_recompute_ms": round(recompute, 3),
+        "hf_gpu_ttft_speedup_8k": round(recompute / reuse, 3),
+        "hf_gpu_outputs_equal": cons["tokens_reuse"] == cons["tokens_recompute"],
+        "hf_gpu_kv_equal": cons.pop("kv_equal"),
+        "load_ms": round(cons.pop("load_ms"), 3),
+        "load_GBps": round(cons["prefix_bytes"] / load_s / 1e9, 2),
+        "blocks_loaded": cons.pop("blocks_loaded"),
+        "weights_equal": cons.pop("weights") == prod["weights"],
+        "kv_loaded_equals_producer": cons.pop("kv_loaded") == prod["kv"],
+        "kv_recomputed_equals_producer": cons.pop("kv_recomputed") == prod["kv"],
+    })
+    out.update(cons)
+    out["targets"] = dict(TARGETS)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cuda (default; a ~1B model, 8k tokens) or cpu (the daemon's CPU "
+                         "device, a tiny model, 256 tokens)")
+    ap.add_argument("--tokens", type=int, default=0, help="prompt length (default: 8192 on "
+                    "cuda, 256 on cpu)")
+    ap.add_argument("--quick", action="store_true", help="3 repetitions instead of 5")
+    ap.add_argument("--out", default=None, help="also write the JSON object to this file")
+    args = ap.parse_args(argv)
+    if args.device == "cuda":
+        from kvstore_client import gpu as cg
+
+        if not cg.cuda_available():
+            _emit({"bench": "hf_gpu", "cuda": "skipped: no CUDA device"}, args.out)
+            return 0
+    t0 = time.monotonic()
+    try:
+        out = run(args)
+    except Exception as e:
+        say(f"failed: {e}")
+        _emit({"bench": "hf_gpu", "backend": args.device,
+               "error": "".join(traceback.format_exception_only(e))[-6000:]}, args.out)
+        return 1
+    out["wall_s"] = round(time.monotonic() - t0, 1)
+    say(f"{out['device']}: TTFT reuse {out['hf_gpu_ttft_reuse_ms']:.2f} ms (load "
+        f"{out['load_ms']:.2f} ms, {out['load_GBps']} GB/s) vs recompute "
+        f"{out['hf_gpu_ttft_recompute_ms']:.2f} ms: x{out['hf_gpu_ttft_speedup_8k']} at "
+        f"{out['tokens']} tokens; outputs equal {out['hf_gpu_outputs_equal']}, KV equal "
+        f"{out['hf_gpu_kv_equal']}")
+    _emit(out, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
