@@ -130,7 +130,8 @@ def _client(desc: dict, slots: list[int], n_cache: int, reps: int, q: Any) -> No
                     raise
                 res["modes"][launch] = {"error": repr(e)[:300]}
                 continue
-            used = cp._triton.mode if cp._triton is not None else cp.load(targets, slots).method
+            used = (cp._triton.mode + ("+raw" if cp._triton.raw_launch else "")
+                    if cp._triton is not None else cp.load(targets, slots).method)
             if method == "torch":
                 res.update(torch_s=secs, torch_exact=exact)
                 continue

@@ -4,12 +4,13 @@ bench/gpu.py times an engine process's `PagedCopier.load(...).wait()` of 256 x 2
 from the daemon's pool (opened over CUDA IPC) against one device-to-device copy of the same
 bytes. This splits that end-to-end time, for each way of launching the kernel
 (`kvstore_client.triton_copy`): checking the batch into its staging buffer, ordering after the
-engine's stream, the launch or graph replay as the host sees it, recording the completion
-event, and the wait; and it times the kernel alone (ten launches back to back between two
-CUDA events, so that launch overheads overlap the copies) at two program sizes and two warp
-counts. A gather whose kernel runs at device speed but whose end-to-end figure does not is
-losing its time on the host before the kernel starts. `host` times a Python loop step and a
-numpy sort, to compare the host's speed with other machines'.
+engine's stream (nothing to order when it is idle), the launch or graph launch with its
+completion event as the host sees it, and the wait; and it times the kernel alone (ten
+launches back to back between two CUDA events, so that launch overheads overlap the copies)
+at two program sizes and two warp counts. A gather whose kernel runs at device speed but
+whose end-to-end figure does not is losing its time on the host before the kernel starts.
+`host` times a Python loop step and a numpy sort, to compare the host's speed with other
+machines'.
 
 Usage: python bench/gpu_gather_phases.py. The last line is one JSON object; without a CUDA
 device it says so in one line and exits 0.
@@ -68,7 +69,7 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
                 cp.load(targets, slots).wait(60)
                 e2e.append(time.perf_counter() - t)
             phases: dict[str, list[float]] = {"checks": [], "order": [], "launch": [],
-                                              "record": [], "wait": []}
+                                              "wait": []}
             for _ in range(REPS):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -78,22 +79,19 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
                 w = copy_width(cp._w, stage_batch(cp._sp, L, blocks, sl, pool.size, False,
                                                   st.batch(blocks.size)))
                 t1 = time.perf_counter()
-                cp._ready.record(torch.cuda.current_stream())
-                cp.stream.wait_event(cp._ready)
-                with torch.cuda.stream(cp.stream):
-                    t2 = time.perf_counter()
-                    ex.run(st, blocks.size, w, False)
-                    t3 = time.perf_counter()
-                    ev = torch.cuda.Event()
-                    ev.record(cp.stream)
-                t4 = time.perf_counter()
-                st.event = ev
+                engine = torch.cuda.current_stream()
+                if not engine.query():
+                    cp._ready.record(engine)
+                    cp.stream.wait_event(cp._ready)
+                t2 = time.perf_counter()
+                ev = st.event = ex.run(st, blocks.size, w, False)
+                t3 = time.perf_counter()
                 cg.Transfer(ev).wait(60)
-                t5 = time.perf_counter()
-                for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4),
-                                 strict=True):
+                t4 = time.perf_counter()
+                for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                     phases[k].append(dt)
-            out["launch"][launch] = {"used": ex.mode, "e2e_ms": _ms(e2e),
+            out["launch"][launch] = {"used": ex.mode, "raw_launch": ex.raw_launch,
+                                     "e2e_ms": _ms(e2e),
                                      "phases_ms": {k: _ms(v) for k, v in phases.items()}}
         ex = cg.PagedCopier(pool, cache, L, method="triton", launch="launch")._triton
         st = ex.staging(len(slots))
@@ -104,14 +102,13 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
             old = tc.TRITON_PROGRAM_BYTES, tc.TRITON_WARPS
             tc.TRITON_PROGRAM_BYTES, tc.TRITON_WARPS = prog, warps
             try:
-                with torch.cuda.stream(ex.stream):
+                ex.run(st, len(slots), w, False)
+                a = torch.cuda.Event(enable_timing=True)
+                b = torch.cuda.Event(enable_timing=True)
+                a.record(ex.stream)
+                for _ in range(reps):
                     ex.run(st, len(slots), w, False)
-                    a = torch.cuda.Event(enable_timing=True)
-                    b = torch.cuda.Event(enable_timing=True)
-                    a.record(ex.stream)
-                    for _ in range(reps):
-                        ex.run(st, len(slots), w, False)
-                    b.record(ex.stream)
+                b.record(ex.stream)
                 b.synchronize()
                 return a.elapsed_time(b) / reps
             finally:

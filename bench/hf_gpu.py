@@ -326,6 +326,21 @@ def _consume(setup: dict) -> dict:
         out["tokens_reuse"], _ = greedy_decode(model, r["logits"], r["cache"], steps)
         out["tokens_recompute"], _ = greedy_decode(model, ref["logits"], ref["cache"], steps)
         del r, ref, ref_kv
+        # Where the load's time goes: the daemon's Acquire and Release round trips alone.
+        from kvstore_client._proto import kvstore_pb2 as pb
+
+        acq, rel = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            lease = c.call("Acquire", pb.AcquireRequest(
+                namespace_id=ns.ns_id, keys=keys, tier="gpu", ttl_s=c.lease_ttl_s,
+                device=0)).lease
+            t1 = time.perf_counter()
+            c.release(lease.lease_id)
+            acq.append(t1 - t0)
+            rel.append(time.perf_counter() - t1)
+        out["acquire_ms"] = round(statistics.median(acq) * 1e3, 3)
+        out["release_ms"] = round(statistics.median(rel) * 1e3, 3)
         stats = c.stats()
         out["gpu_tier"] = stats["tiers"].get("gpu", {})
         out["gpu_counters"] = {k: v for k, v in stats["counters"].items() if "gpu" in k}

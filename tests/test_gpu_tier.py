@@ -756,7 +756,7 @@ def test_every_launch_mode_moves_every_batch_exactly(tier, launch):
         assert torch.equal(canonical_block(dst, b2), canonical_block(src, b)), (launch, b2)
     assert not canonical_block(dst, int(np.setdiff1d(np.arange(256), targets)[0])).any()
     before = tier.view(0, tier.capacity).clone()
-    for bad, match in [(([1, 1], slots[:2]), "twice"), (([256], slots[:1]), "outside"),
+    for bad, match in [(([1, 2], [slots[0]] * 2), "twice"), (([256], slots[:1]), "outside"),
                        (([0], [tier.capacity]), "past the")]:
         with pytest.raises(InvalidArgument, match=match):
             store.store(*bad)

@@ -214,7 +214,7 @@ def stage_batch(sp: StaticPlan, layout: KVLayout, blocks: np.ndarray, slots: np.
                               f"past the {pool_size}-byte pool")
     if n > 1:
         if to_pool:
-            if (np.diff(dst) < layout.block_bytes).any():
+            if ((dst[1:] - dst[:-1]) < layout.block_bytes).any():
                 raise InvalidArgument("pool slots overlap: a destination appears twice in one "
                                       "transfer")
         elif (dst[1:] == dst[:-1]).any():

@@ -240,7 +240,7 @@ class PagedCopier:
     def _run_triton(self, block_ids: Any, slot_offsets: Any, after: Any,
                     to_pool: bool) -> Transfer:
         """The GPU's common path, kept short (triton_copy says why): check the batch into the
-        bucket's staging buffer, order after the engine's stream, replay or launch, record."""
+        bucket's staging buffer, order after the engine's stream, launch, record."""
         import torch
 
         blocks = index_array("block_ids", block_ids)
@@ -254,18 +254,15 @@ class PagedCopier:
             w = copy_width(self._w, stage_batch(self._sp, self.layout, blocks, slots,
                                                 self.pool.size, to_pool, st.batch(n)))
             s = self.stream
-            with torch.cuda.device(self.device):
-                self._ready.record(torch.cuda.current_stream(self.device))
-                s.wait_event(self._ready)             # the engine's writes first
-                if isinstance(after, Transfer):
-                    after.wait_stream(s)
-                elif after is not None:               # a torch.cuda.Event
-                    s.wait_event(after)
-                with torch.cuda.stream(s):
-                    ex.run(st, n, w, to_pool)
-                    ev = torch.cuda.Event()
-                    ev.record(s)
-            st.event = ev
+            engine = torch.cuda.current_stream(self.device)
+            if not engine.query():        # the engine's queued writes first (if any remain)
+                self._ready.record(engine)
+                s.wait_event(self._ready)
+            if isinstance(after, Transfer):
+                after.wait_stream(s)
+            elif after is not None:       # a torch.cuda.Event
+                s.wait_event(after)
+            ev = st.event = ex.run(st, n, w, to_pool)
         return Transfer(ev, keepalive=self.pool, method="triton",
                         nbytes=n * self.layout.block_bytes)
 

@@ -10,7 +10,8 @@ gather at 0.35-0.48 of a device-to-device copy. So each call here does as little
   stage_batch`: a handful of numpy calls), copied to the device on the copier's stream, where
   the kernel reads it (or, as an option, the kernel reads the pinned buffer itself over PCIe).
 - Batches are bucketed by size (powers of two); the first batch of a bucket captures the launch
-  as a CUDA graph, and later ones replay it: one driver call instead of Triton's binding. The
+  as a CUDA graph, and later ones launch it with one driver call (`cuGraphLaunch` on the
+  copier's stream) instead of Triton's argument binding and torch's stream switch. The
   staging buffer's first word is the batch's block count, so a bucket's graph serves every
   batch that fits it; programs past the count do nothing.
 - A staging buffer is reused once the last transfer that read it is done (its event), so a
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import threading
 from typing import Any
+
+from .common.cuda_runtime import graph_launch
 
 # Filled in by triton_kernel(); module globals so Triton's JIT can resolve them.
 triton: Any = None
@@ -87,7 +90,7 @@ def triton_kernel() -> Any:
         src = tl.multiple_of(src, VEC)   # VEC: run starts are VEC-element aligned
         dst = tl.multiple_of(dst, VEC)
         idx = part * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < tl.where(live, run_elems, 0)
+        mask = idx < run_elems * live.to(tl.int64)   # a product keeps run_elems' divisibility
         v = tl.load(base + (src + idx), mask=mask)
         tl.store(base + (dst + idx), v, mask=mask)
 
@@ -143,6 +146,7 @@ class TritonExecutor:
         self.device, self.stream = device, stream
         self.use_graphs = prefer in ("auto", "graph+mapped", "graph")
         self.mapped = prefer in ("graph+mapped", "launch+mapped")
+        self.raw_launch = True       # graphs launched through the driver, not torch's replay
         self._staging: dict[int, Staging] = {}
         self._views: dict[int, Any] = {}
         self.lock = threading.Lock()
@@ -159,21 +163,38 @@ class TritonExecutor:
         st.reusable()
         return st
 
-    def run(self, st: Staging, n: int, w: int, to_pool: bool) -> None:
-        """Enqueue the copy of the batch staged in `st` on the current stream (the caller's
-        `torch.cuda.stream(self.stream)`)."""
-        key = (to_pool, w)
+    def run(self, st: Staging, n: int, w: int, to_pool: bool) -> Any:
+        """Enqueue the copy of the batch staged in `st` on `self.stream`; returns the CUDA
+        event recorded after it."""
+        import torch
+
+        s = self.stream
         if self.use_graphs and st.cap <= MAX_GRAPH_BLOCKS:
-            g = st.graphs.get(key)
-            if g is None:
-                g = st.graphs[key] = self._capture(st, w, to_pool)
-            if g is not None:
-                g.replay()
-                return
-        self._upload(st)
-        self._launch(st, n, w, to_pool)
+            key = (to_pool, w)
+            entry = st.graphs.get(key)
+            if entry is None:
+                with torch.cuda.device(self.device), torch.cuda.stream(s):
+                    entry = st.graphs[key] = self._capture(st, w, to_pool)
+            if entry is not None:
+                g, handle = entry
+                if not (self.raw_launch and handle and graph_launch(handle, s.cuda_stream)):
+                    self.raw_launch = False
+                    with torch.cuda.device(self.device), torch.cuda.stream(s):
+                        g.replay()
+                return self._record()
+        with torch.cuda.device(self.device), torch.cuda.stream(s):
+            self._upload(st)
+            self._launch(st, n, w, to_pool)
+        return self._record()
 
     # -- internals -------------------------------------------------------------------------------
+    def _record(self) -> Any:
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
     def _ids(self, st: Staging) -> Any:
         return st.pinned if self.mapped else st.dev
 
@@ -206,9 +227,10 @@ class TritonExecutor:
             self._upload(st)
             self._launch(st, n, w, to_pool)
 
-    def _capture(self, st: Staging, w: int, to_pool: bool) -> Any:
-        """A graph of this bucket's launch (its grid covers `cap` blocks), or None (and plain
-        launches from now on) where capture is refused."""
+    def _capture(self, st: Staging, w: int, to_pool: bool) -> tuple[Any, int] | None:
+        """A graph of this bucket's launch (its grid covers `cap` blocks) and its executable's
+        handle (0 where torch does not expose it), or None (and plain launches from now on)
+        where capture is refused. Runs under the copier's stream."""
         import torch
 
         saved = st.host[0]
@@ -225,7 +247,11 @@ class TritonExecutor:
                 self._launch(st, st.cap, w, to_pool)
             finally:
                 g.capture_end()
-            return g
+            try:
+                handle = int(g.raw_cuda_graph_exec())
+            except Exception:   # older torch: replays only
+                handle = 0
+            return g, handle
         except Exception:
             self.use_graphs = False
             return None

@@ -260,6 +260,30 @@ class _CtypesRuntime(CudaRuntime):
             self._check("cudaMemcpyAsync", status)
 
 
+_libcuda: Any = None
+
+
+def graph_launch(graph_exec: int, stream: int) -> bool:
+    """cuGraphLaunch of an instantiated graph (torch's `raw_cuda_graph_exec()`) on a raw
+    stream handle; False (nothing launched) where the driver library or the call fails.
+
+    Why the driver API: it is one library per process, so handles made by torch's runtime
+    are valid here whatever runtime copy CuPy or ctypes loaded; and it spares the
+    current-stream switch a torch replay needs (a few microseconds a call)."""
+    global _libcuda
+    if _libcuda is None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            lib.cuGraphLaunch.restype = ctypes.c_int
+            _libcuda = lib
+        except (OSError, AttributeError):
+            _libcuda = False
+    if not _libcuda:
+        return False
+    return _libcuda.cuGraphLaunch(graph_exec, stream) == 0
+
+
 def _libcudart_candidates() -> list[str]:
     """Where libcudart may be: the copy torch's wheel already loaded first (same runtime state)."""
     names = ["libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcudart.so"]
