@@ -78,7 +78,7 @@ def gathered_exactly(pool: Any, cache: Any, targets: np.ndarray, slots: list[int
     import torch
 
     L = LAYOUT
-    for b, s in zip(targets.tolist(), slots, strict=True):
+    for b, s in zip(targets.tolist(), np.asarray(slots).tolist(), strict=True):
         got = torch.cat([t[b].reshape(-1).view(torch.uint8) for t in cache.tensors])
         want = cg.device_tensor(pool.ptr + s, L.block_bytes, pool.device)
         if not torch.equal(got, want):
@@ -93,6 +93,7 @@ def _client(desc: dict, slots: list[int], n_cache: int, reps: int, q: Any) -> No
         from kvstore_client.triton_copy import LAUNCH_MODES
 
         pool, cache, targets = engine_side(desc, len(slots), n_cache)
+        slots = np.asarray(slots, dtype=np.int64)   # as an engine holds them: an array
         L = LAYOUT
         nbytes = len(slots) * L.block_bytes
         res: dict[str, Any] = {"modes": {}}
@@ -166,6 +167,7 @@ def _engine(desc: dict, slots: list[int], n_cache: int, seed: int, loops: int, b
 
         pool, cache, _ = engine_side(desc, len(slots), n_cache)
         targets = np.random.default_rng(seed).permutation(n_cache)[:len(slots)]
+        slots = np.asarray(slots, dtype=np.int64)
         cp = cg.PagedCopier(pool, cache, LAYOUT)
         for _ in range(3):
             cp.load(targets, slots).wait(60)

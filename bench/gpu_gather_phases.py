@@ -3,9 +3,10 @@
 bench/gpu.py times an engine process's `PagedCopier.load(...).wait()` of 256 x 2 MiB blocks
 from the daemon's pool (opened over CUDA IPC) against one device-to-device copy of the same
 bytes. This splits that end-to-end time, for each way of launching the kernel
-(`kvstore_client.triton_copy`): checking the batch into its staging buffer, ordering after the
+(`kvstore_client.triton_copy`): writing the batch into its staging buffer, ordering after the
 engine's stream (nothing to order when it is idle), the launch or graph launch with its
-completion event as the host sees it, and the wait; and it times the kernel alone (ten
+completion event as the host sees it, the batch's checks (which run while the kernel copies),
+and the wait; and it times the kernel alone (ten
 launches back to back between two CUDA events, so that launch overheads overlap the copies)
 at two program sizes and two warp counts. A gather whose kernel runs at device speed but
 whose end-to-end figure does not is losing its time on the host before the kernel starts.
@@ -46,9 +47,10 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
     try:
         import torch
         from kvstore_client import triton_copy as tc
-        from kvstore_client.copy_plan import copy_width, index_array, stage_batch
+        from kvstore_client.copy_plan import check_staged, copy_width, index_array, write_batch
 
         pool, cache, targets = engine_side(desc, len(slots), n_cache)
+        slots = np.asarray(slots, dtype=np.int64)   # as an engine holds them: an array
         L = LAYOUT
         out: dict[str, Any] = {"launch": {}}
         # host-pointer modes last: were a driver to fault on them, the rest is measured
@@ -68,16 +70,16 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
                 t = time.perf_counter()
                 cp.load(targets, slots).wait(60)
                 e2e.append(time.perf_counter() - t)
-            phases: dict[str, list[float]] = {"checks": [], "order": [], "launch": [],
-                                              "wait": []}
+            phases: dict[str, list[float]] = {"stage": [], "order": [], "launch": [],
+                                              "checks": [], "wait": []}
             for _ in range(REPS):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 blocks = index_array("block_ids", targets)
                 sl = index_array("slot_offsets", slots)
                 st = ex.staging(blocks.size)
-                w = copy_width(cp._w, stage_batch(cp._sp, L, blocks, sl, pool.size, False,
-                                                  st.batch(blocks.size)))
+                rows = st.batch(blocks.size)
+                w = copy_width(cp._w, write_batch(blocks, sl, rows))
                 t1 = time.perf_counter()
                 engine = torch.cuda.current_stream()
                 if not engine.query():
@@ -86,9 +88,12 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
                 t2 = time.perf_counter()
                 ev = st.event = ex.run(st, blocks.size, w, False)
                 t3 = time.perf_counter()
-                cg.Transfer(ev).wait(60)
+                check_staged(cp._sp, L, rows, pool.size, False)
                 t4 = time.perf_counter()
-                for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                cg.Transfer(ev).wait(60)
+                t5 = time.perf_counter()
+                for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4),
+                                 strict=True):
                     phases[k].append(dt)
             out["launch"][launch] = {"used": ex.mode, "raw_launch": ex.raw_launch,
                                      "e2e_ms": _ms(e2e),

@@ -181,15 +181,9 @@ def index_array(name: str, values: Any) -> np.ndarray:
     return arr
 
 
-def stage_batch(sp: StaticPlan, layout: KVLayout, blocks: np.ndarray, slots: np.ndarray,
-                pool_size: int, to_pool: bool, out: np.ndarray) -> int:
-    """Write a batch into `out` (int64 [2, n]: block ids, then slot offsets) and check it there.
-
-    The checks of `check_batch` and `check_distinct`, with the same messages, in a handful of
-    numpy calls: on a GPU a call's host work delays the copy it launches, and a batch of a few
-    hundred MiB is a fraction of a millisecond of copying. Returns the bitwise OR of the slot
-    offsets (for `copy_width`).
-    """
+def write_batch(blocks: np.ndarray, slots: np.ndarray, out: np.ndarray) -> int:
+    """Write a batch into `out` (int64 [2, n]: block ids, then slot offsets); returns the
+    bitwise OR of the slot offsets (for `copy_width`). Checks only that the sizes agree."""
     n = blocks.size
     if slots.size != n:
         raise InvalidArgument(f"{n} block ids but {slots.size} slot offsets")
@@ -197,6 +191,20 @@ def stage_batch(sp: StaticPlan, layout: KVLayout, blocks: np.ndarray, slots: np.
         return 0
     out[0] = blocks
     out[1] = slots
+    return int(np.bitwise_or.reduce(out[1]))
+
+
+def check_staged(sp: StaticPlan, layout: KVLayout, out: np.ndarray, pool_size: int,
+                 to_pool: bool) -> None:
+    """The checks of `check_batch` and `check_distinct`, with the same messages, on a batch
+    `write_batch` staged, in a handful of numpy calls.
+
+    On a GPU the copier runs them while the kernel copies (the kernel itself skips any block
+    id or slot out of bounds), because a call's host work before the launch delays a copy of
+    a few hundred MiB that takes a fraction of a millisecond."""
+    n = out.shape[1]
+    if n == 0:
+        return
     b, s = out[0], out[1]
     dst = np.sort(s if to_pool else b)
     if to_pool:
@@ -219,7 +227,14 @@ def stage_batch(sp: StaticPlan, layout: KVLayout, blocks: np.ndarray, slots: np.
                                       "transfer")
         elif (dst[1:] == dst[:-1]).any():
             raise InvalidArgument("engine blocks: a destination appears twice in one transfer")
-    return int(np.bitwise_or.reduce(s))
+
+
+def stage_batch(sp: StaticPlan, layout: KVLayout, blocks: np.ndarray, slots: np.ndarray,
+                pool_size: int, to_pool: bool, out: np.ndarray) -> int:
+    """`write_batch` then `check_staged`: a batch staged and checked before anything runs."""
+    bits = write_batch(blocks, slots, out)
+    check_staged(sp, layout, out, pool_size, to_pool)
+    return bits
 
 
 def plan_block_runs(geoms: Sequence[TensorGeom], layout: KVLayout, block_ids: Any,

@@ -27,10 +27,11 @@ from .copy_plan import (
     TensorGeom,
     check_batch,
     check_distinct,
+    check_staged,
     copy_width,
     index_array,
-    stage_batch,
     static_plan,
+    write_batch,
 )
 from .triton_copy import LAUNCH_MODES, TritonExecutor, triton_kernel
 
@@ -42,6 +43,8 @@ TORCH_STAGE_BYTES = 256 << 20
 # On host memory (the CPU device), runs at least this long are copied one memcpy each ("runs"):
 # torch's index ops over the overlapping-row view run at a fraction of memcpy speed there.
 HOST_RUN_MIN_BYTES = 4096
+# A refused GPU batch is waited for (what was in bounds is being copied) up to this long.
+BAD_BATCH_WAIT_S = 60.0
 
 # ---------------------------------------------------------------------------------------------
 # executing plans
@@ -167,9 +170,10 @@ class PagedCopier:
             self._ready = torch.cuda.Event()      # the engine's stream, re-recorded per call
             if method in ("auto", "triton"):
                 if triton_kernel() is not None:
-                    self._triton = TritonExecutor(self._span_view(), self._static,
-                                                  self.runs_per_block, sp.run_bytes,
-                                                  self.device, self.stream, launch)
+                    self._triton = TritonExecutor(
+                        self._span_view(), self._static, self.runs_per_block, sp.run_bytes,
+                        self.device, self.stream, sp.num_blocks,
+                        pool.size - layout.block_bytes, launch)
                 elif method == "triton":
                     raise Unavailable("Triton is not installed; use method='torch'")
 
@@ -239,8 +243,9 @@ class PagedCopier:
 
     def _run_triton(self, block_ids: Any, slot_offsets: Any, after: Any,
                     to_pool: bool) -> Transfer:
-        """The GPU's common path, kept short (triton_copy says why): check the batch into the
-        bucket's staging buffer, order after the engine's stream, launch, record."""
+        """The GPU's common path, kept short (triton_copy says why): write the batch into the
+        bucket's staging buffer, order after the engine's stream, launch, then check the
+        batch while the kernel (which skips anything out of bounds) copies."""
         import torch
 
         blocks = index_array("block_ids", block_ids)
@@ -251,8 +256,8 @@ class PagedCopier:
         ex = self._triton
         with ex.lock:
             st = ex.staging(n)
-            w = copy_width(self._w, stage_batch(self._sp, self.layout, blocks, slots,
-                                                self.pool.size, to_pool, st.batch(n)))
+            rows = st.batch(n)
+            w = copy_width(self._w, write_batch(blocks, slots, rows))
             s = self.stream
             engine = torch.cuda.current_stream(self.device)
             if not engine.query():        # the engine's queued writes first (if any remain)
@@ -263,6 +268,13 @@ class PagedCopier:
             elif after is not None:       # a torch.cuda.Event
                 s.wait_event(after)
             ev = st.event = ex.run(st, n, w, to_pool)
+            try:
+                check_staged(self._sp, self.layout, rows, self.pool.size, to_pool)
+            except InvalidArgument:
+                # The kernel moved only what is in bounds; it must be done before the caller,
+                # told the batch failed, reuses any block or slot it named.
+                Transfer(ev, nbytes=0).wait(BAD_BATCH_WAIT_S)
+                raise
         return Transfer(ev, keepalive=self.pool, method="triton",
                         nbytes=n * self.layout.block_bytes)
 

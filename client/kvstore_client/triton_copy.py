@@ -6,9 +6,11 @@ work, so the host's work before the kernel starts (argument checks, uploading th
 Triton's argument binding) decided the end-to-end figure: 0.2-0.4 ms of Python per call had the
 gather at 0.35-0.48 of a device-to-device copy. So each call here does as little as it can:
 
-- The batch is checked while it is written into a pinned staging buffer (`copy_plan.
-  stage_batch`: a handful of numpy calls), copied to the device on the copier's stream, where
-  the kernel reads it (or, as an option, the kernel reads the pinned buffer itself over PCIe).
+- The batch is written into a pinned staging buffer, copied to the device on the copier's
+  stream, where the kernel reads it (or, as an option, reads the pinned buffer itself over
+  PCIe). It is checked (`copy_plan.check_staged`) after the launch, while the kernel runs;
+  the kernel skips any block id or slot out of bounds, and a batch that fails the checks is
+  waited for before its error is raised, so nothing is left copying behind the caller.
 - Batches are bucketed by size (powers of two); the first batch of a bucket captures the launch
   as a CUDA graph, and later ones launch it with one driver call (`cuGraphLaunch` on the
   copier's stream) instead of Triton's argument binding and torch's stream switch. The
@@ -63,12 +65,13 @@ def triton_kernel() -> Any:
     globals()["tl"] = _tl
 
     @_triton.jit
-    def _copy_blocks(base, ids, cap, eng_off, eng_stride, pool_off, runs, run_elems,
-                     TO_POOL: tl.constexpr, W: tl.constexpr, VEC: tl.constexpr,
+    def _copy_blocks(base, ids, cap, nblocks, smax, eng_off, eng_stride, pool_off, runs,
+                     run_elems, TO_POOL: tl.constexpr, W: tl.constexpr, VEC: tl.constexpr,
                      BLOCK: tl.constexpr):
         # program = (block i, run r, part of the run); offsets in bytes, then W-byte elements.
         # ids = [count, block ids (cap), slot offsets (cap)]; programs of blocks >= count (a
-        # graph's grid covers its whole bucket) move nothing.
+        # graph's grid covers its whole bucket) move nothing, nor do block ids outside
+        # [0, nblocks) or slots outside [0, smax]: the host checks the batch while this runs.
         pid = tl.program_id(0).to(tl.int64)
         parts = tl.cdiv(run_elems, BLOCK)
         part = pid % parts
@@ -79,6 +82,9 @@ def triton_kernel() -> Any:
         j = tl.where(live, i, 0)          # a dead program reads block 0's ids, copies nothing
         b = tl.load(ids + 1 + j)
         s = tl.load(ids + 1 + cap + j)
+        live = live & (b >= 0) & (b < nblocks) & (s >= 0) & (s <= smax)
+        b = tl.where(live, b, 0)
+        s = tl.where(live, s, 0)
         e = (tl.load(eng_off + r) + b * tl.load(eng_stride + r)) // W
         p = (tl.load(pool_off + r) + s) // W
         if TO_POOL:
@@ -140,9 +146,10 @@ class TritonExecutor:
     """
 
     def __init__(self, span: Any, static: Any, runs: int, run_bytes: int, device: int,
-                 stream: Any, prefer: str = "auto") -> None:
+                 stream: Any, nblocks: int, smax: int, prefer: str = "auto") -> None:
         self.kernel = triton_kernel()
         self.span, self.static, self.runs, self.run_bytes = span, static, runs, run_bytes
+        self.nblocks, self.smax = nblocks, smax     # bounds the kernel holds every batch to
         self.device, self.stream = device, stream
         self.use_graphs = prefer in ("auto", "graph+mapped", "graph")
         self.mapped = prefer in ("graph+mapped", "launch+mapped")
@@ -216,7 +223,8 @@ class TritonExecutor:
         st_ = self.static
         ids = self._ids(st)
         try:
-            self.kernel[grid](span, ids, st.cap, st_[0], st_[1], st_[2], self.runs, run,
+            self.kernel[grid](span, ids, st.cap, self.nblocks, self.smax, st_[0], st_[1],
+                              st_[2], self.runs, run,
                               TO_POOL=to_pool, W=tw, VEC=2 if w >= 16 else 1, BLOCK=block,
                               num_warps=TRITON_WARPS)
         except Exception:
