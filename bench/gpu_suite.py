@@ -11,7 +11,8 @@ leaves one JSON object behind (last stdout line, and `--out`), which docs/gpu.md
    process (`ipc_gather_vs_d2d`, per launch mode) and two at once (`ipc_gather_2proc_vs_d2d`).
 2. `bench/hf_gpu.py`: an HF transformers Llama (~1B parameters, random weights, bf16) reusing
    an 8k-token prefix another process stored through the gpu tier, against recomputing it
-   (`hf_gpu_ttft_speedup_8k`, `hf_gpu_outputs_equal`).
+   (`hf_gpu_ttft_speedup_8k`, `hf_gpu_outputs_equal`), with its forwards as CUDA graphs and
+   eager (`hf_gpu_speedup_graphs`, `hf_gpu_speedup_eager`).
 3. The CUDA tests (`pytest -m cuda`): passed, failed and skipped counts, failures by name.
 4. `bench/gpu_gather_phases.py`: where the gather's time goes per launch mode (diagnostic).
 
@@ -114,6 +115,9 @@ def figures(steps: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out.update({k: hf.get(k) for k in ("hf_gpu_ttft_speedup_8k", "hf_gpu_outputs_equal",
                                        "hf_gpu_kv_equal", "hf_gpu_ttft_reuse_ms",
                                        "hf_gpu_ttft_recompute_ms")})
+    out["hf_gpu_engine"] = hf.get("engine")
+    out["hf_gpu_speedup_eager"] = (hf.get("eager") or {}).get("speedup")
+    out["hf_gpu_speedup_graphs"] = (hf.get("graphs") or {}).get("speedup")
     if "passed" in tests:
         out["cuda_tests_passed"] = tests["passed"]
         out["cuda_tests_failed"] = tests["failed"] + tests["errors"]
