@@ -12,6 +12,7 @@ GPU → host → SSD → GPU with each codec, pinning of the shm slab, leak chec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -778,6 +779,32 @@ def test_every_launch_mode_moves_every_batch_exactly(tier, launch):
         store.store([1, 2], [spare] * 2)
     want = launch if "mapped" not in launch else (launch, launch.split("+")[0])
     assert store._triton.mode in want and load._triton.mode in want, store._triton.mode
+
+
+@cuda_test
+@pytest.mark.parametrize("engine_stream", ["default", "side"])
+def test_a_copy_waits_for_what_the_engine_queued_before_it(tier, engine_stream):
+    """The copier skips ordering only when the engine's current stream is idle: work still
+    queued there (a long GPU spin, then writes to the blocks) must land before the copy reads
+    them, on the default stream and on a stream of the engine's own."""
+    optional_deps.module("triton", "the CUDA build of torch installs it")
+    L = LAYOUT
+    pool = cg.open_pool(tier.describe())
+    slots = [tier.alloc(L.block_bytes) for _ in range(4)]
+    raw, src = make_caches(L, 8, None, "vllm", "cuda")
+    store = cg.PagedCopier(pool, src, L, method="triton")
+    side = torch.cuda.Stream()
+    for value in (3.0, 5.0):
+        ctx = torch.cuda.stream(side) if engine_stream == "side" else contextlib.nullcontext()
+        with ctx:
+            torch.cuda._sleep(200_000_000)          # ~0.1 s of GPU time queued first
+            for t in raw:
+                t.fill_(value)
+            t = store.store([0, 1, 2, 3], slots)
+        t.wait(30)
+        for s in slots:
+            got = tier.view(s, L.block_bytes).view(torch.float16)
+            assert bool((got == value).all()), (engine_stream, value)
 
 
 @cuda_test

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .common.cuda_runtime import device_tensor, require_cuda
+from .common.cuda_runtime import device_tensor, require_cuda, stream_idle
 from .common.errors import InvalidArgument, Unavailable
 from .common.layout import KVLayout
 from .common.pools import host_tensor
@@ -259,9 +259,8 @@ class PagedCopier:
             rows = st.batch(n)
             w = copy_width(self._w, write_batch(blocks, slots, rows))
             s = self.stream
-            engine = torch.cuda.current_stream(self.device)
-            if not engine.query():        # the engine's queued writes first (if any remain)
-                self._ready.record(engine)
+            if not self._engine_idle():   # the engine's queued writes first (if any remain)
+                self._ready.record(torch.cuda.current_stream(self.device))
                 s.wait_event(self._ready)
             if isinstance(after, Transfer):
                 after.wait_stream(s)
@@ -277,6 +276,21 @@ class PagedCopier:
                 raise
         return Transfer(ev, keepalive=self.pool, method="triton",
                         nbytes=n * self.layout.block_bytes)
+
+    def _engine_idle(self) -> bool:
+        """True when the engine's current stream has nothing queued: then there is nothing
+        to order the copy after (asked of the driver with the raw handle; torch's
+        current_stream() builds a Python object per call)."""
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        # The raw handle of a default stream (0) names the current context's, so the driver
+        # is asked only where this thread's current device is the copier's.
+        if raw is not None and torch.cuda.current_device() == self.device:
+            idle = stream_idle(raw(self.device))
+            if idle is not None:
+                return idle
+        return bool(torch.cuda.current_stream(self.device).query())
 
     def _execute_runs(self, blocks: np.ndarray, slots: np.ndarray, to_pool: bool) -> None:
         """Host memory: one memcpy per run of the plan (no temporaries, no second pass)."""

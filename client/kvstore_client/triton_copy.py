@@ -45,6 +45,7 @@ MAX_GRAPH_BLOCKS = 1 << 16
 MIN_BUCKET = 64
 LAUNCH_MODES = ("auto", "graph+mapped", "graph", "launch+mapped", "launch")
 STAGING_WAIT_S = 60.0
+EVENT_RING = 32
 
 _kernel: Any = None
 _WIDE = {8: "int64", 4: "int32", 2: "int16", 1: "int8"}
@@ -156,6 +157,8 @@ class TritonExecutor:
         self.raw_launch = True       # graphs launched through the driver, not torch's replay
         self._staging: dict[int, Staging] = {}
         self._views: dict[int, Any] = {}
+        self._events: list[Any] = []
+        self._next_event = 0
         self.lock = threading.Lock()
 
     @property
@@ -196,9 +199,16 @@ class TritonExecutor:
 
     # -- internals -------------------------------------------------------------------------------
     def _record(self) -> Any:
+        """An event recorded after the copy, from a ring reused in turn (creating one costs
+        more than recording it). Safe on one stream: an event re-recorded by a later copy
+        completes only after every earlier copy on this stream, so a Transfer still holding
+        it can only be told "not done" longer than needed, never "done" too early."""
         import torch
 
-        ev = torch.cuda.Event()
+        if not self._events:
+            self._events = [torch.cuda.Event() for _ in range(EVENT_RING)]
+        ev = self._events[self._next_event]
+        self._next_event = (self._next_event + 1) % EVENT_RING
         ev.record(self.stream)
         return ev
 

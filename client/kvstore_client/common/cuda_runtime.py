@@ -261,27 +261,43 @@ class _CtypesRuntime(CudaRuntime):
 
 
 _libcuda: Any = None
+_CUDA_ERROR_NOT_READY = 600
 
 
-def graph_launch(graph_exec: int, stream: int) -> bool:
-    """cuGraphLaunch of an instantiated graph (torch's `raw_cuda_graph_exec()`) on a raw
-    stream handle; False (nothing launched) where the driver library or the call fails.
+def _driver() -> Any:
+    """libcuda with the few calls the copier's per-call path makes, or False without it.
 
     Why the driver API: it is one library per process, so handles made by torch's runtime
-    are valid here whatever runtime copy CuPy or ctypes loaded; and it spares the
-    current-stream switch a torch replay needs (a few microseconds a call)."""
+    are valid here whatever runtime copy CuPy or ctypes loaded, and each call is one ctypes
+    call, where the torch equivalents build Python stream and event objects."""
     global _libcuda
     if _libcuda is None:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
             lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-            lib.cuGraphLaunch.restype = ctypes.c_int
+            lib.cuStreamQuery.argtypes = [ctypes.c_void_p]
+            lib.cuGraphLaunch.restype = lib.cuStreamQuery.restype = ctypes.c_int
             _libcuda = lib
         except (OSError, AttributeError):
             _libcuda = False
-    if not _libcuda:
-        return False
-    return _libcuda.cuGraphLaunch(graph_exec, stream) == 0
+    return _libcuda
+
+
+def graph_launch(graph_exec: int, stream: int) -> bool:
+    """cuGraphLaunch of an instantiated graph (torch's `raw_cuda_graph_exec()`) on a raw
+    stream handle; False (nothing launched) where the driver library or the call fails."""
+    lib = _driver()
+    return bool(lib) and lib.cuGraphLaunch(graph_exec, stream) == 0
+
+
+def stream_idle(stream: int) -> bool | None:
+    """Whether a raw stream has nothing queued (cuStreamQuery); None where that cannot be
+    told (no driver library, an error), so the caller orders after the stream anyway."""
+    lib = _driver()
+    if not lib:
+        return None
+    status = lib.cuStreamQuery(stream)
+    return True if status == 0 else False if status == _CUDA_ERROR_NOT_READY else None
 
 
 def _libcudart_candidates() -> list[str]:
