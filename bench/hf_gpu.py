@@ -412,20 +412,26 @@ def _consume(setup: dict) -> dict:
         out["tokens_reuse"], _ = greedy_decode(model, r["logits"], r["cache"], steps)
         out["tokens_recompute"], _ = greedy_decode(model, ref_logits, ref_cache, steps)
         del r, ref_cache, ref_logits, ref_kv
-        # Where the load's time goes: the daemon's Acquire and Release round trips alone.
+        # Where the load's time goes: the Acquire and Release round trips, the gather.
         from kvstore_client._proto import kvstore_pb2 as pb
 
-        acq, rel = [], []
+        acq, rel, copy = [], [], []
         for _ in range(reps):
             t0 = time.perf_counter()
             lease = c.call("Acquire", pb.AcquireRequest(
                 namespace_id=ns.ns_id, keys=keys, tier="gpu", ttl_s=c.lease_ttl_s,
                 device=0)).lease
             t1 = time.perf_counter()
+            offsets = dkv._offsets(lease.slots)
+            t2 = time.perf_counter()
+            dkv.copier.load(block_ids, offsets).wait(60)
+            t3 = time.perf_counter()
             c.release(lease.lease_id)
             acq.append(t1 - t0)
-            rel.append(time.perf_counter() - t1)
+            copy.append(t3 - t2)
+            rel.append(time.perf_counter() - t3)
         out["acquire_ms"] = round(statistics.median(acq) * 1e3, 3)
+        out["gather_ms"] = round(statistics.median(copy) * 1e3, 3)
         out["release_ms"] = round(statistics.median(rel) * 1e3, 3)
         stats = c.stats()
         out["gpu_tier"] = stats["tiers"].get("gpu", {})
