@@ -81,9 +81,8 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
                 rows = st.batch(blocks.size)
                 w = copy_width(cp._w, write_batch(blocks, sl, rows))
                 t1 = time.perf_counter()
-                engine = torch.cuda.current_stream()
-                if not engine.query():
-                    cp._ready.record(engine)
+                if not cp._engine_idle():
+                    cp._ready.record(torch.cuda.current_stream())
                     cp.stream.wait_event(cp._ready)
                 t2 = time.perf_counter()
                 ev = st.event = ex.run(st, blocks.size, w, False)
