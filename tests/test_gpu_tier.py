@@ -338,9 +338,9 @@ def test_duplicate_destinations_are_refused():
     (dict(blocks=[3, 3], slots=[0, 32768]), "twice"),
     (dict(blocks=[1, 2], slots=[0, 4096], to_pool=True), "twice"),
 ])
-def test_stage_batch_refuses_what_check_batch_refuses(bad, match):
-    """The GPU path checks a batch while staging it: same refusals, same words."""
-    from kvstore_client.copy_plan import index_array, stage_batch
+def test_staged_checks_refuse_what_check_batch_refuses(bad, match):
+    """The GPU path checks a batch once it is staged: same refusals, same words."""
+    from kvstore_client.copy_plan import check_staged, index_array, write_batch
 
     _, cache = make_caches(LAYOUT, 10, 1)
     sp = cg.static_plan(cache.geoms(), LAYOUT)
@@ -348,19 +348,20 @@ def test_stage_batch_refuses_what_check_batch_refuses(bad, match):
     slots = index_array("slot_offsets", bad.get("slots", [0]))
     out = np.zeros((2, 8), np.int64)[:, :blocks.size]
     with pytest.raises(InvalidArgument, match=match):
-        stage_batch(sp, LAYOUT, blocks, slots, 1 << 20, bad.get("to_pool", False), out)
+        write_batch(blocks, slots, out)
+        check_staged(sp, LAYOUT, out, 1 << 20, bad.get("to_pool", False))
 
 
-def test_stage_batch_stages_the_batch_and_returns_the_slots_alignment():
-    from kvstore_client.copy_plan import index_array, stage_batch
+def test_write_batch_stages_the_batch_and_returns_the_slots_alignment():
+    from kvstore_client.copy_plan import check_staged, index_array, write_batch
     from kvstore_client.triton_copy import bucket
 
     _, cache = make_caches(LAYOUT, 10, 1)
     sp = cg.static_plan(cache.geoms(), LAYOUT)
     out = np.zeros((2, 3), np.int64)
-    bits = stage_batch(sp, LAYOUT, index_array("b", torch.tensor([4, 0, 9])),
-                       index_array("s", np.array([65536, 8, 131088], np.uint32)), 1 << 20,
-                       True, out)
+    bits = write_batch(index_array("b", torch.tensor([4, 0, 9])),
+                       index_array("s", np.array([65536, 8, 131088], np.uint32)), out)
+    check_staged(sp, LAYOUT, out, 1 << 20, True)
     assert out.tolist() == [[4, 0, 9], [65536, 8, 131088]]
     assert cg.copy_width(np.array([0]), bits) == 8
     with pytest.raises(InvalidArgument, match="1-D"):
@@ -725,7 +726,7 @@ def test_triton_and_torch_paths_agree(tier):
 
 
 @cuda_test
-@pytest.mark.parametrize("launch", ["graph", "launch", "graph+mapped", "launch+mapped"])
+@pytest.mark.parametrize("launch", ["graph", "launch"])
 def test_every_launch_mode_moves_every_batch_exactly(tier, launch):
     """Batches in several size buckets, two of one bucket in flight at once (the staging
     buffer is reused only once the first is done), an `after` chain, and bad batches refused
@@ -777,8 +778,7 @@ def test_every_launch_mode_moves_every_batch_exactly(tier, launch):
     assert torch.equal(got, canonical_block(src, 7))
     with pytest.raises(InvalidArgument, match="twice"):
         store.store([1, 2], [spare] * 2)
-    want = launch if "mapped" not in launch else (launch, launch.split("+")[0])
-    assert store._triton.mode in want and load._triton.mode in want, store._triton.mode
+    assert store._triton.mode == launch and load._triton.mode == launch, store._triton.mode
 
 
 @cuda_test

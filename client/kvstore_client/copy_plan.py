@@ -229,14 +229,6 @@ def check_staged(sp: StaticPlan, layout: KVLayout, out: np.ndarray, pool_size: i
             raise InvalidArgument("engine blocks: a destination appears twice in one transfer")
 
 
-def stage_batch(sp: StaticPlan, layout: KVLayout, blocks: np.ndarray, slots: np.ndarray,
-                pool_size: int, to_pool: bool, out: np.ndarray) -> int:
-    """`write_batch` then `check_staged`: a batch staged and checked before anything runs."""
-    bits = write_batch(blocks, slots, out)
-    check_staged(sp, layout, out, pool_size, to_pool)
-    return bits
-
-
 def plan_block_runs(geoms: Sequence[TensorGeom], layout: KVLayout, block_ids: Any,
                     slot_offsets: Any, pool_addr: int, pool_size: int) -> RunPlan:
     """Absolute addresses of every run of a batch (host-side; the copier does this on device)."""

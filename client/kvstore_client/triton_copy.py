@@ -6,11 +6,12 @@ work, so the host's work before the kernel starts (argument checks, uploading th
 Triton's argument binding) decided the end-to-end figure: 0.2-0.4 ms of Python per call had the
 gather at 0.35-0.48 of a device-to-device copy. So each call here does as little as it can:
 
-- The batch is written into a pinned staging buffer, copied to the device on the copier's
-  stream, where the kernel reads it (or, as an option, reads the pinned buffer itself over
-  PCIe). It is checked (`copy_plan.check_staged`) after the launch, while the kernel runs;
-  the kernel skips any block id or slot out of bounds, and a batch that fails the checks is
-  waited for before its error is raised, so nothing is left copying behind the caller.
+- The batch is written into a pinned staging buffer and copied to the device on the copier's
+  stream, where the kernel reads it (reading the pinned buffer itself over PCIe measured
+  slower: 0.52-0.74 of a device-to-device copy against 0.73-0.86). It is checked
+  (`copy_plan.check_staged`) after the launch, while the kernel runs; the kernel skips any
+  block id or slot out of bounds, and a batch that fails the checks is waited for before its
+  error is raised, so nothing is left copying behind the caller.
 - Batches are bucketed by size (powers of two); the first batch of a bucket captures the launch
   as a CUDA graph, and later ones launch it with one driver call (`cuGraphLaunch` on the
   copier's stream) instead of Triton's argument binding and torch's stream switch. The
@@ -20,8 +21,8 @@ gather at 0.35-0.48 of a device-to-device copy. So each call here does as little
   caller that keeps several transfers in flight gets one buffer per bucket, waited for only
   when it is still being read.
 
-Where a graph cannot be captured (or host pointers are refused), the executor falls back to
-plain launches (or device copies of the ids), once, and says which it uses in `mode`.
+Where a graph cannot be captured, the executor falls back to plain launches, once, and says
+which it uses in `mode`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ TRITON_WARPS = 4
 # Batches up to this many blocks replay a captured graph; larger ones launch directly.
 MAX_GRAPH_BLOCKS = 1 << 16
 MIN_BUCKET = 64
-LAUNCH_MODES = ("auto", "graph+mapped", "graph", "launch+mapped", "launch")
+LAUNCH_MODES = ("auto", "graph", "launch")
 STAGING_WAIT_S = 60.0
 EVENT_RING = 32
 
@@ -141,9 +142,9 @@ class Staging:
 class TritonExecutor:
     """Launches one copier's batches: graph replay where it can, plain launches where not.
 
-    `mode` says how: "graph" or "launch", with "+mapped" where the kernel reads the ids from
-    pinned host memory rather than from a device copy made per call. `prefer="auto"` is
-    "graph"; the others are there for tests and benchmarks to compare.
+    `mode` says how: "graph" or "launch". `prefer="auto"` is "graph"; "launch" is the
+    fallback where a graph cannot be captured, and can be asked for (tests and benchmarks
+    compare them).
     """
 
     def __init__(self, span: Any, static: Any, runs: int, run_bytes: int, device: int,
@@ -152,8 +153,7 @@ class TritonExecutor:
         self.span, self.static, self.runs, self.run_bytes = span, static, runs, run_bytes
         self.nblocks, self.smax = nblocks, smax     # bounds the kernel holds every batch to
         self.device, self.stream = device, stream
-        self.use_graphs = prefer in ("auto", "graph+mapped", "graph")
-        self.mapped = prefer in ("graph+mapped", "launch+mapped")
+        self.use_graphs = prefer in ("auto", "graph")
         self.raw_launch = True       # graphs launched through the driver, not torch's replay
         self._staging: dict[int, Staging] = {}
         self._views: dict[int, Any] = {}
@@ -163,7 +163,7 @@ class TritonExecutor:
 
     @property
     def mode(self) -> str:
-        return ("graph" if self.use_graphs else "launch") + ("+mapped" if self.mapped else "")
+        return "graph" if self.use_graphs else "launch"
 
     def staging(self, n: int) -> Staging:
         cap = bucket(n)
@@ -212,12 +212,8 @@ class TritonExecutor:
         ev.record(self.stream)
         return ev
 
-    def _ids(self, st: Staging) -> Any:
-        return st.pinned if self.mapped else st.dev
-
     def _upload(self, st: Staging) -> None:
-        if not self.mapped:
-            st.dev.copy_(st.pinned, non_blocking=True)
+        st.dev.copy_(st.pinned, non_blocking=True)
 
     def _launch(self, st: Staging, n: int, w: int, to_pool: bool) -> None:
         import torch
@@ -231,19 +227,9 @@ class TritonExecutor:
         block = per_prog if run >= per_prog else max(16, 1 << (run - 1).bit_length())
         grid = (n * self.runs * ((run + block - 1) // block),)
         st_ = self.static
-        ids = self._ids(st)
-        try:
-            self.kernel[grid](span, ids, st.cap, self.nblocks, self.smax, st_[0], st_[1],
-                              st_[2], self.runs, run,
-                              TO_POOL=to_pool, W=tw, VEC=2 if w >= 16 else 1, BLOCK=block,
-                              num_warps=TRITON_WARPS)
-        except Exception:
-            if not self.mapped:
-                raise
-            # This Triton or driver refuses host pointers ("cpu tensor?"): use device copies.
-            self.mapped = False
-            self._upload(st)
-            self._launch(st, n, w, to_pool)
+        self.kernel[grid](span, st.dev, st.cap, self.nblocks, self.smax, st_[0], st_[1],
+                          st_[2], self.runs, run, TO_POOL=to_pool, W=tw,
+                          VEC=2 if w >= 16 else 1, BLOCK=block, num_warps=TRITON_WARPS)
 
     def _capture(self, st: Staging, w: int, to_pool: bool) -> tuple[Any, int] | None:
         """A graph of this bucket's launch (its grid covers `cap` blocks) and its executable's
