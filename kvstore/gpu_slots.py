@@ -190,14 +190,17 @@ class GpuSlots:
                 st.check_open()
                 self.reap()
                 st.namespace(ns_id)
+                touched: dict[int, list[bytes]] = {}
                 for k in keys:
                     e = st.index.get(ns_id + k)
                     if e is None or e.gpu is None or e.moving is not None:
                         break
                     e.gpu_pins += 1
                     pinned.append(e)
-                    st.policy_of_device(e.gpu_dev).touch(e.gkey)
-                    self.gpu_host.count(e.gpu_dev, "read_hits")
+                    touched.setdefault(e.gpu_dev, []).append(e.gkey)
+                for dev, gkeys in touched.items():    # per device, in the prefix's order
+                    st.policy_of_device(dev).touch_many(gkeys)
+                    self.gpu_host.count(dev, "read_hits", len(gkeys))
             rest = keys[len(pinned):self._fit(ns_id, device, len(keys))]
             if rest:
                 try:
