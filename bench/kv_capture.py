@@ -345,7 +345,7 @@ def causal_codec_accuracy(cap: CausalCapture, codec: str | None, model=None,
     also run the continuation on both caches and compare next-token distributions."""
     import torch
     from kvstore_client.common.layout import KVLayout
-    from kvstore_client.hf import canonical_to_cache
+    from kvstore_client.hf import cache_kwarg, canonical_to_cache
 
     from tiers import codecs, frame
 
@@ -379,8 +379,8 @@ def causal_codec_accuracy(cap: CausalCapture, codec: str | None, model=None,
                 cache = canonical_to_cache(torch.from_numpy(src[:, :, :p]), model.config)
                 pos = torch.arange(p, len(ids)).unsqueeze(0)
                 with torch.inference_mode():
-                    o = model(input_ids=torch.tensor([ids[p:]]), past_key_values=cache,
-                              position_ids=pos, use_cache=True)
+                    o = model(input_ids=torch.tensor([ids[p:]]), position_ids=pos,
+                              use_cache=True, **{cache_kwarg(model): cache})
                 logits.append(o.logits[0].float())
             lr, lt = torch.log_softmax(logits[0], -1), torch.log_softmax(logits[1], -1)
             top1.append((lr.argmax(-1) == lt.argmax(-1)).float())

@@ -19,6 +19,7 @@ is not the prefix a block key names, so such models are refused rather than serv
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -208,13 +209,27 @@ def _model_device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
     return p.device, p.dtype
 
 
+_CACHE_KWARG: dict[type, str] = {}
+
+
+def cache_kwarg(model: Any) -> str:
+    """The name a model's forward takes its cache by: `cache` in transformers that renamed it
+    (5.2x, where `past_key_values` is deprecated and goes in 5.40), else `past_key_values`."""
+    cls = type(model)
+    name = _CACHE_KWARG.get(cls)
+    if name is None:
+        params = inspect.signature(model.forward).parameters
+        name = _CACHE_KWARG[cls] = "cache" if "cache" in params else "past_key_values"
+    return name
+
+
 @torch.inference_mode()
 def forward_with_cache(model: Any, ids: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
     """Run `ids` (1-D) at positions start.. on top of `cache`; returns last-position logits."""
     device, _ = _model_device_dtype(model)
     pos = torch.arange(start, start + len(ids), device=device).unsqueeze(0)
-    out = model(input_ids=ids.to(device).unsqueeze(0), past_key_values=cache, position_ids=pos,
-                use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids.to(device).unsqueeze(0), position_ids=pos, use_cache=True,
+                logits_to_keep=1, **{cache_kwarg(model): cache})
     return out.logits[0, -1]
 
 
@@ -317,10 +332,10 @@ class PrefixCacheRunner:
         ids = _as_ids(input_ids)
         cache, _, _ = self.load_prefix(ids)
         device, _ = _model_device_dtype(self.model)
-        out = self.model.generate(ids.to(device).unsqueeze(0), past_key_values=cache,
+        out = self.model.generate(ids.to(device).unsqueeze(0),
                                   attention_mask=torch.ones(1, len(ids), dtype=torch.long,
                                                             device=device),
-                                  **generate_kwargs)
+                                  **{cache_kwarg(self.model): cache}, **generate_kwargs)
         if store:
             self.store(out[0], cache)
         return out
