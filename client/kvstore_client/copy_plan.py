@@ -136,43 +136,6 @@ def static_plan(geoms: Sequence[TensorGeom], layout: KVLayout) -> StaticPlan:
     return StaticPlan(run * e, eng_off, eng_stride, part_off, nb)
 
 
-def _as_index_array(name: str, values: Any, bound: int | None = None) -> np.ndarray:
-    arr = np.asarray(values.cpu() if hasattr(values, "cpu") else values)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise InvalidArgument(f"{name} must be a 1-D sequence of integers")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and arr.min() < 0:
-        raise InvalidArgument(f"{name} must not be negative")
-    if bound is not None and arr.size and arr.max() >= bound:
-        raise InvalidArgument(f"{name} holds {int(arr.max())}, outside [0, {bound})")
-    return arr
-
-
-def check_batch(sp: StaticPlan, layout: KVLayout, block_ids: Any, slot_offsets: Any,
-                pool_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Validate a batch against the cache and pool; O(n), never O(runs)."""
-    blocks = _as_index_array("block_ids", block_ids, sp.num_blocks)
-    slots = _as_index_array("slot_offsets", slot_offsets)
-    if blocks.size != slots.size:
-        raise InvalidArgument(f"{blocks.size} block ids but {slots.size} slot offsets")
-    if slots.size and int(slots.max()) + layout.block_bytes > pool_size:
-        raise InvalidArgument(f"slot offset {int(slots.max())} + block of {layout.block_bytes} "
-                              f"bytes runs past the {pool_size}-byte pool")
-    return blocks, slots
-
-
-def check_distinct(blocks: np.ndarray, slots: np.ndarray, block_bytes: int,
-                   to_pool: bool) -> None:
-    """Two copies writing the same destination would race; refuse the batch."""
-    if to_pool:
-        s = np.sort(slots)
-        if s.size > 1 and (np.diff(s) < block_bytes).any():
-            raise InvalidArgument("pool slots overlap: a destination appears twice in one "
-                                  "transfer")
-    elif np.unique(blocks).size != blocks.size:
-        raise InvalidArgument("engine blocks: a destination appears twice in one transfer")
-
-
 def index_array(name: str, values: Any) -> np.ndarray:
     """`values` as a 1-D integer array, copied only where it is not one already."""
     arr = np.asarray(values.cpu() if hasattr(values, "cpu") else values)
@@ -195,22 +158,24 @@ def write_batch(blocks: np.ndarray, slots: np.ndarray, out: np.ndarray) -> int:
 
 
 def check_staged(sp: StaticPlan, layout: KVLayout, out: np.ndarray, pool_size: int,
-                 to_pool: bool) -> None:
-    """The checks of `check_batch` and `check_distinct`, with the same messages, on a batch
-    `write_batch` staged, in a handful of numpy calls.
+                 to_pool: bool, distinct: bool = True) -> None:
+    """Refuse a batch `write_batch` staged whose block ids or slots are out of bounds, or
+    (with `distinct`) that names a destination twice, in a handful of numpy calls.
 
-    On a GPU the copier runs them while the kernel copies (the kernel itself skips any block
+    On a GPU the copier runs these while the kernel copies (the kernel itself skips any block
     id or slot out of bounds), because a call's host work before the launch delays a copy of
     a few hundred MiB that takes a fraction of a millisecond."""
-    n = out.shape[1]
-    if n == 0:
+    if out.shape[1] == 0:
         return
     b, s = out[0], out[1]
-    dst = np.sort(s if to_pool else b)
-    if to_pool:
-        s_lo, s_hi, b_lo, b_hi = int(dst[0]), int(dst[-1]), int(b.min()), int(b.max())
+    if distinct:        # the destinations sorted give their bounds too
+        dst = np.sort(s if to_pool else b)
+        lo, hi = int(dst[0]), int(dst[-1])
+        other = b if to_pool else s
+        b_lo, b_hi, s_lo, s_hi = ((int(other.min()), int(other.max()), lo, hi) if to_pool
+                                  else (lo, hi, int(other.min()), int(other.max())))
     else:
-        b_lo, b_hi, s_lo, s_hi = int(dst[0]), int(dst[-1]), int(s.min()), int(s.max())
+        b_lo, b_hi, s_lo, s_hi = int(b.min()), int(b.max()), int(s.min()), int(s.max())
     if b_lo < 0:
         raise InvalidArgument("block_ids must not be negative")
     if b_hi >= sp.num_blocks:
@@ -220,13 +185,39 @@ def check_staged(sp: StaticPlan, layout: KVLayout, out: np.ndarray, pool_size: i
     if s_hi + layout.block_bytes > pool_size:
         raise InvalidArgument(f"slot offset {s_hi} + block of {layout.block_bytes} bytes runs "
                               f"past the {pool_size}-byte pool")
-    if n > 1:
-        if to_pool:
-            if ((dst[1:] - dst[:-1]) < layout.block_bytes).any():
-                raise InvalidArgument("pool slots overlap: a destination appears twice in one "
-                                      "transfer")
-        elif (dst[1:] == dst[:-1]).any():
-            raise InvalidArgument("engine blocks: a destination appears twice in one transfer")
+    if distinct:
+        _refuse_repeats(dst, layout.block_bytes, to_pool)
+
+
+def _refuse_repeats(dst: np.ndarray, block_bytes: int, to_pool: bool) -> None:
+    """Two copies writing the same destination would race: `dst` (sorted) must not repeat
+    an engine block, or hold pool slots closer than a block apart."""
+    if dst.size < 2:
+        return
+    if to_pool:
+        if ((dst[1:] - dst[:-1]) < block_bytes).any():
+            raise InvalidArgument("pool slots overlap: a destination appears twice in one "
+                                  "transfer")
+    elif (dst[1:] == dst[:-1]).any():
+        raise InvalidArgument("engine blocks: a destination appears twice in one transfer")
+
+
+def check_batch(sp: StaticPlan, layout: KVLayout, block_ids: Any, slot_offsets: Any,
+                pool_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validate a batch against the cache and pool; O(n), never O(runs). Returns the block
+    ids and slot offsets as int64 arrays."""
+    blocks = index_array("block_ids", block_ids)
+    slots = index_array("slot_offsets", slot_offsets)
+    out = np.empty((2, blocks.size), np.int64)
+    write_batch(blocks, slots, out)
+    check_staged(sp, layout, out, pool_size, to_pool=False, distinct=False)
+    return out[0], out[1]
+
+
+def check_distinct(blocks: np.ndarray, slots: np.ndarray, block_bytes: int,
+                   to_pool: bool) -> None:
+    """Two copies writing the same destination would race; refuse the batch."""
+    _refuse_repeats(np.sort(slots if to_pool else blocks), block_bytes, to_pool)
 
 
 def plan_block_runs(geoms: Sequence[TensorGeom], layout: KVLayout, block_ids: Any,
