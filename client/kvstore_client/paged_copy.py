@@ -168,6 +168,7 @@ class PagedCopier:
             for t in self.cache.tensors:
                 t.record_stream(self.stream)
             self._ready = torch.cuda.Event()      # the engine's stream, re-recorded per call
+            self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
             if method in ("auto", "triton"):
                 if triton_kernel() is not None:
                     self._triton = TritonExecutor(
@@ -283,7 +284,7 @@ class PagedCopier:
         current_stream() builds a Python object per call)."""
         import torch
 
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        raw = self._raw_stream
         # The raw handle of a default stream (0) names the current context's, so the driver
         # is asked only where this thread's current device is the copier's.
         if raw is not None and torch.cuda.current_device() == self.device:
