@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 MODEL_NAME = "bench/hf_gpu"
@@ -106,6 +107,33 @@ def _new_cache(model: Any) -> Any:
     from kvstore_client.hf import canonical_to_cache
 
     return canonical_to_cache(torch.empty((0, 2, 0, 0, 0)), model.config)
+
+
+def engine_forwards(model: Any, bufs: list[Any], ids: Any, prefix: int
+                    ) -> tuple[Callable[[], tuple[Any, Any]], Callable[[], Any]]:
+    """The consumer's two forwards over a prompt `ids` (on the model's device):
+    (suffix_forward, full_forward).
+
+    suffix_forward is the engine once the prefix is loaded into `bufs` (K, V per layer, the
+    HF shape [1, H, prefix, D]): a cache over them, then the tokens from `prefix` on; it returns
+    (logits, cache). full_forward is the engine without kvstore: one forward of the whole
+    prompt. Both are captured as CUDA graphs, so neither may sync with the host or upload host
+    data (tests/test_hf_gpu_bench.py checks that on the CPU)."""
+    from kvstore_client.hf import forward_with_cache
+
+    layers = model.config.num_hidden_layers
+    suffix = ids[prefix:]
+
+    def suffix_forward() -> tuple[Any, Any]:
+        cache = _new_cache(model)
+        for layer in range(layers):
+            cache.update(bufs[2 * layer], bufs[2 * layer + 1], layer)
+        return forward_with_cache(model, suffix, cache, prefix), cache
+
+    def full_forward() -> Any:
+        return forward_with_cache(model, ids, _new_cache(model), 0)
+
+    return suffix_forward, full_forward
 
 
 def _capture_engine(torch: Any, dev: Any, suffix_forward: Any, full_forward: Any,
@@ -229,7 +257,7 @@ def _consume(setup: dict) -> dict:
                                          for i in range(layers)]), device=0)
         out["runs_per_block"] = getattr(dkv.copier, "runs_per_block", None)
 
-        ids_dev, suffix_dev = ids.to(dev), suffix_ids.to(dev)   # graph-capturable inputs
+        ids_dev = ids.to(dev)                                   # graph-capturable inputs
 
         def load() -> int:
             n = dkv.load_keys(keys, block_ids)      # returns once the gather is complete
@@ -238,17 +266,7 @@ def _consume(setup: dict) -> dict:
                                    f"(lookup now: {ns.lookup_result(keys).per_tier})")
             return n
 
-        def suffix_forward() -> tuple[Any, Any]:
-            """The engine's forward once the prefix is loaded: a cache over the loaded
-            buffers, then the suffix's tokens at positions P.."""
-            cache = _new_cache(model)
-            for layer in range(layers):
-                cache.update(bufs[2 * layer], bufs[2 * layer + 1], layer)
-            return forward_with_cache(model, suffix_dev, cache, p), cache
-
-        def full_forward() -> Any:
-            """The engine without kvstore: one forward of the whole prompt."""
-            return forward_with_cache(model, ids_dev, _new_cache(model), 0)
+        suffix_forward, full_forward = engine_forwards(model, bufs, ids_dev, p)
 
         def timed(fn: Any) -> dict:
             sync()

@@ -17,9 +17,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "hf_gpu.py"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.hf_gpu import BLOCK_TOKENS, SHAPES  # noqa: E402
+from bench.hf_gpu_engine import _engine, _hf_view, engine_forwards  # noqa: E402
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -67,3 +73,62 @@ def test_without_cuda_the_default_run_prints_one_skip_line() -> None:
     assert len(lines) == 1, r.stdout
     out = json.loads(lines[0])
     assert out["bench"] == "hf_gpu" and "skipped" in out["cuda"]
+
+
+# Ops that on a CUDA device wait for the device (a value read back, an output whose size
+# depends on data) or upload host data: a CUDA graph capture refuses each of them.
+_HOST_SYNCS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal",
+               "aten.nonzero", "aten.masked_select", "aten._unique", "aten.unique",
+               "aten.repeat_interleave")
+
+
+class _CaptureHazards(TorchDispatchMode):
+    """Lists what a forward does that a CUDA graph capture refuses, found on the CPU: the
+    graphed engine of bench/hf_gpu.py runs only on a GPU, once, so a forward that syncs (a new
+    transformers version, a change to kvstore_client.hf) must show here first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = str(func)
+        if name.startswith(_HOST_SYNCS):
+            self.found.append(name)
+        elif name.startswith("aten.lift_fresh") and args[0].numel() > 0:
+            self.found.append(f"{name} of host data {tuple(args[0].shape)}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_graphed_engine_forwards_do_nothing_a_cuda_graph_capture_refuses() -> None:
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (`make dev` installs it)")
+    import torch
+
+    _, model, _ = _engine({"device": "cpu", "shape": SHAPES["cpu"], "max_positions": 512,
+                           "dtype": "bfloat16"})
+    cfg = model.config
+    prefix, n = 4 * BLOCK_TOKENS, 5 * BLOCK_TOKENS
+    blocks = [torch.randn((prefix // BLOCK_TOKENS, BLOCK_TOKENS, cfg.num_key_value_heads,
+                           cfg.head_dim), dtype=torch.bfloat16)
+              for _ in range(2 * cfg.num_hidden_layers)]
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    suffix_forward, full_forward = engine_forwards(model, [_hf_view(b) for b in blocks], ids,
+                                                   prefix)
+    with torch.inference_mode():
+        for name, fn in (("suffix", lambda: suffix_forward()[0]), ("full", full_forward)):
+            watch = _CaptureHazards()
+            with watch:
+                logits = fn()
+            assert watch.found == [], f"{name} forward: {watch.found}"
+            assert logits.shape == (cfg.vocab_size,) and torch.isfinite(logits).all()
+        # The watch sees what it looks for.
+        watch = _CaptureHazards()
+        with watch:
+            x = torch.ones(3)
+            x.sum().item()
+            torch.tensor([1, 2])
+            bool(x.any())
+        assert watch.found == ["aten.item.default",
+                               "aten.lift_fresh.default of host data (2,)",
+                               "aten.is_nonzero.default"], watch.found
