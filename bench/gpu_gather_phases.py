@@ -8,7 +8,8 @@ engine's stream (nothing to order when it is idle), the launch or graph launch w
 completion event as the host sees it, the batch's checks (which run while the kernel copies),
 and the wait; and it times the kernel alone (ten
 launches back to back between two CUDA events, so that launch overheads overlap the copies)
-at two program sizes and two warp counts. A gather whose kernel runs at device speed but
+at two program sizes and two warp counts, and with streaming cache hints (`_hints`,
+`triton_copy.TRITON_CACHE_HINTS`). A gather whose kernel runs at device speed but
 whose end-to-end figure does not is losing its time on the host before the kernel starts.
 `host` times a Python loop step and a numpy sort, to compare the host's speed with other
 machines'.
@@ -95,9 +96,9 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
         st.batch(len(slots))[:] = np.stack([targets, np.asarray(slots)])
         w = 16
 
-        def kernel_ms(prog: int, warps: int, reps: int = 10) -> float:
-            old = tc.TRITON_PROGRAM_BYTES, tc.TRITON_WARPS
-            tc.TRITON_PROGRAM_BYTES, tc.TRITON_WARPS = prog, warps
+        def kernel_ms(prog: int, warps: int, hints: bool, reps: int = 10) -> float:
+            old = tc.TRITON_PROGRAM_BYTES, tc.TRITON_WARPS, tc.TRITON_CACHE_HINTS
+            tc.TRITON_PROGRAM_BYTES, tc.TRITON_WARPS, tc.TRITON_CACHE_HINTS = prog, warps, hints
             try:
                 ex.run(st, len(slots), w, False)
                 a = torch.cuda.Event(enable_timing=True)
@@ -109,7 +110,7 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
                 b.synchronize()
                 return a.elapsed_time(b) / reps
             finally:
-                tc.TRITON_PROGRAM_BYTES, tc.TRITON_WARPS = old
+                tc.TRITON_PROGRAM_BYTES, tc.TRITON_WARPS, tc.TRITON_CACHE_HINTS = old
 
         nbytes = len(slots) * L.block_bytes
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -123,8 +124,14 @@ def _client(desc: dict, slots: list[int], n_cache: int, q: Any) -> None:
         b.record()
         b.synchronize()
         d2d = a.elapsed_time(b) / 10
-        out["kernel_vs_d2d"] = {f"{prog >> 10}k_w{warps}": round(d2d / kernel_ms(prog, warps), 3)
-                                for prog in (16384, 65536) for warps in (4, 8)}
+        out["kernel_vs_d2d"] = {}
+        for prog, warps, hints in ((16384, 4, False), (16384, 8, False), (65536, 4, False),
+                                   (65536, 8, False), (16384, 4, True), (65536, 4, True)):
+            name = f"{prog >> 10}k_w{warps}" + ("_hints" if hints else "")
+            try:
+                out["kernel_vs_d2d"][name] = round(d2d / kernel_ms(prog, warps, hints), 3)
+            except Exception as e:   # one variant failing must not lose the others' figures
+                out["kernel_vs_d2d"][name] = f"error: {e!r}"[:300]
         out["d2d_ms"] = round(d2d, 4)
         for v in out["launch"].values():
             v["e2e_vs_d2d"] = round(d2d / v["e2e_ms"], 3)

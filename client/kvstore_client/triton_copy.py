@@ -41,6 +41,10 @@ tl: Any = None
 # 32 and 64 KiB programs and 4, 8 or 16 warps alike; one program per run is kept.
 TRITON_PROGRAM_BYTES = 65536
 TRITON_WARPS = 4
+# Streaming cache hints (loads marked evict-first, stores `.cs`): a copy reads and writes each
+# byte once, so caching it only displaces other data. Off until measured on a GPU against the
+# plain kernel (bench/gpu_gather_phases.py times both; both compile for sm_90).
+TRITON_CACHE_HINTS = False
 # Batches up to this many blocks replay a captured graph; larger ones launch directly.
 MAX_GRAPH_BLOCKS = 1 << 16
 MIN_BUCKET = 64
@@ -69,7 +73,7 @@ def triton_kernel() -> Any:
     @_triton.jit
     def _copy_blocks(base, ids, cap, nblocks, smax, eng_off, eng_stride, pool_off, runs,
                      run_elems, TO_POOL: tl.constexpr, W: tl.constexpr, VEC: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, HINTS: tl.constexpr):
         # program = (block i, run r, part of the run); offsets in bytes, then W-byte elements.
         # ids = [count, block ids (cap), slot offsets (cap)]; programs of blocks >= count (a
         # graph's grid covers its whole bucket) move nothing, nor do block ids outside
@@ -99,8 +103,12 @@ def triton_kernel() -> Any:
         dst = tl.multiple_of(dst, VEC)
         idx = part * BLOCK + tl.arange(0, BLOCK)
         mask = idx < run_elems * live.to(tl.int64)   # a product keeps run_elems' divisibility
-        v = tl.load(base + (src + idx), mask=mask)
-        tl.store(base + (dst + idx), v, mask=mask)
+        if HINTS:
+            v = tl.load(base + (src + idx), mask=mask, eviction_policy="evict_first")
+            tl.store(base + (dst + idx), v, mask=mask, cache_modifier=".cs")
+        else:
+            v = tl.load(base + (src + idx), mask=mask)
+            tl.store(base + (dst + idx), v, mask=mask)
 
     _kernel = _copy_blocks
     return _kernel
@@ -229,7 +237,8 @@ class TritonExecutor:
         st_ = self.static
         self.kernel[grid](span, st.dev, st.cap, self.nblocks, self.smax, st_[0], st_[1],
                           st_[2], self.runs, run, TO_POOL=to_pool, W=tw,
-                          VEC=2 if w >= 16 else 1, BLOCK=block, num_warps=TRITON_WARPS)
+                          VEC=2 if w >= 16 else 1, BLOCK=block, HINTS=TRITON_CACHE_HINTS,
+                          num_warps=TRITON_WARPS)
 
     def _capture(self, st: Staging, w: int, to_pool: bool) -> tuple[Any, int] | None:
         """A graph of this bucket's launch (its grid covers `cap` blocks) and its executable's
