@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 from kvstore_client import KVLayout, NamespaceSpec, block_keys
 
@@ -28,6 +32,30 @@ def make_store(tmp_path, host_capacity: int = 1 << 20, ssd_capacity: int = 64 <<
     cfg.ssd.compress = ssd_compress
     cfg.leases.default_ttl_s = 30
     return Store(cfg)
+
+
+@contextmanager
+def quiet(store: Store, deadline_s: float = 30.0) -> Iterator[None]:
+    """Hold the store lock at a moment nothing is in flight, for checks of exact state.
+
+    After the callers stop, a background demoter's batch or an SSD write may still be moving
+    blocks (their `moving` marks set, their destination slots taken) with the lock released.
+    Every such move, and every call that released the lock mid-way, counts in state.busy and
+    starts only under the lock: with the lock held and busy at 0, every pin, mark and byte
+    count is final."""
+    st = store.state
+    end = time.monotonic() + deadline_s
+    while True:
+        st.lock.acquire()
+        if st.busy == 0:
+            break
+        st.lock.release()
+        assert time.monotonic() < end, "calls or moves still in flight after the deadline"
+        time.sleep(0.01)
+    try:
+        yield
+    finally:
+        st.lock.release()
 
 
 def namespace(store: Store, layout: KVLayout = SMALL, codec: str = "lossless",

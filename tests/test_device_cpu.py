@@ -25,7 +25,7 @@ from kvstore_client.errors import DeadlineExceeded, InvalidArgument, ResourceExh
 from kvstore.state import aligned as _aligned
 from tiers.device_cpu import CpuDeviceTier
 
-from .store_helpers import kv_block, make_store, namespace, random_prompt
+from .store_helpers import kv_block, make_store, namespace, quiet, random_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -228,7 +228,7 @@ def test_gpu_tier_under_concurrent_threads(tmp_path):
             t.join(60)
         assert not errors, errors[0]
         assert enough_in_time, f"the threads made too little progress in 120 s: {seen}"
-        with store.state.lock:
+        with quiet(store):
             assert not store.leases.all()
             entries = list(store.index.entries())
             assert store.gpu[gdev].used_bytes == sum(_aligned(e.size) for e in entries

@@ -20,7 +20,7 @@ from kvstore_client.errors import LeaseExpired, NotFound, ResourceExhausted, Una
 
 from kvstore.state import aligned as _aligned
 
-from .store_helpers import kv_block, make_store, namespace, random_prompt
+from .store_helpers import kv_block, make_store, namespace, quiet, random_prompt
 
 SECONDS = 1.5          # each hammer runs at least this long
 GOAL_DEADLINE_S = 120  # ... and on until what its test needs happened, or fails after this
@@ -146,20 +146,11 @@ def check_live(store) -> None:
 
 
 def check_quiet(store, deadline_s: float = 30.0) -> None:
-    """Exact accounting once nothing is in flight: every allocated host byte has one owner.
-
-    The background demoter may still be finishing a batch after the callers stopped: wait
-    until, with the lock held, nothing is in flight (it starts batches only under the lock).
-    """
+    """Exact accounting once nothing is in flight (store_helpers.quiet): every allocated host
+    byte has one owner."""
     check_live(store)
-    end = time.monotonic() + deadline_s
-    while True:
-        with store.state.lock:
-            if store.state.busy == 0:
-                _check_accounting(store)
-                return
-        assert time.monotonic() < end, "calls or demotions still in flight after the deadline"
-        time.sleep(0.01)
+    with quiet(store, deadline_s):
+        _check_accounting(store)
 
 
 def _check_accounting(store) -> None:
