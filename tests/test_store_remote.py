@@ -8,8 +8,9 @@ import redis
 from kvstore.config import StoreConfig
 from kvstore.store import REMOTE_CHUNK, Store
 from tests.redis_fixtures import redis_server_fixture  # noqa: F401  (fixture)
+from tiers import codecs, frame
 
-from .store_helpers import kv_block, namespace, random_prompt
+from .store_helpers import SMALL, kv_block, namespace, random_prompt
 
 
 def remote_store(path, url: str, **remote) -> Store:
@@ -121,3 +122,28 @@ def test_default_write_back_demotes_evicted_blocks_to_redis(tmp_path, redis_serv
         assert namespace(b) == ns
         got = b.get(ns, keys)
         assert [k for k, _ in got] == keys and [d for _, d in got] == blocks
+
+
+def test_a_lossy_value_under_a_lossless_key_is_a_counted_miss(tmp_path, redis_server):
+    """Lossy copies skip the commit checksum, so a value framed with a codec the namespace did
+    not choose (another build's or writer's, in a Redis many nodes share) must be refused
+    before decoding: both by a store that knows the commit checksum and by one that knows the
+    block only from Redis."""
+    _, keys = random_prompt(np.random.default_rng(2), 3)
+    r = redis.Redis.from_url(redis_server.url)
+    with remote_store(tmp_path / "a", redis_server.url, write_through=True) as a:
+        ns = namespace(a)
+        a.put(ns, keys, [kv_block(k) for k in keys])
+        raw = np.frombuffer(kv_block(keys[1]), np.uint8)
+        foreign = frame.frame("int8", len(raw), codecs.encode("int8", raw, SMALL))
+        r.set(f"kvs:{ns.hex()}:{keys[1].hex()}", foreign)
+        assert a.evict("host")[0] > 0
+        got = a.get(ns, keys)
+        assert [k for k, _ in got] == keys[:1] and got[0][1] == kv_block(keys[0])
+        assert a.stats()["counters"]["corrupt_blocks"] == 1
+    r.set(f"kvs:{ns.hex()}:{keys[1].hex()}", foreign)      # the drop deleted it: write it again
+    with remote_store(tmp_path / "b", redis_server.url) as b:
+        assert namespace(b) == ns
+        got = b.get(ns, keys)
+        assert [k for k, _ in got] == keys[:1] and got[0][1] == kv_block(keys[0])
+        assert b.stats()["counters"]["corrupt_blocks"] == 1

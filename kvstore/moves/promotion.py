@@ -51,6 +51,7 @@ class Promotion:
     entry: Entry
     offset: int                     # the reserved host slot; nothing else writes or frees it
     checksum: int                   # the entry's checksum when reserved: what the copy must match
+    codec: str                      # the namespace's codec: the only lossy one its copies may use
     ssd: bool                       # read the SSD copy (else the remote one)
     remote_value: object = None     # the remote prefetch: the source, or SSD's fallback
     # Verdicts, written by the fill outside the lock and applied by settle:
@@ -75,6 +76,12 @@ def decode_into(host: Any, p: Promotion, value: object, layout: KVLayout) -> Non
         else:
             value = frame.unframe(value)        # (checks the payload's hash)
             codec = value[0]
+        if codec in LOSSY and codec != p.codec:
+            # A lossy copy skips the commit checksum below, so a frame naming a codec the
+            # namespace never chose (another node's or build's value under our key in a shared
+            # Redis) would be served unchecked. The codec is part of the namespace's id, so no
+            # writer of this namespace ever made such a copy.
+            raise DataLoss(f"stored block is {codec}-encoded; its namespace stores {p.codec}")
         if p.checksum and codec not in LOSSY:
             decode_block(value, layout, out, p.checksum)
             return                      # verified against the committed checksum
@@ -128,7 +135,9 @@ class Promoter:
         except BaseException:
             e.moving = None
             raise
-        return Promotion(e, off, e.checksum, e.ssd and not from_gpu, remote_value, gpu=from_gpu)
+        codec = self.state.namespaces[e.ns_id].spec.codec
+        return Promotion(e, off, e.checksum, codec, e.ssd and not from_gpu, remote_value,
+                         gpu=from_gpu)
 
     def fill(self, info: NamespaceInfo, jobs: list[Promotion]) -> None:
         """Phase 2 (no lock held): read each block's lower copy and decode and verify it into
