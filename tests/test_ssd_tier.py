@@ -8,6 +8,7 @@ import threading
 import pytest
 from kvstore_client.errors import DataLoss, InvalidArgument, Unavailable
 
+from tiers import frame
 from tiers.ssd import SSDTier, initial_map_size
 
 MIB = 1 << 20
@@ -245,23 +246,28 @@ def test_buffered_fallback_when_o_direct_is_refused(tmp_path, monkeypatch):
 
 
 def test_old_format_folder_is_migrated(tmp_path):
-    """A folder written by the LMDB-payload format comes back whole, then in the new format."""
+    """A folder written by the LMDB-payload format comes back whole, then in the new format;
+    a value failing its frame's hash (the old format's only guard) is left behind, not given
+    a fresh record checksum that reads would trust."""
     import lmdb
     path = tmp_path / "ssd"
     path.mkdir()
     env = lmdb.open(str(path), map_size=64 * MIB, subdir=True, max_dbs=8)
     dbs = {n: env.open_db(n) for n in (b"blocks", b"meta", b"namespaces", b"state", b"_tier")}
+    old = [frame.frame("raw", 9000, val(i, 9000)) for i in range(6)]
+    rotten = bytearray(old[5])
+    rotten[-1] ^= 0x01
     with env.begin(write=True) as txn:
-        for i in range(5):
-            txn.put(k(i), val(i, 9000), db=dbs[b"blocks"])
-            txn.put(k(i), (9000).to_bytes(8, "little") + b"meta%d" % i, db=dbs[b"meta"])
+        for i in range(6):
+            txn.put(k(i), old[i] if i < 5 else bytes(rotten), db=dbs[b"blocks"])
+            txn.put(k(i), len(old[i]).to_bytes(8, "little") + b"meta%d" % i, db=dbs[b"meta"])
         txn.put(b"A" * 16, b"{}", db=dbs[b"namespaces"])
         txn.put(b"policy.ssd", b"snap", db=dbs[b"state"])
     env.close()
     t = SSDTier(str(path), capacity=64 * MIB)
     try:
-        assert [t.get(k(i)) for i in range(5)] == [val(i, 9000) for i in range(5)]
-        assert t.get_meta(k(3)) == b"meta3" and t.used_bytes == 5 * 9000
+        assert [t.get(k(i)) for i in range(6)] == old[:5] + [None]
+        assert t.get_meta(k(3)) == b"meta3" and t.used_bytes == 5 * len(old[0])
         assert t.namespaces() == {b"A" * 16: b"{}"} and t.get_state("policy.ssd") == b"snap"
         assert not (path / "data.mdb").exists()
     finally:

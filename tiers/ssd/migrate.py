@@ -6,6 +6,11 @@ database of an environment at the top of the folder (`data.mdb`); the current on
 in the payload file with an index beside it (tiers/ssd/__init__.py). The copy goes through the
 ordinary write path, so a crash midway leaves the old files in place and the next open starts
 again; only after every block is written and synced are the old files removed.
+
+Each old value is checked against its frame's payload hash before it is copied: in the old
+format that hash was a value's only guard, and once copied the value gets a record checksum of
+its own, which reads trust instead of the frame's hash. A value that fails is left behind (a
+miss), never carried over under a checksum that vouches for it.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import struct
 from collections.abc import Callable
 
 import lmdb
-from kvstore_client.common.errors import Unavailable
+from kvstore_client.common.errors import DataLoss, Unavailable
 
+from .. import frame
 from .index import LmdbIndex
 
 log = logging.getLogger("kvstore.ssd")
@@ -42,7 +48,7 @@ def migrate_legacy(folder: str, index: LmdbIndex,
     except lmdb.Error as exc:
         raise Unavailable(f"the SSD tier at {folder} is in the old format and cannot be "
                           f"read for migration ({exc}); move the folder away") from exc
-    moved = 0
+    moved = corrupt = 0
     try:
         dbs = {n: old.open_db(n, create=False) for n in (b"blocks", b"meta", b"namespaces",
                                                         b"state")}
@@ -55,6 +61,13 @@ def migrate_legacy(folder: str, index: LmdbIndex,
             for k, raw in txn.cursor(db=dbs[b"meta"]):
                 value = txn.get(k, db=dbs[b"blocks"])
                 if value is None:
+                    continue
+                try:
+                    frame.unframe(value)
+                except DataLoss as exc:
+                    log.warning("not migrating block %s of the SSD tier at %s: %s",
+                                k.hex(), folder, exc)
+                    corrupt += 1
                     continue
                 batch.append((k, value, raw[_SIZE.size:]))
                 if len(batch) == _BATCH:
@@ -74,5 +87,5 @@ def migrate_legacy(folder: str, index: LmdbIndex,
             os.unlink(os.path.join(folder, name))
         except FileNotFoundError:
             pass
-    log.warning("migrated %d blocks of the SSD tier at %s to the payload-file format",
-                moved, folder)
+    log.warning("migrated %d blocks of the SSD tier at %s to the payload-file format (%d "
+                "corrupt ones left behind)", moved, folder, corrupt)
