@@ -54,6 +54,8 @@ class Carried:
                 lease_id = q.popleft()
             except IndexError:          # emptied meanwhile by another holder of the RLock
                 break
+            if self.leases.find(lease_id) is None:
+                continue                # already ended: a dict probe, not a raised NotFound
             try:
                 lease = self.leases.pop(lease_id)
             except (NotFound, LeaseExpired):

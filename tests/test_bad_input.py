@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.common.limits import MAX_CARRIED_RELEASES
 
 from tests.daemon import cleanup, start_daemon
 from tests.test_server import SMALL_BYTES, blocks, chain, get, put, register
@@ -245,6 +246,25 @@ def test_random_bytes_as_messages(world, method, raw):
 
 
 # ------------------------------------------------------------------------------ afterwards
+
+def test_release_leases_past_the_cap_are_refused_and_repeats_count_once(world):
+    """Carried releases end under the store lock, so one call may carry at most
+    MAX_CARRIED_RELEASES of them: past that it is refused whole, before any ends."""
+    s = world.stub
+    held = s.Acquire(pb.AcquireRequest(namespace_id=world.ns, keys=world.keys[:1]),
+                     timeout=10).lease.lease_id
+    over = pb.AcquireRequest(namespace_id=world.ns, keys=world.keys[:1],
+                             release_leases=[held] + ["a"] * MAX_CARRIED_RELEASES)
+    with pytest.raises(grpc.RpcError) as err:
+        s.Acquire(over, timeout=10)
+    assert err.value.code() == INVALID and "limit is" in err.value.details()
+    assert status(s.RenewLease, pb.RenewLeaseRequest(lease_id=held)) == OK   # none ended
+    at_cap = pb.AcquireRequest(namespace_id=world.ns, keys=world.keys[:1],
+                               release_leases=[held] * MAX_CARRIED_RELEASES)
+    lease = s.Acquire(at_cap, timeout=10).lease.lease_id
+    assert status(s.Release, pb.ReleaseRequest(lease_id=held)) == NOT_FOUND  # carried: ended
+    s.Release(pb.ReleaseRequest(lease_id=lease), timeout=10)
+
 
 def test_daemon_still_serves_and_stored_blocks_unchanged(world):
     assert world.d.alive()

@@ -5,8 +5,11 @@ tenant's lease cap meanwhile (kvstore/carried.py)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
+from kvstore_client.common.limits import MAX_CARRIED_RELEASES
+from kvstore_client.leases import LeaseKeeper
 
 from kvstore.config import StoreConfig
 from kvstore.store import Store
@@ -85,3 +88,24 @@ def test_leases_given_back_do_not_count_against_the_cap(tmp_path):
         holder.let_go()
         new = store.acquire(ns, keys)            # admitted: the queued release ended first
         assert store.leases.find(old.id) is None and new.keys == keys
+
+
+def test_a_client_carries_at_most_the_cap_and_sends_the_rest_itself():
+    """The daemon refuses a call carrying more than MAX_CARRIED_RELEASES, so a client that
+    finished more leases than that hands the cap to its next call and releases the rest."""
+    sent: list[str] = []
+    keeper = LeaseKeeper(renew=lambda lease_id: time.time() + 60, release=sent.append)
+    keeper.carry = True
+    try:
+        ids = [f"lease-{i}" for i in range(MAX_CARRIED_RELEASES + 10)]
+        for lease_id in ids:
+            keeper.release_later(lease_id)
+        carried = keeper.take_pending()
+        assert carried == ids[:MAX_CARRIED_RELEASES]
+        end = time.monotonic() + 10
+        while len(sent) < 10 and time.monotonic() < end:
+            sent += keeper.take_pending()       # a next call, or the thread: each once
+            time.sleep(0.01)
+        assert sorted(sent) == sorted(ids[MAX_CARRIED_RELEASES:])
+    finally:
+        keeper.close()

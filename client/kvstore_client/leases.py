@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .common.errors import KVStoreError
+from .common.limits import MAX_CARRIED_RELEASES
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +120,11 @@ class LeaseKeeper:
         with self._cond:
             if not self._pending:
                 return []
-            ids = [lid for lid, _ in self._pending]
-            self._pending = []
-            return ids
+            taken = self._pending[:MAX_CARRIED_RELEASES]
+            self._pending = self._pending[MAX_CARRIED_RELEASES:]
+            if self._pending:
+                self._wake()            # the rest are due too: the thread sends them
+            return [lid for lid, _ in taken]
 
     def requeue(self, lease_ids: list[str]) -> None:
         if not lease_ids:

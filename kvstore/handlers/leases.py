@@ -10,7 +10,7 @@ leases the same way (CallState.lease_out). Finished read leases may ride on a la
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 from kvstore_client._proto import kvstore_pb2 as pb
@@ -18,6 +18,7 @@ from kvstore_client.common.errors import InvalidArgument, KVStoreError
 
 from .state import CallState
 from .validate import (
+    check_carried,
     check_count,
     check_keys,
     check_lease_id,
@@ -104,12 +105,12 @@ class LeaseCalls:
         lease = s.store.acquire(ns, keys, tier=tier, ttl_s=ttl, **dev)
         return pb.AcquireResponse(lease=s.lease_out(lease))
 
-    def _release_carried(self, lease_ids: Iterable[str]) -> None:
+    def _release_carried(self, lease_ids: Sequence[str]) -> None:
         """Give back the leases a call carries (the client's finished loads), each checked as
         the caller's first; the store ends them in its next hold of the lock
         (Store.release_carried)."""
         s = self.s
-        ids = [check_lease_id(raw_id) for raw_id in lease_ids]
+        ids = check_carried(lease_ids)
         for lease_id in ids:
             s.auth.check_lease(lease_id)
         if ids:

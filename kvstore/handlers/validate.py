@@ -14,14 +14,20 @@ INVALID_ARGUMENT naming the expected type (Put has its own parser: kvstore/put_w
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from google.protobuf.message import Message
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client.common.errors import InvalidArgument, NotFound
 from kvstore_client.common.layout import KVLayout, NamespaceSpec
-from kvstore_client.common.limits import MAX_KEY_BYTES, MAX_KEYS, MAX_REQUEST_BYTES, MIN_KEY_BYTES
+from kvstore_client.common.limits import (
+    MAX_CARRIED_RELEASES,
+    MAX_KEY_BYTES,
+    MAX_KEYS,
+    MAX_REQUEST_BYTES,
+    MIN_KEY_BYTES,
+)
 
 from ..keychain import STEP, check_distinct
 from ..validate import MAX_KEYS_PER_CALL, CheckedKeys
@@ -115,6 +121,15 @@ def check_lease_id(lease_id: str) -> str:
     if len(lease_id) > MAX_LEASE_ID or not lease_id.isprintable():
         raise NotFound(f"unknown lease {lease_id[:40]!r}...: not an id this daemon hands out")
     return lease_id
+
+
+def check_carried(lease_ids: Sequence[str]) -> list[str]:
+    """The lease ids a call gives back in passing (release_leases), repeats dropped: each
+    is ended under the store lock, so their number is what one call may cost there."""
+    if len(lease_ids) > MAX_CARRIED_RELEASES:
+        raise InvalidArgument(f"{len(lease_ids)} release_leases in one call; the limit is "
+                              f"{MAX_CARRIED_RELEASES} (send the rest with Release)")
+    return list(dict.fromkeys(check_lease_id(lease_id) for lease_id in lease_ids))
 
 
 def check_ttl(ttl_s: float, max_ttl_s: float) -> float | None:

@@ -12,3 +12,8 @@ MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 32
 # to MAX_KEY_BYTES each) and as many checksums (a uint64 varint of up to 10 bytes and a tag),
 # plus the small fields (ids, lease ids, the spec) within 256 KiB: 3,211,264 bytes.
 MAX_REQUEST_BYTES = MAX_KEYS * (2 + MAX_KEY_BYTES + 11) + (256 << 10)
+# Leases one call may give back in passing (release_leases). The daemon ends them under its
+# store lock, so without a cap one request of ~1M short ids held that lock for a second; a
+# client finishes far fewer in the 50 ms a release waits to be carried, and sends the rest
+# with a later call.
+MAX_CARRIED_RELEASES = 1024
