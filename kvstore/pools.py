@@ -209,14 +209,14 @@ class TenantPools:
 
     # -- SSD and remote quotas ----------------------------------------------------------------
     def tier_bytes(self, ns_ids: set[bytes], tier: str) -> int:
-        """Raw block bytes those namespaces hold in `tier` (a walk of their blocks)."""
+        """Raw block bytes those namespaces hold in `tier` (a walk of their blocks only)."""
         index = self.state.index
+        remote = tier != "ssd"
         total = 0
         for ns in ns_ids:
-            for g in index.namespace_keys(ns):
-                e = index.read(g)
-                if e is not None and (e.ssd if tier == "ssd" else e.remote):
-                    total += e.size
+            for _, ssd, rem, size in index.namespace_residency(ns):
+                if rem if remote else ssd:
+                    total += size
         return total
 
     def fit_quota(self, tier: str, entries: Sequence[Any], values: Sequence[Any], strict: bool,

@@ -17,19 +17,16 @@ def scoped_stats(store: Any, ns_ids: set[bytes]) -> dict:
     counts = {t: [0, 0] for t in ("host", "ssd", "remote")}
     with store.state.lock:
         for ns in ns_ids:
-            for g in store.index.namespace_keys(ns):
-                e = store.index.read(g)
-                if e is None:
-                    continue
-                if e.host is not None:
+            for host, ssd, remote, size in store.index.namespace_residency(ns):
+                if host:
                     counts["host"][0] += 1
-                    counts["host"][1] += aligned(e.size)
-                if e.ssd:
+                    counts["host"][1] += aligned(size)
+                if ssd:
                     counts["ssd"][0] += 1
-                    counts["ssd"][1] += e.size
-                if e.remote:
+                    counts["ssd"][1] += size
+                if remote:
                     counts["remote"][0] += 1
-                    counts["remote"][1] += e.size
+                    counts["remote"][1] += size
         caps = {"host": store.host.capacity,
                 "ssd": store.ssd.capacity if store.ssd is not None else None,
                 "remote": store.config.remote.capacity if store.remote is not None else None}

@@ -21,7 +21,6 @@ from the scan and compare the results (tests/test_warm_image.py).
 from __future__ import annotations
 
 from array import array
-from collections import Counter
 from typing import Any
 
 import msgpack
@@ -174,11 +173,6 @@ def load_index(index: BlockIndex, blob: bytes | memoryview) -> None:
             raise ImageError("index image names a row it does not hold")
         pk[i] = pg
         awaited[pg] = awaited.get(pg, 0) + 1
-    if len(ns_ids) <= 16:
-        counts = [nums.count(k) for k in range(len(ns_ids))]
-    else:
-        tally = Counter(nums)
-        counts = [tally.get(k, 0) for k in range(len(ns_ids))]
     if full:
         keys: list[bytes | None] = gkeys      # type: ignore[assignment]
         parents = pk
@@ -199,9 +193,9 @@ def load_index(index: BlockIndex, blob: bytes | memoryview) -> None:
         size, csum, flags, children, nums)
     index._ns_ids = ns_ids
     index._ns_no = {g: k for k, g in enumerate(ns_ids)}
-    index._ns_count = counts
     index._free = free
     index._awaited = awaited
+    index.rebuild_namespace_rows()
 
 
 def _rows_to_idx(prow: array, kept: array, full: bool) -> list[int]:
