@@ -320,7 +320,8 @@ class LimitsConfig:
     refusals_per_s: float = 10.0    # 0: no budget
     refusal_burst: int = 50
     hello_deadline_s: float = 5.0   # .auth request / .lane hello, from the connect
-    pending_per_uid: int = 16       # unauthenticated .auth or .lane connections per peer uid
+    pending_per_uid: int = 16       # unauthenticated .auth or .lane connections per peer uid;
+    #                                 also a tenant's unread fd-carrying .auth replies
     pending_total: int = 1024       # ... of all peers, per listener
     lane_per_tenant: int = 64       # lane connections per tenant (no tenants: 256 in all)
     frame_deadline_s: float = 10.0  # a lane request frame, from its first byte
