@@ -36,6 +36,18 @@ that cost grow with every other tenant's blocks (1,024 one-block namespaces agai
 index held the lock 5 s). A packed array of row numbers per namespace, and each row's place in
 it for an O(1) swap-remove, costs 8 bytes a row (about 8.4 with array growth: ~8 MB at a
 million rows; a dict of sets of row ints would cost ~70).
+
+Why each namespace keeps running totals of its SSD and remote blocks (`tier_usage`): the SSD
+and remote quota checks run under the store lock once per demotion batch, and a walk of even
+one tenant's blocks made each batch of a tenant with a million SSD blocks hold the lock for
+0.1-0.3 s. Every change of a block's SSD or remote residency, or of whether it is indexed,
+already passes through this class (set_ssd / set_remote, add, add_cold, discard, the bulk
+loads; a test checks that no other code assigns the fields), so each updates its namespace's
+counts and bytes there: 32 bytes a namespace, nothing a row. A hot entry's own fields rule
+while it has one and a packed row's flags otherwise, and packing and unpacking carry the
+same fields across, so sweeps leave the totals as they are. A block's size never changes
+while it is indexed. A detached copy from read() or entries() must never be passed to
+set_ssd / set_remote (it is not the block: its change would count without being made).
 """
 
 from __future__ import annotations
@@ -45,6 +57,12 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 
 from .entry import GPU, HOST, NS_ID_BYTES, REMOTE, SSD, Entry, ResidencyListener
+
+# A namespace's slots in BlockIndex._tier_sums, from 4 * its number: SSD blocks, SSD bytes,
+# remote blocks, remote bytes.
+_SUMS = 4
+_SSD_SLOT, _REMOTE_SLOT = 0, 2
+_TIER_SLOT = {SSD: _SSD_SLOT, REMOTE: _REMOTE_SLOT}
 
 
 class _Cold:
@@ -76,6 +94,11 @@ _REMOTE_PACKED = bytes(int(f & (_REMOTE | _HOT) == _REMOTE) for f in range(256))
 _SWEEP_MIN = 4096               # hot entries beyond those found busy at the last sweep
 
 
+def _tiers(e: Entry) -> int:
+    """An entry's lower tiers as flag bits (_SSD, _REMOTE)."""
+    return (_SSD if e.ssd else 0) | (_REMOTE if e.remote else 0)
+
+
 def _refs(hot: dict[bytes, Entry], g: bytes) -> int:
     """References to hot[g] seen from here; compared with the same call on a probe entry that
     only a dict holds, so the baseline is this interpreter's own."""
@@ -104,6 +127,8 @@ class BlockIndex:
         # Namespace number -> its rows (no order), row -> its place there (module docstring).
         self._ns_rows: list[array] = []
         self._ns_pos = array("i")
+        # Namespace number -> its SSD and remote blocks and bytes (_SUMS slots each).
+        self._tier_sums = array("q")
         self._free = array("i")
         self._sweep_at = _SWEEP_MIN
         # Parents named by indexed blocks but not indexed themselves: only a key in here can
@@ -142,6 +167,7 @@ class BlockIndex:
             n = self._ns_no[ns_id] = len(self._ns_ids)
             self._ns_ids.append(ns_id)
             self._ns_rows.append(array("i"))
+            self._tier_sums.extend((0,) * _SUMS)
         own = self._ns_rows[n]
         if self._free:
             r = self._free.pop()
@@ -175,6 +201,30 @@ class BlockIndex:
         self._flags[r] = 0
         self._children[r] = 0
         self._free.append(r)
+
+    def _tally(self, r: int, tiers: int, size: int, sign: int) -> None:
+        """Count the block at row `r` into (sign 1) or out of (-1) its namespace's totals for
+        `tiers` (_SSD, _REMOTE bits; 0: nothing)."""
+        if tiers:
+            t, i = self._tier_sums, _SUMS * self._ns[r]
+            if tiers & _SSD:
+                t[i + _SSD_SLOT] += sign
+                t[i + _SSD_SLOT + 1] += sign * size
+            if tiers & _REMOTE:
+                t[i + _REMOTE_SLOT] += sign
+                t[i + _REMOTE_SLOT + 1] += sign * size
+
+    def _flip(self, r: int, slot: int, size: int, on: bool) -> None:
+        """A block at row `r` entered (on) or left the tier at `slot` (_SSD_SLOT or
+        _REMOTE_SLOT): _tally for one tier, kept apart because every demoted, promoted or
+        evicted block passes through it."""
+        t, i = self._tier_sums, _SUMS * self._ns[r] + slot
+        if on:
+            t[i] += 1
+            t[i + 1] += size
+        else:
+            t[i] -= 1
+            t[i + 1] -= size
 
     def _canonical(self, g: bytes | None) -> bytes | None:
         """The index's own key object for `g` when indexed (shared, not copied per child)."""
@@ -311,6 +361,8 @@ class BlockIndex:
             e.children = awaited.pop(g, 0) if awaited else 0
             if e.parent:
                 self._link(e.ns_id + e.parent, 1, r)
+            if e.ssd or e.remote:
+                self._tally(r, _tiers(e), e.size, 1)
             e.host = off
         if len(hot) > self._sweep_at:
             self._sweep()
@@ -345,12 +397,16 @@ class BlockIndex:
     def set_ssd(self, e: Entry, on: bool = True) -> None:
         if e.ssd != on:
             e.ssd = on
+            if e.row >= 0:          # indexed (discard sets -1): its namespace's totals
+                self._flip(e.row, _SSD_SLOT, e.size, on)
             if self.listener is not None:
                 self.listener.changed(e, SSD, on)
 
     def set_remote(self, e: Entry, on: bool = True) -> None:
         if e.remote != on:
             e.remote = on
+            if e.row >= 0:
+                self._flip(e.row, _REMOTE_SLOT, e.size, on)
             if self.listener is not None:
                 self.listener.changed(e, REMOTE, on)
 
@@ -374,6 +430,7 @@ class BlockIndex:
         self._flags[entry.row] = _HOT
         entry.children = self._awaited.pop(g, 0)
         self._link(entry.parent_gkey, 1, entry.row)
+        self._tally(entry.row, _tiers(entry), entry.size, 1)
         if self.listener is not None and entry.resident:
             for tier, on in ((GPU, entry.gpu is not None), (HOST, entry.host is not None),
                              (SSD, entry.ssd), (REMOTE, entry.remote)):
@@ -400,6 +457,7 @@ class BlockIndex:
         self._size[r] = size
         self._sum[r] = checksum
         self._flags[r] = (_SSD if ssd else 0) | (_REMOTE if remote else 0)
+        self._tally(r, self._flags[r], size, 1)
         self._children[r] = self._awaited.pop(g, 0)
         self._link(pg, 1, r)
 
@@ -457,8 +515,8 @@ class BlockIndex:
         self.rebuild_namespace_rows()
 
     def rebuild_namespace_rows(self) -> None:
-        """Each namespace's rows from the row arrays, after a bulk load set them directly
-        (load_ssd, an index image): one pass, rows ascending within a namespace."""
+        """Each namespace's rows and SSD and remote totals from the row arrays, after a bulk
+        load set them directly (load_ssd, an index image): rows ascending within a namespace."""
         own: list[list[int]] = [[] for _ in self._ns_ids]
         pos = array("i", bytes(4 * len(self._keys)))
         ns = self._ns
@@ -469,6 +527,17 @@ class BlockIndex:
                 rows.append(r)
         self._ns_rows = [array("i", rows) for rows in own]
         self._ns_pos = pos
+        flags, size, keys, hot = self._flags, self._size, self._keys, self._hot
+        sums = self._tier_sums = array("q", bytes(8 * _SUMS * len(own)))
+        for n, rows in enumerate(own):
+            if hot:                 # hot entries' own fields rule: counted below
+                rows = [r for r in rows if not (flags[r] & _HOT and keys[r] in hot)]
+            ssd = [size[r] for r in rows if flags[r] & _SSD]
+            remote = [size[r] for r in rows if flags[r] & _REMOTE]
+            sums[_SUMS * n:_SUMS * (n + 1)] = array("q", (len(ssd), sum(ssd), len(remote),
+                                                          sum(remote)))
+        for e in hot.values():
+            self._tally(e.row, _tiers(e), e.size, 1)
 
     def _link(self, p: bytes | None, delta: int, child: int = -1) -> None:
         """Count a child in (delta 1) or out (-1) of parent `p`, indexed or awaited; a child
@@ -550,6 +619,10 @@ class BlockIndex:
         n = e.children if e is not None else self._children[r]
         if n > 0:
             self._awaited[gkey] = n
+        if e is not None:
+            self._tally(r, _tiers(e), e.size, -1)
+        elif tiers := self._flags[r] & (_SSD | _REMOTE):
+            self._tally(r, tiers, self._size[r], -1)
         self._free_row(r)
         if e is not None:
             e.row = -1
@@ -580,6 +653,16 @@ class BlockIndex:
                 yield e.host is not None, e.ssd, e.remote, e.size
             else:
                 yield False, bool(f & _SSD), bool(f & _REMOTE), size[r]
+
+    def tier_usage(self, ns_id: bytes, tier: str) -> tuple[int, int]:
+        """(blocks, raw bytes) the namespace holds in `tier` ("ssd" or "remote"), from its
+        running totals: no walk (module docstring), so a quota check under the store lock
+        costs the same at a million blocks as at one."""
+        n = self._ns_no.get(ns_id)
+        if n is None:
+            return 0, 0
+        i = _SUMS * n + _TIER_SLOT[tier]
+        return self._tier_sums[i], self._tier_sums[i + 1]
 
     def entries(self) -> Iterator[Entry]:
         """Every block: the hot ones as their Entry, the packed ones as detached copies (read

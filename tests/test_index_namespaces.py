@@ -1,10 +1,13 @@
 """A namespace's walk in the block index (kvstore/index.py: namespace_keys,
-namespace_residency) reaches its own rows only, and stays exact through inserts, frees,
-sweeps, bulk loads and an index image round trip.
+namespace_residency) reaches its own rows only, and its SSD and remote totals (tier_usage)
+match its blocks, both exact through inserts, frees, tier flips, sweeps, bulk loads and an
+index image round trip.
 
 Why: Stats, quota checks and Delete-all walk one tenant's namespaces under the store lock; a
 walk that scanned every row made one tenant's call cost every other tenant's blocks
-(docs/security.md). The check is structural (which rows are read), not timed.
+(docs/security.md), and the SSD/remote quota check, once per demotion batch, must not walk
+even the tenant's own blocks. The checks are structural (which rows are read, what the
+totals equal), not timed.
 """
 
 from __future__ import annotations
@@ -48,6 +51,25 @@ def _check(ix: BlockIndex, model: dict[bytes, set[bytes]]) -> None:
         for i, r in enumerate(own):
             assert ix._ns_pos[r] == i and ix._ns[r] == n and ix._keys[r] is not None
     assert sum(len(own) for own in ix._ns_rows) == len(ix)
+    _check_totals(ix, list(model) + ix._ns_ids + [GONE])
+
+
+def _walked(ix: BlockIndex, ns: bytes) -> dict[str, tuple[int, int]]:
+    """(blocks, bytes) per lower tier, recounted from a walk of the namespace's blocks."""
+    out = {"ssd": [0, 0], "remote": [0, 0]}
+    for _, ssd, remote, size in ix.namespace_residency(ns):
+        for tier, on in (("ssd", ssd), ("remote", remote)):
+            if on:
+                out[tier][0] += 1
+                out[tier][1] += size
+    return {t: tuple(v) for t, v in out.items()}
+
+
+def _check_totals(ix: BlockIndex, namespaces: list[bytes]) -> None:
+    """Every namespace's running totals equal a walk of its blocks."""
+    for ns in namespaces:
+        assert {t: ix.tier_usage(ns, t) for t in ("ssd", "remote")} == _walked(ix, ns), ns
+    assert len(ix._tier_sums) == 4 * len(ix._ns_ids)
 
 
 def test_a_namespace_walk_reads_only_its_own_rows():
@@ -115,3 +137,122 @@ def test_freeing_any_row_of_a_namespace_keeps_the_others(order):
     ix.discard(SMALL_NS + key(gone))
     _check(ix, {SMALL_NS: {key(i) for i in range(5) if i != gone},
                 BIG: {key(i) for i in range(5)}})
+
+
+def _model_usage(blocks: dict[bytes, tuple[int, bool, bool]]) -> dict[str, tuple[int, int]]:
+    """(blocks, bytes) per lower tier of a model namespace: key -> (size, ssd, remote)."""
+    return {tier: (sum(1 for v in blocks.values() if v[i]),
+                   sum(v[0] for v in blocks.values() if v[i]))
+            for tier, i in (("ssd", 1), ("remote", 2))}
+
+
+def _check_model(ix: BlockIndex, model: dict[bytes, dict[bytes, tuple[int, bool, bool]]]
+                 ) -> None:
+    """Totals equal the model's and a walk's, and each block's fields the model's."""
+    _check(ix, {ns: set(blocks) for ns, blocks in model.items()})
+    for ns, blocks in model.items():
+        assert {t: ix.tier_usage(ns, t) for t in ("ssd", "remote")} == _model_usage(blocks)
+        for k, (size, ssd, remote) in blocks.items():
+            e = ix.read(ns + k)
+            assert (e.size, e.ssd, e.remote) == (size, ssd, remote)
+
+
+def test_tier_totals_stay_exact_through_every_change(monkeypatch):
+    """A random run of every operation that changes whether a block is indexed or on SSD or
+    remote, checked against a model after each step; then an image round trip and a bulk
+    load rebuild the same totals."""
+    monkeypatch.setattr(index_mod, "_SWEEP_MIN", 16)
+    rng = random.Random(11)
+    ix = BlockIndex()
+    model: dict[bytes, dict[bytes, tuple[int, bool, bool]]] = {BIG: {}, SMALL_NS: {}}
+    held: list[Entry] = []              # entries a mover holds across sweeps
+    for step in range(4000):
+        ns = BIG if rng.random() < 0.7 else SMALL_NS
+        k = key(rng.randrange(300))
+        size = rng.randrange(1, 1 << 20)
+        ssd, remote = rng.random() < 0.6, rng.random() < 0.3
+        op = rng.randrange(9)
+        if op == 0 and k in model[ns]:
+            ix.discard(ns + k)
+            del model[ns][k]
+        elif op == 1:
+            ix.add(Entry(ns, k, None, size, step, ssd=ssd, remote=remote))
+            model[ns][k] = (size, ssd, remote)
+        elif op == 2:
+            ix.add_cold(ns, k, None, size, step, ssd=ssd, remote=remote)
+            model[ns][k] = (size, ssd, remote)
+        elif op == 3:                   # a commit's batch: new blocks, a host copy each
+            batch = [Entry(ns, key(1000 + step * 4 + i), None, size + i, step, ssd=ssd,
+                           remote=remote) for i in range(rng.randrange(1, 4))]
+            ix.add_host_many(batch, [4096 * i for i in range(len(batch))])
+            for e in batch:
+                model[ns][e.key] = (e.size, ssd, remote)
+        elif op in (4, 5) and model[ns]:    # a demotion, promotion or eviction flips a tier
+            k = rng.choice(sorted(model[ns]))
+            e = ix.get(ns + k)
+            on = rng.random() < 0.5
+            (ix.set_ssd if op == 4 else ix.set_remote)(e, on)
+            sz, s, r = model[ns][k]
+            model[ns][k] = (sz, on, r) if op == 4 else (sz, s, on)
+            if rng.random() < 0.3:
+                held.append(e)
+            del e
+        elif op == 6 and held:          # a mover's entry, discarded meanwhile: flips count 0
+            e = held.pop(rng.randrange(len(held)))
+            if ix.get(e.gkey) is e:
+                ix.discard(e.gkey)
+                del model[e.ns_id][e.key]
+            ix.set_ssd(e, not e.ssd)
+            ix.set_remote(e, not e.remote)
+            del e
+        elif op == 7:
+            if rng.random() < 0.5:
+                held.clear()
+            ix.compact()
+        elif op == 8 and model[ns]:     # hot again from its packed row, then let go
+            ix.get(ns + rng.choice(sorted(model[ns])))
+        if step % 50 == 0 or op in (0, 6, 7):
+            _check_model(ix, model)
+        else:
+            _check_totals(ix, [ns])
+    _check_model(ix, model)
+    held.clear()
+    ix.compact()
+    _check_model(ix, model)
+    assert ix.hot_count < len(ix)       # the run packed and unpacked rows
+
+    # The image keeps SSD blocks only, without their remote bit; the loaded totals are rebuilt.
+    kept = warm_image._kept_rows(ix, {BIG, SMALL_NS})
+    loaded = BlockIndex()
+    warm_image.load_index(loaded, warm_image._dump_index(ix, kept))
+    on_ssd = {ns: {k: (v[0], True, False) for k, v in blocks.items() if v[1]}
+              for ns, blocks in model.items()}
+    _check_model(loaded, on_ssd)
+    k = sorted(on_ssd[BIG])[0]
+    loaded.set_remote(loaded.get(BIG + k))      # a loaded index keeps counting from there
+    on_ssd[BIG][k] = (on_ssd[BIG][k][0], True, True)
+    loaded.add_cold(SMALL_NS, key(5000), None, 7, 0, ssd=True)
+    on_ssd[SMALL_NS][key(5000)] = (7, True, False)
+    _check_model(loaded, on_ssd)
+
+    bulk = BlockIndex()
+    items = [(ns + k, None, v[0], 0) for ns, blocks in model.items() for k, v in blocks.items()]
+    bulk.load_ssd(items)
+    every = {ns: {k: (v[0], True, False) for k, v in blocks.items()}
+             for ns, blocks in model.items()}
+    _check_model(bulk, every)
+    for ns, blocks in every.items():    # evicted from SSD one by one, down to nothing
+        for k in sorted(blocks):
+            e = bulk.get(ns + k)
+            bulk.set_ssd(e, False)
+            assert bulk.drop_if_gone(e)
+        assert bulk.tier_usage(ns, "ssd") == (0, 0)
+    _check_totals(bulk, [BIG, SMALL_NS])
+
+
+def test_load_ssd_with_repeated_keys_counts_each_block_once():
+    ix = BlockIndex()
+    ix.load_ssd([(BIG + key(1), None, 10, 0), (BIG + key(2), None, 20, 0),
+                 (BIG + key(1), None, 30, 0)])
+    assert ix.tier_usage(BIG, "ssd") == (2, 50) and ix.tier_usage(BIG, "remote") == (0, 0)
+    _check_totals(ix, [BIG])
