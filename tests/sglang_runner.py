@@ -15,8 +15,9 @@ prompt S (random bytes, seeded) through batch_set_v1; "exists"; "get" (batch_get
 host slots, compared byte for byte with what prompt S's pages must hold); "set_flat" / "get_flat"
 (the older flat-page calls); "locate" (per-page tier, waiting up to "wait_s" for "host");
 "corrupt" (flip one byte of page "page" in the daemon's slot); "chaos" (back-to-back batches
-while SIGKILLing the daemon "kill_pid" mid-batch); "bench" (v1 set/get of each pool of
-"layouts" against a memcpy, the pools taking turns every round).
+while SIGKILLing the daemon "kill_pid" mid-batch); "stopped" (the steps "steps" while the
+daemon "pid" is SIGSTOPped); "bench" (v1 set/get of each pool of "layouts" against a memcpy,
+the pools taking turns every round).
 """
 
 from __future__ import annotations
@@ -211,8 +212,9 @@ def op_exists(backend, pool, s: dict) -> dict:
         keys[s["hole"]] = hashlib.sha256(b"hole").hexdigest()
     t0 = time.monotonic()
     n = backend.batch_exists(keys)
+    batch_s = time.monotonic() - t0
     single = [backend.exists(k) for k in keys[:2]]
-    return {"n": n, "single": single, "s": time.monotonic() - t0}
+    return {"n": n, "single": single, "s": time.monotonic() - t0, "batch_s": batch_s}
 
 
 def op_set_flat(backend, pool, s: dict) -> dict:
@@ -346,6 +348,35 @@ def op_chaos(backend, pool, s: dict) -> dict:
             "failed_pages": failed_pages, "recovered": recovered, "recover_s": recover_s}
 
 
+def op_stopped(backend, pool, s: dict) -> dict:
+    """The steps "steps" while the daemon "pid" is stopped (SIGSTOP, then SIGCONT whatever
+    happens): each starts once the backend's own back-off is over, so each asks the daemon."""
+    os.kill(s["pid"], signal.SIGSTOP)
+    try:
+        end = time.monotonic() + 10     # the signal is sent, not yet taken by every thread
+        while time.monotonic() < end and not _stopped(s["pid"]):
+            time.sleep(0.005)
+        out = []
+        for step in s["steps"]:
+            while time.monotonic() < backend._down_until:
+                time.sleep(0.005)
+            r = OPS[step["op"]](backend, pool, step)
+            out.append({"op": step["op"], **r, "last_error": backend.last_error})
+        return {"steps": out}
+    finally:
+        os.kill(s["pid"], signal.SIGCONT)
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped (state T in /proc)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        return all(open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+                   == "T" for t in tasks)
+    except OSError:
+        return False
+
+
 def op_bench(sides: list, s: dict) -> list[dict]:
     """Pages through each (backend, pool) of `sides` against a memcpy of the same bytes (numpy,
     this thread), in the same process (the machine is shared: only same-run ratios mean
@@ -431,7 +462,7 @@ def op_demote(backend, pool, s: dict) -> dict:
 
 OPS = {"set": op_set, "get": op_get, "exists": op_exists, "set_flat": op_set_flat,
        "get_flat": op_get_flat, "locate": op_locate, "corrupt": op_corrupt, "chaos": op_chaos,
-       "demote": op_demote, "clear": op_clear}
+       "demote": op_demote, "clear": op_clear, "stopped": op_stopped}
 
 
 def main() -> None:

@@ -130,7 +130,9 @@ def test_daemon_hung_fails_jobs_and_misses(run: dict[str, Any]) -> None:
     assert s["first"] == ["HIT_PENDING"] * 4
     assert s["settled"], "a promotion against a hung daemon never finished"
     promotion = s["jobs"][-1]
-    assert s["promote_fail_s"] <= s["timeout_s"] + 5.0
+    # One SDK call's deadline (a lane hello and the gRPC fallback share it), and a margin for
+    # a loaded machine: an extra wait of timeout_s (a hello with its own deadline) fails this.
+    assert s["promote_fail_s"] <= s["timeout_s"] + 0.8
     if promotion["success"]:
         # The Locate was answered (its blocks pinned) before the stop, a race a loaded machine
         # can lose: the promotion then needed no more of the daemon, and loaded the right bytes.

@@ -28,6 +28,7 @@ from ._proto import kvstore_pb2_grpc as pbg
 from .blockcopy import default_threads
 from .common.address import grpc_target
 from .common.errors import (
+    DeadlineExceeded,
     InvalidArgument,
     KVStoreError,
     LeaseExpired,
@@ -178,9 +179,15 @@ class Client:
         Until a daemon has answered once, a missing socket or a refused connection fails at
         once ("no kvstore daemon at ..."): that is a wrong address, not a restart. Afterwards
         calls wait up to their deadline for the channel, so a restarting daemon is waited for.
+
+        One deadline for the whole call, set here: a lane hello that timed out (a stopped
+        daemon still accepts connections) leaves gRPC only what it did not use, so a call
+        never takes its deadline twice.
         """
         if self._closed:
             raise KVStoreError("client is closed")
+        timeout = timeout or self.timeout
+        t_end = time.monotonic() + timeout
         if method in _AFTER_RELEASES:
             self.leases.flush(spares=_AFTER_RELEASES[method])
         first = not self._reached
@@ -189,16 +196,18 @@ class Client:
         if not self._session_checked:
             self.ensure_session()
         lane = self._lane
+        why = ""
         if lane is not None and method in METHOD_ID:
             try:
-                body = lane.call(method, request.SerializeToString(), timeout or self.timeout)
+                body = lane.call(method, request.SerializeToString(),
+                                 _left(method, timeout, t_end))
                 return _RESPONSE[method].FromString(body)
-            except NotSent:
-                pass                        # not sent: over gRPC below
-        t_end = time.monotonic() + (timeout or self.timeout)
+            except NotSent as e:
+                why = f" ({e})"             # not sent: over gRPC below
         try:
-            resp = self._first_invoke(method, request, timeout, t_end) if first else \
-                self._invoke(method, request, timeout, wait=True)
+            left = _left(method, timeout, t_end, why)
+            resp = self._first_invoke(method, request, left, t_end) if first else \
+                self._invoke(method, request, left, wait=True)
         except grpc.RpcError as e:
             if first and e.code() == grpc.StatusCode.UNAVAILABLE:
                 raise Unavailable(f"no kvstore daemon at {self.address} ({e.details()}); "
@@ -210,7 +219,7 @@ class Client:
             # A session ends with the daemon run that issued it: one fresh handshake, one retry.
             self.ensure_session(refresh=True)
             try:
-                resp = self._invoke(method, request, timeout, wait=True)
+                resp = self._invoke(method, request, _left(method, timeout, t_end), wait=True)
             except grpc.RpcError as e2:
                 raise from_rpc_error(e2, method, self.target) from None
         self._reached = True
@@ -300,24 +309,28 @@ class Client:
         if self._closed:
             return  # close() released every lease the keeper held
         try:
-            self.call("Release", pb.ReleaseRequest(lease_id=lease_id), timeout=2.0)
+            self.call("Release", pb.ReleaseRequest(lease_id=lease_id),
+                      timeout=min(2.0, self.timeout))
         except (NotFound, LeaseExpired, Unavailable):
             pass  # already gone: the daemon restarted or reaped it
+        except DeadlineExceeded as e:
+            # The lease ends at its deadline anyway; the caller's own error (if any) matters.
+            log.debug("kvstore: release of %s timed out: %s", lease_id, e)
 
     def release(self, lease_id: str) -> None:
         """Release a lease (best effort: a lease the daemon no longer knows is already free)."""
         self.leases.remove(lease_id)
         self._release_quiet(lease_id)
 
-    def call_carrying(self, method: str, request: Any) -> Any:
+    def call_carrying(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """`call` with the releases of finished leases added to the request (its
         release_leases field), so they need no round trip of their own (leases.py)."""
         ids = self.leases.take_pending()
         if not ids:
-            return self.call(method, request)
+            return self.call(method, request, timeout)
         request.release_leases.extend(ids)
         try:
-            return self.call(method, request)
+            return self.call(method, request, timeout)
         except BaseException:
             self.leases.requeue(ids)
             raise
@@ -471,6 +484,16 @@ class Client:
 
 # The response message of each call the lane carries.
 _RESPONSE = {m: getattr(pb, f"{m}Response") for m in METHOD_ID}
+
+
+def _left(method: str, timeout: float, t_end: float, why: str = "") -> float:
+    """Seconds left of a call's deadline; DeadlineExceeded at once when none are (a next
+    step given a fresh or a zero timeout would wait a whole default one)."""
+    left = t_end - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded(f"{method}: did not finish within its deadline ({timeout:.3g} s)"
+                               f"{why}")
+    return left
 
 
 def tls_credentials(ca_file: str | None, cert_file: str | None, key_file: str | None

@@ -6,7 +6,7 @@ socket reports a closed peer at once), before the request left: the call then go
 instead and the pool is dropped. Once the request is out, a lost connection is an Unavailable
 error (the daemon may or may not have served it), a late answer a DeadlineExceeded error, and
 that connection is closed (an answer must never reach the wrong call). Every wait is bounded
-by one deadline for the whole call (or the whole hello), not one per read.
+by one deadline for the whole call, a new connection's hello included, not one per read.
 
 A daemon that refuses a new connection (its tenant's lane connections are all in use, too many
 connections wait to authenticate, a token it does not take) is asked again after a back-off
@@ -59,7 +59,7 @@ class LaneClient:
         """The response bytes of `method`; errors as the SDK's exceptions; NotSent when the
         request could not be sent (no lane, or the daemon behind it is gone)."""
         deadline = time.monotonic() + timeout
-        conn = self._take()
+        conn = self._take(deadline)
         try:
             conn.send(HEADER.pack(len(raw), METHOD_ID[method]) + raw, deadline)
         except OSError as e:
@@ -73,7 +73,7 @@ class LaneClient:
         except TimeoutError:
             conn.close()
             raise from_code("DEADLINE_EXCEEDED", f"{method} over the lane {self.path} did not "
-                            f"finish within its deadline ({timeout:g} s)") from None
+                            f"finish within its deadline ({timeout:.3g} s)") from None
         except (EOFError, OSError) as e:
             conn.close()
             self.drop()
@@ -87,7 +87,7 @@ class LaneClient:
             raise from_code(name, f"{method}: {body.decode(errors='replace')}")
         return body
 
-    def _take(self) -> Frames:
+    def _take(self, deadline: float) -> Frames:
         if self.broken:
             raise NotSent("lane closed")
         if self._retry_at and time.monotonic() < self._retry_at:
@@ -101,7 +101,7 @@ class LaneClient:
                 if now - since < IDLE_S:
                     return conn
                 conn.close()
-        return self._open()
+        return self._open(deadline)
 
     def _give(self, conn: Frames) -> None:
         with self._lock:
@@ -110,16 +110,27 @@ class LaneClient:
                 return
         conn.close()
 
-    def _open(self) -> Frames:
-        deadline = time.monotonic() + self.timeout
+    def _open(self, deadline: float) -> Frames:
+        """A new connection, its hello answered by the call's deadline (`deadline`), and
+        within the client's timeout: a stopped daemon's kernel still accepts the connection,
+        so only the deadline ends the wait, and the call must keep what the hello did not use
+        for its other way (gRPC) rather than lose a whole timeout to it."""
+        now = time.monotonic()
+        end = min(now + self.timeout, deadline)
+        cut = end < now + self.timeout     # the call's deadline, not the daemon, may end it
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(self.timeout)
+            _left(sock, end)
             sock.connect(self.path)
+            _left(sock, end)
             sock.sendall((json.dumps({"v": VERSION, "token": self.token}) + "\n").encode())
-            reply = json.loads(recv_line(sock, deadline=deadline))
+            reply = json.loads(recv_line(sock, deadline=end))
         except (OSError, EOFError, ValueError) as e:
             sock.close()
+            if cut and isinstance(e, TimeoutError):
+                # A short call ran out of time, which says nothing of the daemon: no back-off.
+                raise NotSent(f"the lane {self.path} did not answer its hello within the "
+                              f"call's deadline") from None
             self._refused(f"cannot open the lane {self.path}: {e}")
             raise NotSent(f"cannot open the lane {self.path}: {e}") from None
         if not isinstance(reply, dict) or reply.get("ok") is not True:
@@ -154,6 +165,15 @@ class LaneClient:
     def close(self) -> None:
         self.broken = True
         self.drop()
+
+
+def _left(sock: socket.socket, end: float) -> None:
+    """Give the next blocking step only what is left before `end` (one deadline for the
+    whole hello, not one per step)."""
+    left = end - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no time left for the lane hello")
+    sock.settimeout(left)
 
 
 def available(path: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from ._proto import kvstore_pb2 as pb
 from .buffers import PAGE, _is_tensor, aligned_buffer, check_seq, copy_block, raw_view, slot_view
 from .common.errors import (
     DataLoss,
+    DeadlineExceeded,
     InvalidArgument,
     LeaseExpired,
     NotFound,
@@ -379,7 +381,7 @@ class Namespace:
                 n = len(offsets)
                 sums = _fill_checksummed(fill, pool.slab.array, offsets, i, bb, client.verify)
             except BaseException:
-                client.release(lease.lease_id)
+                client.release_later(lease.lease_id)    # off the failing call's deadline
                 raise
             last = i + n >= len(keys)
             stored += self._commit(lease, keys[i:i + n], parent, sums,
@@ -398,12 +400,15 @@ class Namespace:
         on one round trip (its Commit), and a cached prefix is still not copied (except what
         was filled before the answer came)."""
         client, bb, n = self.client, self.block_bytes, len(keys)
+        deadline: float | None = None
         try:
             pool = self._current_pool()
             offsets = self._check_slots(lease.slots, pool)[:n]
             have: int | None = None
             look = None
             if self._prefix_seen:
+                # The store's one deadline: the Commit gets what waiting on the lookup left.
+                deadline = time.monotonic() + client.timeout
                 look = client.call_future("Lookup", pb.LookupRequest(namespace_id=self.ns_id,
                                                                      keys=keys))
             else:
@@ -424,7 +429,7 @@ class Namespace:
             if have is None:
                 have = _prefix_of(look)
         except BaseException:
-            client.release(lease.lease_id)
+            client.release_later(lease.lease_id)
             raise
         self._prefix_seen = have > 0
         if have >= n:                       # all cached: the slots wait for the next store
@@ -436,12 +441,18 @@ class Namespace:
         T = 4 * self.layout.block_tokens           # bytes of token ids a block
         return self._commit(lease, keys[have:], keys[have - 1] if have else (parent or b""),
                             sums[have:], ahead=n, first_slot=have,
-                            tokens=tokens[have * T:] if tokens else None)
+                            tokens=tokens[have * T:] if tokens else None, deadline=deadline)
 
     def _commit(self, lease: Any, keys: list[bytes], parent: bytes, sums: list[int], *,
-                ahead: int = 0, first_slot: int = 0, tokens: bytes | None = None) -> int:
+                ahead: int = 0, first_slot: int = 0, tokens: bytes | None = None,
+                deadline: float | None = None) -> int:
         """Commit a filled write lease; with `ahead`, reserve that many slots for the next
-        store in the same call (kept as the spare). Returns blocks stored."""
+        store in the same call (kept as the spare). Returns blocks stored. `deadline`: the
+        store's, when part of it went before (its lookup); else the Commit's own timeout.
+
+        A failed Commit's lease is released from the lease thread: a synchronous Release
+        would wait on the same unresponsive daemon again, past the store's deadline, and its
+        error would hide the Commit's (the daemon reaps the lease at its deadline anyway)."""
         client, lid = self.client, lease.lease_id
         if not client.leases.remove(lid):
             client.counters["leases_lost"] += 1
@@ -449,15 +460,20 @@ class Namespace:
             raise LeaseExpired(f"write lease {lid} expired during the copy")
         ahead = min(ahead, self._reserve_batch())
         try:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise DeadlineExceeded(f"Commit: the store's deadline ({client.timeout:g} s) "
+                                       "passed waiting for its lookup")
             r = client.call_carrying("Commit", pb.CommitRequest(
                 lease_id=lid, keys=keys, parent=parent, checksums=sums, first_slot=first_slot,
-                reserve_next=ahead, next_ttl_s=client.lease_ttl_s, token_ids=tokens or b""))
+                reserve_next=ahead, next_ttl_s=client.lease_ttl_s, token_ids=tokens or b""),
+                timeout=left)
         except DataLoss as e:
             # Our bytes did not arrive where the daemon looks: a replaced segment (the daemon
             # freed the lease already).
             raise _Stale(str(e)) from None
         except BaseException:
-            client.release(lid)
+            client.release_later(lid)
             raise
         if r.duplicates:
             self._prefix_seen = True

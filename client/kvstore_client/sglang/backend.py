@@ -20,6 +20,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
@@ -32,7 +34,7 @@ check_sglang()
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from .. import blockcopy, connect
-from ..common.errors import InvalidArgument, KVStoreError, Unavailable
+from ..common.errors import DeadlineExceeded, InvalidArgument, KVStoreError, Unavailable
 from ..common.layout import CODECS
 from . import identity, pages
 
@@ -85,6 +87,7 @@ class KVStoreHiCache(HiCacheStorage):
         self._plan: Any = None       # the SDK's copy kernel plan for the pool, when it applies
         self._client: Any = None
         self._ns: Any = None
+        self._registering: Future | None = None     # the registration in flight (_namespace)
         self._ns_lock = threading.Lock()
         self._disabled: str | None = None
         self._down_until = 0.0
@@ -106,7 +109,7 @@ class KVStoreHiCache(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         with self._ns_lock:
-            self._ns = None
+            self._ns, self._registering = None, None
             try:
                 self._geo = pages.geometry(mem_pool_host)
                 self._views = pages.views_for(mem_pool_host, self._geo)
@@ -124,7 +127,12 @@ class KVStoreHiCache(HiCacheStorage):
     def geometry(self) -> pages.PageGeometry | None:
         return self._geo
 
-    def _namespace(self) -> Any:
+    def _namespace(self, wait_s: float | None = None) -> Any:
+        """The namespace, connected and registered on a thread of its own the first time, so
+        the caller waits for it at most `wait_s`, its own bound: a first batch_exists against
+        a daemon that does not answer is a miss after exists_deadline_s, not after the
+        registration's timeout_s. A registration that outlives its caller goes on; a later
+        call finds it done. `wait_s` None: timeout_s."""
         if self._ns is not None:
             return self._ns
         with self._ns_lock:
@@ -134,30 +142,64 @@ class KVStoreHiCache(HiCacheStorage):
                 raise Unavailable(self._disabled)
             if self._geo is None:
                 raise Unavailable("SGLang has not registered its host pool with the backend")
-            if self._client is None:
-                self._client = connect(self.address, timeout=self.timeout_s)
-            cfg = self.config
-            if self.model_name:
-                cfg = _Renamed(cfg, self.model_name)
-            args = identity.namespace_args(cfg, self._geo, codec=self.codec,
+            reg = self._registering
+            if reg is None:
+                if self._client is None:
+                    self._client = connect(self.address, timeout=self.timeout_s)
+                reg = self._registering = Future()
+                threading.Thread(target=self._register, name="kvstore-sglang-register",
+                                 args=(reg, self._client, self._geo), daemon=True).start()
+        wait_s = self.timeout_s if wait_s is None else wait_s
+        try:
+            return reg.result(timeout=wait_s)
+        except FutureTimeout:
+            raise DeadlineExceeded(f"registering the namespace with the daemon at "
+                                   f"{self.address} took longer than {wait_s:g} s (it goes "
+                                   "on meanwhile)") from None
+
+    def _register(self, reg: Future, client: Any, geo: pages.PageGeometry) -> None:
+        """Register, then publish the namespace unless the host pool was registered again
+        (or the backend closed) meanwhile: that registration is for a pool no longer used."""
+        cfg = self.config
+        if self.model_name:
+            cfg = _Renamed(cfg, self.model_name)
+        try:
+            args = identity.namespace_args(cfg, geo, codec=self.codec,
                                            tenant_salt=self.tenant_salt)
             try:
-                self._ns = self._client.namespace(**args)
+                ns = client.namespace(**args)
             except InvalidArgument as e:     # the daemon refuses this namespace: for good
-                self._disabled = f"the daemon refused the namespace: {e}"
-                log.error("kvstore: %s; every storage call is a miss", self._disabled)
-                raise Unavailable(self._disabled) from None
-            log.info("kvstore: namespace %s for %s (%s, %d-byte pages, %s)",
-                     self._ns.ns_id.hex(), args["model"], self._geo.engine_layout,
-                     self._geo.nbytes, args["codec"])
-            return self._ns
+                why = f"the daemon refused the namespace: {e}"
+                with self._ns_lock:
+                    if self._registering is reg:
+                        self._disabled = why
+                        log.error("kvstore: %s; every storage call is a miss", why)
+                raise Unavailable(why) from None
+        except BaseException as e:
+            with self._ns_lock:
+                if self._registering is reg:
+                    self._registering = None
+            reg.set_exception(e)
+            return
+        with self._ns_lock:
+            current = self._registering is reg
+            if current:
+                self._ns, self._registering = ns, None
+        if not current:
+            reg.set_exception(Unavailable("the host pool was registered again during the "
+                                          "namespace's registration"))
+            return
+        log.info("kvstore: namespace %s for %s (%s, %d-byte pages, %s)", ns.ns_id.hex(),
+                 args["model"], geo.engine_layout, geo.nbytes, args["codec"])
+        reg.set_result(ns)
 
-    def _guard(self) -> Any:
-        """The namespace, or Unavailable at once while the daemon is known to be down."""
+    def _guard(self, wait_s: float | None = None) -> Any:
+        """The namespace (`_namespace`), or Unavailable at once while the daemon is known to
+        be down."""
         if time.monotonic() < self._down_until:
             raise Unavailable(f"kvstore daemon at {self.address} is unreachable; retrying "
                               "shortly")
-        return self._namespace()
+        return self._namespace(wait_s)
 
     def _failed(self, what: str, e: BaseException) -> None:
         with self._stat_lock:
@@ -202,9 +244,15 @@ class KVStoreHiCache(HiCacheStorage):
         if not keys:
             return 0
         try:
-            ns = self._guard()
+            # One bound for the whole query, a first call's registration included.
+            end = time.monotonic() + self.exists_deadline_s
+            ns = self._guard(self.exists_deadline_s)
+            left = end - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"batch_exists: no time left of exists_deadline_s "
+                                       f"({self.exists_deadline_s:g} s) after the registration")
             where = ns.locate([identity.fold_key(k) for k in keys], prefetch=self.prefetch,
-                              timeout=self.exists_deadline_s)
+                              timeout=left)
             self._ok()
         except Exception as e:
             self._failed("batch_exists", e)
@@ -397,7 +445,7 @@ class KVStoreHiCache(HiCacheStorage):
             except Exception:
                 pass
             self._client = None
-            self._ns = None
+            self._ns, self._registering = None, None
 
 
 class _Renamed:
