@@ -62,17 +62,30 @@ TRANSPORTS = ("auto", "shm", "grpc")
 
 # ------------------------------------------------------------------------------ the client
 
+def _fd_ino(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
 class _Pool:
     """The mapped host pool, with the segment identity to notice a restarted daemon."""
 
-    def __init__(self, name: str, size: int, fd: int | None = None) -> None:
+    def __init__(self, name: str, size: int, fd: int | None = None,
+                 session: Session | None = None, auth_path: str | None = None) -> None:
         from .common import prefault, shm  # only clients that map the pool need them
         self.name, self.size = name, size
         self.fd_backed = fd is not None
-        # A tenant's own pool comes as a memfd from the handshake; it has no name to stat, and
-        # a restart shows as a new daemon_id or unknown namespace instead.
+        # A tenant's own pool comes as a memfd from the handshake; it has no name to stat. Its
+        # identity is the memfd's inode: while this mapping holds that memfd, no later run's
+        # pool can have the same one (a socket's inode, by contrast, is reused at once).
+        self.ino = _fd_ino(fd) if fd is not None else None
         self.slab = shm.attach_fd(fd, size) if fd is not None else shm.attach(name, size)
-        self.ino = None if self.fd_backed else self._ino()
+        if not self.fd_backed:
+            self.ino = self._ino()
+        # Set once a newer session or handshake named another memfd: a restarted daemon whose
+        # pool this mapping is not, although nothing about the mapping itself changed.
+        self.replaced = False
+        self._session, self._auth_path = session, auth_path
         # Take this process's page faults on the pool now, in the background, not in the
         # engine's first copies into each slot (kvstore_client/common/prefault.py).
         self._prefaulter = prefault.start(self.slab._mmap, size) if size else None
@@ -86,7 +99,22 @@ class _Pool:
 
     def current(self) -> bool:
         """False when the daemon replaced the segment (restart) or removed it."""
-        return self.fd_backed or not os.path.isdir("/dev/shm") or self._ino() == self.ino
+        if self.fd_backed:
+            # The handshake socket's inode is a cheap first sign (a token client gets no other
+            # until a checksum fails), but a reused inode hides a restart: `replaced` does not.
+            return not self.replaced and (self._session is None or self._auth_path is None
+                                          or self._session.current(self._auth_path))
+        return not os.path.isdir("/dev/shm") or self._ino() == self.ino
+
+    def follow(self, session: Session | None) -> bool:
+        """Keep the mapping for a newer session only when its pool fd names this same memfd
+        (a session renewed within one daemon run); else mark it replaced. True if kept."""
+        fd = session.pool_fd if session is not None else None
+        if fd is not None and _fd_ino(fd) == self.ino:
+            self._session = session
+            return True
+        self.replaced = True
+        return False
 
     def close(self) -> None:
         if self._prefaulter is not None:
@@ -169,8 +197,10 @@ class Client:
         self._shm_error: str | None = None
         self._namespaces: weakref.WeakSet[Namespace] = weakref.WeakSet()
         self.leases = LeaseKeeper(self._renew, self._release_quiet)
+        # corrupt_blocks: checksum failures of the daemon's own copy (the mapping was checked
+        # to be the live pool), the only ones that justify dropping a block for everyone.
         self.counters: dict[str, int] = {"resyncs": 0, "checksum_failures": 0,
-                                         "leases_lost": 0}
+                                         "leases_lost": 0, "corrupt_blocks": 0}
 
     # -- plumbing -------------------------------------------------------------------------
     def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
@@ -276,12 +306,18 @@ class Client:
         with self._lock:
             if self._session_checked and not refresh:
                 return
-            old = self._session
+            old, pool = self._session, self._pool
             self._session_checked = True
             if self._auth_path is None or not os.path.exists(self._auth_path):
                 self._session = None
+                if pool is not None and pool.fd_backed:
+                    pool.follow(None)
                 return
             self._session = handshake(self._auth_path, self._token, self.timeout)
+            if pool is not None and pool.fd_backed:
+                # A new run's session says nothing else about the mapped memfd: without this,
+                # loads would go on reading the dead run's pool (retried only on a NotFound).
+                pool.follow(self._session)
             if old is not None:
                 old.close_fds()
                 # Their fds are closed: the next RegisterNamespace names the new ones.
@@ -290,6 +326,27 @@ class Client:
                 self.metadata = (("authorization", f"Bearer {self._session.token}"),)
                 if self._lane is not None:      # its hello carries the session too
                     self._lane.renew(self._session.token)
+
+    def pool_moved(self, pool: _Pool) -> bool:
+        """After a checksum failure: whether the daemon now hands out another pool than the
+        memfd `pool` maps. One handshake, because a token client keeps its session across a
+        restart and a reused socket inode hides one, so nothing cheaper can tell a dead run's
+        mapping from a corrupt block. False for named segments (`current()` checks those)."""
+        if not pool.fd_backed or pool.replaced:
+            return pool.replaced
+        if self._auth_path is None:
+            return False
+        try:
+            probe = handshake(self._auth_path, self._token, self.timeout)
+        except KVStoreError:
+            return False                # no answer: nothing says the mapping is stale
+        try:
+            same = probe.pool_fd is not None and _fd_ino(probe.pool_fd) == pool.ino
+        finally:
+            probe.close_fds()
+        if not same:
+            pool.replaced = True
+        return not same
 
     def session_current(self) -> bool:
         """False when the daemon restarted since the handshake (its fds are of a dead run)."""
@@ -379,8 +436,10 @@ class Client:
             return
         fd = None
         if hp.kind == "memfd":
-            # This tenant's own pool: the fd from the handshake (a fresh one after a restart).
-            if changed and pool is not None:
+            # This tenant's own pool: the fd from the handshake (a fresh one after a restart,
+            # or when the mapped pool was found replaced and its session's fd is consumed).
+            if pool is not None and (changed or self._session is None
+                                     or self._session.pool_fd is None):
                 self.ensure_session(refresh=True)
             session = self._session
             fd = session.pool_fd if session is not None else None
@@ -394,7 +453,8 @@ class Client:
             return
         try:
             if hp.kind == "memfd" and fd is not None and hp.size:
-                self._pool = _Pool("", int(hp.size), fd=fd)
+                self._pool = _Pool("", int(hp.size), fd=fd, session=session,
+                                   auth_path=self._auth_path)
             elif hp.kind != "shm" or not hp.name or not hp.size:
                 raise NotFound(f"the daemon offers no shared-memory host pool ({hp.kind!r})")
             else:

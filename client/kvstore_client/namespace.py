@@ -635,6 +635,10 @@ class Namespace:
         n = len(offsets)
         if list(lease.keys[:n]) != list(keys[:n]):
             raise DataLoss("the daemon's read lease names other keys than were asked for")
+        if pool.replaced:
+            # The call that gave the lease met a restarted daemon and took a new session: its
+            # slots are in the new run's pool, which this (tenant, memfd) mapping is not.
+            raise _Stale("host pool replaced by a restarted daemon")
         want = list(lease.checksums) if client.verify else []
         good = _drain_verified(drain, pool.slab.array, offsets, bb,
                                want if len(want) == n else None)
@@ -643,8 +647,9 @@ class Namespace:
             raise _Stale(f"read lease {lid} expired during the copy")
         if good < n:
             client.counters["checksum_failures"] += 1
-            if not pool.current():
+            if not pool.current() or client.pool_moved(pool):
                 raise _Stale("host pool segment replaced during the copy")
+            client.counters["corrupt_blocks"] += 1
             log.warning("kvstore: block %d of a load failed its checksum; serving the %d "
                         "blocks before it", good, good)
         return good

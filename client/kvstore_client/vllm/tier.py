@@ -351,7 +351,10 @@ class KVStoreTier(SecondaryTierManager):
         try:
             ns, nb = self._guard(), self.geometry.nbytes
             # load_blocks verifies each block's checksum and returns the verified prefix only.
-            bad_sums = ns.client.counters["checksum_failures"]
+            # Only corrupt_blocks counts failures of the daemon's own copy: a checksum failure
+            # of this client's mapping (a restarted daemon's old pool) is resynced instead, and
+            # deleting on it would drop a block that is intact for every other engine.
+            bad_sums = ns.client.counters["corrupt_blocks"]
             n = ns.load_blocks(keys, self._mover(ns, chunks, False))
             self._ok()
         except Exception as e:
@@ -366,7 +369,7 @@ class KVStoreTier(SecondaryTierManager):
                 continue
             got = n - at
             self.counters["load_failed"] += len(ks) - got
-            if ns.client.counters["checksum_failures"] != bad_sums:
+            if ns.client.counters["corrupt_blocks"] != bad_sums:
                 self._drop_corrupt(ns, ks[got])
             self._gone(ks[got:got + 1])     # the daemon answered: missing, or dropped as corrupt
             self._lookups.hold_misses(ks[got:], self.failed_hold_s)
@@ -531,8 +534,10 @@ class KVStoreTier(SecondaryTierManager):
         self.drain_jobs()
         self._io.shutdown(wait=False)
         # Drop the view of the primary tier: vLLM closes that mmap next and cannot while a
-        # buffer export is alive ("cannot close exported pointers exist").
+        # buffer export is alive ("cannot close exported pointers exist"). The copy plan holds
+        # the same view (Plan.keep), so it goes too.
         self._chunks = None
+        self._plan = None
         if self._client is not None:
             try:
                 self._client.close()
