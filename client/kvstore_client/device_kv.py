@@ -124,7 +124,9 @@ class DeviceKV:
             return int(r.stored)
         finally:
             if not committed:
-                client.release(lid)
+                # From the lease thread: a Release now would wait on the same unanswering
+                # daemon past the store's deadline (the daemon reaps the lease anyway).
+                client.release_later(lid)
 
     # -- load -------------------------------------------------------------------------------
     def load_keys(self, keys: Sequence[bytes], block_ids: Any, _retry: bool = True) -> int:
@@ -166,9 +168,11 @@ class DeviceKV:
             if not client.leases.ok(lid):
                 client.counters["leases_lost"] += 1
                 raise LeaseExpired(f"read lease {lid} expired during the copy")
-            return n
-        finally:
-            client.release(lid)
+        except BaseException:
+            client.release_later(lid)       # as a failed store's (store_keys)
+            raise
+        client.release(lid)                 # at once: the lease pins device slots
+        return n
 
 
 def _ids(block_ids: Any, need: int) -> np.ndarray:
