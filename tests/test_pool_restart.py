@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import textwrap
 from pathlib import Path
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from kvstore_client import KVLayout, connect
+from kvstore_client.common.handoff import Session, socket_id
 
 from kvstore.tenants import hash_token
 from tests.daemon import Daemon, cleanup, start_daemon
@@ -171,3 +173,22 @@ def test_vllm_reader_loads_after_a_restart_and_deletes_nothing(tmp_path: Path) -
     assert s["held_after"] == ["host"] * 4, s         # B deleted none of C's blocks
     # Closing the engines: vLLM closes each primary tier's mmap and logs when it cannot.
     assert "Failed to close mmap_obj" not in text and "BufferError" not in text, text[-5000:]
+
+
+def test_a_socket_bound_again_is_another_run_even_on_the_same_inode(tmp_path: Path) -> None:
+    """A filesystem may give a newly bound socket the inode its predecessor just freed (ext4
+    nearly always does): a session must still see another daemon run there, or a token
+    client keeps copying through the dead run's pools (tests/test_tenant_gpu.py)."""
+    path = str(tmp_path / "kvstore.sock.auth")
+    first = socket.socket(socket.AF_UNIX)
+    first.bind(path)
+    session = Session("a", "token", None, 0, socket_id=socket_id(path))
+    assert session.current(path)
+    first.close()
+    os.unlink(path)
+    again = socket.socket(socket.AF_UNIX)
+    try:
+        again.bind(path)
+        assert not session.current(path)
+    finally:
+        again.close()

@@ -77,7 +77,7 @@ class _Pool:
         self.fd_backed = fd is not None
         # A tenant's own pool comes as a memfd from the handshake; it has no name to stat. Its
         # identity is the memfd's inode: while this mapping holds that memfd, no later run's
-        # pool can have the same one (a socket's inode, by contrast, is reused at once).
+        # pool can have the same one (a socket file's inode, by contrast, may be reused).
         self.ino = _fd_ino(fd) if fd is not None else None
         self.slab = shm.attach_fd(fd, size) if fd is not None else shm.attach(name, size)
         if not self.fd_backed:
@@ -100,8 +100,8 @@ class _Pool:
     def current(self) -> bool:
         """False when the daemon replaced the segment (restart) or removed it."""
         if self.fd_backed:
-            # The handshake socket's inode is a cheap first sign (a token client gets no other
-            # until a checksum fails), but a reused inode hides a restart: `replaced` does not.
+            # The handshake socket file's identity is a cheap first sign (a token client gets
+            # no other until a checksum fails); `replaced`, set by a newer session, is sure.
             return not self.replaced and (self._session is None or self._auth_path is None
                                           or self._session.current(self._auth_path))
         return not os.path.isdir("/dev/shm") or self._ino() == self.ino
@@ -330,8 +330,10 @@ class Client:
     def pool_moved(self, pool: _Pool) -> bool:
         """After a checksum failure: whether the daemon now hands out another pool than the
         memfd `pool` maps. One handshake, because a token client keeps its session across a
-        restart and a reused socket inode hides one, so nothing cheaper can tell a dead run's
-        mapping from a corrupt block. False for named segments (`current()` checks those)."""
+        restart and only the socket file's identity (common/handoff.py, socket_id) says so,
+        which a filesystem with coarse timestamps could blur: the memfd tells a dead run's
+        mapping from a corrupt block for sure. False for named segments (`current()` checks
+        those)."""
         if not pool.fd_backed or pool.replaced:
             return pool.replaced
         if self._auth_path is None:

@@ -29,13 +29,13 @@ class Session:
     pool_size: int
     # device -> (fd, size): the tenant's own CPU-device slabs (memfds), owned by the caller
     gpu_fds: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # The handshake socket's inode: each daemon run makes a new one, so a changed inode says
-    # the fds above belong to a run that is gone (a token client sees no other sign of it).
-    socket_ino: int | None = None
+    # The handshake socket file's identity: each daemon run binds a new one, so a changed one
+    # says the fds above belong to a run that is gone (a token client sees no other sign).
+    socket_id: tuple[int, int, int] | None = None
 
     def current(self, path: str) -> bool:
         try:
-            return os.stat(path).st_ino == self.socket_ino
+            return socket_id(path) == self.socket_id
         except OSError:
             return False
 
@@ -47,6 +47,15 @@ class Session:
         self.pool_fd, self.gpu_fds = None, {}
         for fd in fds:
             os.close(fd)
+
+
+def socket_id(path: str) -> tuple[int, int, int]:
+    """(device, inode, modification time in ns) of a socket file. The inode alone is not
+    enough: a filesystem may give the next run's socket the inode just freed by the last
+    one's, and a client that took that for the same run copied into a dead run's pool. The
+    time is set when the socket is bound and never touched after (a chmod changes ctime)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
 def handshake_path(socket_path: str) -> str:
@@ -63,7 +72,7 @@ def handshake(path: str, token: str = "", timeout: float = 5.0) -> Session:
     fds: list[int] = []
     try:
         try:
-            ino = os.stat(path).st_ino
+            ident = socket_id(path)
             s.settimeout(timeout)
             s.connect(path)
         except TimeoutError:
@@ -131,4 +140,4 @@ def handshake(path: str, token: str = "", timeout: float = 5.0) -> Session:
     for extra in rest:
         os.close(extra)
     return Session(tenant=tenant, token=session, pool_fd=fd, pool_size=size, gpu_fds=gpu,
-                   socket_ino=ino)
+                   socket_id=ident)
