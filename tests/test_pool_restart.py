@@ -19,30 +19,18 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from kvstore_client import KVLayout, connect
+from kvstore_client import connect
 from kvstore_client.common.handoff import Session, socket_id
 
 from kvstore.tenants import hash_token
 from tests.daemon import Daemon, cleanup, start_daemon
+from tests.test_tenant_restart import LAYOUT, T, make_kv, prompt
 from tests.vllm_versions import MATRIX
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="bfloat16")
-T = LAYOUT.block_tokens
 TOKEN = "token-of-the-pool-tenant"
-
-
-def make_kv(seed: int, blocks: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    L, _, _, H, D = LAYOUT.block_shape
-    return torch.randn((L, 2, blocks * T, H, D), generator=g).to(torch.bfloat16)
-
-
-def prompt(seed: int, blocks: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 50_000, size=blocks * T, dtype=np.int64)
 
 
 def tenant_daemon(tmp_path: Path, by: str) -> Daemon:
