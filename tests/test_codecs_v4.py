@@ -19,6 +19,7 @@ from kvstore_client.errors import DataLoss
 
 from tiers import codecs
 from tiers.codecs import lossy as codec_q4
+from tiers.codecs import lossy_kernels
 
 SMOL = KVLayout(num_layers=3, num_kv_heads=3, head_dim=64, block_tokens=16, dtype="bfloat16")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -112,6 +113,34 @@ def test_v4_is_deterministic_and_refuses_non_finite(codec):
             blk = x.to(torch.bfloat16).contiguous().view(torch.uint8).numpy().reshape(-1).copy()
             with pytest.raises(codecs.NonFiniteBlock):
                 codecs.encode(codec, blk, SMOL)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("codec", LOSSY)
+def test_v4_refuses_magnitudes_its_float32_math_cannot_hold(codec, dtype):
+    """Finite values past 2**MAX_EXP overflowed the rotation and the outlier rule in float32:
+    a payload that never decoded, or an outlier decoded to inf and NaN. They are refused like
+    inf/NaN (the store keeps such a block lossless); just below the bound a block still
+    round-trips finite, within the codec's error."""
+    lay = KVLayout(2, 2, 64, 16, dtype)
+    bound = 2.0 ** lossy_kernels.MAX_EXP
+    for spike, whole in ((1e37, False), (bound, False), (bound, True)):
+        x = torch.randn(lay.block_shape)
+        if whole:
+            x = x * bound / 8
+            x[1, 0, 3, 1] = bound                # one head's keys all at the bound
+        else:
+            x[1, 0, 5, 1, 7] = spike
+        raw = x.to(DTYPES[dtype]).contiguous().view(torch.uint8).numpy().reshape(-1).copy()
+        with pytest.raises(codecs.NonFiniteBlock, match=f"2\\*\\*{lossy_kernels.MAX_EXP}"):
+            codecs.encode(codec, raw, lay)
+    x = torch.randn(lay.block_shape) * (bound / 64)
+    x[1, 0, 5, 1, 7] = bound / 2
+    raw = x.to(DTYPES[dtype]).contiguous().view(torch.uint8).numpy().reshape(-1).copy()
+    _, out = roundtrip(codec, raw, lay)
+    y, ref = vals(out, lay).double(), vals(raw, lay).double()      # (norms past float32)
+    assert bool(torch.isfinite(y).all())
+    assert float((y - ref).norm() / ref.norm()) < BOUND[codec]
 
 
 @pytest.mark.parametrize("codec", LOSSY)

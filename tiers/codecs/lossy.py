@@ -117,7 +117,8 @@ def _index_dtype(layout: KVLayout) -> np.dtype:
 
 
 def encode(block: np.ndarray, layout: KVLayout, kind: str, *, blocks8: bool = True) -> bytes:
-    """One canonical block (1-D uint8) -> v4 payload bytes. NonFiniteBlock on inf/NaN.
+    """One canonical block (1-D uint8) -> v4 payload bytes. NonFiniteBlock on inf/NaN (or a
+    value of magnitude 2**MAX_EXP or more: lossy_kernels.py).
     blocks8=False moves tiles element by element instead of by 8 x 8 register blocks (the same
     bytes, slower: tests compare the two)."""
     check_block(block, layout)
@@ -142,7 +143,8 @@ def encode(block: np.ndarray, layout: KVLayout, kind: str, *, blocks8: bool = Tr
                         VSINK_RATIO, KOUT_RATIO, EXP_LUT, slab, kidx, kexp, vexp, codes, xk, xv,
                         blocks8)
     if st:
-        raise NonFiniteBlock(f"{kind} refuses a block holding inf or NaN")
+        raise NonFiniteBlock(f"{kind} refuses a block holding inf, NaN or a value of "
+                             f"magnitude 2**{kern.MAX_EXP} or more")
     end, xflags = kern.q4_pack_exact(block, item, L, T, H, D, codes, xk, xv, buf, body,
                                      _index_dtype(layout).itemsize == 4)
     if end < 0:

@@ -53,6 +53,18 @@ STEPS = 32
 # Dtype codes of the block's elements.
 BF16, F16, F32 = 0, 1, 2
 
+# The largest magnitude a lossy block may hold: below 2**MAX_EXP. The rotation's partial sums
+# grow to D times an element, and the outlier rule's statistics further, in float32 (max
+# 2**128): finite values from about 5e36 (2**122, D = 128) overflowed there, encoding to a
+# payload that never decodes, or decoding an outlier to inf and NaN. 2**100 leaves 2**22 of
+# headroom and is far past real KV (fp16 itself stops at 65504), so such a block is refused like
+# inf/NaN (NonFiniteBlock: stored lossless). The loads test it for free: adding (256 - biased
+# bound) to the exponent field carries into the sign bit exactly for exponents at or past the
+# bound (all ones, inf/NaN, included).
+MAX_EXP = 100
+_CARRY16 = (256 - (127 + MAX_EXP)) << 7          # bf16: exponent in bits 7..14
+_CARRY32 = (256 - (127 + MAX_EXP)) << 23         # float32: exponent in bits 23..30
+
 
 @numba.njit(**_JIT)
 def _rint(y):  # pragma: no cover - compiled
@@ -172,11 +184,11 @@ def _offsets(builder, context, start, stride):
 def _make_load(nblk: int, stages: bool):
     """An intrinsic (src, so, ss, Y, yo, ys, scale) -> ok: Y.flat[yo + j*ys + i] = element
     so + i*ss + j of `src` as float32 (uint16 bf16 bits or float32), i < 8, j < 8*nblk (nblk
-    8 x 8 blocks side by side); ok is False when any of them is inf/NaN. With `stages`, the
-    Hadamard stages whose pairs lie within the 8*nblk channels (1, 2, 4, ... apart) run on the
-    registers before the store, then everything is multiplied by `scale` (the transform's
-    scale when these were its last stages, else 1: exact), the same additions in the same
-    order as _fwht_from, so the same bits."""
+    8 x 8 blocks side by side); ok is False when any of them is inf/NaN or past 2**MAX_EXP.
+    With `stages`, the Hadamard stages whose pairs lie within the 8*nblk channels (1, 2, 4, ...
+    apart) run on the registers before the store, then everything is multiplied by `scale`
+    (the transform's scale when these were its last stages, else 1: exact), the same
+    additions in the same order as _fwht_from, so the same bits."""
 
     @intrinsic
     def load(typingctx, src, so, ss, dst, do, ds, scale):  # pragma: no cover - compiled
@@ -195,7 +207,7 @@ def _make_load(nblk: int, stages: bool):
             half = signature.args[0].dtype == types.uint16
             ity = ir.IntType(16) if half else i32
             vin = ir.VectorType(ity, 8)
-            emask, ecarry = (0x7F80, 0x80) if half else (0x7F800000, 0x800000)
+            emask, ecarry = (0x7F80, _CARRY16) if half else (0x7F800000, _CARRY32)
             bad = ir.Constant(vin, None)
             cols = []
             for blk in range(nblk):
@@ -365,7 +377,8 @@ def _median(x, srt):  # pragma: no cover - compiled
 def _load_tile_fast(src16, src32, dt, base, HD, Y, rot):  # pragma: no cover - compiled
     """_load_tile by 8 x 8 blocks (D and T multiples of 8), and with `rot` the whole Hadamard
     transform, its stages within 32 channels on the registers (all of it up to D = 32, then
-    one pass over Y for D = 64 and 128). False when any element is inf/NaN."""
+    one pass over Y for D = 64 and 128). False when any element is inf/NaN or past
+    2**MAX_EXP."""
     D, T = Y.shape
     nb = min(D // 8, 4) if rot else 1
     scale = np.float32(1.0 / np.sqrt(D)) if rot and D == 8 * nb else np.float32(1.0)
@@ -400,8 +413,9 @@ def _load_tile_fast(src16, src32, dt, base, HD, Y, rot):  # pragma: no cover - c
 @numba.njit(**_JIT)
 def _load_tile(src16, src32, dt, base, HD, X, Y):  # pragma: no cover - compiled
     """Y[d, t] = element base + t*HD + d as float32, channel-major, through the row scratch
-    X[T, D] (contiguous loads, then an L1 transpose). False when any element is inf/NaN
-    (exponent all ones: adding one to it carries into bit 15 / bit 31)."""
+    X[T, D] (contiguous loads, then an L1 transpose). False when any element is inf/NaN or
+    of magnitude 2**MAX_EXP or more (its exponent plus _CARRY16/_CARRY32 carries into bit 15 /
+    bit 31)."""
     T, D = X.shape
     Xu = X.view(np.uint32)
     bad = np.uint32(0)
@@ -413,13 +427,13 @@ def _load_tile(src16, src32, dt, base, HD, X, Y):  # pragma: no cover - compiled
             for d in range(D):
                 b = np.uint32(row[d])
                 xr[d] = b << np.uint32(16)
-                bad |= (b & np.uint32(0x7F80)) + np.uint32(0x80)
+                bad |= (b & np.uint32(0x7F80)) + np.uint32(_CARRY16)
         else:
             row32 = src32[o:o + D]
             for d in range(D):
                 u = _f2u(row32[d])
                 xr[d] = u
-                bad |= (u & np.uint32(0x7F800000)) + np.uint32(0x800000)
+                bad |= (u & np.uint32(0x7F800000)) + np.uint32(_CARRY32)
     if dt == BF16:
         if bad & np.uint32(0x8000):
             return False
