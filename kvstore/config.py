@@ -333,6 +333,10 @@ class LimitsConfig:
     lease_slots_per_tenant: int = 1 << 18
     namespaces_per_tenant: int = 1024
     namespace_spec_bytes: int = 4096
+    # Heap bytes a tenant's Put and Get streams may hold at once (the implicit tenant's too;
+    # 0: no cap): blocks arriving in pieces, Get reply batches in flight (kvstore/getcopy.py,
+    # StreamBudget). A stalled stream keeps its share until its deadline.
+    stream_bytes_per_tenant: int = 256 << 20
 
     def unknown_id_burst(self) -> int:
         """NOT_FOUND answers a tenant may get at once before the gate refuses its calls: one
@@ -366,6 +370,9 @@ class LimitsConfig:
         if not 512 <= self.namespace_spec_bytes <= 1 << 20:
             raise ConfigError("limits.namespace_spec_bytes must be in 512..1048576, got "
                               f"{self.namespace_spec_bytes}")
+        if not 0 <= self.stream_bytes_per_tenant <= 1 << 40:
+            raise ConfigError("limits.stream_bytes_per_tenant must be 0 (no cap) or a size up "
+                              f"to 1TiB, got {self.stream_bytes_per_tenant}")
         if self.pending_per_uid > self.pending_total:
             raise ConfigError(f"limits.pending_per_uid ({self.pending_per_uid}) must not be "
                               f"above limits.pending_total ({self.pending_total})")
@@ -419,7 +426,8 @@ class StoreConfig:
         return self.server.socket or str(Path(self.data_dir) / "kvstore.sock")
 
 
-_SIZE_KEYS = {"capacity", "max_message_bytes", "max_receive_bytes"}
+_SIZE_KEYS = {"capacity", "max_message_bytes", "max_receive_bytes",
+              "stream_bytes_per_tenant"}
 
 
 def _apply(obj: Any, values: dict[str, Any], where: str) -> None:

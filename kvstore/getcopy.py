@@ -26,10 +26,12 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvstore_client.common.errors import ResourceExhausted
 from kvstore_client.common.lazy import lazy_module
 
 from .keychain import check_distinct
@@ -181,9 +183,93 @@ def _encode_joined(blocks: Sequence[tuple[bytes, np.ndarray]], checksums: Sequen
     return Reply(good, msg[:starts[good]], blocks[good][0])
 
 
+class StreamBudget:
+    """Bytes of Put and Get stream buffers a tenant may have in the daemon's heap at once
+    (limits.stream_bytes_per_tenant; 0: no cap): Put's block arriving in pieces, and Get's
+    reply batches, the one being sent and the one read ahead.
+
+    Why per tenant, not per call: a client that stops reading a Get (or stops sending the rest
+    of a split block) keeps those buffers alive until the call's deadline, one set per call,
+    and a tenant may have limits.tenant_calls calls at once; with blocks of tens of MiB that
+    was GiBs of heap from one tenant, whatever its host quota. A charge always fits when the
+    tenant holds nothing, so one call of a block larger than the budget still works, alone.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._used: dict[str | None, int] = {}
+        self._cond = threading.Condition()
+
+    def _fits(self, who: str | None, n: int) -> bool:
+        used = self._used.get(who, 0)
+        return not self.limit or not used or used + n <= self.limit
+
+    def try_take(self, who: str | None, n: int) -> bool:
+        """Charge n bytes to `who` if they fit now; False (nothing charged) if not."""
+        if n <= 0:
+            return True
+        with self._cond:
+            if not self._fits(who, n):
+                return False
+            self._used[who] = self._used.get(who, 0) + n
+            return True
+
+    def take(self, who: str | None, n: int, deadline: float, what: str) -> None:
+        """Charge n bytes, waiting for the tenant's other calls to give theirs back until
+        `deadline` (time.monotonic()); then ResourceExhausted. Waiting holds only this call,
+        one of the tenant's own limits.tenant_calls."""
+        if n <= 0:
+            return
+        with self._cond:
+            while not self._fits(who, n):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self.exhausted(who, n, what)
+                self._cond.wait(left)
+            self._used[who] = self._used.get(who, 0) + n
+
+    def give(self, who: str | None, n: int) -> None:
+        if n <= 0:
+            return
+        with self._cond:
+            left = self._used.get(who, 0) - n
+            if left > 0:
+                self._used[who] = left
+            else:
+                self._used.pop(who, None)
+            self._cond.notify_all()
+
+    def used(self, who: str | None) -> int:
+        with self._cond:
+            return self._used.get(who, 0)
+
+    def exhausted(self, who: str | None, n: int, what: str) -> ResourceExhausted:
+        tenant = f"tenant {who}" if who else "this daemon's clients"
+        return ResourceExhausted(
+            f"{what} needs {n} bytes of stream buffers, but {tenant} already has "
+            f"{self.used(who)} bytes in flight in other Put and Get streams (limit "
+            f"limits.stream_bytes_per_tenant = {self.limit}); retry once those calls end")
+
+
+class Tab(NamedTuple):
+    """One call's account with the StreamBudget: its tenant and deadline."""
+    budget: StreamBudget
+    who: str | None
+    deadline: float
+
+    def take(self, n: int, what: str) -> None:
+        self.budget.take(self.who, n, self.deadline, what)
+
+    def try_take(self, n: int) -> bool:
+        return self.budget.try_take(self.who, n)
+
+    def give(self, n: int) -> None:
+        self.budget.give(self.who, n)
+
+
 def stream(read: Callable[[list[bytes]], Reply], keys: list[bytes], per: int,
-           report: Callable[[bytes], None], pool: ThreadPoolExecutor | None
-           ) -> Iterator[bytes]:
+           report: Callable[[bytes], None], pool: ThreadPoolExecutor | None,
+           tab: Tab | None = None, block_cost: int = 0) -> Iterator[bytes]:
     """The replies of the longest cached prefix of `keys`, `per` blocks at a time.
 
     read(chunk) copies and checks one batch (under its own read lease); report(key) counts and
@@ -192,28 +278,53 @@ def stream(read: Callable[[list[bytes]], Reply], keys: list[bytes], per: int,
     the queue behind other streams). A stream cut short leaves a read in flight to finish on
     its own (it releases its lease; its reply is dropped).
 
+    Each batch is charged block_cost bytes a block to `tab` (the tenant's StreamBudget) from
+    before its read until its message has been sent (grpc's send returns once the message has
+    left, so a client that stops reading holds the charge): the batch sent waits for room
+    (until the call's deadline), the one read ahead is skipped when there is none, so a
+    tenant's stalled Gets hold at most its budget of heap, not three blocks each.
+
     The keys must be distinct, checked here over the whole list: each batch's read checks its
     own, but a list repeating a run of keys in step with the batches would pass those checks
     and stream the same blocks again and again (kvstore/keychain.py).
     """
     check_distinct(keys)
     ahead: Future | None = None
+    held = 0                        # charged to tab: this batch, and the one read ahead
     i = 0
     try:
         while i < len(keys):
             chunk = keys[i:i + per]
-            reply = read(chunk) if ahead is None or ahead.cancel() else ahead.result()
+            cost = len(chunk) * block_cost if tab is not None else 0
+            if ahead is None:       # holds nothing here: waiting cannot deadlock the tenant
+                if tab is not None:
+                    tab.take(cost, "Get")
+                held += cost
+            reply: Reply | None = (read(chunk) if ahead is None or ahead.cancel()
+                                   else ahead.result())
             ahead = None
+            assert reply is not None
             if reply.bad is not None:
                 report(reply.bad)
             i += reply.blocks
             whole = reply.blocks == len(chunk)
             if whole and i < len(keys) and pool is not None:
-                ahead = pool.submit(read, keys[i:i + per])
-            if reply.blocks:
+                nxt = keys[i:i + per]
+                ahead_cost = len(nxt) * block_cost if tab is not None else 0
+                if tab is None or tab.try_take(ahead_cost):
+                    held += ahead_cost
+                    ahead = pool.submit(read, nxt)
+            sent = reply.blocks
+            if sent:
                 yield reply.msg
+            reply = None            # the message is sent: drop it before giving its charge
+            if tab is not None:
+                tab.give(cost)
+            held -= cost
             if not whole:
                 return
     finally:
         if ahead is not None:
             ahead.cancel()
+        if tab is not None:
+            tab.give(held)

@@ -36,6 +36,7 @@ class Registry:
             raise InvalidArgument(
                 f"one block of this layout is {spec.layout.block_bytes} bytes, larger than the "
                 f"host tier ({st.host.capacity} bytes)")
+        self._check_fits_own_pool(spec)
         ns_id = spec.digest
         with st.lock:
             st.check_open()
@@ -60,6 +61,28 @@ class Registry:
         finally:
             st.leave_busy()
         return info
+
+    def _check_fits_own_pool(self, spec: NamespaceSpec) -> None:
+        """Refuse a block size larger than the owner's own host pool (its host_quota).
+
+        Why: such a block can never be stored (the tenant allocates only in its own pool), yet
+        its namespace would let the tenant stream ever larger split blocks into daemon memory
+        (Put's buffer of a block in pieces, Get's reply messages) far past what its quota
+        says it may hold; the shared pool's size is no bound for a tenant that cannot use it.
+        """
+        owner = spec.extra.get(TENANT_KEY)
+        if not owner or not self.pools.segmented:
+            return
+        host = self.state.host
+        seg = host.segment_of_tenant(owner)
+        if not seg:
+            return
+        cap = host.capacity_of(seg)
+        if aligned(spec.layout.block_bytes) > cap:
+            raise InvalidArgument(
+                f"one block of this layout is {spec.layout.block_bytes} bytes, larger than "
+                f"tenant {owner}'s own host pool ({cap} bytes, tenants.{owner}.host_quota); "
+                "such a block could never be stored")
 
     def _admit(self, spec: NamespaceSpec) -> bytes:
         """The spec as persisted, once it is known to fit its tenant's caps (locked)."""

@@ -13,11 +13,19 @@ events of the blocks it publishes, as Commit's (kvstore/events/).
 Get is a server stream of the longest cached prefix in batches of about GET_BATCH_BYTES, each
 block copied out of the host pool and checked against its commit checksum in one pass, the
 next batch built while the previous one is sent (kvstore/getcopy.py).
+
+Both hold heap for as long as the client takes to send or read, so both charge a per-tenant
+budget of stream bytes (limits.stream_bytes_per_tenant, getcopy.StreamBudget): a split block
+is charged whole when its first piece arrives (refused RESOURCE_EXHAUSTED at once past the
+budget), a Get batch twice its block bytes (the daemon's message and grpc's copy of it) until
+it is sent. Without it a tenant's stalled calls held up to three blocks each of heap (16
+never-read Gets of 32 MiB blocks: 1.6 GB), whatever its quota.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +40,7 @@ from .state import CallState
 from .validate import check_keys, check_ns, check_parent, parse_request
 
 GET_BATCH_BYTES = 4 << 20     # block bytes per Get stream message
+GET_COPIES = 2                # a Get message in flight: the daemon's bytes and grpc's copy
 PUT_READ_AHEAD = 2            # Put messages received ahead of the one being stored
 
 
@@ -40,6 +49,16 @@ class StreamCalls:
         self.s = state
         self._pool_lock = threading.Lock()
         self._reader: ThreadPoolExecutor | None = None   # Get's read-ahead (getcopy.stream)
+        limits = getattr(getattr(state.store, "config", None), "limits", None)
+        self._budget = getcopy.StreamBudget(
+            limits.stream_bytes_per_tenant if limits is not None else 0)
+        self._deadline_s = limits.request_deadline_s if limits is not None else 30.0
+
+    def _tab(self) -> getcopy.Tab:
+        """This call's account with the tenant's stream budget (deadline: the call's own)."""
+        caller = self.s.auth.caller
+        return getcopy.Tab(self._budget, caller.name if caller is not None else None,
+                           time.monotonic() + self._deadline_s)
 
     def Put(self, raws: Iterator[bytes]) -> pb.PutResponse:
         """Client stream: each message's blocks continue the chain of the previous message; a
@@ -50,18 +69,26 @@ class StreamCalls:
         before an error is stored before the error is reported."""
         groups = PutGroups(self.s.store)
         received = ReadAhead(raws, PUT_READ_AHEAD, name="kvstore-put-read", inline=1)
+        tab = self._tab()
+        charged = [0]                   # the open split block's charge to the stream budget
         try:
-            self._put_messages(received, groups)
+            self._put_messages(received, groups, tab, charged)
         except Exception:
             groups.flush_before_error()
             raise
         finally:
             received.close()
+            tab.give(charged[0])
         groups.flush()
         return pb.PutResponse(stored=groups.stored, duplicates=groups.duplicates)
 
-    def _put_messages(self, raws: Iterable[bytes], groups: PutGroups) -> None:
-        """Parse and check each message (kvstore/put_wire.py), handing its blocks to `groups`."""
+    def _put_messages(self, raws: Iterable[bytes], groups: PutGroups, tab: getcopy.Tab,
+                      charged: list[int]) -> None:
+        """Parse and check each message (kvstore/put_wire.py), handing its blocks to `groups`.
+
+        A split block is charged to the tenant's stream budget whole when its first piece
+        arrives, and given back once complete: refused there, before its buffer grows, since a
+        client that never sends the rest would hold it until the call's deadline."""
         s = self.s
         ns: bytes | None = None
         prev: bytes | None = None      # parent of the next block
@@ -102,6 +129,10 @@ class StreamCalls:
                         raise InvalidArgument(f"message {m} blocks[0].data is {len(data)} "
                                               "bytes; a namespace's blocks have one size")
                     check_token_ids(f"message {m}", tokens, 1, block_tokens)
+                    if not tab.try_take(block_bytes):
+                        raise tab.budget.exhausted(tab.who, block_bytes,
+                                                   f"Put message {m} (a split block)")
+                    charged[0] = block_bytes
                     split = (key, bytearray(data), m, tokens)
                 else:                           # grows only as its bytes arrive
                     if tokens:
@@ -113,6 +144,8 @@ class StreamCalls:
                     continue
                 blocks, tokens = [(split[0], memoryview(split[1]))], split[3]
                 split = None
+                tab.give(charged[0])    # complete: the group stores it within GROUP_BYTES
+                charged[0] = 0
             else:
                 check_token_ids(f"message {m}", tokens, len(blocks), block_tokens)
             if not blocks:
@@ -138,14 +171,14 @@ class StreamCalls:
         bb = s.block_bytes(ns)
         per = max(1, GET_BATCH_BYTES // bb) if bb else 1
         sent = False
-        for msg in self._get_batches(ns, keys, per, s.store.config.host.verify_reads):
+        for msg in self._get_batches(ns, keys, per, s.store.config.host.verify_reads, bb):
             sent = True
             yield msg
         if not sent:
             yield pb.GetResponse()
 
-    def _get_batches(self, ns: bytes, keys: list[bytes], per: int, check: bool
-                     ) -> Iterator[bytes]:
+    def _get_batches(self, ns: bytes, keys: list[bytes], per: int, check: bool,
+                     bb: int | None = None) -> Iterator[bytes]:
         """Encoded GetResponses of the longest cached prefix, each block's copy checked against
         its commit checksum (kvstore/getcopy.py); a block that fails ends the stream there."""
         store = self.s.store
@@ -157,7 +190,8 @@ class StreamCalls:
         def report(key: bytes) -> None:
             store.corrupt_host_copy(ns, key, "Get")
         return getcopy.stream(read, keys, per, report,
-                              self._read_pool() if len(keys) > per else None)
+                              self._read_pool() if len(keys) > per else None,
+                              self._tab(), GET_COPIES * (bb or 0))
 
     def _read_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
