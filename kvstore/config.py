@@ -271,12 +271,15 @@ class EventsConfig:
     models: list[str] = field(default_factory=list)     # fnmatch patterns; [] = every model
     dp_rank: int = 0
     buffer_steps: int = 10000                   # batches kept per stream for replay
+    replay_bytes: int = 64 << 20                # ...and their bytes at most
     hwm: int = 100000                           # ZMQ send high-water mark
     max_queue: int = 100000                     # residency changes queued for the publisher
     batch_events: int = 256                     # events per batch at most
     interval_ms: float = 10.0                   # gathering window after a change wakes it
     token_cache_blocks: int = 262144            # engine blocks whose tokens relays remember
     engines: list[Any] = field(default_factory=list)    # [[events.engines]] tables
+    # Events with [tenants.*]: every tenant's blocks and token ids go to whoever connects
+    allow_with_tenants: bool = False
 
     def check(self) -> None:
         if self.endpoint:
@@ -289,6 +292,9 @@ class EventsConfig:
             v = getattr(self, key)
             if not lo <= v <= hi:
                 raise ConfigError(f"events.{key} must be in {lo}..{hi}, got {v}")
+        if not 1 << 10 <= self.replay_bytes <= 1 << 40:
+            raise ConfigError(f"events.replay_bytes must be a size from 1KiB to 1TiB, got "
+                              f"{self.replay_bytes}")
         if not 1 <= self.interval_ms <= 1000:
             raise ConfigError(f"events.interval_ms must be in 1..1000, got {self.interval_ms}")
         self.engines = [EngineStreamConfig.parse(e, f"events.engines[{i}]")
@@ -416,6 +422,16 @@ class StoreConfig:
         self.auth.check()
         self.limits.check()
         self.events.check()
+        # Events are not per tenant (nor authenticated): with tenants they would hand every
+        # tenant's prompts (token ids) to any process that reaches the endpoint, which the
+        # tenants' isolation promises no one sees. The operator must say so (docs/security.md).
+        if (self.events.enabled and (self.tenants or self.auth.tokens_file)
+                and not self.events.allow_with_tenants):
+            raise ConfigError(
+                "events.enabled = true with tenants ([tenants.*] or auth.tokens_file): the "
+                "events carry every tenant's block hashes and token ids to anyone who can "
+                "connect to the events endpoint; set events.allow_with_tenants = true to "
+                "accept that, or turn events off")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level: expected one of {list(LOG_LEVELS)}, got "
                               f"{self.log_level!r}")
@@ -427,7 +443,7 @@ class StoreConfig:
 
 
 _SIZE_KEYS = {"capacity", "max_message_bytes", "max_receive_bytes",
-              "stream_bytes_per_tenant"}
+              "stream_bytes_per_tenant", "replay_bytes"}
 
 
 def _apply(obj: Any, values: dict[str, Any], where: str) -> None:

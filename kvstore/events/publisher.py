@@ -100,6 +100,7 @@ class Publisher:
             self._poller.register(s.pub, zmq.POLLIN)        # subscriptions
             if s.replay is not None:
                 self._poller.register(s.replay, zmq.POLLIN)
+        self._replay_polled = {id(s) for s in streams if s.replay is not None}
         # The recorder wakes this thread through a pipe when a change queues and it is
         # asleep (recorder.woken): an idle daemon's publisher costs no CPU (a wake-up every
         # tick cost ~0.1-0.3 ms of CPU each on a busy machine, cold caches and all).
@@ -164,7 +165,25 @@ class Publisher:
                 self._stop.wait(self.interval_s)
         self._sync_counters()
 
+    def _poll_replays(self) -> None:
+        """Poll a replay socket only once its stream may serve the next request: a request
+        left unread keeps it readable (level-triggered), and polling it meanwhile would make
+        this thread spin until then (_timeout_s wakes it when the wait is over)."""
+        now = time.monotonic()
+        for s in self.streams:
+            if s.replay is None:
+                continue
+            due = now >= s.replay_at
+            if due != (id(s) in self._replay_polled):
+                if due:
+                    self._poller.register(s.replay, zmq.POLLIN)
+                    self._replay_polled.add(id(s))
+                else:
+                    self._poller.unregister(s.replay)
+                    self._replay_polled.discard(id(s))
+
     def _tick(self) -> None:
+        self._poll_replays()
         ready = dict(self._poller.poll(math.ceil(self._timeout_s() * 1000)))
         if self._stop.is_set():
             return
@@ -246,6 +265,9 @@ class Publisher:
             due = min(due, st.sent_at + HEARTBEAT_S)
         for at in self._reannounce.values():
             due = min(due, at)
+        for st in self.streams:
+            if st.replay is not None and id(st) not in self._replay_polled:
+                due = min(due, st.replay_at)        # a request may be waiting (_poll_replays)
         return max(0.0, due - now)
 
     def _sync_counters(self) -> None:

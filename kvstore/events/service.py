@@ -36,11 +36,13 @@ class Events:
             if cfg.endpoint:
                 streams.append(Stream(ctx, "node", "events.", cfg.endpoint,
                                       cfg.replay_endpoint, cfg.topic, cfg.dp_rank, cfg.hwm,
-                                      cfg.buffer_steps, seq_dir, cfg.models))
+                                      cfg.buffer_steps, seq_dir, cfg.models,
+                                      cfg.replay_bytes))
             for i, eng in enumerate(cfg.engines):
                 streams.append(Stream(ctx, eng.name, f"events.engines[{i}].", eng.endpoint,
                                       eng.replay_endpoint, cfg.topic, eng.dp_rank, cfg.hwm,
-                                      cfg.buffer_steps, seq_dir, eng.models or cfg.models))
+                                      cfg.buffer_steps, seq_dir, eng.models or cfg.models,
+                                      cfg.replay_bytes))
                 if eng.source:
                     relays[len(streams) - 1] = Relay(ctx, eng.name, eng.source, cache,
                                                      cfg.hwm, f"events.engines[{i}].source")

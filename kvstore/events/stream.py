@@ -23,6 +23,14 @@ from .seqfile import SeqFile
 log = logging.getLogger("kvstore.events")
 
 REPLAY_EVERY_S = 0.05       # one replay request per stream this often; the rest wait in ZMQ
+# ...and, after one, as much longer as its batches take at this rate: a peer asking again and
+# again for the whole buffer costs the publisher a bounded share of a core, not all of it.
+REPLAY_BATCHES_PER_S = 50000
+# Frames a peer may send, in bytes; a larger one makes libzmq drop that peer. A subscription
+# is a topic prefix (a byte more on the wire), a replay request 8 bytes: legitimate ones are
+# far below these.
+SUB_MAX_BYTES = 4096
+REPLAY_MAX_BYTES = 64
 LOG_EVERY_S = 10.0          # bad replay requests: one log line this often, with the count
 
 
@@ -44,16 +52,21 @@ def bind(sock: zmq.Socket, address: str, key: str) -> str:
 class Stream:
     def __init__(self, ctx: zmq.Context, name: str, key: str, endpoint: str, replay: str,
                  topic: str, dp_rank: int, hwm: int, buffer_steps: int, seq_dir: Path,
-                 models: list[str]) -> None:
+                 models: list[str], replay_bytes: int = 64 << 20) -> None:
         self.name = name
         self.dp_rank = dp_rank
         self.models = models
         self.topic = topic.encode()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=max(buffer_steps, 1))
+        self.buffer_bytes = 0
+        self.max_buffer_bytes = replay_bytes
         # XPUB: a PUB that also hands up each subscription (VERBOSE: repeats too), so a
         # router that (re)subscribes is told what the daemon holds (publisher.py).
+        # MAXMSGSIZE: libzmq keeps each subscription in its trie (about a node per byte, for
+        # the whole connection); a peer sending a frame past it is dropped before it is held.
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.pub.setsockopt(zmq.MAXMSGSIZE, max(SUB_MAX_BYTES, len(self.topic) + 64))
         self.pub.setsockopt(zmq.SNDHWM, hwm)
         self.pub.setsockopt(zmq.RCVHWM, 1000)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -63,6 +76,10 @@ class Stream:
             if replay:
                 self.replay = ctx.socket(zmq.ROUTER)
                 self.replay.setsockopt(zmq.LINGER, 0)
+                self.replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_BYTES)
+                # a peer whose queue is full raises zmq.Again at once (MANDATORY), so one that
+                # does not read its last replay costs one failed send, not a walk of the buffer
+                self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 # room for one whole replay per peer; the payloads are shared, not copied
                 self.replay.setsockopt(zmq.SNDHWM, (self.buffer.maxlen or 0) + 2)
                 self.replay_address = bind(self.replay, replay, key + "replay_endpoint")
@@ -72,7 +89,7 @@ class Stream:
         self.seq = SeqFile(seq_dir / f"{name}.seq")
         self.counters: dict[str, int] = {"batches": 0, "events": 0, "replays": 0,
                                          "bad_replay_requests": 0, "subscriptions": 0}
-        self._replay_at = 0.0
+        self.replay_at = 0.0            # when the next replay request may be served
         self.sent_at = time.monotonic()
         self._bad_logged = 0.0
         self._bad_unlogged = 0
@@ -94,7 +111,12 @@ class Stream:
                                     copy=False)
         except zmq.Again:
             pass                        # nobody can take it now: replay still has it
+        if len(self.buffer) == self.buffer.maxlen:
+            self.buffer_bytes -= len(self.buffer[0][1])
         self.buffer.append((seq, payload))
+        self.buffer_bytes += len(payload)
+        while self.buffer_bytes > self.max_buffer_bytes and len(self.buffer) > 1:
+            self.buffer_bytes -= len(self.buffer.popleft()[1])
         self.counters["batches"] += 1
         self.counters["events"] += len(events)
 
@@ -112,7 +134,9 @@ class Stream:
         return got
 
     def serve_replay(self) -> None:
-        """Answer one waiting replay request (vLLM's protocol), at most every REPLAY_EVERY_S.
+        """Answer one waiting replay request (vLLM's protocol), at most every REPLAY_EVERY_S
+        and no faster than REPLAY_BATCHES_PER_S batches; the publisher polls the socket only
+        once `replay_at` has come (a request left unread would otherwise make it spin).
 
         A request is [identity, b"", 8-byte start sequence number]; the answer is every
         buffered batch from that number on (all of them when it is long gone), then the end
@@ -120,27 +144,31 @@ class Stream:
         if self.replay is None:
             return
         now = time.monotonic()
-        if now - self._replay_at < REPLAY_EVERY_S:
+        if now < self.replay_at:
             return
         try:
             frames = self.replay.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return
-        self._replay_at = now
+        self.replay_at = now + REPLAY_EVERY_S
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             self._bad(f"{len(frames)} frames" if len(frames) != 3 else
                       f"a start of {len(frames[2])} bytes, not 8")
             return
         cid, start = frames[0], int.from_bytes(frames[2], "big")
         self.counters["replays"] += 1
+        sent = 0
         try:
             for seq, buf in list(self.buffer):
                 if seq >= start:
                     self.replay.send_multipart((cid, b"", self.topic, wire.seq_bytes(seq), buf),
                                                zmq.NOBLOCK, copy=False)
+                    sent += 1
             self.replay.send_multipart((cid, b"", b"", wire.END_SEQ, b""), zmq.NOBLOCK)
-        except zmq.Again:
-            pass                        # that peer stopped reading: the rest is dropped
+        except zmq.ZMQError:
+            pass                        # that peer stopped reading (Again) or left: the rest
+                                        # is dropped
+        self.replay_at += sent / REPLAY_BATCHES_PER_S
 
     def _bad(self, what: str) -> None:
         self.counters["bad_replay_requests"] += 1
