@@ -1,5 +1,5 @@
 """Handshake replies that carry file descriptors, left unread by the tenant they were sent to
-(audit of the trust boundary, Finding 3; kvstore/handoff.py, kvstore/unix_listener.py `hold`).
+(kvstore/handoff.py, kvstore/unix_listener.py `hold`).
 
 Linux charges an fd sent with SCM_RIGHTS and not yet received to the sending user, the
 daemon's, and past its RLIMIT_NOFILE of them refuses every later fd-carrying send unless the
@@ -162,7 +162,7 @@ def proc_status(pid: int, key: str) -> str:
 
 
 def test_unread_replies_of_one_tenant_leave_other_tenants_their_pools(monkeypatch) -> None:
-    """The audit's reproduction: tenant a leaves more replies unread than the daemon's
+    """The outage itself: tenant a leaves more replies unread than the daemon's
     open-files limit (even once raised to the hard one); tenant b's handshakes still bring
     its pool. Then: the daemon did raise its soft limit (a complement, not the fix)."""
     as_a_service_user(monkeypatch)

@@ -4,7 +4,7 @@ Why structural, not timed: what the fix promises is that another caller gets the
 slices, whatever the machine's speed. The slice size is made small and `state.unlocked` is
 wrapped so that, each time the big call lets go, another thread takes the lock (and may change
 the keys under the call); each slice's size is read off the calls it makes with the lock held.
-Results are checked against one unsliced call's (audit-mem F3, F4).
+Results are checked against one unsliced call's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a tenant's stalled Put and Get streams may make the daemon hold (audit-mem F1, F2).
+"""What a tenant's stalled Put and Get streams may make the daemon hold.
 
 Why these tests: a client that stops sending the rest of a split block, or stops reading a Get,
 keeps the daemon's buffers for that call alive until the call's deadline. Before the per-tenant
