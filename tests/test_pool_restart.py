@@ -27,7 +27,7 @@ from kvstore_client.common.handoff import Session, socket_id
 from kvstore.tenants import hash_token
 from tests.daemon import Daemon, cleanup, start_daemon
 from tests.test_tenant_restart import LAYOUT, T, make_kv, prompt
-from tests.vllm_versions import MATRIX
+from tests.test_vllm_tier import _python
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "token-of-the-pool-tenant"
@@ -108,19 +108,9 @@ def test_a_block_corrupt_in_a_tenant_pool_still_counts_as_corrupt(tmp_path: Path
 VLLM = "0.32.0"
 
 
-def _vllm_python() -> Path:
-    py = ROOT / MATRIX[VLLM] / "bin" / "python"
-    if not py.exists():
-        why = f"the vLLM {VLLM} environment is missing ({py}); `make test` builds it"
-        if os.environ.get("CI"):
-            pytest.fail(why)
-        pytest.skip(why)
-    return py
-
-
 @pytest.mark.timeout(660)
 def test_vllm_reader_loads_after_a_restart_and_deletes_nothing(tmp_path: Path) -> None:
-    py = _vllm_python()
+    py = _python(VLLM)
     d = tenant_daemon(tmp_path, "uid")
     out = tmp_path / "result.json"
     env = {k: v for k, v in os.environ.items()

@@ -268,15 +268,19 @@ class Client:
     def _first_invoke(self, method: str, request: Any, timeout: float | None,
                       t_end: float) -> Any:
         """The first call fails fast where no daemon listens (a refused connection), so a
-        wrong address is one clear error, not a wait. A connection attempt that timed out is
-        different: a daemon is there but slow to answer the HTTP/2 handshake (a loaded
-        machine), so the call waits for it, within the same deadline."""
+        wrong address is one clear error, not a wait. Two failures are different: a connection
+        attempt that timed out (a daemon is there but slow to answer the HTTP/2 handshake on a
+        loaded machine), and a connection that broke under the call (grpc shares one
+        connection among a process's channels to a target, so a new client's first call can
+        go out on the connection to a daemon run that just ended). The call then waits for
+        the daemon, within the same deadline."""
         try:
             return self._invoke(method, request, timeout, wait=False)
         except grpc.RpcError as e:
             left = t_end - time.monotonic()
+            why = (e.details() or "").lower()
             if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0 \
-                    or "timed out" not in (e.details() or "").lower():
+                    or not any(w in why for w in _DAEMON_THERE):
                 raise
             return self._invoke(method, request, left, wait=True)
 
@@ -546,6 +550,9 @@ class Client:
 
 # The response message of each call the lane carries.
 _RESPONSE = {m: getattr(pb, f"{m}Response") for m in METHOD_ID}
+# What grpc says when a daemon was there to connect to: the first call waits for it then.
+_DAEMON_THERE = ("timed out", "stream removed", "broken pipe", "connection reset",
+                 "socket closed")
 
 
 def _left(method: str, timeout: float, t_end: float, why: str = "") -> float:
