@@ -2,7 +2,7 @@
 
 Why these tests: a client that stops sending the rest of a split block, or stops reading a Get,
 keeps the daemon's buffers for that call alive until the call's deadline. Before the per-tenant
-stream budget (limits.stream_bytes_per_tenant, kvstore/getcopy.py StreamBudget) each such call
+stream budget (limits.stream_bytes_per_tenant, kvstore/stream_budget.py) each such call
 held up to three blocks of heap, and a tenant could register blocks larger than its own pool,
 so 16 calls of one tenant held GiBs whatever its host_quota. These run a real daemon with two
 tenants and check the refusals, and that the heap stays bounded while Gets are stalled.

@@ -15,7 +15,7 @@ block copied out of the host pool and checked against its commit checksum in one
 next batch built while the previous one is sent (kvstore/getcopy.py).
 
 Both hold heap for as long as the client takes to send or read, so both charge a per-tenant
-budget of stream bytes (limits.stream_bytes_per_tenant, getcopy.StreamBudget): a split block
+budget of stream bytes (limits.stream_bytes_per_tenant, kvstore/stream_budget.py): a split block
 is charged whole when its first piece arrives (refused RESOURCE_EXHAUSTED at once past the
 budget), a Get batch twice its block bytes (the daemon's message and grpc's copy of it) until
 it is sent. Without it a tenant's stalled calls held up to three blocks each of heap (16
@@ -36,6 +36,7 @@ from kvstore_client.common.read_ahead import ReadAhead
 from .. import gate, getcopy
 from ..put_groups import PutGroups
 from ..put_wire import check_token_ids, parse_put
+from ..stream_budget import StreamBudget, Tab
 from .state import CallState
 from .validate import check_keys, check_ns, check_parent, parse_request
 
@@ -50,14 +51,14 @@ class StreamCalls:
         self._pool_lock = threading.Lock()
         self._reader: ThreadPoolExecutor | None = None   # Get's read-ahead (getcopy.stream)
         limits = getattr(getattr(state.store, "config", None), "limits", None)
-        self._budget = getcopy.StreamBudget(
+        self._budget = StreamBudget(
             limits.stream_bytes_per_tenant if limits is not None else 0)
         self._deadline_s = limits.request_deadline_s if limits is not None else 30.0
 
-    def _tab(self) -> getcopy.Tab:
+    def _tab(self) -> Tab:
         """This call's account with the tenant's stream budget (deadline: the call's own)."""
         caller = self.s.auth.caller
-        return getcopy.Tab(self._budget, caller.name if caller is not None else None,
+        return Tab(self._budget, caller.name if caller is not None else None,
                            time.monotonic() + self._deadline_s)
 
     def Put(self, raws: Iterator[bytes]) -> pb.PutResponse:
@@ -82,7 +83,7 @@ class StreamCalls:
         groups.flush()
         return pb.PutResponse(stored=groups.stored, duplicates=groups.duplicates)
 
-    def _put_messages(self, raws: Iterable[bytes], groups: PutGroups, tab: getcopy.Tab,
+    def _put_messages(self, raws: Iterable[bytes], groups: PutGroups, tab: Tab,
                       charged: list[int]) -> None:
         """Parse and check each message (kvstore/put_wire.py), handing its blocks to `groups`.
 
