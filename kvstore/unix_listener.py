@@ -92,6 +92,15 @@ def unread_bytes(conn: socket.socket) -> int:
     return struct.unpack("i", raw)[0]
 
 
+def _uncount(counts: dict, key: object) -> None:
+    """One fewer for `key`, dropped at zero (the per-uid and per-owner counts stay small)."""
+    n = counts[key] - 1
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
+
+
 def refuse(conn: socket.socket, code: str, message: str) -> None:
     """One error line ({"error": CODE, "message": ...}, both protocols' form), then close."""
     try:
@@ -223,11 +232,7 @@ class UnixListener:
         """Stop tracking `p` (the caller closes or hands over its connection)."""
         if self._pending.pop(id(p), None) is None:
             return
-        n = self._by_uid[p.uid] - 1
-        if n:
-            self._by_uid[p.uid] = n
-        else:
-            del self._by_uid[p.uid]
+        _uncount(self._by_uid, p.uid)
         try:
             self._sel.unregister(p.conn)
         except (KeyError, ValueError):
@@ -327,11 +332,7 @@ class UnixListener:
     def _release(self, h: _Held) -> None:
         if self._held.pop(id(h), None) is None:
             return
-        n = self._held_by[h.owner] - 1
-        if n:
-            self._held_by[h.owner] = n
-        else:
-            del self._held_by[h.owner]
+        _uncount(self._held_by, h.owner)
         self.held_fds -= h.fds
         if h.watched:
             try:

@@ -27,7 +27,7 @@ from kvstore_client.common.handoff import Session, socket_id
 from kvstore.tenants import hash_token
 from tests.daemon import Daemon, cleanup, start_daemon
 from tests.test_tenant_restart import LAYOUT, T, make_kv, prompt
-from tests.test_vllm_tier import _python
+from tests.test_vllm_tier import _env, _python
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "token-of-the-pool-tenant"
@@ -113,9 +113,7 @@ def test_vllm_reader_loads_after_a_restart_and_deletes_nothing(tmp_path: Path) -
     py = _python(VLLM)
     d = tenant_daemon(tmp_path, "uid")
     out = tmp_path / "result.json"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("KVSTORE_") and k != "PYTHONHASHSEED"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "client"), str(ROOT)])
+    env = _env()
     try:
         child = subprocess.Popen(
             [str(py), str(ROOT / "tests" / "vllm_pool_restart.py"), d.address, str(out)],
