@@ -90,5 +90,7 @@ class NamespaceCalls:
         code = {t: i + 1 for i, t in enumerate(names)}
         resp = pb.LocateResponse(tier_names=names, where=bytes(code.get(t, 0) for t in where))
         if req.prefetch and any(t is not None and t != "host" for t in where):
-            resp.prefetching = self._prefetch().submit(ns, keys, where)
+            caller = self.s.auth.caller
+            resp.prefetching = self._prefetch().submit(
+                ns, keys, where, tenant=None if caller is None else caller.name)
         return resp
