@@ -142,7 +142,8 @@ class Daemon:
                 try:
                     self.lane = Lane(lane_path(self.socket_path), self.servicer,
                                      0o666 if tenants else 0o600, pending,
-                                     lim.lane_per_tenant, lim.frame_deadline_s)
+                                     lim.lane_per_tenant, lim.frame_deadline_s,
+                                     self.front.budget)
                 except OSError as e:     # e.g. a socket path too long for the suffix
                     log.warning("fast lane off (%s: %s); clients use gRPC for every call",
                                 lane_path(self.socket_path), e)

@@ -15,6 +15,12 @@ connections never take another's room. A refused client goes on over gRPC and tr
 again later. A frame longer than the largest valid request drops the connection unread, the
 body is read into a buffer that grows as its bytes arrive, whole within
 `limits.frame_deadline_s` of its first byte; an idle connection is closed after IDLE_S.
+
+A tenant's refused lane calls spend from the same refusal budget as its gRPC calls
+(kvstore/gate.py, RefusalBudget): without that, the lane was the way around it, 64
+connections each sending requests the daemon must read and refuse as fast as it answers.
+Past the budget a lane call is answered RESOURCE_EXHAUSTED unread, HOLD_S late, as the gate
+answers a gRPC one; the wait holds only the tenant's own connection thread.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import threading
 import time
 from typing import Any
 
+import grpc
 from kvstore_client.common.lane_frames import Frames
 from kvstore_client.common.lane_wire import (
     CODE_ID,
@@ -35,6 +42,8 @@ from kvstore_client.common.lane_wire import (
     VERSION,
 )
 
+from .gate import OPEN_BUDGET, RefusalBudget
+from .refusal import HOLD_S
 from .unix_listener import Caps, UnixListener, refuse
 
 log = logging.getLogger("kvstore.lane")
@@ -50,9 +59,11 @@ class Lane:
     """The listener and its connection threads."""
 
     def __init__(self, path: str, servicer: Any, mode: int = 0o600, caps: Caps | None = None,
-                 per_tenant: int = 64, frame_deadline_s: float = FRAME_DEADLINE_S) -> None:
+                 per_tenant: int = 64, frame_deadline_s: float = FRAME_DEADLINE_S,
+                 budget: RefusalBudget = OPEN_BUDGET) -> None:
         self.path = path
         self.servicer = servicer
+        self.budget = budget
         self.per_tenant = per_tenant
         self.frame_deadline_s = frame_deadline_s
         self._conns: set[socket.socket] = set()
@@ -121,7 +132,7 @@ class Lane:
                 if got is None:
                     return                # not a request of ours: drop the connection unread
                 method, raw = got
-                code, body = self.servicer.lane_call(METHODS[method], raw, tenant)
+                code, body = self._call(METHODS[method], raw, tenant)
                 if self._stop.is_set():
                     return                # stopping: this answer would race the teardown
                 frames.send(HEADER.pack(len(body), CODE_ID.get(code, CODE_ID["INTERNAL"]))
@@ -133,6 +144,20 @@ class Lane:
         finally:
             self._release(conn, who, threading.current_thread())
             conn.close()
+
+    def _call(self, method: str, raw: bytes, tenant: Any) -> tuple[str, bytes]:
+        """One call, through the tenant's refusal budget (module docstring)."""
+        if tenant is None:
+            return self.servicer.lane_call(method, raw, None)
+        if not self.budget.allows(tenant.name):
+            self._stop.wait(HOLD_S)
+            return "RESOURCE_EXHAUSTED", (
+                f"tenant {tenant.name}'s calls were refused (invalid, unknown or not allowed) "
+                "faster than its budget allows (limits.refusals_per_s); its calls are refused "
+                f"for {self.budget.wait_s(tenant.name):.1f} s more").encode()
+        code, body = self.servicer.lane_call(method, raw, tenant)
+        self.budget.charge(tenant.name, getattr(grpc.StatusCode, code, None), len(raw))
+        return code, body
 
     def _release(self, conn: socket.socket, who: str, thread: threading.Thread | None) -> None:
         with self._lock:

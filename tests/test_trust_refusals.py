@@ -174,3 +174,44 @@ def test_a_tenant_out_of_budget_is_answered_late_and_holds_little(tmp_path: Path
             assert len(answered) == 7 and len(late) == 4, answered   # the cap's worth held
     finally:
         cleanup(d)
+
+
+def test_the_lane_spends_from_the_same_budget(tmp_path: Path) -> None:
+    """The fast lane answered every refused call at once, uncharged: a tenant flooding its
+    own lane connections with mistakes was never slowed. Its refusals now spend the budget
+    its gRPC calls spend; past it a lane call is answered RESOURCE_EXHAUSTED unread, a
+    second late, and its gRPC calls are refused too. A is served meanwhile."""
+    import json
+    import socket
+
+    from kvstore_client.common.lane_frames import Frames
+    from kvstore_client.common.lane_wire import CODES, HEADER, METHOD_ID, lane_path
+    d = start_daemon(tmp_path, settings(tmp_path))
+    try:
+        with connect(d.address, token=TOKENS["a"]) as a, channel(d.address) as ch:
+            ns = a.namespace(LAYOUT, model="a-model")
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(10)
+            s.connect(lane_path(d.socket))
+            s.sendall(json.dumps({"v": 1, "token": TOKENS["b"]}).encode() + b"\n")
+            assert b'"ok"' in s.recv(4096)
+            bad = pb.LookupRequest(namespace_id=b"", keys=[b"\x01" * 16]).SerializeToString()
+            frames, answers = Frames(s), []
+            for _ in range(BURST + 2):
+                t0 = time.monotonic()
+                s.sendall(HEADER.pack(len(bad), METHOD_ID["Lookup"]) + bad)
+                code, body = frames.read(10, 10)
+                answers.append((CODES[code], time.monotonic() - t0))
+            s.close()
+            codes = [c for c, _ in answers]
+            assert set(codes[:BURST]) == {"INVALID_ARGUMENT"}, answers
+            assert set(codes[BURST:]) == {"RESOURCE_EXHAUSTED"}, answers
+            assert all(at >= 0.9 for _, at in answers[BURST:]), answers     # held
+            # one budget: B's gRPC calls are out of it too
+            with pytest.raises(grpc.RpcError) as ei:
+                pbg.KVStoreStub(ch).Lookup(pb.LookupRequest(namespace_id=b"", keys=[]),
+                                           timeout=10, metadata=md("b"))
+            assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert ns.lookup(np.arange(16)) == 0
+    finally:
+        cleanup(d)
