@@ -113,13 +113,13 @@ def test_a_tenant_with_its_cap_of_unread_replies_is_refused_and_no_one_else() ->
             assert b.tenant == "b" and b.pool_fd is not None and b.pool_size == 4 << 20
             b.close_fds()
         with pytest.raises(ResourceExhausted):
-            handshake(path, TOKENS["a"]).close_fds()
+            handshake(path, TOKENS["a"], timeout=0.5).close_fds()
 
         mine = [s for s, r in zip(held, answers, strict=True) if r.get("pool_size")]
         mine[0].shutdown(socket.SHUT_RDWR)         # its fds stay queued: still counted
         time.sleep(0.6)
         with pytest.raises(ResourceExhausted):
-            handshake(path, TOKENS["a"]).close_fds()
+            handshake(path, TOKENS["a"], timeout=0.5).close_fds()
         assert len(read_fds(mine[1])) == 1          # read, socket kept open: counted no more
         a = handshake(path, TOKENS["a"])
         assert a.pool_fd is not None
@@ -141,6 +141,47 @@ def test_a_tenant_with_its_cap_of_unread_replies_is_refused_and_no_one_else() ->
             s.close()
         cleanup(d)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_handshake_refused_for_the_cap_is_tried_again_within_its_deadline() -> None:
+    """More processes of one tenant than limits.pending_per_uid handshaking at once: the
+    ones past the cap were refused RESOURCE_EXHAUSTED and failed at once. The SDK now tries
+    again, backing off, within its one deadline: a process that meets the cap while the
+    others finish gets its session a moment later."""
+    import threading
+    base = world_readable_dir()
+    d = start_daemon(base, settings(base, **{"limits.pending_per_uid": CAP}))
+    path = handshake_path(d.socket)
+    held = [unread_handshake(path, TOKENS["a"])[0] for _ in range(CAP)]
+    try:
+        got: list[object] = []
+        late = threading.Thread(target=lambda: got.append(_try(path, 20)))
+        t0 = time.monotonic()
+        late.start()
+        time.sleep(1.0)                             # it is refused meanwhile, and waits
+        assert late.is_alive() and not got
+        read_fds(held[0])                           # one of the others is done
+        late.join(20)
+        session = got[0]
+        assert not isinstance(session, Exception), session
+        assert session.tenant == "a" and session.pool_fd is not None
+        assert time.monotonic() - t0 >= 1.0
+        session.close_fds()
+        held.append(unread_handshake(path, TOKENS["a"])[0])     # the cap full again
+        with pytest.raises(ResourceExhausted):     # still refused once its deadline is out
+            handshake(path, TOKENS["a"], timeout=0.3).close_fds()
+    finally:
+        for s in held:
+            s.close()
+        cleanup(d)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _try(path: str, timeout: float) -> object:
+    try:
+        return handshake(path, TOKENS["a"], timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - handed to the test's thread
+        return e
 
 
 def as_a_service_user(monkeypatch: pytest.MonkeyPatch) -> None:

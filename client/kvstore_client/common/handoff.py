@@ -14,11 +14,12 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from .errors import DeadlineExceeded, KVStoreError, Unavailable, from_code
+from .errors import DeadlineExceeded, KVStoreError, ResourceExhausted, Unavailable, from_code
 
 SUFFIX = ".auth"
 MAX_REPLY = 8192
 MAX_FDS = 17          # the host pool and up to 16 devices' slabs
+RETRY_S = (0.02, 0.5)  # back-off after RESOURCE_EXHAUSTED: first wait, longest wait
 
 
 @dataclass
@@ -63,17 +64,36 @@ def handshake_path(socket_path: str) -> str:
 
 
 def handshake(path: str, token: str = "", timeout: float = 5.0) -> Session:
-    """One exchange with the daemon's handshake socket, whole within `timeout` seconds (one
-    deadline, not one per read). Raises only the SDK's errors: Unavailable (no daemon there,
-    or it closed the connection), DeadlineExceeded (no answer in time), or the status the
-    daemon refused with (Unauthenticated, ResourceExhausted, ...)."""
+    """The daemon's handshake, whole within `timeout` seconds (one deadline, not one per read
+    or per try). Raises only the SDK's errors: Unavailable (no daemon there, or it closed the
+    connection), DeadlineExceeded (no answer in time), or the status the daemon refused with
+    (Unauthenticated, ResourceExhausted, ...).
+
+    RESOURCE_EXHAUSTED is tried again, backing off, until the deadline: the daemon answers it
+    while a user has `limits.pending_per_uid` handshakes in progress, which is what more
+    processes of one tenant than that starting at once meet; each waits a moment, not fails.
+    """
     deadline = time.monotonic() + timeout
+    wait = RETRY_S[0]
+    while True:
+        try:
+            return _exchange(path, token, timeout, deadline)
+        except ResourceExhausted:
+            left = deadline - time.monotonic()
+            if left <= wait:
+                raise
+            time.sleep(wait)
+            wait = min(RETRY_S[1], wait * 2)
+
+
+def _exchange(path: str, token: str, timeout: float, deadline: float) -> Session:
+    """One connection's exchange (handshake)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     fds: list[int] = []
     try:
         try:
             ident = socket_id(path)
-            s.settimeout(timeout)
+            s.settimeout(max(0.001, deadline - time.monotonic()))
             s.connect(path)
         except TimeoutError:
             raise DeadlineExceeded(f"the daemon's handshake socket {path} did not accept the "
