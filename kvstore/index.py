@@ -664,6 +664,12 @@ class BlockIndex:
         i = _SUMS * n + _TIER_SLOT[tier]
         return self._tier_sums[i], self._tier_sums[i + 1]
 
+    def tier_total(self, tier: str) -> tuple[int, int]:
+        """(blocks, raw bytes) of every namespace in `tier` ("ssd" or "remote"): a sum over
+        the namespaces' running totals, not over blocks."""
+        i = _TIER_SLOT[tier]
+        return sum(self._tier_sums[i::_SUMS]), sum(self._tier_sums[i + 1::_SUMS])
+
     def entries(self) -> Iterator[Entry]:
         """Every block: the hot ones as their Entry, the packed ones as detached copies (read
         them; change a block only through get())."""

@@ -33,7 +33,7 @@ def stats(state: StoreState, leases: LeaseTable, gpu_slots: Any, daemon_id: str)
                         "blocks": ssd_blocks, **st.tier_counters["ssd"]}
     if st.remote is not None:
         tiers["remote"] = {"capacity_bytes": st.config.remote.capacity,
-                           "used_bytes": st.remote.used_bytes,
+                           "used_bytes": st.index.tier_total("remote")[1],
                            "blocks": remote_blocks, **st.tier_counters["remote"],
                            **{f"remote_{k}": v for k, v in st.remote.stats.items()
                               if isinstance(v, (int, float))}}

@@ -5,8 +5,14 @@ keeps its remote copy) write blocks here. A block with a host copy is encoded fr
 against its checksum first: the slot is client-writable); an SSD-only block's value is read
 back from SSD as it is, already encoded. The caller has marked the blocks `moving`; the
 encode, the SSD reads and the round trip run without the lock, and only the room and quota
-checks take it in between. A write that does not land whole (Redis down or full) leaves every
-block where it was: a later demotion retries.
+checks take it in between. A write that does not land whole (Redis down or full) indexes none
+of the batch as remote: a write-through leaves the blocks where they were (a later demotion
+retries), an eviction drops them (kvstore/moves/host_room.py, counted and logged).
+
+`remote.capacity` bounds the raw bytes of the blocks the index holds as remote (the running
+totals of kvstore/index.py, tier_total): blocks deleted, or found gone from Redis, give their
+room back at once. It is checked per batch, so batches in flight at once may pass it by a
+batch each.
 
 Up: an acquire asks which of its blocks only the remote tier holds (`wanted`, asking the
 remote tier about keys the index has never seen: another node may have written them), fetches
@@ -16,7 +22,7 @@ prefixes) and decodes them into reserved host slots (promotion.py, `fill_remote`
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import time
 
 from kvstore_client.common.errors import DataLoss
 
@@ -27,6 +33,7 @@ from .common import Flight, corrupt_host_copy
 from .encoding import Encoder
 
 EncodedCopies = list[tuple[Entry, int]]      # (block, encoded bytes) that landed
+EXISTS_FIRST = 32        # keys of the first existence check past the local prefix (extend)
 
 
 class HostRemote:
@@ -34,7 +41,6 @@ class HostRemote:
         self.state = state
         self.pools = pools
         self.encoder = encoder
-        self._fetcher: ThreadPoolExecutor | None = None
 
     # -- down -----------------------------------------------------------------------------------
     def demote(self, entries: list[Entry]) -> None:
@@ -78,7 +84,7 @@ class HostRemote:
         items = [(e, v) for e, v in zip(in_host, values, strict=True) if v is not None]
         items += [(e, v) for e, v in zip(on_ssd, stored, strict=True) if v is not None]
         remote = st.remote
-        items = [(e, v) for e, v in items if remote.has_room(len(v))]
+        items = self._fit_capacity(items)
         kept, vals = self.pools.fit_quota("remote", [e for e, _ in items],
                                           [v for _, v in items], strict=False)
         if not kept:
@@ -89,6 +95,23 @@ class HostRemote:
             st.counters["remote_demotion_failures"] += 1
             return [], corrupt      # Redis down or full: the blocks stay local
         return [(e, len(v)) for e, v in zip(kept, vals, strict=True)], corrupt
+
+    def _fit_capacity(self, items: list[tuple[Entry, bytes]]) -> list[tuple[Entry, bytes]]:
+        """The items that fit `remote.capacity` (locked; module docstring); the rest are
+        left out and counted."""
+        st = self.state
+        cap = int(st.config.remote.capacity or 0)
+        if cap <= 0:
+            return items
+        _, used = st.index.tier_total("remote")
+        fit = []
+        for e, v in items:
+            if used + e.size <= cap:
+                used += e.size
+                fit.append((e, v))
+        if len(fit) < len(items):
+            st.counters["remote_capacity_refused_blocks"] += len(items) - len(fit)
+        return fit
 
     def settle(self, written: EncodedCopies) -> None:
         """Phase 3 (locked): the copies that landed are indexed as remote."""
@@ -127,15 +150,24 @@ class HostRemote:
         return want
 
     def extend(self, ns_id: bytes, keys: list[bytes], start: int) -> int:
-        """How many blocks after `start` the remote tier holds (one batched round trip, no
-        lock held); they are indexed as remote."""
+        """How many blocks after `start` the remote tier holds (no lock held); they are
+        indexed as remote.
+
+        Asked in growing ranges (EXISTS_FIRST keys, then 4x more each trip) that stop at the
+        first key Redis lacks. Why not all at once: a prefix of keys nobody stored (a new
+        prompt, or a tenant's 65,536 made-up keys) would cost a pipeline of every key, about
+        half a second of daemon CPU building it, and a late answer that marks Redis down for
+        every tenant; a long stored prefix costs a few more round trips instead."""
         st = self.state
-        found = st.remote.exists_many([ns_id + k for k in keys[start:]])
-        n = 0
-        for hit in found:
-            if not hit:
+        n, step = 0, EXISTS_FIRST
+        while start + n < len(keys):
+            ask = keys[start + n:start + n + step]
+            found = st.remote.exists_many([ns_id + k for k in ask])
+            hits = next((i for i, hit in enumerate(found) if not hit), len(found))
+            n += hits
+            if hits < len(ask):
                 break
-            n += 1
+            step *= 4
         if n:
             with st.lock:
                 info = st.namespaces.get(ns_id)
@@ -150,19 +182,22 @@ class HostRemote:
                     st.index.set_remote(e)
         return n
 
-    def fetch(self, want: list[bytes]) -> dict[bytes, tuple]:
-        """One batched trip per node, no lock held; verified frames, not re-hashed."""
+    def deadline_for(self, ns_id: bytes, blocks: int) -> float:
+        """The absolute deadline (time.monotonic()) of fetching `blocks` of the namespace's
+        blocks: the tier's bulk deadline for their bytes, from now."""
+        info = self.state.namespaces.get(ns_id)
+        size = int(getattr(info, "block_bytes", 0) or 0)
+        r = self.state.remote
+        return time.monotonic() + r.deadline_s + r.bulk_s_per_mib * blocks * size / (1 << 20)
+
+    def fetch(self, want: list[bytes], until: float | None = None) -> dict[bytes, tuple]:
+        """One batched trip per node, no lock held; verified frames, not re-hashed. `until`:
+        an absolute deadline shared with other fetches of the same call."""
         if not want:
             return {}
-        values = self.state.remote.get_many(want, unframed=True)
+        deadline_s = None if until is None else max(0.0, until - time.monotonic())
+        values = self.state.remote.get_many(want, deadline_s=deadline_s, unframed=True)
         return {g: v for g, v in zip(want, values, strict=True) if v is not None}
 
-    def fetcher(self) -> ThreadPoolExecutor:
-        """The thread that fetches the next range of a pipelined acquire."""
-        if self._fetcher is None:
-            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-fetch")
-        return self._fetcher
-
     def close(self) -> None:
-        if self._fetcher is not None:
-            self._fetcher.shutdown(wait=True)
+        """Nothing held between calls (each pipelined acquire owns its fetch thread)."""

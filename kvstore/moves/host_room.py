@@ -96,6 +96,7 @@ class HostRoom:
         # held here would never go back to packed form).
         self._promoted: deque[bytes] = deque(maxlen=PROMOTED_KEPT)
         self._disk_full_logged = -1e9
+        self._remote_drop_logged = -1e9
         # Background demotion: woken when host use passes the low watermark; the assistant
         # only while demoted blocks are large (their mean size, weighted to recent batches).
         self._wake = threading.Condition(state.lock)
@@ -511,6 +512,7 @@ class HostRoom:
                 self.to_ssd.settle(written)
             else:
                 self.to_remote.settle(written)
+                self._remote_dropped(todo, corrupt)
             for g in corrupt:
                 corrupt_host_copy(st, g, "demotion")
             f, b = self._free_victims(batch)
@@ -541,6 +543,27 @@ class HostRoom:
             log.warning("%s; dropping %d evicted host blocks instead of demoting them (logged "
                         "once a minute; counter ssd_disk_full_dropped_blocks)", exc, lost)
         return []
+
+    def _remote_dropped(self, todo: list[Entry], corrupt: list[bytes]) -> None:
+        """After an eviction's remote write (locked): the victims it did not land (Redis down
+        or full, the tier's capacity or a tenant's remote quota reached) are about to be
+        dropped, as a full disk's are (_disk_full) and for the same reason. Counted; logged
+        at most once a minute."""
+        bad = set(corrupt)
+        lost = sum(1 for e in todo if not e.remote and not e.pins and e.gpu is None
+                   and e.host is not None and e.gkey not in bad)
+        if not lost:
+            return
+        st = self.state
+        st.counters["remote_dropped_blocks"] += lost
+        now = time.monotonic()
+        if now - self._remote_drop_logged > DISK_FULL_LOG_S:
+            self._remote_drop_logged = now
+            log.warning("the remote tier did not take %d evicted host blocks (Redis down or "
+                        "full, remote.capacity or a tenant's remote_quota reached; last Redis "
+                        "error: %s); dropping them instead (logged once a minute; counter "
+                        "remote_dropped_blocks)", lost,
+                        st.remote.stats.get("last_error") or "none")
 
     def _free_victims(self, batch: list[Entry]) -> tuple[int, int]:
         """Phase 3 of an eviction (locked): free the victims' host slots. A victim a reader
