@@ -163,10 +163,10 @@ def test_standalone_batch_is_one_pipeline(redis_server):
     with RemoteTier(Cfg(urls=[redis_server.url])) as t:
         keys = gkeys(64)
         t.put_many([(k, framed(1000)) for k in keys])
-        before = t.stats["round_trips"], cmd_calls(r, "exists"), cmd_calls(r, "get")
+        before = t.stats["round_trips"], cmd_calls(r, "exists"), cmd_calls(r, "getrange")
         t.exists_many(keys)
         t.get_many(keys)
-        after = t.stats["round_trips"], cmd_calls(r, "exists"), cmd_calls(r, "get")
+        after = t.stats["round_trips"], cmd_calls(r, "exists"), cmd_calls(r, "getrange")
         assert after[0] - before[0] == 2
         assert (after[1] - before[1], after[2] - before[2]) == (64, 64)
 
@@ -326,9 +326,9 @@ def test_cluster_spreads_keys_and_sends_one_batch_per_node(redis_cluster):
         assert sum(counts) == 96 and sum(1 for c in counts if c) >= 2, counts
         clients = [n.client() for n in redis_cluster.nodes]
         before_rt = t.stats["round_trips"]
-        before = [cmd_calls(c, "get") for c in clients]
+        before = [cmd_calls(c, "getrange") for c in clients]
         assert t.get_many(keys) == vals
-        after = [cmd_calls(c, "get") for c in clients]
+        after = [cmd_calls(c, "getrange") for c in clients]
         # each node ran exactly the GETs for its own keys
         assert [a - b for a, b in zip(after, before, strict=True)] == counts
         nodes_used = sum(1 for c in counts if c)
@@ -519,9 +519,9 @@ def test_cluster_moved_slot_is_a_miss_then_routes_to_the_new_owner(own_cluster):
         # in one batch per node
         owners = [cluster.node_for_key(make_key(prefix, k)) for k in su.keys]
         clients = [n.client() for n in cluster.nodes]
-        rt0, gets0 = t.stats["round_trips"], [cmd_calls(c, "get") for c in clients]
+        rt0, gets0 = t.stats["round_trips"], [cmd_calls(c, "getrange") for c in clients]
         assert t.get_many(su.keys) == su.vals
-        gets = [cmd_calls(c, "get") - g0 for c, g0 in zip(clients, gets0, strict=True)]
+        gets = [cmd_calls(c, "getrange") - g0 for c, g0 in zip(clients, gets0, strict=True)]
         assert gets == [sum(1 for o in owners if o is n) for n in cluster.nodes]
         assert gets[cluster.nodes.index(su.dst)] >= su.n_moving
         assert t.stats["round_trips"] - rt0 == sum(1 for g in gets if g)

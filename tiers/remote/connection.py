@@ -14,10 +14,14 @@ kvstore.
 
 from __future__ import annotations
 
+import re
 import ssl
+from collections.abc import Iterable
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import redis
+from kvstore_client.common.errors import InvalidArgument
 from redis.connection import parse_url
 from redis.exceptions import AuthenticationError
 
@@ -30,6 +34,74 @@ def cfg_value(cfg: Any, name: str, default: Any) -> Any:
     """`cfg.name`, or `default` where it is missing or None."""
     value = getattr(cfg, name, default)
     return default if value is None else value
+
+
+def mask_url(url: str) -> str:
+    """`url` with its password (userinfo or `?password=`) replaced by `***`, for messages."""
+    try:
+        netloc = urlsplit(url).netloc
+    except ValueError:
+        netloc = ""
+    out = url
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        if colon:
+            out = url.replace(netloc, f"{user}:***@{host}", 1)
+    elif "@" in url:        # not a URL urlsplit can read: keep only what follows the last @
+        out = "***@" + url.rpartition("@")[2]
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", out)
+
+
+def url_secrets(urls: Iterable[str], password: str = "") -> list[str]:
+    """The passwords a config carries (remote.password and those in the URLs, as written and
+    decoded): error texts are scrubbed of them before anyone can read them."""
+    found = {password} if password else set()
+    for url in urls:
+        try:
+            pw = urlsplit(url).password
+        except ValueError:
+            pw = None
+        if pw:
+            found |= {pw, unquote(pw)}
+        for m in re.finditer(r"[?&]password=([^&#]*)", url):
+            if m.group(1):
+                found |= {m.group(1), unquote(m.group(1))}
+    # longest first, so a password that contains another is replaced whole
+    return sorted(found, key=len, reverse=True)
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    for s in secrets:
+        if s:
+            text = text.replace(s, "***")
+    return text
+
+
+def check_urls(urls: list[str], cluster: bool) -> None:
+    """Refuse a URL redis-py could not use, naming `remote.urls` and the URL (password masked).
+
+    Called by the tier's constructor in both modes: a cluster's URLs are otherwise only read
+    by the background discovery, where a typo would keep the tier down for ever, silently.
+    """
+    for url in urls:
+        shown = mask_url(str(url))
+        why = ""
+        if not isinstance(url, str):
+            why = "not a string"
+        else:
+            try:
+                kw = parse_url(url)
+            except ValueError as e:             # bad scheme, port, or query option
+                why = scrub(str(e), url_secrets([url]))
+            else:
+                if url.startswith("unix://"):
+                    if cluster:
+                        why = "a cluster's seed nodes need redis:// or rediss:// host:port URLs"
+                    elif not kw.get("path"):
+                        why = "a unix:// URL needs the socket's path (unix:///path/to/redis.sock)"
+        if why:
+            raise InvalidArgument(f"remote.urls: cannot use {shown!r}: {why}")
 
 
 def url_kwargs(url: str) -> dict[str, Any]:
@@ -93,16 +165,17 @@ def _chain(err: BaseException) -> list[BaseException]:
 
 
 def describe_error(err: BaseException | str, *, tls: bool = False,
-                   client_cert: bool = False) -> str:
+                   client_cert: bool = False, secrets: Iterable[str] = ()) -> str:
     """A last-error string that names the cause an operator can act on.
 
     redis-py's own messages hide it in two common cases: a wrong or missing password reads
     "invalid username-password pair" or "HELLO must be called ...", and a server that requires a
     client certificate just closes the TLS connection ("EOF occurred in violation of protocol").
     An untrusted server certificate already says "certificate verify failed"; it gets a prefix.
+    `secrets` (see url_secrets) are replaced by `***`: the text is logged and shown in stats.
     """
     if isinstance(err, str):
-        return err[:ERROR_CHARS]
+        return scrub(err, secrets)[:ERROR_CHARS]
     text = f"{type(err).__name__}: {err}"
     chain = _chain(err)
     if any(isinstance(e, AuthenticationError) for e in chain):
@@ -116,4 +189,4 @@ def describe_error(err: BaseException | str, *, tls: bool = False,
         text = f"TLS: connection closed by the server during setup; {why}: {text}"
     elif any(isinstance(e, ssl.SSLError) for e in chain):
         text = f"TLS: {text}"
-    return text[:ERROR_CHARS]
+    return scrub(text, secrets)[:ERROR_CHARS]

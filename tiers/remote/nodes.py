@@ -11,10 +11,23 @@ therefore costs a dict lookup per call, never a timeout per call, and the tier r
 itself. A cluster's topology is discovered in the background the same way (the constructor
 never blocks on a dead cluster), and re-read when a reply says the slot map is stale, at most
 once per `backoff_min_ms`.
+
+A bulk batch (block reads and writes) that comes late does not mark its node down by itself:
+its deadline grows with the bytes it moves, and one caller's large values must not make the node
+a miss for every caller while it answers everyone else. The node is PINGed in the background
+instead (`check_slow`) and goes down only if that PING is late or fails too.
+
+Log: a node going down logs one WARNING naming the cause (the operator's only view of a wrong
+password or a TLS mistake besides `stats`), and one INFO when it is back. Rate-limited per node:
+the same cause again within LOG_REPEAT_S, or any cause within LOG_MIN_INTERVAL_S of the last
+warning, is counted and told with the next warning instead, so a flapping node cannot flood the
+log.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,8 +45,14 @@ from redis.retry import Retry
 from .connection import url_kwargs
 from .stats import RemoteStats
 
+log = logging.getLogger("kvstore.remote")
+
 NS_ID_BYTES = 16
 STANDALONE = "standalone"
+TOPOLOGY = "topology"
+LOG_REPEAT_S = 300.0        # the same cause of a node going down is warned about again after this
+LOG_MIN_INTERVAL_S = 10.0   # at most one down warning per node within this, whatever the cause
+TIMEOUT_TEXT = "no answer within"   # how the tier words a late batch (tier.py, _run)
 
 
 def make_key(prefix: bytes, gkey: bytes) -> bytes:
@@ -53,6 +72,12 @@ class NodeState:
     probing: bool = False
     failures: int = 0
     last_error: str = ""
+    checking: bool = False        # a background PING after a late bulk batch is running
+    down_since: float = 0.0       # monotonic, when it last went down
+    warned_key: str = ""          # the cause of the last down warning (digits folded)
+    warned_at: float = float("-inf")
+    warned_down: bool = False     # a warning was logged for this down spell: log the way back
+    unlogged: int = 0             # times it went down since the last warning, not logged
 
     def summary(self, now: float) -> dict[str, Any]:
         return {"up": self.up, "failures": self.failures, "last_error": self.last_error,
@@ -81,7 +106,7 @@ class Nodes:
     def __init__(self, urls: list[str], cluster: bool, prefix: bytes,
                  conn_kwargs: dict[str, Any], pool: ThreadPoolExecutor, stats: RemoteStats,
                  describe: Callable[[BaseException | str], str], backoff_min_s: float,
-                 backoff_max_s: float) -> None:
+                 backoff_max_s: float, label: str = "") -> None:
         self.cluster = cluster
         self.prefix = prefix
         self.backoff_min_s = backoff_min_s
@@ -93,12 +118,13 @@ class Nodes:
         self._pool = pool
         self._stats = stats
         self._describe = describe
+        self._label = label or STANDALONE     # how logs name the standalone server
         self._lock = threading.Lock()
         self._next_refresh = 0.0             # monotonic; slot-table refreshes are rate-limited
         self.states: dict[str, NodeState] = {}
         self.standalone: redis.Redis | None = None
         self.rc: Any = None                  # redis.cluster.RedisCluster once discovered
-        self.topology = NodeState("topology", up=False)
+        self.topology = NodeState(TOPOLOGY, up=False)
         if cluster:
             self.discover_async()            # never blocks the constructor on a dead cluster
         else:
@@ -175,12 +201,18 @@ class Nodes:
     def mark_down(self, name: str, err: BaseException | str) -> None:
         with self._lock:
             st = self.node(name)
+            now = time.monotonic()
+            if st.up:
+                st.down_since = now
             st.failures += 1
             st.last_error = self.last_error = self._describe(err)
             st.backoff_s = (min(st.backoff_s * 2, self.backoff_max_s) if not st.up
                             else self.backoff_min_s)
+            line = self._note_down(st, now, went_down=st.up)
             st.up = False
-            st.down_until = time.monotonic() + st.backoff_s
+            st.down_until = now + st.backoff_s
+        if line and not self.closed:        # (a tier closing fails its last calls: no news)
+            log.warning("%s", line)
         client = self.client_for(name)
         if client is not None:
             try:  # drop pooled sockets: after a restart they are all dead, reconnect fresh
@@ -191,9 +223,90 @@ class Nodes:
     def mark_up(self, name: str) -> None:
         with self._lock:
             st = self.node(name)
+            line = ""
             if not st.up:
                 self._stats.add("reconnects", 1)
+                line = self._note_up(st, time.monotonic())
             st.up, st.backoff_s, st.down_until, st.probing = True, 0.0, 0.0, False
+        if line:
+            log.info("%s", line)
+
+    # -- the log: one line per cause, rate-limited (module docstring) --------------------------
+    def _display(self, name: str) -> str:
+        if name == STANDALONE:
+            return f"server {self._label}"
+        if name == TOPOLOGY:
+            return "cluster (slot-table discovery)"
+        return f"cluster node {name}"
+
+    def _note_down(self, st: NodeState, now: float, went_down: bool) -> str:
+        """The warning to log for `st` going (or staying) down with st.last_error, or "".
+        Called under the lock."""
+        key = re.sub(r"\d+", "#", re.sub(r"^\w+ on \S+: ", "", st.last_error))
+        repeat = key == st.warned_key and now - st.warned_at < LOG_REPEAT_S
+        # A late answer says little (a TLS handshake with a plain server just hangs); the first
+        # real error after it is told at once, however soon.
+        vague = TIMEOUT_TEXT in st.warned_key and TIMEOUT_TEXT not in key
+        if repeat or (now - st.warned_at < LOG_MIN_INTERVAL_S and not vague):
+            if went_down:
+                st.unlogged += 1
+            return ""
+        more = (f" ({st.unlogged} more time{'s' if st.unlogged > 1 else ''} down since the "
+                "last warning)" if st.unlogged else "")
+        st.warned_key, st.warned_at, st.warned_down, st.unlogged = key, now, True, 0
+        then = ("every key is a miss until a background retry reads the slot table"
+                if st.name == TOPOLOGY else
+                "its keys are misses until a background PING finds it answering again")
+        return f"remote tier: {self._display(st.name)} is down: {st.last_error}{more}; {then}"
+
+    def _note_up(self, st: NodeState, now: float) -> str:
+        """The line to log for `st` answering again: only after a warned-about spell."""
+        if not st.warned_down:
+            return ""
+        st.warned_down = False
+        return (f"remote tier: {self._display(st.name)} is answering again after "
+                f"{now - st.down_since:.1f} s down")
+
+    def check_slow(self, name: str, cause: str, timeout_s: float) -> None:
+        """A bulk batch to `name` came late: PING it in the background and mark it down only if
+        the PING is late (past `timeout_s`) or fails. One check per node at a time."""
+        with self._lock:
+            st = self.node(name)
+            if not st.up or st.checking or self.closed:
+                return
+            st.checking = True
+        threading.Thread(target=self._check_slow, args=(name, cause, timeout_s), daemon=True,
+                         name="kvs-remote-check").start()
+
+    def _check_slow(self, name: str, cause: str, timeout_s: float) -> None:
+        result: list[BaseException | None] = []
+
+        def ping() -> None:
+            try:
+                client = self.client_for(name)
+                if client is None:
+                    raise Unavailable(f"node {name} is no longer in the cluster")
+                client.ping()
+            except Exception as e:  # noqa: BLE001 - any failure means "down"
+                result.append(e)
+            else:
+                result.append(None)
+
+        try:
+            self._stats.add("probes", 1)
+            t = threading.Thread(target=ping, daemon=True, name="kvs-remote-ping")
+            t.start()
+            t.join(timeout_s)
+            if not result:
+                self.mark_down(name, f"{cause}, and a PING got no answer within "
+                                     f"{timeout_s * 1000:.0f} ms")
+            elif result[0] is not None:
+                self.mark_down(name, result[0])
+            else:
+                self._stats.add("slow", 1)     # late for its size, but the node answers
+        finally:
+            with self._lock:
+                self.node(name).checking = False
 
     def _probe(self, name: str) -> None:
         """Background: PING a down node; up again on PONG, else a longer back-off."""
@@ -240,14 +353,23 @@ class Nodes:
                                    dynamic_startup_nodes=True, **kw)
         except Exception as e:  # noqa: BLE001
             with self._lock:
+                now = time.monotonic()
+                if st.up or not st.failures:
+                    st.down_since = now
                 st.failures += 1
                 st.last_error = self.last_error = self._describe(e)
                 st.backoff_s = min(max(st.backoff_s * 2, self.backoff_min_s), self.backoff_max_s)
-                st.down_until = time.monotonic() + st.backoff_s
+                st.down_until = now + st.backoff_s
+                line = self._note_down(st, now, went_down=st.up)
                 st.up = False
+            if line:
+                log.warning("%s", line)
         else:
             with self._lock:
+                line = self._note_up(st, time.monotonic())
                 st.up, st.backoff_s = True, 0.0
+            if line:
+                log.info("%s", line)
         finally:
             st.probing = False
 

@@ -16,8 +16,8 @@ LATENCY_SAMPLES = 2048          # recent samples kept per operation, for histogr
 OPS = ("exists", "get", "put", "delete")
 COUNTERS = ("calls", "round_trips", "hits", "misses", "lookup_hits", "lookup_misses",
             "bytes_read", "bytes_written", "bytes_deleted", "bytes_vanished", "keys_written",
-            "keys_deleted", "errors", "timeouts", "corrupt", "skipped_down", "moved",
-            "probes", "reconnects")
+            "keys_deleted", "errors", "timeouts", "corrupt", "oversize", "wrong_type",
+            "skipped_down", "moved", "probes", "reconnects", "slow")
 
 
 @dataclass

@@ -8,6 +8,13 @@ its back-off "down" state. Nothing here raises into the caller unless asked (`ra
 a failure is a miss. Values are `tiers.frame` frames, verified on read; one that fails its
 check is a counted `corrupt` miss, never returned, and is deleted in the background so a writer
 can store a good copy.
+
+Reads are bounded: anyone who reaches the Redis can write anything under a block key, so a read
+asks for at most `max_value_bytes` + 1 bytes of each value (GETRANGE, with TYPE in the same
+pipeline to tell a missing key from an empty or non-string one). A longer value, or a key of
+another type (a hash, a list), is a counted `corrupt` miss deleted in the background like any
+other bad value: the daemon's memory per read is bounded by what the caller expects, never by
+what a stranger stored.
 """
 
 from __future__ import annotations
@@ -20,16 +27,71 @@ from typing import Any
 
 import redis
 from kvstore_client.common.errors import DataLoss, InvalidArgument, Unavailable
-from redis.exceptions import AskError, ClusterDownError, TryAgainError
+from kvstore_client.common.layout import MAX_BLOCK_BYTES
+from redis.exceptions import AskError, ClusterDownError, ResponseError, TryAgainError
 
-from .connection import cfg_value, connection_kwargs, describe_error
-from .nodes import Batch, Nodes, make_key
+from .connection import (
+    cfg_value,
+    check_urls,
+    connection_kwargs,
+    describe_error,
+    mask_url,
+    url_secrets,
+)
+from .nodes import TIMEOUT_TEXT, Batch, Nodes, make_key
 from .stats import RemoteStats
 
 try:  # framing is owned by tiers/frame.py; verification switches on once it exists
     from tiers.frame import unframe as _unframe
 except ImportError:  # pragma: no cover - only while frame.py is being written
     _unframe = None
+
+
+# What a caller adds to a value's worst-case frame size when it passes `max_value_bytes`: room
+# for a small envelope the store may wrap around a frame (a value stored by a newer daemon must
+# not read as oversize and be deleted by an older one's bound).
+VALUE_SLACK_BYTES = 256
+# The bound on a value's size when the caller gives none (and the config has no
+# `max_value_bytes`): the largest block a namespace may declare, plus 1 MiB for frame and codec
+# headers and the envelope. No value a daemon writes is larger; callers that know the
+# namespace pass its own, much tighter, bound.
+DEFAULT_MAX_VALUE_BYTES = MAX_BLOCK_BYTES + (1 << 20)
+# The per-key size a read's deadline assumes when the caller gives neither `expected_bytes` nor
+# `max_value_bytes` (a 2 MiB block).
+ASSUMED_VALUE_BYTES = 2 << 20
+
+
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+WRONG_TYPE = _Marker("WRONG_TYPE")   # a key holding a non-string value (a hash, a list...)
+REFUSED = _Marker("REFUSED")         # a value over its bound or of the wrong type: counted, gone
+
+
+def _read_reply(kind: Any, value: Any) -> Any:
+    """(TYPE reply, GETRANGE reply) of one key -> value, None (missing), WRONG_TYPE or the error.
+
+    GETRANGE answers "" both for a missing key and for an empty value; TYPE tells them apart.
+    """
+    if isinstance(value, ResponseError) and str(value).startswith("WRONGTYPE"):
+        return WRONG_TYPE
+    if isinstance(value, BaseException):
+        return value
+    if value:                           # a value (even if TYPE raced with a writer)
+        return value
+    if isinstance(kind, BaseException):
+        return kind
+    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+    if kind == "none":
+        return None
+    return value if kind == "string" else WRONG_TYPE
 
 
 def _pipeline_delete(b: Batch) -> list:
@@ -62,6 +124,7 @@ class RemoteTier:
         if len(urls) > 1 and not self.cluster:
             raise InvalidArgument("remote.urls lists several servers but remote.cluster is off; "
                                   "set cluster = true (the URLs are then seed nodes) or list one")
+        check_urls(urls, self.cluster)
         prefix = str(cfg_value(cfg, "key_prefix", "kvs:"))
         if self.cluster and ("{" in prefix or "}" in prefix):
             raise InvalidArgument(f"remote.key_prefix {prefix!r} contains a brace: in a cluster "
@@ -73,6 +136,9 @@ class RemoteTier:
         # Bulk calls (get/put of whole blocks) get the lookup deadline plus a per-MiB allowance,
         # so a 64 x 2 MiB load is not declared dead by a deadline meant for a key lookup.
         self.bulk_s_per_mib = float(cfg_value(cfg, "bulk_ms_per_mib", 5.0)) / 1000.0
+        self.max_value_bytes = int(cfg_value(cfg, "max_value_bytes", DEFAULT_MAX_VALUE_BYTES))
+        if self.max_value_bytes <= 0:
+            raise InvalidArgument("remote.max_value_bytes must be positive")
         self.capacity = int(cfg_value(cfg, "capacity", 0))
         self.ttl_s = int(cfg_value(cfg, "ttl_s", 0))
         self.raise_errors = raise_errors
@@ -86,6 +152,7 @@ class RemoteTier:
         tls = bool(cfg_value(cfg, "tls", False)) or any(u.startswith("rediss://") for u in urls)
         conn = connection_kwargs(cfg, tls)
         self._tls, self._client_cert = tls, "ssl_certfile" in conn
+        self._secrets = url_secrets(urls, str(cfg_value(cfg, "password", "")))
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=int(cfg_value(cfg, "max_workers", 8)),
                                         thread_name_prefix="kvs-remote")
@@ -93,13 +160,15 @@ class RemoteTier:
         self._nodes = Nodes(urls, self.cluster, self.prefix, conn, self._pool, self._stats,
                             self._describe,
                             float(cfg_value(cfg, "backoff_min_ms", 50)) / 1000.0,
-                            float(cfg_value(cfg, "backoff_max_ms", 2000)) / 1000.0)
+                            float(cfg_value(cfg, "backoff_max_ms", 2000)) / 1000.0,
+                            label=mask_url(urls[0]))
 
     def key(self, gkey: bytes) -> bytes:
         return make_key(self.prefix, gkey)
 
     def _describe(self, err: BaseException | str) -> str:
-        return describe_error(err, tls=self._tls, client_cert=self._client_cert)
+        return describe_error(err, tls=self._tls, client_cert=self._client_cert,
+                              secrets=self._secrets)
 
     def wait_ready(self, timeout: float = 5.0) -> bool:
         """Block until the cluster topology is known (standalone: at once). For tools/tests."""
@@ -108,10 +177,13 @@ class RemoteTier:
     # ----------------------------------------------------------------------------- engine
 
     def _run(self, op: str, gkeys: Sequence[bytes], per_node: Callable[[Batch], list],
-             deadline_s: float) -> list[Any]:
+             deadline_s: float, bulk: bool = False) -> list[Any]:
         """Send one pipeline per node in parallel; results in caller order, None = miss/failed.
 
         Items of a node that failed, timed out, was down or is unknown come back as None.
+        `bulk` (block reads and writes): a late batch does not mark its node down by itself, the
+        node is PINGed first (Nodes.check_slow): its deadline was sized from this caller's bytes,
+        and one caller's large values must not make the node a miss for every other caller.
         """
         t0 = time.perf_counter()
         out: list[Any] = [None] * len(gkeys)
@@ -142,8 +214,11 @@ class RemoteTier:
                 if f not in done:
                     add("timeouts", 1)
                     add("errors", 1)
-                    failure = f"{op} on {b.node}: no answer within {deadline_s * 1000:.0f} ms"
-                    nodes.mark_down(b.node, failure)
+                    failure = f"{op} on {b.node}: {TIMEOUT_TEXT} {deadline_s * 1000:.0f} ms"
+                    if bulk:
+                        nodes.check_slow(b.node, failure, self.deadline_s)
+                    else:
+                        nodes.mark_down(b.node, failure)
                     continue
                 exc = f.exception()
                 if exc is not None:
@@ -213,30 +288,55 @@ class RemoteTier:
         return found
 
     def get_many(self, gkeys: Sequence[bytes], deadline_s: float | None = None,
-                 unframed: bool = False) -> list[Any]:
+                 unframed: bool = False, max_value_bytes: int | Sequence[int] | None = None,
+                 expected_bytes: int | None = None) -> list[Any]:
         """Values (framed bytes) or None: missing, failed, late or corrupt.
 
         With `unframed=True` each hit is `unframe(value)` = (codec, raw_len, payload) so the
         caller does not checksum the block a second time. Corrupt values are counted, never
-        returned. Deadline: `deadline_ms` plus `bulk_ms_per_mib` for an assumed 2 MiB per key.
+        returned.
+
+        `max_value_bytes`: the longest value that can be right, for every key or per key (the
+        namespace's worst-case frame plus VALUE_SLACK_BYTES); default: the config's
+        `max_value_bytes`, else DEFAULT_MAX_VALUE_BYTES. At most that many bytes + 1 are read
+        per key; a longer value, or a non-string one, is a counted `corrupt` (and `oversize` /
+        `wrong_type`) miss and is deleted in the background.
+
+        Deadline (unless `deadline_s`): `deadline_ms` plus `bulk_ms_per_mib` per MiB of
+        `expected_bytes` (the bytes the caller expects in all), else of the keys' explicit
+        `max_value_bytes` summed, else of ASSUMED_VALUE_BYTES per key.
         """
         if not gkeys:
             return []
+        n = len(gkeys)
+        if max_value_bytes is None:
+            limits = [self.max_value_bytes] * n
+        elif isinstance(max_value_bytes, int):
+            limits = [max_value_bytes] * n
+        else:
+            limits = [int(x) for x in max_value_bytes]
+            if len(limits) != n:
+                raise InvalidArgument(f"max_value_bytes lists {len(limits)} sizes for {n} keys")
+        if min(limits) < 0:
+            raise InvalidArgument("max_value_bytes must not be negative")
 
         def per_node(b: Batch) -> list:
-            p = b.client.pipeline(transaction=False)
-            for k in b.keys:
-                p.get(k)
-            return p.execute(raise_on_error=False)
+            return self._read_batch(b, limits)
 
         if deadline_s is None:
-            deadline_s = self._bulk_deadline(len(gkeys) << 21)
-        res = self._run("get", gkeys, per_node, deadline_s)
+            if expected_bytes is not None:
+                nbytes = int(expected_bytes)
+            elif max_value_bytes is not None:
+                nbytes = sum(limits)
+            else:
+                nbytes = n * ASSUMED_VALUE_BYTES
+            deadline_s = self._bulk_deadline(nbytes)
+        res = self._run("get", gkeys, per_node, deadline_s, bulk=True)
         out: list[Any] = []
         hits = nbytes = corrupt = 0
         bad: list[bytes] = []
         for g, v in zip(gkeys, res, strict=True):
-            if v is None:
+            if v is None or v is REFUSED:
                 out.append(None)
                 continue
             nbytes += len(v)
@@ -256,6 +356,42 @@ class RemoteTier:
                         "corrupt", corrupt)
         if bad:
             self._delete_async(bad)
+        return out
+
+    def _read_batch(self, b: Batch, limits: list[int]) -> list:
+        """One node's share of a get (on a pool thread): TYPE + GETRANGE per key, pipelined.
+
+        Values over their bound and non-string keys are counted and their deletion is sent
+        here, not by the caller: a caller that stopped waiting (the deadline) must not leave
+        them in place to be read again. They come back as REFUSED.
+        """
+        p = b.client.pipeline(transaction=False)
+        for i, k in zip(b.idx, b.keys, strict=True):
+            p.type(k)
+            p.getrange(k, 0, limits[i])     # inclusive end: at most limit + 1 bytes
+        res = p.execute(raise_on_error=False)
+        out: list[Any] = []
+        drop = Batch(b.node, b.client)
+        oversize = wrong_type = 0
+        for j, (i, k) in enumerate(zip(b.idx, b.keys, strict=True)):
+            v = _read_reply(res[2 * j], res[2 * j + 1])
+            if v is WRONG_TYPE:
+                wrong_type += 1
+            elif isinstance(v, bytes) and len(v) > limits[i]:
+                oversize += 1
+            else:
+                out.append(v)
+                continue
+            out.append(REFUSED)
+            drop.idx.append(i)
+            drop.keys.append(k)
+        if drop.keys:
+            self._stats.add("corrupt", oversize + wrong_type, "oversize", oversize,
+                            "wrong_type", wrong_type)
+            try:
+                self._pool.submit(_pipeline_delete, drop)
+            except RuntimeError:            # the tier closed meanwhile: nothing to tidy
+                pass
         return out
 
     def _delete_async(self, gkeys: list[bytes]) -> None:
@@ -284,7 +420,7 @@ class RemoteTier:
 
         if deadline_s is None:
             deadline_s = self._bulk_deadline(sum(sizes))
-        res = self._run("put", gkeys, per_node, deadline_s)
+        res = self._run("put", gkeys, per_node, deadline_s, bulk=True)
         written = sum(s for s, r in zip(sizes, res, strict=True) if r)
         self._stats.add("bytes_written", written, "keys_written", sum(1 for r in res if r))
         return written
