@@ -28,7 +28,14 @@ from kvstore_client.common.errors import KVStoreError
 
 from .binding import bind_tcp, bind_unix, check_exposure, check_socket_free, tls_credentials
 from .config import StoreConfig
-from .datadir import FS_ERRNOS, DataDirLock, StartupError, check_data_dir_writable, fs_error
+from .datadir import (
+    FS_ERRNOS,
+    DataDirLock,
+    StartupError,
+    check_data_dir_writable,
+    fs_error,
+    tighten_modes,
+)
 from .gc_pauses import freeze_long_lived, walked_objects
 from .stopping import CallCount, ShutdownProgress
 from .warmup import one_torch_thread, warm_codecs, warm_get
@@ -58,6 +65,9 @@ class Daemon:
         self.lane: Any = None
         self.metrics: Any = None
         self.socket_path = os.path.abspath(config.socket_path)
+        # (st_dev, st_ino) of the socket file this run bound; None: it bound none, so a stop
+        # or a refused start removes nothing at socket_path (it may be a live daemon's).
+        self._bound_socket: tuple[int, int] | None = None
         self.tcp_address: str | None = None
         self.metrics_url: str | None = None
         self._phase: tuple[str, float] = ("starting", time.monotonic())
@@ -90,7 +100,12 @@ class Daemon:
         tls = tls_credentials(cfg) if cfg.server.tcp else None
         check_data_dir_writable(self.lock.path.parent)    # before LOCK is touched at all
         self.lock.acquire()
+        # Other users reach nothing in the folder (docs/security.md), but a tenants' socket in
+        # it (the default path) must stay reachable: then the folder is 0711, never listable.
+        data = Path(cfg.data_dir).resolve()
+        searchable = bool(tenants) and data in Path(self.socket_path).resolve().parents
         try:
+            self._tighten(searchable)
             check_socket_free(self.socket_path)
             factory = self._store_factory
             if factory is None:
@@ -110,6 +125,7 @@ class Daemon:
                 if e.errno in FS_ERRNOS:
                     raise fs_error(Path(cfg.data_dir), e) from None
                 raise StartupError(f"cannot open the store in {cfg.data_dir}: {e}") from None
+            self._tighten(searchable)       # what the store just made (an older build's modes)
             # Prometheus (about as much CPU as a bare gRPC server's whole start) only where an
             # endpoint can show it; without one, calls in flight are counted for the stop line.
             if cfg.server.metrics:
@@ -134,6 +150,8 @@ class Daemon:
             pending = Caps(deadline_s=lim.hello_deadline_s, per_uid=lim.pending_per_uid,
                            total=lim.pending_total)
             bind_unix(self.server, self.socket_path, 0o666 if tenants else 0o600)
+            st = os.lstat(self.socket_path)
+            self._bound_socket = (st.st_dev, st.st_ino)
             if cfg.server.lane:
                 from kvstore_client.common.lane_wire import lane_path
 
@@ -191,6 +209,10 @@ class Daemon:
                  cfg.data_dir)
         threading.Thread(target=self._after_ready, name="kvstore-after-ready",
                          daemon=True).start()
+
+    def _tighten(self, searchable: bool) -> None:
+        for change in tighten_modes(self.config.data_dir, searchable):
+            log.info("made owner-only: %s", change)
 
     def _after_ready(self) -> None:
         """What the daemon does once it reports SERVING, off the path to it: the store's
@@ -258,8 +280,8 @@ class Daemon:
     def shutdown(self) -> None:
         """Graceful stop: see the module docstring for the order.
 
-        Idle, this takes well under a second: the metrics endpoint's own shutdown (it polls
-        every 0.5 s) runs beside the rest instead of before it.
+        Idle, this takes well under a second: the metrics endpoint's own shutdown runs beside
+        the rest instead of before it.
         """
         from grpc_health.v1 import health_pb2
 
@@ -316,11 +338,21 @@ class Daemon:
             except Exception:
                 log.exception("closing the store failed")
             self.store = None
+        self._unlink_socket()
+        self.lock.release()
+
+    def _unlink_socket(self) -> None:
+        """Remove the socket file only if it is the one this run bound: a start refused because
+        another daemon listens there must leave that daemon's socket alone."""
+        bound, self._bound_socket = self._bound_socket, None
+        if bound is None:
+            return
         try:
-            os.unlink(self.socket_path)
+            st = os.lstat(self.socket_path)
+            if (st.st_dev, st.st_ino) == bound:
+                os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
-        self.lock.release()
 
 
 def run(config: StoreConfig, store_factory: Callable[[StoreConfig], Any] | None = None) -> int:
@@ -328,13 +360,20 @@ def run(config: StoreConfig, store_factory: Callable[[StoreConfig], Any] | None 
     d = Daemon(config, store_factory)
     signal.signal(signal.SIGTERM, d.request_stop)
     signal.signal(signal.SIGINT, d.request_stop)
+    # Whatever the daemon creates (LMDB, the events' sequence file, an index image) is its
+    # user's alone; the sockets set their own modes (kvstore/binding.py).
+    umask = os.umask(0o077)
+    os.umask(umask | 0o077)
     try:
-        d.start()
-    except StartupError as e:
-        print(f"kvstore: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
-    try:
-        d.wait()
+        try:
+            d.start()
+        except StartupError as e:
+            print(f"kvstore: {e}", file=sys.stderr, flush=True)
+            return e.exit_code
+        try:
+            d.wait()
+        finally:
+            d.shutdown()
+        return 0
     finally:
-        d.shutdown()
-    return 0
+        os.umask(umask)

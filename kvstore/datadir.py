@@ -5,6 +5,11 @@ shared-memory slab name and silently corrupt each other's index. `fcntl.flock` i
 the kernel when the holder dies (even on SIGKILL), so a crashed daemon never leaves a stale lock
 behind, and the file carries the holder's pid for the error message.
 
+Why owner-only modes: LMDB's index holds model and tenant names, block keys and, with KV
+events on, prompts' token ids; the data folder is made 0700 (0711 where other users' engines
+must reach a tenants' socket inside it) and what the daemon keeps in it 0600/0700, including
+in a folder an older daemon left readable (`tighten_modes`).
+
 Why StartupError lives here: a start fails on the data folder more often than anywhere else
 (in use, full, read-only), and each step after it (kvstore/binding.py, kvstore/daemon.py) ends
 the same way: one line naming the cause and the fix, and an exit code for the CLI.
@@ -14,10 +19,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
+import stat
 from pathlib import Path
 
+log = logging.getLogger("kvstore.daemon")
+
 LOCK_NAME = "LOCK"
+# What the daemon keeps in its data folder (besides its sockets, whose modes are deliberate).
+OWNED_ENTRIES = (LOCK_NAME, "ssd", "events")
 
 
 class StartupError(Exception):
@@ -37,8 +48,8 @@ class DataDirLock:
 
     def acquire(self) -> None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:   # preflight checked; this is the race or an odd filesystem
             raise fs_error(self.path.parent, e) from None
         try:
@@ -72,6 +83,56 @@ class DataDirLock:
         finally:
             os.close(self._fd)    # closing drops the flock
             self._fd = None
+
+
+def tighten_modes(data_dir: str | os.PathLike, searchable: bool = False) -> list[str]:
+    """Take group and other users' rights off the data folder and what the daemon keeps in it
+    (LOCK, ssd/, events/: folders 0700, files 0600 at most), where this user owns them; returns
+    what it changed, as "path 0755->0700". `searchable`: the folder stays 0711, so other uids
+    can reach a socket inside it (tenants, with the default socket path), but not list it.
+
+    Sockets and symlinks are left alone, and nothing that is not this user's is touched."""
+    folder = Path(data_dir)
+    me = os.geteuid()
+    changed: list[str] = []
+
+    def strip(path: Path, st: os.stat_result, keep: int = 0) -> None:
+        old = stat.S_IMODE(st.st_mode)
+        new = (old & ~0o077) | keep
+        if st.st_uid != me or new == old:
+            return
+        try:
+            os.chmod(path, new)
+        except OSError as e:
+            log.warning("cannot make %s owner-only (%s)", path, e.strerror or e)
+            return
+        changed.append(f"{path} {old:04o}->{new:04o}")
+
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return changed
+    strip(folder, st, 0o011 if searchable else 0)
+    for name in OWNED_ENTRIES:
+        top = folder / name
+        try:
+            st = os.lstat(top)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            strip(top, st)
+        elif stat.S_ISDIR(st.st_mode):
+            strip(top, st)
+            for root, dirs, files in os.walk(top):
+                for n in (*dirs, *files):
+                    p = Path(root) / n
+                    try:
+                        st = os.lstat(p)
+                    except OSError:
+                        continue
+                    if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
+                        strip(p, st)
+    return changed
 
 
 FS_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)

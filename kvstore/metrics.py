@@ -14,20 +14,33 @@ Naming (README.md (Metrics) lists every metric):
   become `kvstore_codec_bytes_in_total{codec}` / `kvstore_codec_bytes_out_total{codec}`.
 - known counters become `kvstore_<name>_total`; unknown ones `kvstore_store_events_total{name}`,
   so a counter the store adds later is exported at once and the names stay documented.
+
+Why a server of its own (MetricsServer) and not prometheus_client's start_http_server: that one
+starts a thread per connection and waits for a request for ever, so any local user (the endpoint
+has no authentication) could hold a thread and a descriptor per idle or slow connection until
+the daemon ran out of descriptors and refused its engines too. This one serves at most
+METRICS_MAX_CONNECTIONS at once (more are closed at once), gives each an absolute deadline to
+send its request and another to take the reply, and buffers at most METRICS_MAX_REQUEST bytes
+of request; the reply is prometheus_client's own WSGI app's, byte for byte.
 """
 
 from __future__ import annotations
 
+import email.utils
 import logging
+import os
 import re
+import selectors
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import unquote
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
@@ -103,6 +116,13 @@ LOSSY_CODECS = ("fp8_e4m3", "int8")
 # that left mid-stream).
 RPC_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION",
              "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DATA_LOSS", "DEADLINE_EXCEEDED", "INTERNAL")
+# The endpoint's bounds (MetricsServer): connections served at once, seconds a connection has
+# to send its whole request (from its accept) and to take the whole reply (from its first
+# byte), and the longest request (line and headers) read.
+METRICS_MAX_CONNECTIONS = 16
+METRICS_READ_DEADLINE_S = 5.0
+METRICS_WRITE_DEADLINE_S = 10.0
+METRICS_MAX_REQUEST = 8192
 
 
 def rpc_methods() -> list[str]:
@@ -338,8 +358,7 @@ class Metrics:
         if store is not None:
             self.store_collector = StoreCollector(store)
             self.registry.register(self.store_collector)
-        self._http: Any = None
-        self._thread: threading.Thread | None = None
+        self._http: MetricsServer | None = None
 
     def observe(self, method: str, code: str, seconds: float) -> None:
         known = self._children.get((method, code))
@@ -359,14 +378,225 @@ class Metrics:
         """Start the HTTP endpoint on "host:port" (port 0: any free port); returns its URL."""
         host, _, port = address.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
-        self._http, self._thread = start_http_server(int(port), addr=host,
-                                                     registry=self.registry)
+        self._http = MetricsServer(host, int(port), make_wsgi_app(self.registry))
         bound = self._http.server_port
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{bound}/metrics"
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None
+
+
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+            b"Connection: close\r\n\r\n")
+
+
+class MetricsServer:
+    """HTTP/1.x for the metrics endpoint, one request per connection, with bounds (module
+    docstring): an accept thread, and a thread per connection being served, at most
+    `max_connections` of them; a connection past that is closed at once (after a 503 it
+    need not wait for)."""
+
+    def __init__(self, host: str, port: int, app: Callable[..., Any],
+                 max_connections: int = METRICS_MAX_CONNECTIONS,
+                 read_deadline_s: float = METRICS_READ_DEADLINE_S,
+                 write_deadline_s: float = METRICS_WRITE_DEADLINE_S,
+                 max_request: int = METRICS_MAX_REQUEST) -> None:
+        self._app = app
+        self.max_connections = max_connections
+        self.read_deadline_s = read_deadline_s
+        self.write_deadline_s = write_deadline_s
+        self.max_request = max_request
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, sockaddr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(64)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self.server_port = sock.getsockname()[1]
+        self._wake_r, self._wake_w = os.pipe()
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()      # being served (under _lock)
+        self._closing = False
+        self._thread = threading.Thread(target=self._accept_loop, name="kvstore-metrics",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        with self._lock:
+            return len(self._conns)
+
+    def close(self) -> None:
+        """Stop accepting and cut the connections being served; returns at once (the threads
+        serving them end on their own, each within its deadline at the latest)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            for conn in self._conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        os.write(self._wake_w, b"x")
+        self._thread.join(5.0)
+        self._sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- accepting ----------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._sock, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                ready = [key.fileobj for key, _ in sel.select()]
+                if self._wake_r in ready:
+                    return
+                try:
+                    conn, _ = self._sock.accept()
+                except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                    continue
+                except OSError as e:    # out of descriptors: let the peers' closes catch up
+                    log.warning("metrics endpoint cannot accept a connection: %s", e)
+                    time.sleep(0.1)
+                    continue
+                self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        with self._lock:
+            admitted = not self._closing and len(self._conns) < self.max_connections
+            if admitted:
+                self._conns.add(conn)
+        if not admitted:
+            _refuse(conn)
+            return
+        try:
+            threading.Thread(target=self._serve, args=(conn,), name="kvstore-metrics-conn",
+                             daemon=True).start()
+        except RuntimeError:            # no thread to be had: drop it
+            self._forget(conn)
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:                # (close() never shuts down a closed, reused fd)
+            self._conns.discard(conn)
+            conn.close()
+
+    # -- one connection -----------------------------------------------------------------------
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            head = self._read_head(conn, time.monotonic() + self.read_deadline_s)
+            if head is None:
+                return
+            reply = self._reply(head)
+            self._send(conn, reply, time.monotonic() + self.write_deadline_s)
+            try:
+                conn.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        except OSError:
+            pass                        # the peer went away, or a deadline passed
+        except Exception:               # noqa: BLE001 - one bad request must not end the thread
+            log.exception("metrics endpoint: serving a request failed")
+        finally:
+            self._forget(conn)
+
+    def _read_head(self, conn: socket.socket, deadline: float) -> bytes | None:
+        """The request line and headers (up to the empty line), or None: the peer closed,
+        sent more than max_request bytes without ending them, or ran past the deadline."""
+        buf = bytearray()
+        while True:
+            end = _head_end(buf)
+            if end >= 0:
+                return bytes(buf[:end])
+            if len(buf) > self.max_request:
+                self._send(conn, b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                           b"Content-Length: 0\r\nConnection: close\r\n\r\n",
+                           time.monotonic() + 1.0)
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            conn.settimeout(left)
+            try:
+                data = conn.recv(4096)
+            except TimeoutError:
+                return None
+            if not data:
+                return None
+            buf += data
+
+    @staticmethod
+    def _send(conn: socket.socket, data: bytes, deadline: float) -> None:
+        view = memoryview(data)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the metrics reply's deadline passed")
+            conn.settimeout(left)
+            view = view[conn.send(view):]
+
+    def _reply(self, head: bytes) -> bytes:
+        """The whole HTTP reply to one request, from prometheus_client's WSGI app."""
+        lines = head.decode("latin-1").split("\n")
+        words = lines[0].strip().split()
+        if len(words) != 3 or not words[2].startswith("HTTP/"):
+            return _response("400 Bad Request", [], b"")
+        method, target, _ = words
+        path, _, query = target.partition("?")
+        if "://" in path:               # absolute form: http://host/path
+            path = "/" + path.split("://", 1)[1].partition("/")[2]
+        environ: dict[str, Any] = {"REQUEST_METHOD": method, "PATH_INFO": unquote(path),
+                                   "QUERY_STRING": query, "SERVER_PROTOCOL": "HTTP/1.1"}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                key = "HTTP_" + name.strip().upper().replace("-", "_")
+                environ[key] = value.strip()
+        started: list[Any] = []
+
+        def start_response(status: str, headers: list[tuple[str, str]], _exc: Any = None
+                           ) -> None:
+            started[:] = [status, headers]
+
+        try:
+            body = b"".join(self._app(environ, start_response))
+        except Exception:  # noqa: BLE001 - a failed collection is a 500, as under wsgiref
+            log.exception("metrics endpoint: building the reply failed")
+            return _response("500 Internal Server Error", [], b"")
+        status, headers = started
+        return _response(status, headers, body)
+
+
+def _head_end(buf: bytearray) -> int:
+    """Where the request's headers end (before the empty line), or -1."""
+    ends = [i for i in (buf.find(b"\r\n\r\n"), buf.find(b"\n\n")) if i >= 0]
+    return min(ends) if ends else -1
+
+
+def _response(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    lines = [f"HTTP/1.1 {status}", f"Date: {email.utils.formatdate(usegmt=True)}",
+             "Server: kvstore"]
+    lines += [f"{k}: {v}" for k, v in headers]
+    lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
+    return "\r\n".join(lines).encode("latin-1") + body
+
+
+def _refuse(conn: socket.socket) -> None:
+    """Over the cap: a 503 if the socket takes it at once, then closed."""
+    try:
+        conn.setblocking(False)
+        conn.send(_REFUSED)
+    except OSError:
+        pass
+    conn.close()

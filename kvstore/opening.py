@@ -1,11 +1,13 @@
 """Opening the store: its tiers, their policies, and what a warm restart brings back.
 
-The host slab comes first (tenants with a host quota get their own segments of it), then the
-devices, the SSD and remote tiers and the KV events. On a warm restart the namespaces come
-back from LMDB's meta records, and the index and the SSD policy from the index
-image the last clean stop wrote (kvstore/warm_image.py) when LMDB is exactly as that stop left
-it; otherwise from one scan of LMDB's block records, parents first, and the SSD policy's saved
-state (blocks it does not name join as new).
+The SSD tier opens first, then the host slab (tenants with a host quota get their own segments
+of it), the devices, the remote tier and the KV events. Why the SSD tier before the slab: LMDB
+maps what is on disk, and should a damaged file kill the process there, no slab is left in
+/dev/shm; a slab name a live daemon holds is refused before either (tiers/host.py). On a
+warm restart the namespaces come back from LMDB's meta records, and the index and the SSD
+policy from the index image the last clean stop wrote (kvstore/warm_image.py) when LMDB is
+exactly as that stop left it; otherwise from one scan of LMDB's block records, parents first,
+and the SSD policy's saved state (blocks it does not name join as new).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import msgpack
 from kvstore_client.common.layout import NamespaceSpec
 from kvstore_client.common.pinning import PinnedHost, pin_host
 
-from tiers.host import HostTier
+from tiers.host import HostTier, check_free
 from tiers.ssd import SSDTier
 
 from . import warm_image
@@ -36,13 +38,18 @@ def open_tiers(state: StoreState, data: Path, shm_name: str) -> tuple[TenantPool
     and the host slab's page-locking (released after the devices, before the slab). On an
     error whatever was opened is closed again."""
     config = state.config
-    slab = HostTier(config.host.capacity, shm_name=shm_name, prefault=False)
-    state.attach(host=slab)
-    pools = TenantPools(state)      # tenants with a host quota get their own segment
-    # Page-locked so host<->GPU copies (ours and clients') run at PCIe speed; a no-op without
-    # CUDA. It must be unregistered before the slab is unmapped (close order).
-    host_pin = pin_host(slab.buffer)
+    check_free(shm_name)            # another live daemon's slab: refused before slow work
+    if config.ssd.enabled:
+        state.attach(ssd=SSDTier(str(data / "ssd"), config.ssd.capacity,
+                                 sync=config.ssd.sync, warm=False))
+    host_pin: PinnedHost | None = None
     try:
+        slab = HostTier(config.host.capacity, shm_name=shm_name, prefault=False)
+        state.attach(host=slab)
+        pools = TenantPools(state)      # tenants with a host quota get their own segment
+        # Page-locked so host<->GPU copies (ours and clients') run at PCIe speed; a no-op
+        # without CUDA. It must be unregistered before the slab is unmapped (close order).
+        host_pin = pin_host(slab.buffer)
         if config.gpu.enabled:      # (numpy and the CUDA bindings only where configured)
             from tiers.device_open import open_device_tiers
             state.attach(gpu=open_device_tiers(config.gpu.capacity, config.gpu.devices,
@@ -61,8 +68,6 @@ def open_tiers(state: StoreState, data: Path, shm_name: str) -> tuple[TenantPool
         if defer is not None:
             defer()
         if config.ssd.enabled:
-            state.attach(ssd=SSDTier(str(data / "ssd"), config.ssd.capacity,
-                                     sync=config.ssd.sync, warm=False))
             state.policies["ssd"] = make_policy(config.ssd.policy, None, rows=state.index)
         if config.remote.enabled:
             from tiers.remote import RemoteTier  # redis only where configured
@@ -75,8 +80,10 @@ def open_tiers(state: StoreState, data: Path, shm_name: str) -> tuple[TenantPool
     except BaseException:
         for t in state.gpu.values():
             t.close()
-        host_pin.close()
-        state.host.close()
+        if host_pin is not None:
+            host_pin.close()
+        if state.host is not None:
+            state.host.close()
         if state.ssd is not None:
             state.ssd.close()
         raise

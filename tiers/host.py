@@ -5,18 +5,26 @@ then move blocks with plain memcpy at offsets the daemon hands out — no per-bl
 sockets. The slab is pre-faulted at start so the first copies into it do not pay page faults
 (a fresh mapping faults each page on first touch, docs/performance.md), and its base is
 page-aligned (mmap), so with 4 KiB-aligned extents every block copy is page-aligned.
+
+Why the daemon holds an flock on its segment: a segment's name outlives a daemon killed with
+its children (nothing is left to unlink it), so a start that finds the name taken must tell a
+live daemon's slab, which it must leave alone, from such a leftover, which it reclaims. The
+kernel drops the lock with the last descriptor of its holder, however the holder died, so
+"nobody holds its lock" is exactly "its daemon is gone" (`_create_locked`).
 """
 
 from __future__ import annotations
 
 import _posixshmem
+import errno
+import fcntl
 import mmap
 import os
 import secrets
 from typing import TYPE_CHECKING, Any
 
 from kvstore_client.common import prefault
-from kvstore_client.common.errors import InvalidArgument
+from kvstore_client.common.errors import InvalidArgument, Unavailable
 from kvstore_client.common.lazy import lazy_module
 
 from .slab import ExtentAllocator, SlabAllocation
@@ -50,7 +58,12 @@ class HostTier(SlabAllocation):
                                   f"got {shm_name!r}")
         self.capacity = capacity
         self.shm_name = shm_name
-        self._shm = _create_fresh(shm_name, capacity, track=prefault)
+        try:
+            self._shm = _create_fresh(shm_name, capacity, track=prefault)
+        except SegmentInUse as e:
+            raise SegmentInUse(f"host.shm_name {shm_name!r}: {e}; give each daemon its own "
+                               "host.shm_name ('' derives one from the data folder) or stop "
+                               "the other daemon") from None
         self._array: np.ndarray | None = None       # made on first use (_require_open)
         self._prefaulter: prefault.Prefaulter | None = None
         self._prefaulted = False
@@ -138,29 +151,34 @@ class HostTier(SlabAllocation):
 _OPEN_VIEWS: list[Any] = []
 
 
+class SegmentInUse(Unavailable):
+    """A segment of the name exists and a live process holds its lock (another daemon)."""
+
+
 class Segment:
     """A new POSIX shared-memory segment, made as multiprocessing.shared_memory makes one
     (same name, mode and mapping), except that Python's resource tracker, which unlinks it
-    should this process be killed, hears of it only at `track()`.
+    should this process be killed, hears of it only at `track()`, and that its descriptor
+    stays open holding an exclusive flock until `close()` (module docstring).
 
     Why: registering spawns the tracker, a second Python process, on every daemon start (with
     the multiprocessing import, ~25 ms of CPU beside a start of ~100 ms); the daemon tracks
-    its slab once it is ready. A segment left by a kill before that is replaced by the next
-    start (`_create_fresh`).
+    its slab once it is ready. A segment left by a kill before that, or by a kill of the
+    daemon together with the tracker, is replaced by the next start (`_create_fresh`).
     """
 
     def __init__(self, name: str, size: int) -> None:
         self.name, self.size = name, size
         self._path = "/" + name
-        fd = _posixshmem.shm_open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        fd = _create_locked(self._path)
         try:
             os.ftruncate(fd, size)
             self._mmap = mmap.mmap(fd, size)
         except BaseException:
             _posixshmem.shm_unlink(self._path)
-            raise
-        finally:
             os.close(fd)
+            raise
+        self._fd: int | None = fd
         self.buf = memoryview(self._mmap)
         self._tracked = False
 
@@ -172,9 +190,15 @@ class Segment:
             self._tracked = True
 
     def close(self) -> None:
-        """Unmap; BufferError while views of `buf` live (as SharedMemory.close)."""
-        self.buf.release()
-        self._mmap.close()
+        """Unmap and drop the lock; BufferError while views of `buf` live (as
+        SharedMemory.close; the descriptor, and with it the lock, is closed all the same)."""
+        try:
+            self.buf.release()
+            self._mmap.close()
+        finally:
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                os.close(fd)
 
     def unlink(self) -> None:
         _posixshmem.shm_unlink(self._path)
@@ -186,22 +210,105 @@ class Segment:
 
 
 def _create_fresh(name: str, size: int, track: bool = True) -> Segment:
-    """Create segment `name`; a leftover of the same name (crashed daemon) is replaced."""
-    try:
-        seg = Segment(name, size)
-    except FileExistsError:
-        _unlink(name)
-        seg = Segment(name, size)
+    """Create segment `name`; a leftover of the same name (a daemon that is gone) is replaced,
+    one a live daemon holds is not (SegmentInUse)."""
+    seg = Segment(name, size)
     if track:
         seg.track()
     return seg
 
 
-def _unlink(name: str) -> None:
+_CREATE_TRIES = 8
+
+
+def _create_locked(path: str) -> int:
+    """A new segment at `path`, its descriptor holding an exclusive flock, the name checked to
+    still be it once locked. A segment already there is reclaimed when nobody holds its lock.
+
+    Two starts racing for one name: each locks what it made and then checks the name still
+    names it; a start removes a segment only while holding its lock and only if the name still
+    names it, so neither can remove the other's once locked, and one of them is refused."""
+    for _ in range(_CREATE_TRIES):
+        try:
+            fd = _posixshmem.shm_open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        except FileExistsError:
+            _reclaim(path)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)            # another start took it for a leftover and removes it
+                continue
+            # (no flock on this filesystem: unlocked, as before the lock; nothing to tell)
+        if _names(path, fd):
+            return fd
+        os.close(fd)                    # removed before we locked it: make another
+    raise SegmentInUse(f"shared-memory segment /dev/shm{path} is in use by another process")
+
+
+def _reclaim(path: str) -> None:
+    """Remove the segment at `path` if nobody holds its lock (its daemon is gone), else raise
+    SegmentInUse."""
     try:
-        _posixshmem.shm_unlink("/" + name)
+        fd = _posixshmem.shm_open(path, os.O_RDWR, mode=0o600)
     except FileNotFoundError:
-        pass
+        return
+    except PermissionError:
+        raise SegmentInUse(f"shared-memory segment /dev/shm{path} exists and belongs to "
+                           "another user") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise SegmentInUse(f"shared-memory segment /dev/shm{path} is in use by a "
+                                   "running kvstore daemon") from None
+            # (no flock here: a leftover, as every segment of the name was before the lock)
+        if _names(path, fd):
+            try:
+                _posixshmem.shm_unlink(path)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether the name `path` names the segment open at `fd` (not one made after its unlink)."""
+    try:
+        other = _posixshmem.shm_open(path, os.O_RDONLY, mode=0o600)
+    except FileNotFoundError:
+        return False
+    try:
+        a, b = os.fstat(fd), os.fstat(other)
+    finally:
+        os.close(other)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def check_free(name: str) -> None:
+    """Raise SegmentInUse (naming host.shm_name) if a live daemon holds segment `name`; a
+    leftover is left for the create to reclaim. Cheap: for a refusal before any slow work."""
+    name = name.lstrip("/")
+    if not name or "/" in name or "\0" in name:
+        return                          # HostTier reports a bad name
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    except FileNotFoundError:
+        return
+    except OSError:
+        return                          # (another user's: the create says so)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise SegmentInUse(f"host.shm_name {name!r}: shared-memory segment /dev/shm/{name} "
+                               "is in use by a running kvstore daemon; give each daemon its "
+                               "own host.shm_name ('' derives one from the data folder) or "
+                               "stop the other daemon") from None
+    finally:
+        os.close(fd)
 
 
 def _prefault(buf: memoryview, size: int) -> prefault.Prefaulter | None:

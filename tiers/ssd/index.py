@@ -14,6 +14,14 @@ Why a read gate: growing the map (`set_mapsize`, on MapFullError) needs no live 
 in this process, so readers count themselves in and a resize waits for them to leave. The map
 starts at about 64 bytes of records per byte of capacity and grows by half when full.
 
+Why the file's length is checked before LMDB maps it (`check_length`): LMDB reads its pages
+through a memory map, and a page past the end of a truncated file is a SIGBUS that kills the
+process with no word; its meta pages say how many pages the file holds, so a short file is
+refused with one line instead.
+
+Why owner-only modes (0700 folder, 0600 files): the records name models and tenants and hold
+block keys (and, with KV events, prompts' token ids); other users must not read them.
+
 Why short transactions for a scan: a long-lived reader pins LMDB's free pages and would block
 a map resize while the caller writes meanwhile.
 """
@@ -41,6 +49,55 @@ _IMAGE_KEY = b"image"              # token of the index image written at the las
 MAX_KEY = 511                       # LMDB's compiled-in key size limit
 MAP_SLACK = 64 << 20
 _SCAN_BATCH = 8192
+DATA_FILE = "data.mdb"
+# LMDB 0.9's meta page (lmdb/mdb.c, MDB_meta after a 16-byte page header): magic, version, ...;
+# the first MDB_db's md_pad holds the page size; then the last page used and the txn id.
+_PAGE_HEADER = 16
+_META_MAGIC = 0xBEEFC0DE
+_META_HEAD = struct.Struct("=II")           # mm_magic, mm_version
+_META_PSIZE = struct.Struct("=I")           # mm_dbs[0].md_pad, at 24
+_META_TAIL = struct.Struct("=QQ")           # mm_last_pg, mm_txnid, at 120
+_META_BYTES = 136
+
+
+def check_length(index_dir: str) -> None:
+    """Refuse a data.mdb shorter than the pages its newest meta page says it uses (a truncated
+    copy or a disk that lost the file's tail): LMDB would SIGBUS on the first missing page.
+    Anything this cannot parse is left to LMDB, which reports what it finds."""
+    path = os.path.join(index_dir, DATA_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError:
+        return                          # LMDB's own open says why
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _PAGE_HEADER + _META_BYTES, 0)
+        metas = []
+        psize = 0
+        for i in range(2):
+            if i:
+                if psize < 512 or psize & (psize - 1):
+                    return
+                head = os.pread(fd, _PAGE_HEADER + _META_BYTES, psize)
+            if len(head) < _PAGE_HEADER + _META_BYTES:
+                return                  # too short to hold two meta pages: LMDB's error
+            magic, _version = _META_HEAD.unpack_from(head, _PAGE_HEADER)
+            if magic != _META_MAGIC:
+                return
+            if not i:
+                psize = _META_PSIZE.unpack_from(head, _PAGE_HEADER + 24)[0]
+            metas.append(_META_TAIL.unpack_from(head, _PAGE_HEADER + 120))
+    finally:
+        os.close(fd)
+    last_pg, _txnid = max(metas, key=lambda m: m[1])       # LMDB opens the newest
+    need = (last_pg + 1) * psize
+    if size < need:
+        raise Unavailable(
+            f"{path} is {size} bytes but its header says it holds {need} (truncated, or copied "
+            f"while written); restore it from a backup, or move {os.path.dirname(index_dir)} "
+            "away to start with an empty SSD tier")
 
 
 def initial_map_size(capacity: int) -> int:
@@ -60,12 +117,14 @@ class LmdbIndex:
         self.folder = folder
         self.capacity = capacity
         index_dir = os.path.join(folder, "index")
-        os.makedirs(index_dir, exist_ok=True)
+        os.makedirs(index_dir, mode=0o700, exist_ok=True)
+        check_length(index_dir)
         try:
+            # mode: LMDB makes data.mdb and lock.mdb with it, less the execute bits (0600).
             self._env = lmdb.open(
                 index_dir, map_size=initial_map_size(capacity), subdir=True, readahead=False,
                 writemap=False, sync=sync, metasync=sync, max_dbs=8, lock=True,
-                max_readers=512, meminit=False)
+                max_readers=512, meminit=False, mode=0o700)
         except lmdb.Error as exc:
             raise Unavailable(f"cannot open the SSD tier at {folder}: {exc}") from exc
         self.opened_txnid = self._env.info()["last_txnid"]   # before anything here writes

@@ -54,7 +54,7 @@ class SSDTier:
         self.path = os.fspath(path)
         self.capacity = capacity
         self._sync = sync
-        os.makedirs(self.path, exist_ok=True)
+        os.makedirs(self.path, mode=0o700, exist_ok=True)     # (LMDB's records: owner only)
         legacy = is_legacy(self.path)
         self._index = LmdbIndex(self.path, capacity, sync)
         try:
