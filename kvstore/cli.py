@@ -104,16 +104,22 @@ def _sets_host_capacity(config_path: str | None, overrides: dict, environ: dict)
         try:
             with open(config_path, "rb") as f:
                 return "capacity" in tomllib.load(f).get("host", {})
-        except (OSError, tomllib.TOMLDecodeError):
+        except (OSError, ValueError):   # TOMLDecodeError, UnicodeDecodeError
             return True   # load_config reports the problem
     return False
 
 
 def _physical_memory() -> int:
+    """The memory this process may use: the machine's, or its cgroup's limit if lower (a
+    container's), which the host pool is charged to."""
+    from .preflight import memory_limit
+
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        return 1 << 40
+        phys = 1 << 40
+    limit = memory_limit()
+    return min(phys, limit[0]) if limit else phys
 
 
 def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
@@ -162,6 +168,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         preflight(cfg)
     except PreflightError as e:
         return _fail(f"cannot start: {e}")
+    warning = metrics_exposure(cfg)
+    if warning:
+        print(f"kvstore: WARNING: {warning}", file=sys.stderr, flush=True)
     # Said before the slow part (imports, prefaulting the pool, opening LMDB), so a watcher
     # sees at once what the daemon is doing.
     print(f"kvstore: starting: data folder {os.path.abspath(cfg.data_dir)}, host pool "
@@ -172,6 +181,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .daemon import run
     return run(cfg)
+
+
+def metrics_exposure(cfg: StoreConfig) -> str | None:
+    """The warning for a metrics endpoint beyond loopback: it has no authentication."""
+    from .binding import is_loopback
+
+    addr = cfg.server.metrics
+    if not addr or is_loopback(addr):
+        return None
+    tenants = (", with each tenant's series (server.metrics_tenants)"
+               if cfg.server.metrics_tenants else "")
+    return (f"server.metrics={addr} listens beyond loopback with no authentication: anyone "
+            f"who reaches it reads the daemon's figures{tenants}; bind it to 127.0.0.1 or "
+            "firewall the port")
 
 
 def format_status(resp: Any) -> str:
@@ -211,6 +234,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
     from kvstore_client._proto import kvstore_pb2, kvstore_pb2_grpc
     from kvstore_client.common.address import grpc_target
+    from kvstore_client.common.errors import KVStoreError, Unauthenticated
 
     try:
         # The SDK's reading of addresses: a bare or relative path is a Unix socket.
@@ -232,6 +256,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             return _fail(f"no kvstore daemon answers at {address} ({e.code().name}: "
                          f"{e.details()}); start one with `kvstore serve` or pass --address", 1)
         return _fail(f"Stats at {address} failed: {e.code().name}: {e.details()}", 1)
+    except KVStoreError as e:       # the handshake (tenants): refused, or no answer
+        hint = ("; pass a tenant's token in $KVSTORE_TOKEN, or run as a uid a tenant lists "
+                "(docs/security.md)" if isinstance(e, Unauthenticated) else "")
+        return _fail(f"status at {address}: {e.code}: {e}{hint}", 1)
     if args.json:
         print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True), indent=2))
     else:
@@ -300,9 +328,10 @@ def _defaults_help() -> dict[str, str]:
                    f"{d.server.metrics})",
         "host_capacity": f"host (shared-memory) tier size, e.g. 2GiB (default: "
                          f"{format_size(d.host.capacity)}; {format_size(SMALL_HOST_POOL)} on "
-                         f"machines with less than {format_size(SMALL_MACHINE_BYTES)} of memory)",
+                         f"machines, or under memory limits, of less than "
+                         f"{format_size(SMALL_MACHINE_BYTES)})",
         "ssd_capacity": f"SSD tier size, e.g. 100GiB (default: {format_size(d.ssd.capacity)})",
-        "log_level": f"debug | info | warning | error (default: {d.log_level})",
+        "log_level": f"debug | info | warning | error | critical (default: {d.log_level})",
     }
 
 

@@ -7,6 +7,7 @@ validated once here so the store can trust its config; errors name the offending
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -22,6 +23,16 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# The eviction policies kvstore/policies/__init__.py makes (a test checks they agree): named
+# here so a wrong `<tier>.policy` is refused with its key before the store opens.
+POLICIES = ("arc", "default", "lru")
+HOST_PAGE = 4096                    # the host slab's page (tiers/host.py PAGE): its smallest size
+# The longest lease a daemon may hand out (leases.max_ttl_s): every lease expires, and an
+# engine that needs one longer renews it.
+MAX_LEASE_TTL_S = 86400.0
+# Settings whose values may hold secrets (a Redis URL may carry a password): an error about
+# them names the key, never the value.
+_SECRET_KEYS = ("password", "urls")
 
 
 class ConfigError(InvalidArgument):
@@ -54,16 +65,29 @@ def format_size(n: float) -> str:
 
 
 @dataclass
-class TierConfig:
+class CapacityConfig:
+    """A tier's switch and size. The remote tier has only these: Redis evicts by its own
+    maxmemory policy, and the daemon stops demoting there at `capacity` (docs/remote.md)."""
     enabled: bool = True
     capacity: int = 0               # bytes
+
+    def check(self, name: str) -> None:
+        if self.enabled and self.capacity <= 0:
+            raise ConfigError(f"{name}.capacity must be positive when {name} is enabled")
+
+
+@dataclass
+class TierConfig(CapacityConfig):
+    """A tier the daemon evicts from itself: between watermarks, by a policy."""
     high_watermark: float = 0.95    # start evicting above this fraction of capacity
     low_watermark: float = 0.85     # evict down to this fraction
     policy: str = "default"
 
     def check(self, name: str) -> None:
-        if self.enabled and self.capacity <= 0:
-            raise ConfigError(f"{name}.capacity must be positive when {name} is enabled")
+        super().check(name)
+        if self.policy not in POLICIES:
+            raise ConfigError(f"{name}.policy: unknown eviction policy {self.policy!r}; choose "
+                              f"one of {list(POLICIES)}")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ConfigError(f"{name}: need 0 < low_watermark <= high_watermark <= 1, got "
                               f"{self.low_watermark} / {self.high_watermark}")
@@ -84,6 +108,13 @@ class HostConfig(TierConfig):
 
     def check(self, name: str) -> None:
         super().check(name)
+        if self.enabled and self.capacity < HOST_PAGE:
+            raise ConfigError(f"{name}.capacity must be at least {HOST_PAGE} bytes (one page), "
+                              f"got {self.capacity}")
+        shm = self.shm_name.lstrip("/")
+        if "/" in shm or "\0" in shm or len(shm) > 200:
+            raise ConfigError(f"{name}.shm_name must be a plain name like 'kvstore-main' (no "
+                              f"'/', at most 200 characters) or '', got {self.shm_name!r}")
         if self.commit_check not in ("sample", "all"):
             raise ConfigError(f'{name}.commit_check must be "sample" or "all", got '
                               f"{self.commit_check!r}")
@@ -123,13 +154,13 @@ class GPUConfig(TierConfig):
             raise ConfigError(f"{name}.backend must be 'auto', 'cuda' or 'cpu', got "
                               f"{self.backend!r}")
         if not self.devices or len(set(self.devices)) != len(self.devices) \
-                or any(d < 0 for d in self.devices):
+                or any(not _is_int(d) or d < 0 for d in self.devices):
             raise ConfigError(f"{name}.devices must list distinct device numbers >= 0, got "
                               f"{self.devices!r}")
 
 
 @dataclass
-class RemoteConfig(TierConfig):
+class RemoteConfig(CapacityConfig):
     enabled: bool = False
     capacity: int = 64 << 30        # bytes this daemon writes before it stops demoting there
     urls: list[str] = field(default_factory=list)
@@ -250,13 +281,14 @@ class EngineStreamConfig:
         check_endpoint(out.endpoint, f"{where}.endpoint")
         for key in ("source", "replay_endpoint"):
             value = getattr(out, key)
-            if value and not (value.startswith(("tcp://", "ipc://"))):
+            if not isinstance(value, str) or (value and not value.startswith(("tcp://",
+                                                                             "ipc://"))):
                 raise ConfigError(f"{where}.{key}: expected a tcp:// or ipc:// address or '', "
                                   f"got {value!r}")
         if not isinstance(out.dp_rank, int) or isinstance(out.dp_rank, bool) \
                 or not 0 <= out.dp_rank < 1 << 16:
             raise ConfigError(f"{where}.dp_rank must be an integer in 0..65535")
-        if not isinstance(out.models, list):
+        if not isinstance(out.models, list) or not all(isinstance(m, str) for m in out.models):
             raise ConfigError(f"{where}.models: expected a list of model names")
         return out
 
@@ -416,8 +448,12 @@ class StoreConfig:
             if not self.remote.urls:
                 raise ConfigError("remote.urls must list at least one redis:// URL when "
                                   "remote is enabled")
-        if not 0 < self.leases.default_ttl_s <= self.leases.max_ttl_s:
-            raise ConfigError("leases: need 0 < default_ttl_s <= max_ttl_s")
+        ttl = self.leases
+        if not 0 < ttl.default_ttl_s <= ttl.max_ttl_s <= MAX_LEASE_TTL_S:
+            raise ConfigError(f"leases: need 0 < default_ttl_s <= max_ttl_s <= "
+                              f"{MAX_LEASE_TTL_S:g} seconds (every lease expires; an engine "
+                              f"renews one it needs longer), got {ttl.default_ttl_s!r} / "
+                              f"{ttl.max_ttl_s!r}")
         self.server.check()
         self.auth.check()
         self.limits.check()
@@ -446,7 +482,10 @@ _SIZE_KEYS = {"capacity", "max_message_bytes", "max_receive_bytes",
               "stream_bytes_per_tenant", "replay_bytes"}
 
 
-def _apply(obj: Any, values: dict[str, Any], where: str) -> None:
+def _apply(obj: Any, values: dict[str, Any], where: str, text: bool = False) -> None:
+    """Set `values` on `obj`, each checked against its field's type. `text`: values from a
+    variable or a flag, where strings are read as the field's type ("16", "true", "0,1");
+    a config file's (TOML's) values must have the field's type already."""
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for k, v in values.items():
         if k not in fields:
@@ -455,44 +494,93 @@ def _apply(obj: Any, values: dict[str, Any], where: str) -> None:
         if dataclasses.is_dataclass(cur):
             if not isinstance(v, dict):
                 raise ConfigError(f"{where}{k}: expected a table")
-            _apply(cur, v, f"{where}{k}.")
+            _apply(cur, v, f"{where}{k}.", text)
             continue
-        setattr(obj, k, _coerce(cur, v, f"{where}{k}", k in _SIZE_KEYS))
+        setattr(obj, k, _coerce(str(fields[k].type), cur, v, f"{where}{k}", k in _SIZE_KEYS,
+                                text))
 
 
-def _coerce(cur: Any, v: Any, key: str, is_size: bool) -> Any:
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _shown(key: str, v: Any) -> str:
+    """A value as an error may show it: a secret's is withheld."""
+    return "(value withheld)" if key.rpartition(".")[2] in _SECRET_KEYS else repr(v)
+
+
+def _from_text(kind: str, v: str, key: str) -> Any:
+    """A variable's or flag's text read as a value of the field's type `kind`."""
+    word = v.strip()
+    if kind == "bool":
+        if word.lower() in ("1", "true", "yes", "on"):
+            return True
+        if word.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}: expected true or false, got {_shown(key, v)}")
+    try:
+        if kind == "int":
+            return int(word)
+        if kind == "float":
+            return float(word)
+        if kind.startswith("list["):
+            item = kind[len("list["):-1]
+            return [x.strip() if item != "int" else int(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        what = {"int": "an integer", "float": "a number"}.get(kind, "a list of integers")
+        raise ConfigError(f"{key}: cannot read {_shown(key, v)} as {what}") from None
+    return v
+
+
+def _coerce(kind: str, cur: Any, v: Any, key: str, is_size: bool, text: bool = False) -> Any:
+    """`v` for a field of type `kind` (its annotation, e.g. "int", "list[str]"), or a
+    ConfigError naming `key`: a bool is not a number, nor a number text (except from a
+    variable or flag, `text`), and a float setting must be finite."""
     if is_size:
         return parse_size(v, key)
     if isinstance(cur, dict):
         if not isinstance(v, dict):
             raise ConfigError(f"{key}: expected a table")
         return {**cur, **v}
-    if isinstance(cur, bool):
-        if isinstance(v, str):
-            if v.lower() in ("1", "true", "yes", "on"):
-                return True
-            if v.lower() in ("0", "false", "no", "off"):
-                return False
+    if text and isinstance(v, str):
+        v = _from_text(kind, v, key)
+    shown = _shown(key, v)
+    if kind == "bool":
         if not isinstance(v, bool):
-            raise ConfigError(f"{key}: expected true or false, got {v!r}")
+            raise ConfigError(f"{key}: expected true or false, got {shown}")
         return v
-    try:
-        if isinstance(cur, int):
-            return int(v)
-        if isinstance(cur, float):
-            return float(v)
-        if isinstance(cur, list):
-            if isinstance(v, str):
-                return [type(cur[0])(x) if cur else x for x in v.split(",") if x]
-            return list(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}: cannot use {v!r} here (expected {type(cur).__name__})") from None
-    return str(v)
+    if kind == "int":
+        if not _is_int(v):
+            raise ConfigError(f"{key}: expected an integer, got {shown}")
+        return v
+    if kind == "float":
+        if not (_is_int(v) or isinstance(v, float)):
+            raise ConfigError(f"{key}: expected a number, got {shown}")
+        if not math.isfinite(v):
+            raise ConfigError(f"{key}: expected a finite number, got {shown}")
+        return float(v)
+    if kind == "str":
+        if not isinstance(v, str):
+            raise ConfigError(f"{key}: expected a string, got {shown}")
+        return v
+    if kind.startswith("list["):
+        item = kind[len("list["):-1]
+        ok = {"int": _is_int, "str": lambda x: isinstance(x, str)}.get(item, lambda x: True)
+        if not isinstance(v, list) or not all(ok(x) for x in v):
+            what = {"int": "integers", "str": "strings"}.get(item, "tables")
+            raise ConfigError(f"{key}: expected a list of {what}, got {shown}")
+        return list(v)
+    raise ConfigError(f"{key}: cannot use {shown} here (expected {kind})")
 
 
-# Variables that start with KVSTORE_ but are not daemon settings: the config file's path and
-# the SDK's default daemon address (kvstore_client.connect(), `kvstore status`).
-NOT_SETTINGS = ("KVSTORE_CONFIG", "KVSTORE_ADDRESS")
+# Variables that start with KVSTORE_ but are not daemon settings, so the loader leaves them
+# alone: the config file's path; the SDK's default daemon address (kvstore_client.connect(),
+# `kvstore status`); `kvstore status`'s bearer token (docs/security.md); the switches of the
+# copy kernels the daemon and the SDK read (kvstore/getcopy.py, kvstore_client/blockcopy.py,
+# docs/sdk.md); and what the benchmarks and the contract tests read (bench/peers.py,
+# tests/).
+NOT_SETTINGS = ("KVSTORE_CONFIG", "KVSTORE_ADDRESS", "KVSTORE_TOKEN", "KVSTORE_NO_KERNEL",
+                "KVSTORE_NO_FUSED_HASH", "KVSTORE_LMCACHE_PYTHON", "KVSTORE_CONTRACT_REPORT")
 
 
 def _env_values(environ: dict[str, str]) -> list[tuple[str, str, dict[str, Any]]]:
@@ -521,25 +609,56 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     env = dict(os.environ if environ is None else environ)
     path = path or env.get("KVSTORE_CONFIG")
     if path:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-        _apply(cfg, data, "")
+        _apply(cfg, _read_toml(path), "")
     for name, value, nested in _env_values(env):
         try:
-            _apply(cfg, nested, "")
+            _apply(cfg, nested, "", text=True)
         except ConfigError as e:
-            raise ConfigError(f"environment variable {name}={value!r}: {e}") from None
+            # The value only where it is a known setting's and no secret: an unknown variable
+            # may be anything (a token meant for another program).
+            shown = f"={value!r}" if _plain_setting(nested) else ""
+            raise ConfigError(f"environment variable {name}{shown}: {e}") from None
     if overrides:
-        _apply(cfg, overrides, "")
+        _apply(cfg, overrides, "", text=True)
     try:
         return cfg.check()
     except ConfigError as e:
         raise ConfigError(f"{e}{_set_by(str(e), env, overrides or {})}") from None
+
+
+def _read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """A config file's tables, or a ConfigError in one line naming the file."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder, not a file; pass the TOML file "
+                          "itself (--config or $KVSTORE_CONFIG)") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); TOML files "
+                          "are UTF-8") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def _plain_setting(nested: dict[str, Any]) -> bool:
+    """Whether a variable's path (one key per level) names a known setting that is no
+    secret, so an error may show its value."""
+    obj: Any = StoreConfig()
+    while isinstance(nested, dict) and len(nested) == 1:
+        (k, nested), = nested.items()
+        if not dataclasses.is_dataclass(obj) or k not in {f.name for f in
+                                                          dataclasses.fields(obj)}:
+            return False
+        obj = getattr(obj, k)
+        if k in _SECRET_KEYS:
+            return False
+    return not isinstance(nested, dict) and not dataclasses.is_dataclass(obj) \
+        and not isinstance(obj, dict)
 
 
 def _dotted(nested: dict[str, Any], prefix: str = "") -> set[str]:

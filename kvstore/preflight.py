@@ -25,6 +25,13 @@ from .config import StoreConfig, format_size
 MAX_SOCKET_PATH = 107          # sockaddr_un.sun_path holds 108 bytes with the NUL
 MIN_FREE_DISK = 64 << 20       # LOCK file, LMDB meta pages and the first blocks
 SHM_DIR = "/dev/shm"
+# What the daemon holds beside its shared-memory pools, counted against a memory limit: the
+# interpreter, gRPC, LMDB's and the libraries' pages (~230 MiB resident, measured at an idle
+# start), and room for the messages in flight.
+DAEMON_HEAP_MARGIN = 256 << 20
+# A cgroup v1 memory.limit_in_bytes at or above this is "no limit" (the kernel reports
+# PAGE_COUNTER_MAX pages, about 2**63 bytes).
+_NO_LIMIT = 1 << 62
 
 
 class PreflightError(Exception):
@@ -187,6 +194,8 @@ def check_shm(cfg: StoreConfig, shm_dir: str = SHM_DIR) -> None:
     free = _free_bytes(Path(shm_dir))
     device = _cpu_device_bytes(cfg)
     if cfg.host.capacity + device > free:
+        free += _own_segment_bytes(cfg, shm_dir)    # freed as this start replaces it
+    if cfg.host.capacity + device > free:
         what = (f"host.capacity is {format_size(cfg.host.capacity)}" if not device else
                 f"host.capacity ({format_size(cfg.host.capacity)}) plus the CPU-device gpu tier "
                 f"({format_size(device)}) need {format_size(cfg.host.capacity + device)}")
@@ -194,6 +203,148 @@ def check_shm(cfg: StoreConfig, shm_dir: str = SHM_DIR) -> None:
             f"{what} but {shm_dir} has only {format_size(free)} free; lower --host-capacity"
             f"{' / gpu.capacity' if device else ''} or enlarge {shm_dir} (containers: docker "
             "run --shm-size=..., Kubernetes: an emptyDir with medium: Memory)")
+
+
+def _shm_bytes(cfg: StoreConfig) -> int:
+    """The shared memory the daemon prefaults: the host pool and a CPU-device gpu tier."""
+    return cfg.host.capacity + _cpu_device_bytes(cfg)
+
+
+def _own_segment_bytes(cfg: StoreConfig, shm_dir: str = SHM_DIR) -> int:
+    """The size of the host segment a crashed daemon on this data folder left behind: the
+    start replaces it, so its memory comes back (kvstore/store.py names it)."""
+    name = cfg.host.shm_name.lstrip("/")
+    if not name:
+        try:
+            import blake3
+        except ImportError:
+            return 0
+        name = "kvstore-" + blake3.blake3(
+            str(Path(cfg.data_dir).resolve()).encode()).hexdigest()[:16]
+    try:
+        return os.stat(os.path.join(shm_dir, name)).st_blocks * 512
+    except OSError:
+        return 0
+
+
+def _cgroup_dirs(mountinfo: str, cgroup: str) -> list[tuple[str, str]]:
+    """(folder, limit file) of this process's memory cgroup and each of its ancestors, for
+    cgroup v2 (memory.max) and v1 (memory.limit_in_bytes), innermost first.
+
+    From /proc/self/mountinfo (where each hierarchy is mounted, and which of its cgroups the
+    mount shows as its root) and /proc/self/cgroup (this process's cgroup in each). In a
+    container the mount's root is often the container's own cgroup; a path outside the
+    mount's root (no cgroup namespace) is looked up from the mount point itself."""
+    try:
+        with open(mountinfo) as f:
+            mounts = f.read().splitlines()
+        with open(cgroup) as f:
+            memberships = f.read().splitlines()
+    except OSError:
+        return []
+    paths: dict[str, str] = {}           # "v2" or "v1" -> this process's cgroup path
+    for line in memberships:
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hid == "0" and controllers == "":
+            paths["v2"] = path
+        elif "memory" in controllers.split(","):
+            paths["v1"] = path
+    out: list[tuple[str, str]] = []
+    for line in mounts:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        fstype, _, rest = line.split(" - ", 1)[1].partition(" ")
+        options = rest.split(" ")[-1].split(",")
+        if fstype == "cgroup2":
+            version, limit_file = "v2", "memory.max"
+        elif fstype == "cgroup" and "memory" in options:
+            version, limit_file = "v1", "memory.limit_in_bytes"
+        else:
+            continue
+        if version not in paths:
+            continue
+        root, point = fields[3], fields[4].replace("\\040", " ")
+        path = paths[version]
+        rel = os.path.relpath(path, root) if path == root or path.startswith(
+            root.rstrip("/") + "/") else "."
+        parts = [] if rel == "." else rel.split("/")
+        for i in range(len(parts), -1, -1):
+            out.append((os.path.join(point, *parts[:i]), limit_file))
+    return out
+
+
+def memory_limit(mountinfo: str = "/proc/self/mountinfo", cgroup: str = "/proc/self/cgroup"
+                 ) -> tuple[int, str] | None:
+    """(bytes, where) of the tightest memory limit on this process's cgroup or an ancestor
+    (cgroup v2 memory.max, v1 memory.limit_in_bytes), or None where there is none. tmpfs
+    pages, the host pool's among them, are charged to it."""
+    best: tuple[int, str] | None = None
+    for folder, limit_file in _cgroup_dirs(mountinfo, cgroup):
+        where = os.path.join(folder, limit_file)
+        try:
+            with open(where) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if not text.isdigit() or int(text) >= _NO_LIMIT:
+            continue                    # "max" (v2) or the v1 "unlimited" figure
+        if best is None or int(text) < best[0]:
+            best = (int(text), where)
+    return best
+
+
+def _meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    out = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                words = value.split()
+                if words and words[0].isdigit():
+                    out[key] = int(words[0]) * (1024 if words[1:2] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def check_memory(cfg: StoreConfig, limit: tuple[int, str] | None | bool = True,
+                 meminfo: str = "/proc/meminfo", shm_dir: str = SHM_DIR) -> None:
+    """The pools the daemon prefaults at start must fit in the memory it may use, or it is
+    OOM-killed while prefaulting, after it said SERVING (tmpfs pages count against a
+    container's memory limit, whatever /dev/shm's size says).
+
+    Two bounds: this process's cgroup memory limit (`limit`; True: look it up), which the
+    pools and the daemon's own heap (DAEMON_HEAP_MARGIN) must fit under; and the machine's
+    MemAvailable plus free swap, which the pools alone must fit in (the heap is left out
+    there: on a small machine the 512 MiB default starts in what is left)."""
+    pools = _shm_bytes(cfg)
+    device = pools - cfg.host.capacity
+    what = (f"host.capacity ({format_size(cfg.host.capacity)})" if not device else
+            f"host.capacity ({format_size(cfg.host.capacity)}) plus the CPU-device gpu tier "
+            f"({format_size(device)})")
+    fix = f"lower --host-capacity{' / gpu.capacity' if device else ''}"
+    if limit is True:
+        limit = memory_limit()
+    if limit:
+        cap, where = limit
+        if pools + DAEMON_HEAP_MARGIN > cap:
+            raise PreflightError(
+                f"{what} and the daemon's own ~{format_size(DAEMON_HEAP_MARGIN)} need "
+                f"{format_size(pools + DAEMON_HEAP_MARGIN)} but this process's memory limit is "
+                f"{format_size(cap)} ({where}); {fix} or raise the memory limit (container, "
+                "systemd MemoryMax)")
+    info = _meminfo(meminfo)
+    if "MemAvailable" in info:
+        room = info["MemAvailable"] + info.get("SwapFree", 0)
+        if pools > room:
+            room += _own_segment_bytes(cfg, shm_dir)    # freed as this start replaces it
+        if pools > room:
+            raise PreflightError(
+                f"{what} is more than this machine's free memory ({format_size(room)}, "
+                f"MemAvailable{' + SwapFree' if info.get('SwapFree') else ''}); {fix} or free "
+                "memory")
 
 
 def check_conflicts(cfg: StoreConfig) -> None:
@@ -223,5 +374,6 @@ def preflight(cfg: StoreConfig) -> None:
     check_data_dir(cfg.data_dir)
     check_socket(cfg.socket_path, cfg.data_dir)
     check_shm(cfg)
+    check_memory(cfg)
     check_ports(cfg)
     check_events(cfg)

@@ -108,6 +108,9 @@ def load_tenants(cfg: StoreConfig) -> dict[str, Tenant]:
         except OSError as e:
             raise ConfigError(f"auth.tokens_file: cannot read {cfg.auth.tokens_file}: "
                               f"{e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"auth.tokens_file: {cfg.auth.tokens_file} is not UTF-8 text "
+                              f"(byte {e.start}); TOML files are UTF-8") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"auth.tokens_file: {cfg.auth.tokens_file} is not valid TOML: "
                               f"{e}") from None

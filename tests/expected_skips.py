@@ -76,12 +76,27 @@ def tmp_refuses_o_direct() -> bool:
     return False
 
 
+@functools.cache
+def cannot_limit_memory() -> bool:
+    """Whether this process may not make a memory cgroup with a limit (cgroups v2 with the
+    memory controller handed down, or v1, writable), tried as the test does."""
+    from tests.test_ops_config import _new_memory_cgroup
+    got = _new_memory_cgroup(1 << 30)
+    if isinstance(got, str):
+        return True
+    got[0].rmdir()
+    return False
+
+
 EXPECTED: tuple[ExpectedSkip, ...] = (
     ExpectedSkip("cuda", "no NVIDIA GPU on this machine (no /dev/nvidia<N>)", no_nvidia_gpu),
     ExpectedSkip("tmpfs", "this process may not mount a tmpfs (not root, or no CAP_SYS_ADMIN)",
                  cannot_mount_tmpfs),
     ExpectedSkip("o_direct", "the filesystem of the temporary folders refuses O_DIRECT",
                  tmp_refuses_o_direct),
+    ExpectedSkip("memory_cgroup", "this process may not make a memory cgroup with a limit "
+                 "(no writable cgroup v2 memory controller or v1 hierarchy)",
+                 cannot_limit_memory),
 )
 
 MARKERS = {
@@ -89,6 +104,8 @@ MARKERS = {
     "tmpfs": "mounts a tmpfs of its own; an expected skip where this process may not mount",
     "o_direct": "needs O_DIRECT on the temporary folders' filesystem; an expected skip where "
                 "it is refused",
+    "memory_cgroup": "runs the daemon in a memory cgroup of its own; an expected skip where "
+                     "this process may not make one",
 }
 
 
