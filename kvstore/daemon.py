@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvstore_client.common.errors import KVStoreError
+from kvstore_client.common.errors import InvalidArgument, KVStoreError
 
 from .binding import bind_tcp, bind_unix, check_exposure, check_socket_free, tls_credentials
 from .config import StoreConfig
@@ -120,7 +120,10 @@ class Daemon:
             except EventsAddressError as e:
                 raise StartupError(str(e), exit_code=2) from None
             except KVStoreError as e:
-                raise StartupError(f"cannot open the store: {e}") from None
+                # A setting the store refused (InvalidArgument) is the operator's: exit 2.
+                raise StartupError(f"cannot open the store: {e}",
+                                   exit_code=2 if isinstance(e, InvalidArgument) else 1
+                                   ) from None
             except OSError as e:
                 if e.errno in FS_ERRNOS:
                     raise fs_error(Path(cfg.data_dir), e) from None

@@ -115,7 +115,8 @@ LOSSY_CODECS = ("fp8_e4m3", "int8")
 # Every status the servicer answers with (kvstore_client.errors codes, CANCELLED for a client
 # that left mid-stream).
 RPC_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION",
-             "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DATA_LOSS", "DEADLINE_EXCEEDED", "INTERNAL")
+             "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DATA_LOSS", "DEADLINE_EXCEEDED", "INTERNAL",
+             "UNAUTHENTICATED", "PERMISSION_DENIED", "OUT_OF_RANGE")
 # The endpoint's bounds (MetricsServer): connections served at once, seconds a connection has
 # to send its whole request (from its accept) and to take the whole reply (from its first
 # byte), and the longest request (line and headers) read.
