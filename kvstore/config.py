@@ -162,7 +162,7 @@ class GPUConfig(TierConfig):
 @dataclass
 class RemoteConfig(CapacityConfig):
     enabled: bool = False
-    capacity: int = 64 << 30        # bytes this daemon writes before it stops demoting there
+    capacity: int = 64 << 30        # raw bytes of the blocks indexed as remote (docs/remote.md)
     urls: list[str] = field(default_factory=list)
     cluster: bool = False
     password: str = ""
@@ -174,6 +174,9 @@ class RemoteConfig(CapacityConfig):
     key_prefix: str = "kvs:"
     deadline_ms: int = 200
     write_through: bool = False
+    # A secret file every daemon sharing the Redis holds: values are then sealed with a keyed
+    # hash, and one written without the secret is refused (tiers/remote/envelope.py).
+    auth_key_file: str = ""
 
 
 @dataclass

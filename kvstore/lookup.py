@@ -101,7 +101,10 @@ class Queries:
         # second of CPU, and its late answer marked Redis down for every tenant.
         missing = [i for i, t in enumerate(out) if t is None][:REMOTE_LOCATE_KEYS]
         if st.remote is not None and missing:
-            found = st.remote.exists_many([ns_id + keys[i] for i in missing])
+            asked = [ns_id + keys[i] for i in missing]
+            found = st.remote.exists_many(asked)
+            if self.remote is not None:         # a delete Redis has not had yet: absent
+                found = self.remote.not_deleted(asked, found)
             with st.lock:
                 for i, hit in zip(missing, found, strict=True):
                     if not hit:

@@ -30,10 +30,11 @@ from kvstore_client.errors import InvalidArgument
 
 from tests.daemon import DaemonError, cleanup, start_daemon
 from tests.redis_fixtures import redis_server_fixture, start_redis  # noqa: F401 - fixture
-from tests.test_remote_tier import Cfg, framed, gkeys, pairs, wait_until
+from tests.test_remote_tier import Cfg, framed, gkeys, pairs, sealed, wait_until
 from tiers import remote
 from tiers.remote import RemoteTier, describe_error, make_key
 from tiers.remote import tier as tier_module
+from tiers.remote.envelope import SEAL_BYTES
 
 pytestmark = pytest.mark.redis
 
@@ -78,11 +79,15 @@ def test_value_over_the_bound_is_read_bounded_counted_and_deleted(redis_server):
     with RemoteTier(Cfg(urls=[redis_server.url], deadline_ms=2000)) as t:
         keys = gkeys(3)
         good = framed(40_000, seed=1)
-        edge = framed(64 * 1024 - 32, seed=2)         # exactly the bound: served
-        assert len(edge) == 64 * 1024
+        edge = framed(64 * 1024 - 32 - SEAL_BYTES, seed=2)   # sealed: exactly the bound: served
+        assert len(edge) + SEAL_BYTES == 64 * 1024
         t.put_many(pairs(keys[:2], [good, edge]))
+        assert r.strlen(make_key(b"kvs:", keys[1])) == 64 * 1024
         big = make_key(b"kvs:", keys[2])
-        r.setrange(big, 8 * MiB - 1, b"\0")            # 8 MiB planted under a block key
+        # 8 MiB planted under a block key: a well-sealed, well-framed value, so the bound alone
+        # is what refuses it
+        r.set(big, sealed(keys[2], framed(8 * MiB - 32 - SEAL_BYTES, seed=3)))
+        assert r.strlen(big) == 8 * MiB
         sent = net_out(r)
         got = t.get_many(keys, max_value_bytes=64 * 1024)
         # well under the planted 8 MiB crossed the wire: bound + 1 per key, and small replies
@@ -100,7 +105,12 @@ def test_value_over_the_bound_is_read_bounded_counted_and_deleted(redis_server):
         assert t.get_many(keys[:2]) == [good, None]
         assert t.stats["oversize"] == 1
         assert wait_until(lambda: r.exists(make_key(b"kvs:", keys[1])) == 0)
-        assert t.get_many(keys[:1], max_value_bytes=[len(good)]) == [good]
+        # the bound is on the value Redis holds: the frame and its seal
+        assert t.get_many(keys[:1], max_value_bytes=[len(good) + SEAL_BYTES - 1]) == [None]
+        assert t.stats["oversize"] == 2
+        assert wait_until(lambda: r.exists(make_key(b"kvs:", keys[0])) == 0)
+        t.put_many(pairs(keys[:1], [good]))
+        assert t.get_many(keys[:1], max_value_bytes=[len(good) + SEAL_BYTES]) == [good]
 
 
 def test_oversize_value_is_deleted_even_when_the_caller_gave_up(redis_server):
@@ -111,7 +121,7 @@ def test_oversize_value_is_deleted_even_when_the_caller_gave_up(redis_server):
     with RemoteTier(BoundCfg(urls=[redis_server.url], max_workers=1)) as t:
         k = gkeys(1)
         big = make_key(b"kvs:", k[0])
-        r.setrange(big, 4 * MiB - 1, b"\0")
+        r.set(big, sealed(k[0], framed(4 * MiB - 32 - SEAL_BYTES)))   # sealed: only too long
         with worker_held(t):
             assert t.get_many(k, deadline_s=0.05, max_value_bytes=64 * 1024) == [None]
             assert t.stats["up"] and r.exists(big) == 1
@@ -266,7 +276,7 @@ def test_daemon_refuses_an_unusable_url_in_one_line(tmp_path, cluster):
         if d is not None:
             cleanup(d)
     m = re.search(r"exited with code (\d+)", text)
-    assert m and int(m.group(1)) != 0, text
+    assert m and int(m.group(1)) == 2, text          # a setting refused: exit 2
     assert "Traceback" not in text and PASSWORD not in text, text
     named = [line for line in text.splitlines() if "remote.urls" in line]
     assert len(named) == 1, text

@@ -1,6 +1,9 @@
 """Remote tier against a real redis-server and a real 3-node Redis Cluster (no mocks).
 
-What is pinned here: framed values round-trip; a batch costs one round trip per node (checked
+What is pinned here: framed values round-trip, sealed to their key (tiers/remote/envelope.py: a
+value in Redis is SEAL_BYTES longer than the frame, and every byte count includes the seal); a
+value sealed for another key, or by a daemon without the same `auth_key_file`, is a counted
+corrupt miss; a batch costs one round trip per node (checked
 with our counter and with the servers' own command counts); keys spread over the cluster; a hung
 or dead server costs at most the deadline and the tier recovers by itself; corrupt values are
 counted misses; keys Redis evicted or flushed are ordinary misses; a slot that migrates to
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+import xxhash
 from kvstore_client.common.layout import KVLayout
 from kvstore_client.errors import InvalidArgument, Unavailable
 from redis.crc import key_slot
@@ -31,6 +35,8 @@ from tests.redis_fixtures import (  # noqa: F401 - pytest fixtures used by name
 )
 from tiers.frame import frame, unframe
 from tiers.remote import SOCKET_GRACE_S, RemoteTier, make_key
+from tiers.remote.envelope import SEAL_BYTES, Sealer, sealer_from_file
+from tiers.remote.tier import Unframed
 
 pytestmark = pytest.mark.redis
 
@@ -67,6 +73,7 @@ class Cfg:
     capacity: int = 0
     backoff_min_ms: int = 20
     backoff_max_ms: int = 300
+    auth_key_file: str = ""
 
 
 def gkeys(n: int, ns: bytes | None = None) -> list[bytes]:
@@ -81,6 +88,17 @@ def framed(size: int, seed: int = 0) -> bytes:
 
 def pairs(keys: list[bytes], vals: list[bytes]) -> list[tuple[bytes, bytes]]:
     return list(zip(keys, vals, strict=True))
+
+
+def stored(vals: list[bytes]) -> int:
+    """Bytes `vals` (frames) take in Redis once sealed: what put_many returns and counts."""
+    return sum(len(v) + SEAL_BYTES for v in vals)
+
+
+def sealed(gkey: bytes, frame_bytes: bytes, checksum: int = 0) -> bytes:
+    """The value an unkeyed tier stores for `frame_bytes` under `gkey`: for planting values
+    with redis-py that pass the seal, so a later check is what refuses them."""
+    return Sealer(None).seal(gkey, checksum, frame_bytes)
 
 
 def wait_until(pred, timeout: float = 10.0) -> bool:
@@ -118,27 +136,47 @@ def test_key_naming_is_prefix_ns_hex_block_hex():
 
 
 def test_standalone_round_trip_and_counters(redis_server):
+    r = redis_server.client()
     with RemoteTier(Cfg(urls=[redis_server.url])) as t:
         keys = gkeys(16)
         vals = [framed(50_000 + i, seed=i) for i in range(16)]
-        assert t.put_many(pairs(keys, vals)) == sum(map(len, vals))
+        # (gkey, frame) items and (gkey, frame, commit checksum) items, in one batch
+        sums = [xxhash.xxh3_64_intdigest(unframe(v)[2]) for v in vals[:8]]
+        items = [(k, v, c) for k, v, c in zip(keys[:8], vals[:8], sums, strict=True)]
+        items += pairs(keys[8:], vals[8:])
+        assert t.put_many(items) == stored(vals)          # Redis acknowledged the seals too
         missing = gkeys(3)
         assert t.exists_many(keys + missing) == [True] * 16 + [False] * 3
-        got = t.get_many(keys + missing)
-        assert got[:16] == vals and got[16:] == [None] * 3
-        codec, raw_len, payload = t.get_many(keys[:1], unframed=True)[0]
-        assert (codec, raw_len, bytes(payload)) == ("raw", 50_000, bytes(unframe(vals[0])[2]))
-        # stored under the documented name, readable with redis-cli
-        assert redis_server.client().strlen(make_key(b"kvs:", keys[0])) == len(vals[0])
+        gone: set[bytes] = set()
+        got = t.get_many(keys + missing, gone=gone)
+        assert got[:16] == vals and got[16:] == [None] * 3   # frames, seals stripped
+        assert all(type(g) is bytes for g in got[:16])
+        assert gone == set(missing)                         # Redis said: not there
+        u = t.get_many([keys[0], keys[8]], unframed=True)
+        assert all(isinstance(x, Unframed) and len(x) == 4 for x in u)
+        assert (u[0].codec, u[0].raw_len, bytes(u[0].payload), u[0].checksum) == (
+            "raw", 50_000, bytes(unframe(vals[0])[2]), sums[0])
+        assert (u[1].codec, u[1].raw_len, u[1].checksum) == ("raw", 50_008, 0)  # none given
+        # stored under the documented name, readable with redis-cli: seal + frame
+        k0 = make_key(b"kvs:", keys[0])
+        assert r.strlen(k0) == len(vals[0]) + SEAL_BYTES
+        assert r.get(k0) == sealed(keys[0], vals[0], sums[0])
+        assert r.get(k0)[:4] == b"KVR1" and r.get(k0)[SEAL_BYTES:] == vals[0]
         s = t.stats
-        assert s["hits"] == 17 and s["misses"] == 3 and s["corrupt"] == 0 and s["errors"] == 0
-        assert s["bytes_written"] == t.used_bytes == sum(map(len, vals))
-        assert s["bytes_read"] == sum(map(len, vals)) + len(vals[0])
+        assert s["hits"] == 18 and s["misses"] == 3 and s["corrupt"] == 0 and s["errors"] == 0
+        assert s["bytes_written"] == t.used_bytes == stored(vals)
+        assert s["bytes_read"] == stored(vals) + stored([vals[0], vals[8]])
         assert s["round_trips"] == s["calls"] == 4 and s["up"]
         assert s["latency"]["get"]["count"] == 2 and len(t.latency_samples("get")) == 2
-        assert t.delete_many(keys[:4], sizes=[len(v) for v in vals[:4]]) == 4
-        assert t.used_bytes == sum(map(len, vals[4:]))
+        failed: list[bytes] = []
+        assert t.delete_many(keys[:4], sizes=[len(v) + SEAL_BYTES for v in vals[:4]],
+                             failed=failed) == 4
+        assert failed == []                                 # the node answered
+        assert t.used_bytes == stored(vals[4:])
         assert t.exists_many(keys[:5]) == [False] * 4 + [True]
+        gone.clear()
+        assert t.get_many(keys[:5], gone=gone) == [None] * 4 + [vals[4]]
+        assert gone == set(keys[:4])
 
 
 def test_unix_socket_url_round_trip(tmp_path):
@@ -150,9 +188,9 @@ def test_unix_socket_url_round_trip(tmp_path):
         with RemoteTier(Cfg(urls=[f"unix://{sock}"])) as t:
             keys = gkeys(4)
             vals = [framed(5000, seed=i) for i in range(4)]
-            assert t.put_many(pairs(keys, vals)) == sum(map(len, vals))
+            assert t.put_many(pairs(keys, vals)) == stored(vals)
             assert t.get_many(keys) == vals and t.stats["up"]
-        assert proc.client().get(make_key(b"kvs:", keys[0])) == vals[0]
+        assert proc.client().get(make_key(b"kvs:", keys[0])) == sealed(keys[0], vals[0])
     finally:
         proc.kill()
 
@@ -180,17 +218,81 @@ def test_corrupt_values_are_counted_misses_never_served(redis_server):
         k = [make_key(b"kvs:", g) for g in keys]
         flipped = bytearray(vals[0])
         flipped[5000] ^= 0x01
-        r.set(k[0], bytes(flipped))             # one bit in the payload
-        r.set(k[1], vals[1][:-100])             # truncated
+        # sealed for their keys (as a daemon would have): the frame check refuses them
+        r.set(k[0], sealed(keys[0], bytes(flipped)))    # one bit in the payload
+        r.set(k[1], sealed(keys[1], vals[1][:-100]))    # truncated
         r.set(k[2], b"not a frame at all")      # foreign value under our key
-        got = t.get_many(keys)
+        gone: set[bytes] = set()
+        got = t.get_many(keys, gone=gone)
         assert got[:3] == [None, None, None] and got[3] == vals[3]
+        assert gone == set(keys[:3])            # corrupt and deleted: the copy is no more
         s = t.stats
         assert s["corrupt"] == 3 and s["hits"] == 1 and s["misses"] == 3
         assert t.get_many(keys[:1], unframed=True) == [None]
         # the tier drops the bad values (in the background) so a writer can store good ones
         assert wait_until(lambda: r.exists(*k[:3]) == 0)
-        assert r.get(k[3]) == vals[3]
+        assert r.get(k[3]) == sealed(keys[3], vals[3])
+
+
+def test_value_sealed_for_another_key_is_a_corrupt_miss_and_deleted(redis_server):
+    """A whole, well-framed value of block A copied under block B's key (a script, a restore
+    of the wrong snapshot): its seal names A, so under B it is a counted corrupt miss, never
+    returned, and deleted; A itself is untouched and still served."""
+    r = redis_server.client()
+    with RemoteTier(Cfg(urls=[redis_server.url])) as t:
+        a, b = gkeys(2)                          # same namespace, another block
+        c = gkeys(1)[0]                          # another namespace
+        va = framed(8000, seed=1)
+        t.put_many([(a, va)])
+        ka, kb, kc = (make_key(b"kvs:", g) for g in (a, b, c))
+        assert r.copy(ka, kb)                    # COPY: the stored bytes, seal and all
+        r.set(kc, r.get(ka))                     # GET + SET
+        gone: set[bytes] = set()
+        assert t.get_many([b, c], gone=gone) == [None, None]
+        assert gone == {b, c}
+        s = t.stats
+        assert s["corrupt"] == 2 and s["hits"] == 0 and s["misses"] == 2 and s["errors"] == 0
+        assert wait_until(lambda: r.exists(kb, kc) == 0)
+        assert r.get(ka) == sealed(a, va)
+        assert t.get_many([a, b]) == [va, None] and t.stats["corrupt"] == 2
+
+
+def test_auth_key_file_refuses_values_sealed_without_the_key(redis_server, tmp_path):
+    """With `auth_key_file` set, only a value sealed with the same secret is read back: one
+    sealed without a key (the default) or with another key file is a corrupt miss, deleted."""
+    key_file, other_file = tmp_path / "remote.key", tmp_path / "other.key"
+    key_file.write_bytes(os.urandom(48))
+    other_file.write_bytes(os.urandom(48))
+    r = redis_server.client()
+    url = redis_server.url
+    keyed = Cfg(urls=[url], auth_key_file=str(key_file))
+    with (RemoteTier(keyed) as writer, RemoteTier(keyed) as reader,
+          RemoteTier(Cfg(urls=[url], auth_key_file=str(other_file))) as other,
+          RemoteTier(Cfg(urls=[url])) as unkeyed):
+        keys = gkeys(4)
+        vals = [framed(5000, seed=i) for i in range(4)]
+        k = [make_key(b"kvs:", g) for g in keys]
+        assert writer.put_many([(keys[0], vals[0], 77)]) == stored(vals[:1])  # same key file
+        assert other.put_many([(keys[1], vals[1])]) == stored(vals[1:2])      # another key file
+        assert unkeyed.put_many([(keys[2], vals[2])]) == stored(vals[2:3])    # no key
+        r.set(k[3], sealed(keys[3], vals[3]))              # Sealer(None), planted by hand
+        assert r.get(k[0]) == sealer_from_file(str(key_file)).seal(keys[0], 77, vals[0])
+        gone: set[bytes] = set()
+        assert reader.get_many(keys, gone=gone) == [vals[0], None, None, None]
+        assert gone == set(keys[1:])
+        s = reader.stats
+        assert s["hits"] == 1 and s["corrupt"] == 3 and s["errors"] == 0
+        assert wait_until(lambda: r.exists(*k[1:]) == 0)
+        u = reader.get_many(keys[:1], unframed=True)[0]
+        assert (u.codec, u.raw_len, bytes(u.payload), u.checksum) == (
+            "raw", 5000, bytes(unframe(vals[0])[2]), 77)
+        assert writer.get_many(keys[:1]) == [vals[0]]     # the writer reads its own back
+    # a key file too short to be a secret, or missing, is refused when the tier is built
+    short = tmp_path / "short.key"
+    short.write_bytes(b"0123456789abcdef")
+    for path in (short, tmp_path / "missing.key"):
+        with pytest.raises(InvalidArgument, match="auth_key_file"):
+            RemoteTier(Cfg(urls=[url], auth_key_file=str(path)))
 
 
 def test_flushed_keys_are_ordinary_misses(redis_server):
@@ -202,7 +304,7 @@ def test_flushed_keys_are_ordinary_misses(redis_server):
         assert t.get_many(keys) == [None] * 8
         s = t.stats
         assert s["errors"] == 0 and s["corrupt"] == 0 and s["up"]
-        t.forget(8 * len(framed(1000)))          # the store reports what it found gone
+        t.forget(8 * (len(framed(1000)) + SEAL_BYTES))   # the store reports what it found gone
         assert t.used_bytes == 0
 
 
@@ -215,7 +317,7 @@ def test_maxmemory_eviction_is_ordinary_misses(tmp_path):
             keys = gkeys(24)
             vals = [framed(200_000, seed=i) for i in range(24)]
             for k, v in pairs(keys, vals):               # one by one so LRU has an order
-                assert t.put_many([(k, v)]) == len(v)
+                assert t.put_many([(k, v)]) == len(v) + SEAL_BYTES
             got = t.get_many(keys)
             present = [g is not None for g in got]
             assert 0 < sum(present) < 24                 # some evicted, some kept
@@ -226,7 +328,7 @@ def test_maxmemory_eviction_is_ordinary_misses(tmp_path):
             assert all(p or not e for p, e in zip(present, t.exists_many(keys), strict=True))
             s = t.stats
             assert s["errors"] == 0 and s["corrupt"] == 0
-            assert s["bytes_written"] == sum(map(len, vals))   # what we wrote, not what stayed
+            assert s["bytes_written"] == stored(vals)   # what we wrote, not what stayed
     finally:
         proc.kill()
 
@@ -272,8 +374,13 @@ def test_dead_server_never_raises_and_reconnects_after_restart(redis_server):
             assert t.put_many(pairs(keys, vals)) == 0
             assert_bounded(t0)                           # refused at once, or skipped
         assert not t.stats["up"] and t.stats["errors"] >= 1
+        # no answer is not an answer: the keys are neither `gone` nor deleted (`failed`)
+        gone: set[bytes] = set()
+        failed: list[bytes] = []
+        assert t.get_many(keys, gone=gone) == [None] * 4 and gone == set()
+        assert t.delete_many(keys, failed=failed) == 0 and failed == keys
         redis_server.start()                             # same port, empty (no persistence)
-        assert wait_until(lambda: t.put_many(pairs(keys, vals)) == 4 * len(vals[0]))
+        assert wait_until(lambda: t.put_many(pairs(keys, vals)) == stored(vals))
         assert t.get_many(keys) == vals and t.stats["up"]
 
 
@@ -301,7 +408,7 @@ def test_constructed_while_server_is_down(tmp_path):
             assert_bounded(t0)
             proc.start()
             v = framed(100)
-            assert wait_until(lambda: t.put_many([(keys[0], v)]) == len(v))
+            assert wait_until(lambda: t.put_many([(keys[0], v)]) == len(v) + SEAL_BYTES)
             assert t.get_many(keys) == [v, None]
     finally:
         proc.kill()
@@ -321,7 +428,7 @@ def test_cluster_spreads_keys_and_sends_one_batch_per_node(redis_cluster):
         assert t.wait_ready()
         keys = gkeys(96)                                  # one namespace
         vals = [framed(2000, seed=i) for i in range(96)]
-        assert t.put_many(pairs(keys, vals)) == sum(map(len, vals))
+        assert t.put_many(pairs(keys, vals)) == stored(vals)
         counts = per_node_counts(redis_cluster, prefix)
         assert sum(counts) == 96 and sum(1 for c in counts if c) >= 2, counts
         clients = [n.client() for n in redis_cluster.nodes]
@@ -344,7 +451,8 @@ def test_cluster_spreads_keys_and_sends_one_batch_per_node(redis_cluster):
 
 def test_two_daemons_share_a_prefix_through_the_cluster(redis_cluster):
     """Daemon A (own local tiers) encodes and stores; daemon B (separate process state) loads
-    through its own RemoteTier: lossless is bit-exact, int8 within the codec's error."""
+    through its own RemoteTier: lossless is bit-exact, int8 within the codec's error, and B
+    learns each block's commit checksum from its seal (the lossless bytes match it)."""
     from tiers.codecs import decode, encode, relative_error
 
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16,
@@ -358,16 +466,19 @@ def test_two_daemons_share_a_prefix_through_the_cluster(redis_cluster):
         assert a.wait_ready() and b.wait_ready()
         for codec in ("lossless", "int8"):
             keys = gkeys(8)
-            a.put_many([(k, frame(codec, layout.block_bytes, encode(codec, blk, layout)))
-                        for k, blk in zip(keys, blocks, strict=True)])
+            sums = [xxhash.xxh3_64_intdigest(blk) for blk in blocks]
+            a.put_many([(k, frame(codec, layout.block_bytes, encode(codec, blk, layout)), c)
+                        for k, blk, c in zip(keys, blocks, sums, strict=True)])
             assert b.exists_many(keys) == [True] * 8
             got = b.get_many(keys, unframed=True)
-            for (c, raw_len, payload), blk in zip(got, blocks, strict=True):
+            for (c, raw_len, payload, checksum), blk, want in zip(got, blocks, sums,
+                                                                  strict=True):
                 out = np.empty(layout.block_bytes, np.uint8)
-                assert (c, raw_len) == (codec, layout.block_bytes)
+                assert (c, raw_len, checksum) == (codec, layout.block_bytes, want)
                 decode(c, payload, layout, out)
                 if codec == "lossless":
                     assert np.array_equal(out, blk)
+                    assert xxhash.xxh3_64_intdigest(out) == checksum
                 else:
                     x = blk.view(np.uint16).astype(np.uint32) << 16
                     y = out.view(np.uint16).astype(np.uint32) << 16
@@ -399,7 +510,7 @@ def test_cluster_node_down_misses_only_its_keys_then_recovers(redis_cluster):
         finally:
             redis_cluster.start()                          # same port + nodes.conf
         # the restarted node is empty (no persistence): rewrite, then everything is back
-        assert wait_until(lambda: t.put_many(pairs(keys, vals)) == sum(map(len, vals)),
+        assert wait_until(lambda: t.put_many(pairs(keys, vals)) == stored(vals),
                           timeout=20)
         assert t.get_many(keys) == vals and t.stats["up"]
 
@@ -477,7 +588,7 @@ def write_slot_setup(t: RemoteTier, cluster: ClusterProc, prefix: bytes) -> Slot
     rest = [k for k in gkeys(40, ns) if key_slot(make_key(prefix, k)) != slot][:23]
     keys = [first, *keys_in_slot(prefix, ns, slot, 3), *rest]
     vals = [framed(3000, seed=i) for i in range(len(keys))]
-    assert t.put_many(pairs(keys, vals)) == sum(map(len, vals))
+    assert t.put_many(pairs(keys, vals)) == stored(vals)
     assert t.get_many(keys) == vals                       # the tier's slot table is warm
     src = cluster.node_for_key(make_key(prefix, keys[0]))
     dst = next(n for n in cluster.nodes if n is not src)
@@ -560,7 +671,7 @@ def test_cluster_ask_during_migration_is_a_counted_miss_then_found(own_cluster):
         # the rest lands; nothing raises
         new = [framed(3000, seed=100 + i) for i in range(su.n_moving)]
         written = t.put_many(pairs(su.moving, new))
-        assert written == sum(map(len, new[2:]))
+        assert written == stored(new[2:])
         su.vals[2:su.n_moving] = new[2:]
         cluster.migrate_keys(su.src, su.dst, [make_key(prefix, k) for k in su.moving[2:]])
         cluster.finish_migration(su.slot, su.dst)

@@ -5,11 +5,11 @@ test CA (`--tls-auth-clients yes`) and a password (`--requirepass`). Certificate
 Python with `trustme` (tests/redis_fixtures.py: `make_tls_files`).
 
 What is pinned here: `tls`/`tls_ca_file`/`tls_cert_file`/`tls_key_file`/`password` round-trip
-framed blocks byte-exactly; a `rediss://` URL switches TLS on by itself (and carries the
-password); a wrong or missing password, a missing client certificate and an untrusted server CA
-each leave the tier down, every call a miss within the deadline, never an exception through
-the non-raising API, and `stats["last_error"]` naming the cause; a TLS cluster (TLS on the
-cluster bus too) works across nodes, one batch per node.
+framed blocks byte-exactly (stored sealed, tiers/remote/envelope.py); a `rediss://` URL switches
+TLS on by itself (and carries the password); a wrong or missing password, a missing client
+certificate and an untrusted server CA each leave the tier down, every call a miss within the
+deadline, never an exception through the non-raising API, and `stats["last_error"]` naming the
+cause; a TLS cluster (TLS on the cluster bus too) works across nodes, one batch per node.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from tests.test_remote_tier import (
     gkeys,
     pairs,
     per_node_counts,
+    sealed,
+    stored,
     wait_until,
 )
 from tiers.frame import unframe
@@ -63,16 +65,18 @@ def tls_cfg(files: TlsFiles, urls: list[str], **kw) -> Cfg:
     return Cfg(**{**base, **kw})
 
 
-def round_trip(t: RemoteTier, n: int = 6) -> None:
-    """Write framed blocks (small to 2 MiB) and read them back byte-exact, framed and unframed."""
+def round_trip(t: RemoteTier, server: RedisProc, n: int = 6) -> None:
+    """Write framed blocks (small to 2 MiB) and read them back byte-exact, framed and unframed;
+    they are stored sealed (seal + frame)."""
     keys = gkeys(n)
     vals = [framed((1 << 21) if i == 0 else 1000 * (i + 1), seed=i) for i in range(n)]
-    assert t.put_many(pairs(keys, vals)) == sum(map(len, vals))
+    assert t.put_many(pairs(keys, vals)) == stored(vals)
     assert t.exists_many(keys + gkeys(1)) == [True] * n + [False]
     assert t.get_many(keys) == vals
     got = t.get_many(keys[:2], unframed=True)
-    assert [(c, r, bytes(p)) for c, r, p in got] == [
-        (c, r, bytes(p)) for c, r, p in map(unframe, vals[:2])]
+    assert [(c, r, bytes(p), cs) for c, r, p, cs in got] == [
+        (c, r, bytes(p), 0) for c, r, p in map(unframe, vals[:2])]
+    assert server.client().get(make_key(b"kvs:", keys[1])) == sealed(keys[1], vals[1])
     s = t.stats
     assert s["up"] and s["errors"] == 0 and s["corrupt"] == 0 and s["last_error"] == ""
 
@@ -96,7 +100,7 @@ def test_mutual_tls_and_password_round_trip(tls_server, tls_files):
     """`tls = true` with a plain redis:// URL: the setting alone switches TLS on."""
     url = f"redis://{tls_server.host}:{tls_server.port}"
     with RemoteTier(tls_cfg(tls_files, [url])) as t:
-        round_trip(t)
+        round_trip(t, tls_server)
 
 
 def test_rediss_url_switches_tls_on(tls_server, tls_files):
@@ -104,7 +108,7 @@ def test_rediss_url_switches_tls_on(tls_server, tls_files):
     and client certificate. (This raised TypeError in the constructor before.)"""
     url = f"rediss://:{PASSWORD}@{tls_server.host}:{tls_server.port}"
     with RemoteTier(tls_cfg(tls_files, [url], tls=False, password="")) as t:
-        round_trip(t)
+        round_trip(t, tls_server)
 
 
 # ---------------------------------------------------------------------------------- failing
@@ -187,13 +191,14 @@ def test_tls_cluster_round_trip_across_nodes(tmp_path, tls_files):
             assert t.wait_ready()
             keys = gkeys(48)
             vals = [framed(2000, seed=i) for i in range(48)]
-            assert t.put_many(pairs(keys, vals)) == sum(map(len, vals))
+            assert t.put_many(pairs(keys, vals)) == stored(vals)
             counts = per_node_counts(cluster, b"tls:")
             assert sum(counts) == 48 and sum(1 for c in counts if c) >= 2, counts
             clients = [n.client() for n in cluster.nodes]
             rt0, gets0 = t.stats["round_trips"], [cmd_calls(c, "getrange") for c in clients]
             assert t.get_many(keys) == vals
-            assert [cmd_calls(c, "getrange") - g for c, g in zip(clients, gets0, strict=True)] == counts
+            gets = [cmd_calls(c, "getrange") - g for c, g in zip(clients, gets0, strict=True)]
+            assert gets == counts
             assert t.stats["round_trips"] - rt0 == sum(1 for c in counts if c)
             assert t.stats["up"] and t.stats["errors"] == 0
 

@@ -9,6 +9,7 @@ from kvstore.config import StoreConfig
 from kvstore.store import REMOTE_CHUNK, Store
 from tests.redis_fixtures import redis_server_fixture  # noqa: F401  (fixture)
 from tiers import codecs, frame
+from tiers.remote.envelope import Sealer
 
 from .store_helpers import SMALL, kv_block, namespace, random_prompt
 
@@ -135,7 +136,10 @@ def test_a_lossy_value_under_a_lossless_key_is_a_counted_miss(tmp_path, redis_se
         ns = namespace(a)
         a.put(ns, keys, [kv_block(k) for k in keys])
         raw = np.frombuffer(kv_block(keys[1]), np.uint8)
-        foreign = frame.frame("int8", len(raw), codecs.encode("int8", raw, SMALL))
+        # sealed to its key as any writer can (the unkeyed seal is no secret): the codec
+        # check is what refuses it
+        foreign = Sealer(None).seal(ns + keys[1], 0, frame.frame(
+            "int8", len(raw), codecs.encode("int8", raw, SMALL)))
         r.set(f"kvs:{ns.hex()}:{keys[1].hex()}", foreign)
         assert a.evict("host")[0] > 0
         got = a.get(ns, keys)

@@ -129,8 +129,8 @@ class Moves:
                     if on_ssd:
                         st.ssd.delete_many(on_ssd)
                     remote = [e.gkey for e in lower if e.remote]
-                    if remote:
-                        st.remote.delete_many(remote)
+                if remote and self.host_remote is not None:
+                    self.host_remote.delete(remote)     # (keeps what Redis did not answer)
             finally:
                 for e in lower:
                     index.set_ssd(e, False)

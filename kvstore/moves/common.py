@@ -25,6 +25,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 WORKERS = max(2, os.cpu_count() or 2)     # encode/decode threads (zstd, torch, numpy)
+# A remote fetch's answer for a block Redis said it no longer holds (or held only a corrupt
+# value of): unlike no answer (down, late), the remote copy is gone (host_remote.py, fetch).
+GONE = object()
 
 
 class Flight:

@@ -80,8 +80,8 @@ def decode_block(value: bytes | memoryview | tuple, layout: KVLayout, out: np.nd
     A lossless block must reproduce the checksum taken when it was first stored; lossy blocks
     cannot, so the frame's own checksum (over the encoded payload) is what guards them.
     """
-    # A keyed tier may hand over an already verified (codec, raw_len, payload) triple.
-    codec, raw_len, payload = value if isinstance(value, tuple) else frame.unframe(value)
+    # A keyed tier may hand over an already verified (codec, raw_len, payload, ...) tuple.
+    codec, raw_len, payload = value[:3] if isinstance(value, tuple) else frame.unframe(value)
     if raw_len != len(out):
         raise DataLoss(f"stored block is {raw_len} bytes, the namespace expects {len(out)}")
     codecs.decode(codec, payload, layout, out)

@@ -26,13 +26,19 @@ import time
 
 from kvstore_client.common.errors import DataLoss
 
+from tiers.remote.envelope import SEAL_BYTES
+from tiers.remote.tier import DEFAULT_MAX_VALUE_BYTES, VALUE_SLACK_BYTES
+
+from ..entry import NS_ID_BYTES
 from ..index import Entry
 from ..pools import TenantPools
 from ..state import StoreState
-from .common import Flight, corrupt_host_copy
+from .common import GONE, Flight, corrupt_host_copy
 from .encoding import Encoder
 
 EncodedCopies = list[tuple[Entry, int]]      # (block, encoded bytes) that landed
+CODEC_SLACK_BYTES = 4096  # a codec payload's headers and a frame's, beyond its share of the block
+UNDELETED_MAX = 65536    # remote deletes kept to send again (delete)
 EXISTS_FIRST = 32        # keys of the first existence check past the local prefix (extend)
 
 
@@ -41,6 +47,8 @@ class HostRemote:
         self.state = state
         self.pools = pools
         self.encoder = encoder
+        # Keys whose remote delete Redis did not answer, oldest first (delete).
+        self._undeleted: dict[bytes, None] = {}
 
     # -- down -----------------------------------------------------------------------------------
     def demote(self, entries: list[Entry]) -> None:
@@ -89,9 +97,16 @@ class HostRemote:
                                           [v for _, v in items], strict=False)
         if not kept:
             return [], corrupt
+        retry = [g for g in self._undeleted if g not in {e.gkey for e in kept}][:4096]
+        failed: list[bytes] = []
         with st.unlocked():
-            written = remote.put_many([(e.gkey, v) for e, v in zip(kept, vals, strict=True)])
-        if written < sum(len(v) for v in vals):
+            written = remote.put_many([(e.gkey, v, e.checksum)
+                                       for e, v in zip(kept, vals, strict=True)])
+            if retry and written:
+                remote.delete_many(retry, failed=failed)
+        if retry and written:
+            self._settle_deletes(retry, failed)
+        if written < sum(len(v) + SEAL_BYTES for v in vals):
             st.counters["remote_demotion_failures"] += 1
             return [], corrupt      # Redis down or full: the blocks stay local
         return [(e, len(v)) for e, v in zip(kept, vals, strict=True)], corrupt
@@ -117,15 +132,45 @@ class HostRemote:
         """Phase 3 (locked): the copies that landed are indexed as remote."""
         st = self.state
         for e, nbytes in written:
+            self._undeleted.pop(e.gkey, None)      # a new copy, written after the delete
             st.index.set_remote(e)
             st.counters["bytes_to_remote"] += nbytes
         st.tier_counters["remote"]["demotions_in"] += len(written)
 
     def delete(self, gkeys: list[bytes]) -> None:
         """Delete remote copies the index no longer names (locked; the round trip runs
-        without the lock)."""
-        with self.state.unlocked():
-            self.state.remote.delete_many(gkeys)
+        without the lock).
+
+        Why deletes Redis did not answer are kept and sent again: a Delete while Redis was
+        down answered "deleted", and once Redis was back (a restart from its snapshot, a
+        failover) Lookup found the blocks again and Get served them. Until a later delete
+        reaches Redis (each delete, and each write that lands, sends the waiting ones too),
+        an existence check reads them as absent. At most UNDELETED_MAX are kept (the oldest
+        are given up, counted); a daemon restart forgets them."""
+        st = self.state
+        todo = list(dict.fromkeys([*gkeys, *self._undeleted]))
+        failed: list[bytes] = []
+        with st.unlocked():
+            st.remote.delete_many(todo, failed=failed)
+        self._settle_deletes(todo, failed)
+
+    def _settle_deletes(self, sent: list[bytes], failed: list[bytes]) -> None:
+        """(locked) What a delete round trip left to send again."""
+        undeleted = self._undeleted
+        for g in sent:
+            undeleted.pop(g, None)
+        for g in failed:
+            undeleted[g] = None
+        while len(undeleted) > UNDELETED_MAX:
+            undeleted.pop(next(iter(undeleted)))
+            self.state.counters["remote_deletes_given_up"] += 1
+        self.state.counters["remote_deletes_waiting"] = len(undeleted)
+
+    def not_deleted(self, gkeys: list[bytes], found: list[bool]) -> list[bool]:
+        """`found` with the keys whose delete has not reached Redis read as absent."""
+        if not self._undeleted:
+            return found
+        return [f and g not in self._undeleted for g, f in zip(gkeys, found, strict=True)]
 
     # -- up -------------------------------------------------------------------------------------
     def wanted(self, ns_id: bytes, keys: list[bytes]) -> list[bytes]:
@@ -161,8 +206,8 @@ class HostRemote:
         st = self.state
         n, step = 0, EXISTS_FIRST
         while start + n < len(keys):
-            ask = keys[start + n:start + n + step]
-            found = st.remote.exists_many([ns_id + k for k in ask])
+            ask = [ns_id + k for k in keys[start + n:start + n + step]]
+            found = self.not_deleted(ask, st.remote.exists_many(ask))
             hits = next((i for i, hit in enumerate(found) if not hit), len(found))
             n += hits
             if hits < len(ask):
@@ -190,14 +235,37 @@ class HostRemote:
         r = self.state.remote
         return time.monotonic() + r.deadline_s + r.bulk_s_per_mib * blocks * size / (1 << 20)
 
-    def fetch(self, want: list[bytes], until: float | None = None) -> dict[bytes, tuple]:
-        """One batched trip per node, no lock held; verified frames, not re-hashed. `until`:
-        an absolute deadline shared with other fetches of the same call."""
+    def fetch(self, want: list[bytes], until: float | None = None) -> dict[bytes, object]:
+        """One batched trip per node, no lock held: verified frames (not re-hashed) by key,
+        GONE for the blocks Redis answered it no longer holds; a block whose read failed or
+        was late is absent (its copy may still be there). `until`: an absolute deadline
+        shared with other fetches of the same call."""
         if not want:
             return {}
         deadline_s = None if until is None else max(0.0, until - time.monotonic())
-        values = self.state.remote.get_many(want, deadline_s=deadline_s, unframed=True)
-        return {g: v for g, v in zip(want, values, strict=True) if v is not None}
+        gone: set[bytes] = set()
+        values = self.state.remote.get_many(want, deadline_s=deadline_s, unframed=True,
+                                            max_value_bytes=self._bounds(want), gone=gone)
+        out: dict[bytes, object] = {g: v for g, v in zip(want, values, strict=True)
+                                    if v is not None}
+        out.update((g, GONE) for g in gone)
+        return out
+
+    def _bounds(self, want: list[bytes]) -> list[int]:
+        """The longest value each wanted block's can be: its namespace's block, the codecs'
+        worst case over it (lossless stores a block as is when it does not shrink; lossy
+        codes and scales stay under an eighth more), the frame and the slack for the seal."""
+        sizes: dict[bytes, int] = {}
+        out = []
+        for g in want:
+            ns = g[:NS_ID_BYTES]
+            if ns not in sizes:
+                info = self.state.namespaces.get(ns)
+                bb = int(getattr(info, "block_bytes", 0) or 0)
+                sizes[ns] = (bb + bb // 8 + CODEC_SLACK_BYTES + VALUE_SLACK_BYTES if bb
+                             else DEFAULT_MAX_VALUE_BYTES)
+            out.append(sizes[ns])
+        return out
 
     def close(self) -> None:
         """Nothing held between calls (each pipelined acquire owns its fetch thread)."""

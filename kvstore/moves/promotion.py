@@ -26,7 +26,7 @@ from tiers import frame
 
 from ..index import Entry
 from ..state import NamespaceInfo, StoreState, aligned
-from .common import Workers
+from .common import GONE, Workers
 from .encoding import LOSSY, decode_block
 
 if TYPE_CHECKING:
@@ -73,6 +73,12 @@ def decode_into(host: Any, p: Promotion, value: object, layout: KVLayout) -> Non
     try:
         if isinstance(value, tuple):
             codec = value[0]
+            sealed = value[3] if len(value) > 3 else 0      # a remote value's seal
+            if sealed and p.checksum and sealed != p.checksum:
+                raise DataLoss("the remote value was sealed with another commit checksum "
+                               "than this block's")
+            if sealed and not p.checksum and codec not in LOSSY:
+                p.checksum = p.new_checksum = sealed    # checked by the decode below
         else:
             value = frame.unframe(value)        # (checks the payload's hash)
             codec = value[0]
@@ -123,11 +129,17 @@ class Promoter:
         index = self.state.index
         remote_value = remote_values.get(e.gkey) if e.remote else None
         from_gpu = e.gpu is not None    # exact bytes, and faster than any lower tier
-        if not e.ssd and remote_value is None and not from_gpu:
-            # vanished (Redis evicted it) or unreachable: a miss
-            index.set_remote(e, False)
+        if not e.ssd and not from_gpu and (remote_value is None or remote_value is GONE):
+            if remote_value is None and e.remote:
+                # unreachable or late: a miss now, the copy (and its checksum) still known
+                self.state.counters["remote_read_failed_blocks"] += 1
+                return None
+            index.set_remote(e, False)      # Redis answered it has no (good) copy any more
             index.drop_if_gone(e)
             return None
+        if remote_value is GONE:
+            remote_value = None
+            index.set_remote(e, False)
         e.moving = flight
         try:
             self.host_room.make_room(aligned(e.size), e.ns_id, promotion=True)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from kvstore_client.common.errors import DataLoss, InvalidArgument, Unavailable
@@ -38,6 +38,7 @@ from .connection import (
     mask_url,
     url_secrets,
 )
+from .envelope import Sealer, sealer_from_file
 from .nodes import TIMEOUT_TEXT, Batch, Nodes, make_key
 from .stats import RemoteStats
 
@@ -73,10 +74,20 @@ class _Marker:
 
 WRONG_TYPE = _Marker("WRONG_TYPE")   # a key holding a non-string value (a hash, a list...)
 REFUSED = _Marker("REFUSED")         # a value over its bound or of the wrong type: counted, gone
+ABSENT = _Marker("ABSENT")           # the node answered: no such key
+
+
+class Unframed(NamedTuple):
+    """A verified value, opened (get_many(unframed=True)): the frame's fields and the checksum
+    the block was committed with (0: unknown), from its seal (tiers/remote/envelope.py)."""
+    codec: str
+    raw_len: int
+    payload: memoryview
+    checksum: int
 
 
 def _read_reply(kind: Any, value: Any) -> Any:
-    """(TYPE reply, GETRANGE reply) of one key -> value, None (missing), WRONG_TYPE or the error.
+    """(TYPE reply, GETRANGE reply) of one key -> value, ABSENT, WRONG_TYPE or the error.
 
     GETRANGE answers "" both for a missing key and for an empty value; TYPE tells them apart.
     """
@@ -90,7 +101,7 @@ def _read_reply(kind: Any, value: Any) -> Any:
         return kind
     kind = kind.decode() if isinstance(kind, bytes) else str(kind)
     if kind == "none":
-        return None
+        return ABSENT
     return value if kind == "string" else WRONG_TYPE
 
 
@@ -136,6 +147,9 @@ class RemoteTier:
         # Bulk calls (get/put of whole blocks) get the lookup deadline plus a per-MiB allowance,
         # so a 64 x 2 MiB load is not declared dead by a deadline meant for a key lookup.
         self.bulk_s_per_mib = float(cfg_value(cfg, "bulk_ms_per_mib", 5.0)) / 1000.0
+        # Every value is sealed to its key and commit checksum (tiers/remote/envelope.py),
+        # keyed with remote.auth_key_file where one is set.
+        self.sealer: Sealer = sealer_from_file(str(cfg_value(cfg, "auth_key_file", "") or ""))
         self.max_value_bytes = int(cfg_value(cfg, "max_value_bytes", DEFAULT_MAX_VALUE_BYTES))
         if self.max_value_bytes <= 0:
             raise InvalidArgument("remote.max_value_bytes must be positive")
@@ -289,12 +303,16 @@ class RemoteTier:
 
     def get_many(self, gkeys: Sequence[bytes], deadline_s: float | None = None,
                  unframed: bool = False, max_value_bytes: int | Sequence[int] | None = None,
-                 expected_bytes: int | None = None) -> list[Any]:
-        """Values (framed bytes) or None: missing, failed, late or corrupt.
+                 expected_bytes: int | None = None, gone: set[bytes] | None = None
+                 ) -> list[Any]:
+        """Frames or None: missing, failed, late or corrupt. Each value is opened (its seal
+        checked against its key, tiers/remote/envelope.py) and its frame verified.
 
-        With `unframed=True` each hit is `unframe(value)` = (codec, raw_len, payload) so the
-        caller does not checksum the block a second time. Corrupt values are counted, never
-        returned.
+        With `unframed=True` each hit is an `Unframed` (codec, raw_len, payload, checksum) so
+        the caller does not checksum the block a second time. Corrupt values are counted,
+        never returned. `gone`, where given, receives the keys Redis answered it does not
+        hold or held only a corrupt value of (deleted): unlike a failed or late read, these
+        say the copy is no more.
 
         `max_value_bytes`: the longest value that can be right, for every key or per key (the
         namespace's worst-case frame plus VALUE_SLACK_BYTES); default: the config's
@@ -336,21 +354,24 @@ class RemoteTier:
         hits = nbytes = corrupt = 0
         bad: list[bytes] = []
         for g, v in zip(gkeys, res, strict=True):
-            if v is None or v is REFUSED:
+            if v is None or v is REFUSED or v is ABSENT:
+                if gone is not None and v is not None:
+                    gone.add(g)
                 out.append(None)
                 continue
             nbytes += len(v)
-            if self.verify or unframed:
-                try:
-                    framed = _unframe(v)  # type: ignore[misc]
-                except (DataLoss, ValueError, TypeError):
-                    corrupt += 1
-                    bad.append(g)
-                    out.append(None)
-                    continue
-                out.append(framed if unframed else v)
-            else:
-                out.append(v)
+            try:
+                checksum, fr = self.sealer.open(g, v)
+                if self.verify or unframed:
+                    codec, raw_len, payload = _unframe(fr)  # type: ignore[misc]
+            except (DataLoss, ValueError, TypeError):
+                corrupt += 1
+                bad.append(g)
+                if gone is not None:
+                    gone.add(g)
+                out.append(None)
+                continue
+            out.append(Unframed(codec, raw_len, payload, checksum) if unframed else bytes(fr))
             hits += 1
         self._stats.add("hits", hits, "misses", len(res) - hits, "bytes_read", nbytes,
                         "corrupt", corrupt)
@@ -401,15 +422,17 @@ class RemoteTier:
             if self._nodes.node(b.node).up and not self._closed:
                 self._pool.submit(_pipeline_delete, b)
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]],
-                 deadline_s: float | None = None) -> int:
-        """Store (gkey, framed value) pairs, one pipelined SET batch per node. Returns the bytes
-        Redis acknowledged; failures are counted (and raised only with raise_errors)."""
+    def put_many(self, items: Sequence[tuple], deadline_s: float | None = None) -> int:
+        """Store (gkey, frame) or (gkey, frame, commit checksum) items, each sealed to its key
+        and checksum (0: unknown), one pipelined SET batch per node. Returns the bytes Redis
+        acknowledged (seals included); failures are counted (and raised only with
+        raise_errors)."""
         if not items:
             return 0
-        gkeys = [g for g, _ in items]
-        sizes = [len(v) for _, v in items]
-        values = [v for _, v in items]
+        gkeys = [it[0] for it in items]
+        seal = self.sealer.seal
+        values = [seal(it[0], it[2] if len(it) > 2 else 0, it[1]) for it in items]
+        sizes = [len(v) for v in values]
         ttl = self.ttl_s or None
 
         def per_node(b: Batch) -> list:
@@ -426,17 +449,23 @@ class RemoteTier:
         return written
 
     def delete_many(self, gkeys: Sequence[bytes], sizes: Sequence[int] | None = None,
-                    deadline_s: float | None = None) -> int:
+                    deadline_s: float | None = None, failed: list[bytes] | None = None) -> int:
         """Delete keys (one pipelined DEL batch per node); returns how many existed.
 
-        `sizes` (the framed sizes the caller wrote) lets the tier keep `used_bytes` right.
+        `sizes` (the sizes put_many counted: frames plus their seals) lets the tier keep
+        `used_bytes` right.
+        `failed`, where given, receives the keys whose node did not answer (down, late): they
+        may still be there.
         """
         if not gkeys:
             return 0
 
         res = self._run("delete", gkeys, _pipeline_delete,
                         self.deadline_s if deadline_s is None else deadline_s)
-        n = sum(1 for r in res if r)
+        if failed is not None:
+            failed.extend(g for g, r in zip(gkeys, res, strict=True)
+                          if r is None or isinstance(r, BaseException))
+        n = sum(1 for r in res if r and not isinstance(r, BaseException))
         self._stats.add("keys_deleted", n)
         if sizes is not None:
             self._stats.add("bytes_deleted",

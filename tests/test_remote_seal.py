@@ -1,0 +1,138 @@
+"""Blocks read back from the shared Redis, against a real redis-server: sealed values, reads
+that fail, and deletes Redis did not answer.
+
+Why these: Redis is written by every daemon of a fleet and by anyone else with access, and a
+daemon reads blocks it never committed (another node's, its own after a restart). A
+well-framed value of one block copied under another's key used to be served as that block;
+a read that failed (Redis stalled for half a second) made the daemon forget the block's commit
+checksum, so the next copy it found was trusted; and a Delete while Redis was down answered
+"deleted" while the blocks came back, and were served, once Redis did.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import redis
+import xxhash
+
+from tests.redis_fixtures import redis_server_fixture  # noqa: F401  (fixture)
+
+from .store_helpers import kv_block, namespace, random_prompt
+from .test_store_remote import remote_store
+
+
+def _key(ns: bytes, k: bytes) -> str:
+    return f"kvs:{ns.hex()}:{k.hex()}"
+
+
+def test_a_value_copied_under_another_key_is_refused(tmp_path, redis_server):
+    _, keys = random_prompt(np.random.default_rng(0), 3)
+    r = redis.Redis.from_url(redis_server.url)
+    with remote_store(tmp_path / "a", redis_server.url, write_through=True) as a:
+        ns = namespace(a)
+        a.put(ns, keys, [kv_block(k) for k in keys])
+    r.copy(_key(ns, keys[1]), _key(ns, keys[0]), replace=True)  # block 1's value as block 0
+    with remote_store(tmp_path / "b", redis_server.url) as b:          # knows only Redis
+        assert namespace(b) == ns
+        assert b.get(ns, keys) == []
+        assert b.remote.stats["corrupt"] == 1
+        assert r.exists(_key(ns, keys[0])) == 0 or _wait_gone(r, _key(ns, keys[0]))
+        assert b.get(ns, keys[1:]) == [(k, kv_block(k)) for k in keys[1:]]
+        # the blocks read carry the checksum they were committed with, from their seal
+        with b.state.lock:
+            sums = [b.state.index.get(ns + k).checksum for k in keys[1:]]
+        assert sums == [xxhash.xxh3_64_intdigest(kv_block(k)) for k in keys[1:]]
+
+
+def _wait_gone(r, key: str) -> bool:
+    import time
+    end = time.monotonic() + 5
+    while r.exists(key):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_with_a_shared_secret_only_its_holders_values_are_read(tmp_path, redis_server):
+    secret, other = tmp_path / "secret", tmp_path / "other"
+    secret.write_bytes(os.urandom(48))
+    other.write_bytes(os.urandom(48))
+    _, keys = random_prompt(np.random.default_rng(1), 4)
+    with remote_store(tmp_path / "a", redis_server.url, write_through=True,
+                      auth_key_file=str(secret)) as a:
+        ns = namespace(a)
+        a.put(ns, keys, [kv_block(k) for k in keys])
+    with remote_store(tmp_path / "c", redis_server.url, auth_key_file=str(other)) as c:
+        assert namespace(c) == ns and c.get(ns, keys) == []           # another secret
+    with remote_store(tmp_path / "a", redis_server.url, write_through=True,
+                      auth_key_file=str(secret)) as a:
+        assert namespace(a) == ns
+        a.put(ns, keys, [kv_block(k) for k in keys])                   # (c deleted block 0)
+    with remote_store(tmp_path / "n", redis_server.url) as n:
+        assert namespace(n) == ns and n.get(ns, keys) == []           # no secret
+    with remote_store(tmp_path / "a", redis_server.url, write_through=True,
+                      auth_key_file=str(secret)) as a:
+        assert namespace(a) == ns
+        a.put(ns, keys, [kv_block(k) for k in keys])
+    with remote_store(tmp_path / "b", redis_server.url, auth_key_file=str(secret)) as b:
+        assert namespace(b) == ns
+        assert b.get(ns, keys) == [(k, kv_block(k)) for k in keys]
+
+
+def test_a_failed_read_keeps_the_block_and_its_checksum(tmp_path, redis_server):
+    _, keys = random_prompt(np.random.default_rng(2), 2)
+    with remote_store(tmp_path / "a", redis_server.url, write_through=True,
+                      deadline_ms=200) as s:
+        ns = namespace(s)
+        s.put(ns, keys, [kv_block(k) for k in keys])
+        s.evict("host")
+        with s.state.lock:
+            committed = s.state.index.get(ns + keys[0]).checksum
+        redis_server.pause()
+        try:
+            assert s.get(ns, keys[:1]) == []                # no answer: a miss now
+        finally:
+            redis_server.resume()
+        assert s.stats()["counters"]["remote_read_failed_blocks"] >= 1
+        with s.state.lock:
+            e = s.state.index.get(ns + keys[0])
+            assert e is not None and e.remote and e.checksum == committed
+        s.remote.wait_ready(5)
+        _until(lambda: s.get(ns, keys) == [(k, kv_block(k)) for k in keys])
+
+
+def _until(check, timeout: float = 10.0) -> None:
+    import time
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, "not true within the deadline"
+        time.sleep(0.1)
+
+
+def test_a_delete_redis_did_not_answer_is_sent_again(tmp_path, redis_server):
+    _, keys = random_prompt(np.random.default_rng(3), 4)
+    _, more = random_prompt(np.random.default_rng(4), 2)
+    r = redis.Redis.from_url(redis_server.url)
+    with remote_store(tmp_path / "a", redis_server.url, write_through=True,
+                      deadline_ms=200) as s:
+        ns = namespace(s)
+        s.put(ns, keys, [kv_block(k) for k in keys])
+        s.evict("host")
+        r.save()
+        redis_server.kill()                                  # down; back later from its RDB
+        assert s.delete(ns, keys) == 4
+        assert s.stats()["counters"]["remote_deletes_waiting"] == 4
+        redis_server.start()
+        assert r.dbsize() == 4                               # back, with the blocks
+        # not found again meanwhile, by Lookup or Locate
+        _until(lambda: s.remote.exists_many([b"\0" * 32]) == [False] and s.remote.up)
+        assert s.lookup(ns, keys).prefix_blocks == 0
+        assert s.where(ns, keys) == [None] * 4
+        assert s.get(ns, keys) == []
+        # the next write that lands sends them
+        s.put(ns, more, [kv_block(k) for k in more])
+        _until(lambda: r.dbsize() == 2)
+        assert s.stats()["counters"]["remote_deletes_waiting"] == 0
