@@ -36,9 +36,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# Run as a script, Python puts bench/ first on sys.path, where bench/tiers.py would shadow the
+# tiers package: the checkout goes first instead.
+_HERE = Path(__file__).resolve().parent
+ROOT = _HERE.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 from kvstore_client.common.layout import KVLayout  # noqa: E402
@@ -47,6 +50,7 @@ from tests.redis_fixtures import start_cluster, start_redis  # noqa: E402
 from tiers.codecs import decode, encode  # noqa: E402
 from tiers.frame import frame  # noqa: E402
 from tiers.remote import RemoteTier, make_key  # noqa: E402
+from tiers.remote.envelope import SEAL_BYTES  # noqa: E402
 
 # 2 MiB bf16 blocks: 32 layers x 2 x 16 tokens x 8 heads x 128 dims (a Llama-3-8B-like shard)
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16, dtype="bfloat16")
@@ -97,7 +101,7 @@ def bench_tier(urls: list[str], cluster: bool, values: list[bytes], iters: int,
                                                   for u in urls], socket_read_size=read_size)
     else:
         raw = redis.Redis.from_url(urls[0], socket_read_size=read_size)
-    total = sum(map(len, values))
+    total = sum(map(len, values)) + SEAL_BYTES * len(values)     # as stored: sealed
 
     t0 = time.perf_counter()
     written = tier.put_many(list(zip(gkeys, values, strict=True)))
@@ -110,7 +114,7 @@ def bench_tier(urls: list[str], cluster: bool, values: list[bytes], iters: int,
         t0 = time.perf_counter()
         got = raw_get(raw, rkeys)  # type: ignore[arg-type]
         t_raw.append(time.perf_counter() - t0)
-        assert got[0] == values[0]
+        assert got[0][SEAL_BYTES:] == values[0]
         del got
         t0 = time.perf_counter()
         got = tier.get_many(gkeys, unframed=True)
@@ -119,7 +123,7 @@ def bench_tier(urls: list[str], cluster: bool, values: list[bytes], iters: int,
         del got
         t0 = time.perf_counter()
         got = tier.get_many(gkeys, unframed=True)
-        for (codec, _raw_len, payload), buf in zip(got, out_bufs, strict=True):
+        for (codec, _raw_len, payload, _sum), buf in zip(got, out_bufs, strict=True):
             decode(codec, payload, LAYOUT, buf)
         t_dec.append(time.perf_counter() - t0)
         del got
