@@ -1,5 +1,12 @@
 """Namespaces: registered once, kept for good (in memory and in LMDB), capped per tenant.
 
+Why a record that did not land is written again: a namespace registered while the SSD
+filesystem is full still serves from host, but a restart knows only the namespaces LMDB holds:
+blocks of one whose record is missing were misses after the restart and their SSD bytes leaked.
+So the record is kept in `StoreState.unpersisted` until it lands: a background thread writes it
+again every RETRY_S, a Flush writes it first (and refuses while it cannot: RESOURCE_EXHAUSTED),
+and no flush writes the namespace's blocks to SSD meanwhile (Moves.flush).
+
 Why caps: a namespace is kept in memory and in LMDB for good, and a spec's free-form fields
 (extra, model, revision) could make one cost hundreds of KiB; a tenant could otherwise
 register them without end (docs/security.md, "The store's own checks").
@@ -9,6 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 
 from kvstore_client.common.errors import InvalidArgument, ResourceExhausted
 from kvstore_client.common.layout import NamespaceSpec
@@ -21,11 +30,14 @@ from .tenants import TENANT_KEY
 
 log = logging.getLogger("kvstore.store")
 
+RETRY_S = 0.5       # how often a namespace record that did not land is written again
+
 
 class Registry:
     def __init__(self, state: StoreState, pools: TenantPools) -> None:
         self.state = state
         self.pools = pools
+        self._retrying = False      # the thread writing records that did not land runs
 
     def register(self, spec: NamespaceSpec) -> NamespaceInfo:
         """Register a namespace; idempotent (its id is the spec's digest)."""
@@ -42,25 +54,90 @@ class Registry:
             st.check_open()
             info = st.namespaces.get(ns_id)
             if info is not None:
-                return info
-            blob = self._admit(spec)
-            info = NamespaceInfo(ns_id, spec)
-            st.namespaces[ns_id] = info
-            self.pools.note_namespace(ns_id)
-            if st.ssd is None:
-                return info
+                blob = st.unpersisted.get(ns_id)
+                if blob is None:
+                    return info
+                # Its record has not landed yet: try again now (the write below).
+            else:
+                blob = self._admit(spec)
+                info = NamespaceInfo(ns_id, spec)
+                st.namespaces[ns_id] = info
+                self.pools.note_namespace(ns_id)
+                if st.ssd is None:
+                    return info
+                # Pending until the write lands: a flush meanwhile (the id is the spec's
+                # digest: another client may use it already) writes it first, or leaves the
+                # namespace's blocks on host.
+                st.unpersisted[ns_id] = blob
             st.enter_busy()             # close() waits for the write below
         # The LMDB write (milliseconds) runs without the store lock: a tenant registering
         # namespaces must not stall every other tenant's calls behind it.
         try:
             st.ssd.put_namespace(ns_id, blob)
-        except DiskFull as exc:         # host still serves it; a restart forgets it
+        except DiskFull as exc:         # host still serves it; its record is written again
             with st.lock:
                 st.counters["ssd_disk_full_errors"] += 1
-            log.warning("namespace %s not persisted: %s", ns_id.hex(), exc)
+                self._start_retries()
+            log.warning("namespace %s not persisted yet: %s; its record is written again "
+                        "every %g s until it lands, and its blocks stay off SSD until then",
+                        ns_id.hex(), exc, RETRY_S)
+        else:
+            with st.lock:
+                st.unpersisted.pop(ns_id, None)
         finally:
             st.leave_busy()
         return info
+
+    def persist_pending(self, only: set[bytes] | None = None, strict: bool = True) -> None:
+        """Write the records of the namespaces (of `only`) that have not landed on SSD yet
+        (locked; released for the writes). `strict` (a Flush): ResourceExhausted while one
+        still cannot be written, since no block of it may go to SSD before it; otherwise
+        (the retries, the stop) such records stay pending."""
+        st = self.state
+        todo = [(k, v) for k, v in st.unpersisted.items() if only is None or k in only]
+        if not todo or st.ssd is None:
+            return
+        landed: list[bytes] = []
+        failed: tuple[bytes, DiskFull] | None = None
+        with st.unlocked():
+            for ns_id, blob in todo:
+                try:
+                    st.ssd.put_namespace(ns_id, blob)
+                except DiskFull as exc:
+                    failed = ns_id, exc
+                    break
+                landed.append(ns_id)
+        for ns_id in landed:
+            if st.unpersisted.pop(ns_id, None) is not None:
+                log.info("namespace %s persisted (its record did not land when it was "
+                         "registered)", ns_id.hex())
+        if failed is not None and strict:
+            raise ResourceExhausted(
+                f"namespace {failed[0].hex()} is not persisted yet, so none of its blocks can "
+                f"be written to SSD: {failed[1]}")
+
+    def _start_retries(self) -> None:
+        """Start the thread writing pending records again, unless it runs (locked)."""
+        if self._retrying:
+            return
+        self._retrying = True
+        threading.Thread(target=self._retry, name="kvstore-namespace-records",
+                         daemon=True).start()
+
+    def _retry(self) -> None:
+        """Every RETRY_S, write the pending records again, until none is left or the store
+        closes (its writes count as busy, so close() waits for one under way)."""
+        st = self.state
+        while True:
+            time.sleep(RETRY_S)
+            with st.lock:
+                if st.closed or not st.unpersisted:
+                    self._retrying = False
+                    return
+                try:
+                    self.persist_pending(strict=False)
+                except Exception as exc:    # noqa: BLE001 - not DiskFull: try again later
+                    log.warning("writing pending namespace records failed: %s", exc)
 
     def _check_fits_own_pool(self, spec: NamespaceSpec) -> None:
         """Refuse a block size larger than the owner's own host pool (its host_quota).

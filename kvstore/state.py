@@ -20,13 +20,20 @@ LMDB.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvstore_client.common.errors import InvalidArgument, NotFound, Unavailable
+from kvstore_client.common.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    Unavailable,
+)
 from kvstore_client.common.layout import NamespaceSpec
 
 from .config import StoreConfig
@@ -39,7 +46,13 @@ if TYPE_CHECKING:
     from .policies import EvictionPolicy
 
 TIERS = ("gpu", "host", "ssd", "remote")
+CANCEL_POLL_S = 0.1         # how often a wait with a `cancelled` check looks at it
 SLAB_ALIGN = 4096           # host and device slots are whole pages (tiers/slab.py)
+
+
+class CallCancelled(KVStoreError):
+    """The client went away while its call waited (the call ends; nothing is lost)."""
+    code = "CANCELLED"
 
 
 def aligned(n: int) -> int:
@@ -83,6 +96,11 @@ class StoreState:
         # Demotions out of host in flight (their blocks marked moving): an allocation that
         # needs their room, and a flush that must sync their blocks, wait for them.
         self.demotions: set[threading.Event] = set()
+        # Namespaces whose LMDB record did not land (the SSD filesystem was full when they
+        # were registered): id -> the record, written again until it lands
+        # (kvstore/namespaces.py). No flush writes their blocks to SSD meanwhile: a restart
+        # would not know the namespace, and those blocks would be misses whose bytes leak.
+        self.unpersisted: dict[bytes, bytes] = {}
 
     def attach(self, **tiers: Any) -> None:
         """Set the tiers by name (host, ssd, remote, gpu) while the store opens; the tiers
@@ -124,21 +142,47 @@ class StoreState:
             self.busy -= 1
             self.idle.notify_all()
 
-    def wait_demotions(self) -> bool:
+    def wait_demotions(self, deadline: float | None = None,
+                       cancelled: Callable[[], bool] | None = None) -> bool:
         """Wait (releasing the lock) until the demotions now in flight have settled; False when
         none was. They never wait on anything but the lock, so this cannot deadlock; the
-        caller counts as busy meanwhile, so close() waits for it to finish its call."""
+        caller counts as busy meanwhile, so close() waits for it to finish its call.
+        `deadline`, `cancelled`: as wait_flights."""
         pending = list(self.demotions)
         if not pending:
             return False
+        self.wait_flights(pending, deadline, cancelled)
+        return True
+
+    def wait_flights(self, events: Iterable[threading.Event], deadline: float | None = None,
+                     cancelled: Callable[[], bool] | None = None) -> None:
+        """Wait (releasing the lock) until each of these flights (an Entry's `moving`) has
+        landed (locked), counted busy meanwhile. Only the flights named: moves that start
+        meanwhile are not waited for, so a steady writer cannot make this wait forever.
+
+        `deadline` (time.monotonic()): past it, DeadlineExceeded; `cancelled()` true (the
+        caller went away): CallCancelled. Either leaves the flights to land on their own."""
+        pending = [ev for ev in events if not ev.is_set()]
+        if not pending:
+            return
         self.busy += 1
         try:
             while not all(ev.is_set() for ev in pending):
-                self.idle.wait()
+                if cancelled is not None and cancelled():
+                    raise CallCancelled("the client went away while its call waited for "
+                                        "block moves in flight")
+                timeout = None if cancelled is None else CANCEL_POLL_S
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise DeadlineExceeded(
+                            f"{sum(not ev.is_set() for ev in pending)} block moves in flight "
+                            "had not landed by the call's deadline")
+                    timeout = left if timeout is None else min(left, timeout)
+                self.idle.wait(timeout)
         finally:
             self.busy -= 1
             self.idle.notify_all()
-        return True
 
     # -- small shared readings -------------------------------------------------------------------
     def namespace(self, ns_id: bytes) -> NamespaceInfo:

@@ -168,6 +168,11 @@ class Store:
                 st.idle.wait()
             try:
                 if flush and st.ssd is not None:
+                    self.registry.persist_pending(strict=False)
+                    if st.unpersisted:      # (their host blocks are not flushed: Moves.flush)
+                        log.warning("%d namespaces are still not persisted (the SSD "
+                                    "filesystem is full); their host blocks are not flushed",
+                                    len(st.unpersisted))
                     self.moves.flush(flush_budget_s, progress)
             except ResourceExhausted as exc:   # disk or a tenant's quota full: the host-only
                 log.warning("not every host block was flushed at close: %s", exc)  # blocks go
@@ -501,21 +506,23 @@ class Store:
                     break
             return freed, blocks
 
-    def flush(self, only: set[bytes] | None = None) -> int:
+    def flush(self, only: set[bytes] | None = None, deadline: float | None = None,
+              cancelled: Callable[[], bool] | None = None) -> int:
         """Write every host-only block (of the namespaces `only` names) down to SSD and sync;
         returns blocks written.
 
-        Demotions in flight settle first, so their blocks are synced too (or, if their write
-        failed, written here)."""
+        The blocks a demotion has in flight when it starts are waited for, so they are synced
+        too (or, if their write failed, written here); blocks stored meanwhile are not waited
+        for, so a steady writer cannot keep it from ending. `deadline` (time.monotonic()):
+        DeadlineExceeded once past it; `cancelled()` true: CallCancelled; either way what was
+        written stays written (Moves.flush). First the records of the namespaces it covers
+        that are not on SSD yet are written (ResourceExhausted while they cannot be: their
+        blocks on SSD would be lost to a restart)."""
         st = self.state
         with st.lock:
             st.check_open()
-            # Until none is in flight with the lock held: while it waited, the background
-            # demoter (or another writer) may have started a batch, whose blocks flush would
-            # skip (they are moving) and would then not be synced.
-            while st.wait_demotions():
-                pass
-            return self.moves.flush(only=only)
+            self.registry.persist_pending(only)
+            return self.moves.flush(only=only, deadline=deadline, cancelled=cancelled)
 
     # ----------------------------------------------------------------- reporting
 

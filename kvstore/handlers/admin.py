@@ -4,12 +4,21 @@ flush and statistics.
 Why together: with tenants each acts only within the caller's scope (`Auth.scope()`: the
 namespaces it owns, or everything for an admin), so a tenant can neither see nor evict nor
 flush another's blocks; without tenants the scope is everything.
+
+Why a Flush has a deadline and a tenant one Flush at a time: when writes outrun the disk a
+Flush can take long, and it holds a gRPC worker all that while. It ends at
+`limits.request_deadline_s` of its start (DEADLINE_EXCEEDED, having written what it could),
+and a tenant's second Flush while one runs is refused at once (RESOURCE_EXHAUSTED): Flushes a
+client gave up on tied up every worker, and the daemon's other calls then waited for one.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+
 from kvstore_client._proto import kvstore_pb2 as pb
-from kvstore_client.common.errors import InvalidArgument
+from kvstore_client.common.errors import InvalidArgument, ResourceExhausted
 
 from ..scoped import scoped_stats
 from .replies import stats_to_proto
@@ -20,6 +29,10 @@ from .validate import TIERS, check_keys, check_ns, parse_request
 class AdminCalls:
     def __init__(self, state: CallState) -> None:
         self.s = state
+        limits = getattr(getattr(state.store, "config", None), "limits", None)
+        self._flush_s = limits.request_deadline_s if limits is not None else 30.0
+        self._flushing: set[str | None] = set()     # tenants with a Flush running
+        self._flushing_lock = threading.Lock()
 
     def Delete(self, raw: bytes) -> pb.DeleteResponse:
         req = parse_request(pb.DeleteRequest, raw)
@@ -54,7 +67,20 @@ class AdminCalls:
     def Flush(self, raw: bytes) -> pb.FlushResponse:
         parse_request(pb.FlushRequest, raw)
         scope = self.s.auth.scope()
-        done = self.s.store.flush() if scope is None else self.s.store.flush(only=scope)
+        caller = self.s.auth.caller
+        who = caller.name if caller is not None else None
+        with self._flushing_lock:
+            if who in self._flushing:
+                raise ResourceExhausted(
+                    ("a Flush" if who is None else f"tenant {who}'s Flush") + " is already "
+                    "running; one at a time: retry when it ends")
+            self._flushing.add(who)
+        try:
+            deadline = time.monotonic() + self._flush_s
+            done = self.s.store.flush(only=scope, deadline=deadline)
+        finally:
+            with self._flushing_lock:
+                self._flushing.discard(who)
         return pb.FlushResponse(demoted=int(done or 0))
 
     def Stats(self, raw: bytes) -> pb.StatsResponse:

@@ -71,16 +71,77 @@ class Moves:
 
     def flush(self, budget_s: float | None = None,
               progress: Callable[[str], None] | None = None,
-              only: set[bytes] | None = None) -> int:
+              only: set[bytes] | None = None, deadline: float | None = None,
+              cancelled: Callable[[], bool] | None = None) -> int:
         """Demote every block only host (of the namespaces `only` names) or a device holds to
         SSD and sync (locked; released for each batch and for the sync); returns the blocks
-        written. `budget_s` and `progress`: HostToSSD.flush (gpu-only blocks go down only when
-        the host ones all did)."""
+        written. `budget_s` and `progress` (a stop's flush): HostToSSD.flush (gpu-only blocks
+        go down only when the host ones all did).
+
+        Otherwise (a call's flush): the host-only blocks there are now, those another move has
+        in flight included (a background demotion's batch). Their flights are waited for, and
+        their blocks written here if the move did not land them on SSD; blocks stored
+        meanwhile are not this flush's, so a steady writer cannot keep it from ending (it used
+        to wait for a moment with no demotion in flight, which such a writer never gave).
+        `deadline` (time.monotonic()): past it, DeadlineExceeded; `cancelled()` true (the
+        client went away): CallCancelled. Either way what was written stays on SSD, not yet
+        synced (the next flush, or the stop, syncs it).
+
+        Blocks of a namespace whose record is not on SSD yet (StoreState.unpersisted) are left
+        out: a restart would not know the namespace (Store.flush writes the record first)."""
+        from kvstore_client.common.errors import DeadlineExceeded
+
+        from ..state import CallCancelled
+        from .host_to_ssd import FLUSH_BATCH
+
         st = self.state
         if self.host_to_ssd is None:
             return 0
+        if st.unpersisted:
+            only = (set(st.namespaces) if only is None else set(only)) - st.unpersisted.keys()
         start = time.monotonic()
-        done, nbytes, finished, total = self.host_to_ssd.flush(budget_s, progress, only)
+        if budget_s is not None or progress is not None:
+            done, nbytes, finished, total = self.host_to_ssd.flush(budget_s, progress, only)
+        else:
+            index = st.index
+            todo = [e for e in index.hot_entries() if e.host is not None and not e.ssd
+                    and (only is None or e.ns_id in only)]
+            done = nbytes = 0
+            total, finished = len(todo), True
+            tried: set[int] = set()         # blocks this flush handed to a demotion
+
+            def host_only(e: Entry) -> bool:        # (not deleted meanwhile)
+                return e.host is not None and not e.ssd and index.get(e.gkey) is e
+
+            def ended(why: str) -> str:
+                return (f"Flush ended after {time.monotonic() - start:.1f} s: {why}; {done} "
+                        f"of the {total} host-only blocks it set out to write were written to "
+                        "SSD (not yet synced); call Flush again for the rest")
+
+            def check() -> None:
+                if cancelled is not None and cancelled():
+                    raise CallCancelled(ended("the client went away"))
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise DeadlineExceeded(ended("it passed its deadline"))
+            while True:
+                ready = [e for e in todo if id(e) not in tried and host_only(e)
+                         and e.moving is None]
+                for i in range(0, len(ready), FLUSH_BATCH):
+                    check()
+                    batch = [e for e in ready[i:i + FLUSH_BATCH]
+                             if host_only(e) and e.moving is None]
+                    tried.update(id(e) for e in batch)
+                    done += self.host_to_ssd.demote(batch)
+                todo = [e for e in todo if host_only(e)]
+                flights = {e.moving for e in todo if e.moving is not None}
+                if not flights and all(id(e) in tried for e in todo):
+                    break
+                check()
+                try:
+                    st.wait_flights(flights, deadline, cancelled)
+                except (DeadlineExceeded, CallCancelled):
+                    check()
+                    raise
         if finished and self.gpu_to_ssd is not None:
             done += self.gpu_to_ssd.flush()
         snapshot = st.policies["ssd"].snapshot()
