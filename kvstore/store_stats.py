@@ -1,9 +1,13 @@
 """Stats: the store's figures by tier, from state that already counts them.
 
 Per-tier block counts come from state that already counts them (a tier's policy holds exactly
-its resident blocks; LMDB counts its entries), not from a walk of the whole index under the
-lock at every scrape. Remote residency has no such count, so only a daemon with the remote
-tier walks the index.
+its resident blocks; the SSD tier keeps its record count and used bytes in memory), not from a
+walk of the whole index under the lock at every scrape. Remote residency has no such count, so
+only a daemon with the remote tier walks the index.
+
+Why no LMDB read here: beginning a read transaction writes LMDB's reader table, and py-lmdb
+holds the GIL meanwhile; on a frozen SSD filesystem one Stats call or metrics scrape stalled
+every thread of the daemon, host hits included, for as long as the freeze (tiers/ssd/index.py).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ def stats(state: StoreState, leases: LeaseTable, gpu_slots: Any, daemon_id: str)
     st = state
     tiers = {}
     host_blocks = len(st.policies["host"])
-    ssd_blocks = len(st.ssd) if st.ssd is not None else 0
+    ssd_blocks = len(st.ssd) if st.ssd is not None else 0    # (in memory: no LMDB read)
     remote_blocks = st.index.remote_count() if st.remote is not None else 0
     gpu_devices: dict = {}
     if gpu_slots is not None:

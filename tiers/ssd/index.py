@@ -24,6 +24,15 @@ block keys (and, with KV events, prompts' token ids); other users must not read 
 
 Why short transactions for a scan: a long-lived reader pins LMDB's free pages and would block
 a map resize while the caller writes meanwhile.
+
+Why the block count is kept in memory (`entries`, set after every write transaction, as
+`used_bytes` is): beginning a read transaction writes LMDB's reader table in lock.mdb, and
+py-lmdb holds the GIL while it does; on a frozen or stalled filesystem that write waits, and so
+does every thread of the process. Stats and metrics scrapes read the two counts, never LMDB.
+
+Why a damaged file is refused in one line (`unreadable`): LMDB reports a page it cannot make
+sense of (CorruptedError, PageNotFoundError, ...) as an exception from whichever read meets it;
+at open that names the file and what the operator can do, not a traceback.
 """
 
 from __future__ import annotations
@@ -58,6 +67,19 @@ _META_HEAD = struct.Struct("=II")           # mm_magic, mm_version
 _META_PSIZE = struct.Struct("=I")           # mm_dbs[0].md_pad, at 24
 _META_TAIL = struct.Struct("=QQ")           # mm_last_pg, mm_txnid, at 120
 _META_BYTES = 136
+# What LMDB raises for a file whose pages it cannot make sense of.
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError,
+           lmdb.IncompatibleError, lmdb.PanicError, lmdb.VersionMismatchError,
+           lmdb.BadValsizeError)
+
+
+def unreadable(folder: str, exc: BaseException) -> Unavailable:
+    """The one-line error for an SSD tier's index that LMDB cannot read (module docstring)."""
+    path = os.path.join(folder, "index", DATA_FILE)
+    if isinstance(exc, _DAMAGE):
+        return Unavailable(f"{path} is damaged ({exc}); restore the SSD tier's folder from a "
+                           f"backup, or move {folder} away to start with an empty SSD tier")
+    return Unavailable(f"cannot read {path}: {exc}")
 
 
 def check_length(index_dir: str) -> None:
@@ -126,21 +148,31 @@ class LmdbIndex:
                 writemap=False, sync=sync, metasync=sync, max_dbs=8, lock=True,
                 max_readers=512, meminit=False, mode=0o700)
         except lmdb.Error as exc:
+            if isinstance(exc, _DAMAGE):
+                raise unreadable(folder, exc) from None
             raise Unavailable(f"cannot open the SSD tier at {folder}: {exc}") from exc
-        self.opened_txnid = self._env.info()["last_txnid"]   # before anything here writes
-        self.blocks = self._env.open_db(b"index")
-        self._ns = self._env.open_db(b"namespaces")
-        self._state = self._env.open_db(b"state")
-        self._tier = self._env.open_db(b"_tier")
         self._write_lock = threading.Lock()
         self._gate = threading.Condition()
         self._readers = 0
         self._resizing = False
         self.closed = False
-        self._check_format()
-        with self._env.begin(db=self._tier) as txn:
-            raw = txn.get(_USED_KEY)
-        self.saved_used: int | None = _SIZE.unpack(raw)[0] if raw else None
+        try:
+            self.opened_txnid = self._env.info()["last_txnid"]   # before anything here writes
+            self.blocks = self._env.open_db(b"index")
+            self._ns = self._env.open_db(b"namespaces")
+            self._state = self._env.open_db(b"state")
+            self._tier = self._env.open_db(b"_tier")
+            self._check_format()
+            with self._env.begin(db=self._tier) as txn:
+                raw = txn.get(_USED_KEY)
+                # The record count in memory (module docstring), kept by write().
+                self.entries: int = txn.stat(self.blocks)["entries"]
+        except lmdb.Error as exc:
+            self._env.close()
+            raise unreadable(folder, exc) from None
+        # A damaged count is recounted by the tier's scan of the records (None).
+        self.saved_used: int | None = (_SIZE.unpack(raw)[0] if raw is not None
+                                       and len(raw) == _SIZE.size else None)
         self.used_bytes = self.saved_used or 0
 
     def _check_format(self) -> None:
@@ -150,7 +182,8 @@ class LmdbIndex:
                 txn.put(_FORMAT_KEY, FORMAT, db=self._tier)
         if fmt is not None and fmt != FORMAT:
             self._env.close()
-            raise Unavailable(f"the SSD tier at {self.folder} has format {fmt.decode()!r}; "
+            raise Unavailable(f"the SSD tier at {self.folder} has format "
+                              f"{fmt.decode(errors='replace')!r}; "
                               f"this build reads format {FORMAT.decode()!r} only (move the "
                               "folder away or run the build that wrote it)")
 
@@ -177,7 +210,10 @@ class LmdbIndex:
                     self._gate.notify_all()
 
     def write(self, fn: Callable[[lmdb.Transaction], int]) -> None:
-        """Run fn in a write transaction (fn returns the used_bytes delta).
+        """Run fn in a write transaction (fn returns the used_bytes delta); `used_bytes` and
+        `entries` are published after the commit. used_bytes never goes below 0: a damaged
+        record's length is not subtracted (SSDTier), but a count is never a reason for a
+        delete to fail.
 
         On MapFullError the transaction is aborted, the map grows and fn runs once more.
         """
@@ -187,10 +223,12 @@ class LmdbIndex:
                 try:
                     with self._env.begin(write=True) as txn:
                         delta = fn(txn)
-                        used = self.used_bytes + delta
-                        if delta:
+                        used = max(0, self.used_bytes + delta)
+                        if used != self.used_bytes:
                             txn.put(_USED_KEY, _SIZE.pack(used), db=self._tier)
+                        entries = txn.stat(self.blocks)["entries"]
                     self.used_bytes = used
+                    self.entries = entries
                     return
                 except lmdb.MapFullError:
                     if attempt:
@@ -220,30 +258,36 @@ class LmdbIndex:
 
     # -- records ------------------------------------------------------------------------------
     def record(self, k: bytes) -> tuple[int, int, int, bytes] | None:
-        """(offset, length, checksum, meta) of a stored key."""
+        """(offset, length, checksum, meta) of a stored key (None: not stored, or a record too
+        short to name an extent, which no read serves)."""
         with self.read() as txn:
             raw = txn.get(k, db=self.blocks)
-        if raw is None:
+        if raw is None or len(raw) < REC.size:
             return None
         off, length, checksum = REC.unpack_from(raw)
         return off, length, checksum, raw[REC.size:]
 
     def count(self) -> int:
+        """LMDB's own count of the block records (a read transaction; `entries` is the same
+        without one)."""
         with self.read() as txn:
             return txn.stat(self.blocks)["entries"]
 
     def scan(self) -> Iterator[list[tuple[bytes, bytes]]]:
         """The records in key order, in batches read by short transactions (module
-        docstring)."""
+        docstring). Unavailable (`unreadable`) when LMDB finds the file damaged."""
         start = b""
         while True:
-            with self.read() as txn:
-                cur = txn.cursor(db=self.blocks)
-                ok = cur.set_range(start) if start else cur.first()
-                batch = []
-                while ok and len(batch) < _SCAN_BATCH:
-                    batch.append(cur.item())
-                    ok = cur.next()
+            try:
+                with self.read() as txn:
+                    cur = txn.cursor(db=self.blocks)
+                    ok = cur.set_range(start) if start else cur.first()
+                    batch = []
+                    while ok and len(batch) < _SCAN_BATCH:
+                        batch.append(cur.item())
+                        ok = cur.next()
+            except lmdb.Error as exc:
+                raise unreadable(self.folder, exc) from None
             if batch:
                 yield batch
             if len(batch) < _SCAN_BATCH:
@@ -255,27 +299,36 @@ class LmdbIndex:
         self.write(lambda txn: (txn.put(k, v, db=self._ns), 0)[1])
 
     def namespaces(self) -> dict[bytes, bytes]:
-        with self.read() as txn:
-            return dict(txn.cursor(db=self._ns))
+        try:
+            with self.read() as txn:
+                return dict(txn.cursor(db=self._ns))
+        except lmdb.Error as exc:
+            raise unreadable(self.folder, exc) from None
 
     def put_state(self, k: bytes, v: bytes) -> None:
         self.write(lambda txn: (txn.put(k, v, db=self._state), 0)[1])
 
     def get_state(self, k: bytes) -> bytes | None:
-        with self.read() as txn:
-            return txn.get(k, db=self._state)
+        try:
+            with self.read() as txn:
+                return txn.get(k, db=self._state)
+        except lmdb.Error as exc:
+            raise unreadable(self.folder, exc) from None
 
     # -- the index image's stamp --------------------------------------------------------------
     def image_stamp(self) -> Stamp | None:
         """What an index image must carry to be current: the token of the last clean stop and
         LMDB as this open found it (None: no image was written since the last change)."""
-        with self._env.begin() as txn:
-            token = txn.get(_IMAGE_KEY, db=self._tier)
-            if token is None:
-                return None
-            raw = txn.get(_USED_KEY, db=self._tier)
-            entries = txn.stat(self.blocks)["entries"]
-        used = _SIZE.unpack(raw)[0] if raw else 0
+        try:
+            with self._env.begin() as txn:
+                token = txn.get(_IMAGE_KEY, db=self._tier)
+                if token is None:
+                    return None
+                raw = txn.get(_USED_KEY, db=self._tier)
+                entries = txn.stat(self.blocks)["entries"]
+        except lmdb.Error as exc:
+            raise unreadable(self.folder, exc) from None
+        used = _SIZE.unpack(raw)[0] if raw and len(raw) == _SIZE.size else 0
         return Stamp(bytes(token), self.opened_txnid, entries, used)
 
     def commit_image_token(self, token: bytes) -> Stamp:
@@ -287,7 +340,7 @@ class LmdbIndex:
             entries = txn.stat(self.blocks)["entries"]
         self._env.sync(True)
         return Stamp(token, self._env.info()["last_txnid"], entries,
-                     _SIZE.unpack(raw)[0] if raw else 0)
+                     _SIZE.unpack(raw)[0] if raw and len(raw) == _SIZE.size else 0)
 
     # -- lifetime -----------------------------------------------------------------------------
     @property

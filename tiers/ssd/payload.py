@@ -225,7 +225,14 @@ class PayloadFile:
     def _drain(self) -> None:
         oldest = min(self._active) if self._active else self._epoch
         while self._pending and self._pending[0][0] < oldest:
-            self.alloc.free(self._pending.popleft()[1])
+            off = self._pending.popleft()[1]
+            if not self.alloc.is_allocated(off):
+                # A damaged record's offset (SSDTier._charge): nothing of ours to give back,
+                # and no reason to fail the delete that dropped it.
+                log.warning("SSD payload file %s: a deleted record named offset %d, which "
+                            "holds no extent", self.path, off)
+                continue
+            self.alloc.free(off)
 
     def settled_state(self) -> dict | None:
         """The allocator's state for an index image, or None while a reader still holds
@@ -348,6 +355,11 @@ class PayloadFile:
                 break
             got += n
         return view[:min(got, length)]
+
+    def drop_read_buffer(self) -> None:
+        """Let go of this thread's read buffer (the open's checks of damaged records read
+        values of any length on the main thread, which reads nothing after)."""
+        self._tls.__dict__.pop("rbuf", None)
 
     def read_runs(self, extents: Sequence[tuple[int, int, int, int]]
                   ) -> Iterator[tuple[memoryview, list[tuple[int, int, int, int]]]]:

@@ -6,6 +6,16 @@ operation here is one of the tier's ordering rules applied to both. A put writes
 delete or overwrite frees an extent only after every reader that may have looked it up is done;
 a read verifies the value's checksum against its record, so a torn or stale payload is DataLoss
 (a miss), never served. The crash order and the layout of the folder: tiers/ssd/__init__.py.
+
+Why a record's extent is checked before it is used (`_bad_extent`, `value_limit`): the record's
+8-byte length decides how big a buffer a read allocates and what a delete subtracts from
+used_bytes. A damaged one (2**30, 2**44) made a Get allocate a GiB or fail with ENOMEM, and made
+the record impossible to delete (used_bytes went negative), so every eviction batch holding it
+failed. A record whose extent cannot be (unaligned, longer than any value, past the payload
+file's end, longer than its block can take) is DataLoss on a read, before anything is read or
+allocated, and a delete takes nothing off used_bytes for it. At open, a scan of the index drops
+such records from LMDB, and of two that claim the same bytes keeps the one whose payload
+verifies (`_scan_extents`); used_bytes is then the sum over the records kept.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import lmdb
 import msgpack
 import xxhash
 from kvstore_client.common.errors import DataLoss, InvalidArgument
+from kvstore_client.common.layout import MAX_BLOCK_BYTES
 
 from ..slab import ExtentAllocator
 from .image import read_image, remove_image, write_image
@@ -33,6 +44,11 @@ log = logging.getLogger("kvstore.ssd")
 
 _ALLOC_SECTION = "ssd.alloc"        # the payload file's free-space map, in the index image
 PROGRESS_MIN_ENTRIES = 50_000       # scan_meta shows a progress bar above this many entries
+# The longest value the tier stores: the largest block, a codec's worst case over it (an eighth
+# more) and room for headers. A record naming more is damaged (module docstring).
+MAX_VALUE_BYTES = MAX_BLOCK_BYTES + MAX_BLOCK_BYTES // 8 + (1 << 20)
+# value_limit(gkey, meta): the most bytes that key's value can be (None: no bound known).
+ValueLimit = Callable[[bytes, memoryview], "int | None"]
 
 
 class SSDTier:
@@ -45,15 +61,23 @@ class SSDTier:
 
     name = "ssd"
 
-    def __init__(self, path: str, capacity: int, sync: bool = False, warm: bool = True
-                 ) -> None:
-        """`warm=False` leaves starting the writer thread and its buffers to `warm_up()`."""
+    def __init__(self, path: str, capacity: int, sync: bool = False, warm: bool = True,
+                 value_limit: ValueLimit | None = None) -> None:
+        """`warm=False` leaves starting the writer thread and its buffers to `warm_up()`.
+        `value_limit(gkey, meta)`: the most bytes a key's value can be (the store's bound by
+        namespace), checked on every read; it must not raise or call into the store."""
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise InvalidArgument(f"ssd.capacity must be a positive number of bytes, "
                                   f"got {capacity!r}")
         self.path = os.fspath(path)
         self.capacity = capacity
         self._sync = sync
+        self.value_limit = value_limit
+        self.dropped_at_open = 0        # damaged index records the open's scan dropped
+        # Set by the owner when its view of the records is partial (the store skipped a damaged
+        # namespace record): close() then writes no index image, so the next open scans.
+        self.scan_next_open = False
+        self._dropped: set[bytes] = set()   # ... those still in LMDB (their delete failed)
         os.makedirs(self.path, mode=0o700, exist_ok=True)     # (LMDB's records: owner only)
         legacy = is_legacy(self.path)
         self._index = LmdbIndex(self.path, capacity, sync)
@@ -67,16 +91,16 @@ class SSDTier:
             # (tiers/ssd/image.py): its sections replace the scans of the index.
             self._image = None if legacy else self._read_image()
             alloc = self._alloc_from_image()
-            alloc_used = 0              # LMDB's used_bytes is there whenever blocks are
+            saved = self._index.saved_used
+            self._index.used_bytes = saved if saved is not None else 0
             if alloc is None:
                 self._image = None
-                extents, alloc_used = self._scan_extents()
+                extents, alloc_used, bad = self._scan_extents()
                 alloc = ExtentAllocator.from_extents(
                     max(self._payload.size, max((o + s for o, s in extents), default=0)),
                     ALIGN, extents)
+                self._settle_scan(bad, alloc_used)
             self._payload.alloc = alloc
-            saved = self._index.saved_used
-            self._index.used_bytes = saved if saved is not None else alloc_used
             if legacy:
                 migrate_legacy(self.path, self._index, self.put_many, self.sync)
         except BaseException:
@@ -159,8 +183,9 @@ class SSDTier:
             for off, ((k, n, m), csum) in zip(offsets, stored, strict=True):
                 old = txn.get(k, db=blocks)
                 if old is not None:
-                    old_off, old_len, _ = REC.unpack_from(old)
-                    replaced.append(old_off)
+                    old_off, old_len = self._charge(old)
+                    if old_off is not None:
+                        replaced.append(old_off)
                     delta -= old_len
                 txn.put(k, REC.pack(off, n, csum) + m, db=blocks)
                 delta += n
@@ -196,7 +221,7 @@ class SSDTier:
             raw = txn.get(k, db=self._index.blocks)
             if raw is None:
                 return None
-            off, length, checksum = REC.unpack_from(raw)
+            off, length, checksum = self._readable(k, raw)
             view = self._payload.read(off, length)
         if len(view) != length or xxhash.xxh3_64_intdigest(view) != checksum:
             raise DataLoss(f"SSD block {k.hex()} fails its checksum (torn or overwritten "
@@ -219,7 +244,10 @@ class SSDTier:
             for i, k in enumerate(keys):
                 raw = txn.get(k, db=self._index.blocks)
                 if raw is not None:
-                    recs.append((*REC.unpack_from(raw), i))
+                    try:
+                        recs.append((*self._readable(k, raw), i))
+                    except DataLoss as exc:
+                        out[i] = exc
             recs.sort()
             for got, run in self._payload.read_runs(recs):
                 first = run[0][0]
@@ -286,9 +314,10 @@ class SSDTier:
                 old = txn.get(k, db=blocks)
                 if old is None:
                     continue
-                off, length, _ = REC.unpack_from(old)
+                off, length = self._charge(old)
                 txn.delete(k, db=blocks)
-                gone.append(off)
+                if off is not None:
+                    gone.append(off)
                 delta -= length
                 found += 1
             freed = -delta
@@ -303,7 +332,55 @@ class SSDTier:
         return self.size_of(gkey) is not None
 
     def __len__(self) -> int:
-        return self._index.count()
+        """The block records stored, from memory: no LMDB transaction (tiers/ssd/index.py),
+        so Stats and metrics scrapes never wait for the disk."""
+        return self._index.entries
+
+    # -- checks of a record -------------------------------------------------------------------
+    def _bad_extent(self, off: int, length: int) -> str | None:
+        """Why a record's offset and length cannot name a stored value (module docstring), or
+        None. Cheap: no I/O, no lock."""
+        if off % ALIGN:
+            return f"offset {off} is not {ALIGN}-aligned"
+        if length > MAX_VALUE_BYTES:
+            return f"length {length} is more than any value ({MAX_VALUE_BYTES} bytes)"
+        end = off + extent_size(length)
+        if end > self._payload.size:
+            return (f"its extent ({length} bytes at {off}) ends past the payload file "
+                    f"({self._payload.size} bytes)")
+        return None
+
+    def _readable(self, k: bytes, raw: bytes) -> tuple[int, int, int]:
+        """(offset, length, checksum) of a record a read may follow; DataLoss (a miss) when it
+        cannot name a stored value, checked before a byte is read or a buffer sized for it."""
+        if len(raw) < REC.size:
+            why = f"a record of {len(raw)} bytes"
+        else:
+            off, length, checksum = REC.unpack_from(raw)
+            why = self._bad_extent(off, length)
+            if why is None and self.value_limit is not None:
+                try:
+                    limit = self.value_limit(k, memoryview(raw)[REC.size:])
+                except Exception:  # noqa: BLE001 - the bound is a check, not a reason to fail
+                    limit = None
+                if limit is not None and length > limit:
+                    why = f"length {length} is more than its block can take ({limit} bytes)"
+            if why is None:
+                return off, length, checksum
+        raise DataLoss(f"SSD block {k.hex()} has a damaged index record: {why}")
+
+    def _charge(self, raw: bytes) -> tuple[int | None, int]:
+        """What deleting or overwriting a record gives back: the extent to free (None: it names
+        none) and the bytes to take off used_bytes. A record whose extent cannot be takes
+        nothing off (its true length is unknown; the damaged one made used_bytes negative);
+        its offset, where it can name an extent, is still freed (a damaged length leaves it
+        right; one the allocator does not hold is skipped, PayloadFile._drain)."""
+        if len(raw) < REC.size:
+            return None, 0
+        off, length, _ = REC.unpack_from(raw)
+        if self._bad_extent(off, length) is None:
+            return off, length
+        return (off if off % ALIGN == 0 and off < self._payload.size else None), 0
 
     def scan_meta(self) -> Iterator[tuple[bytes, bytes, int]]:
         """(gkey, meta, value size) of every stored block, reading only the index.
@@ -319,24 +396,120 @@ class SSDTier:
         try:
             for batch in self._index.scan():
                 for k, raw in batch:
-                    yield k, raw[REC.size:], REC.unpack_from(raw)[1]
+                    if len(raw) >= REC.size and k not in self._dropped:
+                        yield k, raw[REC.size:], REC.unpack_from(raw)[1]
                 if bar is not None:
                     bar.update(len(batch))
         finally:
             if bar is not None:
                 bar.close()
 
-    def _scan_extents(self) -> tuple[list[tuple[int, int]], int]:
-        """Every stored extent and the bytes they hold, for rebuilding the allocator."""
+    def _scan_extents(self) -> tuple[list[tuple[int, int]], int, dict[bytes, str]]:
+        """Every stored extent and the bytes they hold, for rebuilding the allocator, and the
+        damaged records left out, with why (module docstring): a record too short, one whose
+        extent cannot be, and of extents that overlap, each whose payload fails its checksum
+        (then, of those that pass, all but the first)."""
         extents: list[tuple[int, int]] = []
         used = 0
-        unpack = REC.unpack_from
+        bad: dict[bytes, str] = {}
+        unpack, check = REC.unpack_from, self._bad_extent
         for batch in self._index.scan():
-            for _, raw in batch:
+            for k, raw in batch:
+                if len(raw) < REC.size:
+                    bad[k] = f"a record of {len(raw)} bytes"
+                    continue
                 off, length, _ = unpack(raw)
+                why = check(off, length)
+                if why is not None:
+                    bad[k] = why
+                    continue
                 extents.append((off, extent_size(length)))
                 used += length
-        return extents, used
+        extents.sort()
+        top = 0
+        for off, size in extents:
+            if off < top:
+                return self._untangle(bad)
+            top = off + size
+        return extents, used, bad
+
+    def _untangle(self, bad: dict[bytes, str]
+                  ) -> tuple[list[tuple[int, int]], int, dict[bytes, str]]:
+        """_scan_extents when two records claim the same bytes (a damaged length or offset):
+        a second scan with the keys, and each record of an overlapping group verified against
+        its payload. Rare, so the first scan keeps no keys."""
+        recs: list[tuple[int, int, int, int, bytes]] = []    # offset, extent, length, sum, key
+        for batch in self._index.scan():
+            for k, raw in batch:
+                if k not in bad:
+                    off, length, checksum = REC.unpack_from(raw)
+                    recs.append((off, extent_size(length), length, checksum, k))
+        recs.sort()
+        kept: list[tuple[int, int, int, int, bytes]] = []
+        group: list[tuple[int, int, int, int, bytes]] = []
+        end = -1
+        for rec in [*recs, None]:
+            if rec is not None and rec[0] < end:
+                group.append(rec)
+                end = max(end, rec[0] + rec[1])
+                continue
+            if len(group) > 1:
+                top = -1
+                for off, size, length, checksum, k in group:
+                    if not self._verifies(off, length, checksum):
+                        bad[k] = ("its extent overlaps another record's and its payload fails "
+                                  "its checksum")
+                    elif off < top:
+                        bad[k] = "its extent overlaps another record's"
+                    else:
+                        kept.append((off, size, length, checksum, k))
+                        top = off + size
+            else:
+                kept.extend(group)
+            if rec is not None:
+                group, end = [rec], rec[0] + rec[1]
+        self._payload.drop_read_buffer()
+        return [(r[0], r[1]) for r in kept], sum(r[2] for r in kept), bad
+
+    def _verifies(self, off: int, length: int, checksum: int) -> bool:
+        try:
+            view = self._payload.read(off, length)
+        except OSError:
+            return False
+        return len(view) == length and xxhash.xxh3_64_intdigest(view) == checksum
+
+    def _settle_scan(self, bad: dict[bytes, str], used: int) -> None:
+        """After a scan of the index: used_bytes is the sum over the records kept, and the
+        damaged ones are deleted from LMDB (one WARNING with their count). Should that write
+        fail, they stay left out of scan_meta, so nothing reads them."""
+        index = self._index
+        if index.saved_used is not None and index.saved_used != used and not bad:
+            log.info("SSD tier at %s: used bytes recounted from the index, %d (was %d)",
+                     self.path, used, index.saved_used)
+        if not bad and index.saved_used in (None, used):
+            index.used_bytes = used
+            return
+        keys = list(bad)
+        blocks = index.blocks
+
+        def drop(txn: lmdb.Transaction) -> int:
+            for k in keys:
+                txn.delete(k, db=blocks)
+            return used - index.used_bytes
+
+        try:
+            index.write(drop)
+        except Exception as exc:  # noqa: BLE001 - the next open drops them again
+            log.warning("SSD tier at %s: could not delete damaged index records: %s",
+                        self.path, exc)
+            self._dropped = set(keys)
+        index.used_bytes = used
+        if bad:
+            self.dropped_at_open = len(bad)
+            first = keys[0]
+            log.warning("SSD tier at %s: dropped %d damaged index record(s) at open, never "
+                        "served (e.g. block %s: %s)", self.path, len(bad), first.hex(),
+                        bad[first])
 
     # -- namespaces and state -----------------------------------------------------------------
     def put_namespace(self, ns_id: bytes, spec_json: bytes) -> None:
@@ -390,7 +563,9 @@ class SSDTier:
             self._payload.closed = True
             try:
                 self._payload.sync()
-                if image is not None:
+                if self.scan_next_open:
+                    remove_image(self.path)
+                elif image is not None:
                     self._write_image(image)
                 if not self._sync:
                     self._index.sync()
@@ -410,6 +585,10 @@ class SSDTier:
             alloc = ExtentAllocator.from_state(msgpack.unpackb(blob))
         except (InvalidArgument, ValueError, TypeError) as exc:
             log.warning("ignoring the SSD index image of %s: %s", self.path, exc)
+            return None
+        if alloc.capacity > self._payload.size:   # the file lost its tail since: scan
+            log.warning("ignoring the SSD index image of %s: it maps %d bytes of a %d-byte "
+                        "payload file", self.path, alloc.capacity, self._payload.size)
             return None
         if alloc.capacity < self._payload.size:
             alloc.grow(self._payload.size)
@@ -453,6 +632,8 @@ def _key(k: object) -> bytes:
 def _length(n: object) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < ADDRESS_LIMIT:
         raise InvalidArgument(f"SSD tier value length must be a byte count, got {n!r}")
+    if n > MAX_VALUE_BYTES:
+        raise InvalidArgument(f"SSD tier values are at most {MAX_VALUE_BYTES} bytes, got {n}")
     return n
 
 
