@@ -22,6 +22,7 @@ from typing import Any
 
 import blake3
 from kvstore_client.common.errors import (
+    DeadlineExceeded,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -478,10 +479,13 @@ class Store:
         with self.state.unlocked():
             time.sleep(0)
 
-    def evict(self, tier: str, nbytes: int = 0, only: set[bytes] | None = None
-              ) -> tuple[int, int]:
+    def evict(self, tier: str, nbytes: int = 0, only: set[bytes] | None = None,
+              deadline: float | None = None) -> tuple[int, int]:
         """Evict from `tier` until `nbytes` are freed (0: everything evictable); with `only`,
-        blocks of those namespaces alone (a tenant's Evict)."""
+        blocks of those namespaces alone (a tenant's Evict). `deadline` (time.monotonic()):
+        an Evict of all host blocks stops waiting for the demotions in flight then, and
+        answers what it freed (a disk slower than the writers would otherwise hold the call
+        for every round)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidArgument(f"bytes must be a non-negative integer, got {nbytes!r}")
         st = self.state
@@ -500,9 +504,12 @@ class Store:
             # would still be on host when it returns. Rounds are bounded under a steady writer.
             freed = blocks = 0
             for _ in range(EVICT_ALL_ROUNDS):
-                f, b = evict(None, only)
+                f, b = evict(None, only, deadline)
                 freed, blocks = freed + f, blocks + b
-                if not st.wait_demotions():
+                try:
+                    if not st.wait_demotions(deadline):
+                        break
+                except DeadlineExceeded:
                     break
             return freed, blocks
 

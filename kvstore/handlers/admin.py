@@ -59,8 +59,8 @@ class AdminCalls:
             raise InvalidArgument(f"tier {req.tier[:40]!r} is not one of {list(TIERS)}")
         scope = self.s.auth.scope()
         store = self.s.store
-        res = (store.evict(req.tier, int(req.bytes)) if scope is None
-               else store.evict(req.tier, int(req.bytes), only=scope))
+        deadline = time.monotonic() + self._flush_s     # (the call's own, as Flush's)
+        res = store.evict(req.tier, int(req.bytes), only=scope, deadline=deadline)
         freed, blocks = res if isinstance(res, tuple) else (res, 0)
         return pb.EvictResponse(freed_bytes=int(freed), blocks=int(blocks))
 

@@ -416,15 +416,18 @@ class HostRoom:
             self._flights, self._runs > 0)
 
     # -- eviction ---------------------------------------------------------------------------------
-    def evict(self, nbytes: int | None, only: set[bytes] | None = None) -> tuple[int, int]:
+    def evict(self, nbytes: int | None, only: set[bytes] | None = None,
+              deadline: float | None = None) -> tuple[int, int]:
         """Evict host blocks until `nbytes` are freed (None: all evictable), in batches; with
         `only`, blocks of those namespaces alone (a tenant's own Evict, its quota). Returns
-        (bytes freed, blocks freed). Locked; releases the lock for each batch's transfer."""
-        freed, blocks, _ = self._evict_batches(nbytes, only)
+        (bytes freed, blocks freed). Locked; releases the lock for each batch's transfer.
+        `deadline` (time.monotonic()): no batch starts past it (an Evict call: writers that
+        outrun the disk would keep it finding victims for good)."""
+        freed, blocks, _ = self._evict_batches(nbytes, only, deadline)
         return freed, blocks
 
-    def _evict_batches(self, nbytes: int | None, only: set[bytes] | None = None
-                       ) -> tuple[int, int, int]:
+    def _evict_batches(self, nbytes: int | None, only: set[bytes] | None = None,
+                       deadline: float | None = None) -> tuple[int, int, int]:
         """evict, also returning how many victims were picked (a victim a reader pinned while
         it was demoted keeps its host copy: picked, but not freed)."""
         st = self.state
@@ -443,6 +446,8 @@ class HostRoom:
         self._runs += 1
         try:
             while nbytes is None or planned < nbytes:
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
                 room = BATCH_BYTES if nbytes is None else min(BATCH_BYTES, nbytes - planned)
                 batch = pick_victims(st.policies["host"], can, index.get,
                                      lambda e: e.host is not None, BATCH_BLOCKS, room)
