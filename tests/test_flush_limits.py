@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client.errors import DeadlineExceeded
@@ -329,3 +330,30 @@ def test_namespace_registered_on_a_full_disk_keeps_its_flushed_blocks(
     finally:
         cleanup(d)
 
+
+
+@pytest.mark.tmpfs
+def test_an_eviction_writes_a_pending_namespace_record_before_its_blocks(
+        small_ssd_fs: Path, tmp_path: Path) -> None:
+    """Space came back but the record of a namespace registered on the full disk had not
+    landed yet (its retry runs every 0.5 s): an eviction then put the namespace's blocks on SSD
+    before their record, lost to a crash in that window. It now writes the record first."""
+    from kvstore.config import StoreConfig
+    from kvstore.store import Store
+    from tests.store_helpers import random_prompt
+    cfg = StoreConfig(data_dir=str(tmp_path / "run" / "data"))
+    cfg.host.capacity, cfg.ssd.capacity = 4 << 20, 256 << 20
+    store = Store(cfg)
+    try:
+        ballast = fill(small_ssd_fs)
+        ns = namespace(store)
+        assert ns in store.state.unpersisted
+        _, keys = random_prompt(np.random.default_rng(5), 8)
+        store.put(ns, keys, [kv_block(k) for k in keys])
+        ballast.unlink()
+        assert store.evict("host")[1] == 8          # well within the retry's 0.5 s
+        assert ns not in store.state.unpersisted    # the record went first
+        assert store.state.counters["ssd_unpersisted_namespace_blocks"] == 0
+        assert store.lookup(ns, keys).per_tier["ssd"] == 8
+    finally:
+        store.close()

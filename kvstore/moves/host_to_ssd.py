@@ -31,6 +31,7 @@ from kvstore_client.common.layout import KVLayout
 from kvstore_client.common.lazy import lazy_module
 
 from tiers import frame
+from tiers.ssd import DiskFull
 
 from ..encode_choice import EncodeChoice
 from ..index import Entry
@@ -178,6 +179,8 @@ class HostToSSD:
         (False: leave it out). Tenants' SSD quotas and SSD room are made first. Returns
         (i, written) for each block the quotas let through."""
         st = self.state
+        if st.unpersisted:
+            idx = self._persisted_only(entries, idx)
         _, idx = self.pools.fit_quota("ssd", [entries[i] for i in idx], idx, strict,
                                       self.ssd_room.evict)
         if not idx:
@@ -199,6 +202,31 @@ class HostToSSD:
         self.encode_choice.note_write(need, end - max(t, self._last_write_end))
         self._last_write_end = end
         return list(zip(idx, stored, strict=True))
+
+    def _persisted_only(self, entries: list[Entry], idx: list[int]) -> list[int]:
+        """`idx` without the blocks of namespaces whose record is not on SSD yet (registered
+        on a full disk, kvstore/namespaces.py): such a block on SSD would not be found again
+        after a restart. Their records are written first, here (locked; released for the
+        writes); the blocks of one that still does not land are left out (counted)."""
+        st = self.state
+        pending = {entries[i].ns_id for i in idx} & st.unpersisted.keys()
+        if not pending:
+            return idx
+        landed = []
+        with st.unlocked():
+            for ns_id in pending:
+                blob = st.unpersisted.get(ns_id)
+                try:
+                    if blob is not None:
+                        st.ssd.put_namespace(ns_id, blob)
+                    landed.append(ns_id)
+                except DiskFull:
+                    pass
+        for ns_id in landed:
+            st.unpersisted.pop(ns_id, None)
+        keep = [i for i in idx if entries[i].ns_id not in st.unpersisted]
+        st.counters["ssd_unpersisted_namespace_blocks"] += len(idx) - len(keep)
+        return keep
 
     def _probe_encode(self, block: np.ndarray, layout: KVLayout) -> None:
         """Time one lossless encode of (a copy of) a block on a worker thread, for
