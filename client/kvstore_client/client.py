@@ -522,7 +522,9 @@ class Client:
         return int(r.freed_bytes), int(r.blocks)
 
     def flush(self) -> int:
-        """Demote every host block to SSD; returns how many were written."""
+        """Demote every host block to SSD; returns how many were written. Past the daemon's
+        limits.request_deadline_s it raises DeadlineExceeded, saying how many it wrote (call
+        again for the rest); a second Flush of the same tenant at once is ResourceExhausted."""
         return int(self.call("Flush", pb.FlushRequest(), timeout=max(self.timeout, 60)).demoted)
 
     def close(self) -> None:
