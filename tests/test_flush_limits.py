@@ -13,7 +13,6 @@ sleeps first, as a write to a throttled device waits), so it needs no device or 
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 import threading
@@ -29,6 +28,7 @@ from kvstore_client.errors import DeadlineExceeded
 
 from tests.daemon import Daemon, cleanup, start_daemon
 from tests.store_helpers import kv_block, make_store, namespace
+from tests.test_disk_full import fill
 
 LAYOUT = pb.KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=16,
                      dtype="float16")
@@ -124,7 +124,7 @@ def timed_flush(d: Daemon, timeout: float) -> tuple[str, float, str]:
         return e.code().name, time.monotonic() - t0, e.details() or ""
 
 
-# -- F3: a Flush has a deadline, and a tenant one Flush at a time ---------------------------------
+# -- a Flush has a deadline, and a tenant one Flush at a time ---------------------------------
 def test_store_flush_ends_at_its_deadline_or_cancel_and_loses_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvstore.state import CallCancelled
@@ -256,24 +256,7 @@ def test_flush_ends_by_its_deadline_and_leaves_workers_to_other_calls(
     assert "Traceback" not in d.output()
 
 
-# -- F4: a namespace registered on a full disk is persisted once space comes back -----------------
-def fill(fs: Path) -> Path:
-    """Write a ballast file until the filesystem is full; returns it."""
-    ballast = fs / "ballast"
-    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        for size in (1 << 20, 4096):
-            chunk = b"\xff" * size
-            try:
-                while os.write(fd, chunk) == size:
-                    pass
-            except OSError as e:
-                assert e.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return ballast
-
-
+# -- a namespace registered on a full disk is persisted once space comes back -----------------
 @pytest.fixture
 def small_ssd_fs(tmp_path: Path) -> Iterator[Path]:
     """A 40 MiB tmpfs as the daemon's SSD folder (its data folder stays on the big disk)."""

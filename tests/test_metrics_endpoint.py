@@ -1,6 +1,6 @@
-"""The metrics endpoint under idle, slow and oversized connections (the audit of the operator
-surface, F2): it has no authentication, so every local user reaches it, and it must never
-hold more than a few of the daemon's threads and descriptors, nor any of them for long.
+"""The metrics endpoint under idle, slow and oversized connections: it has no authentication, so
+every local user reaches it, and it must never hold more than a few of the daemon's threads and
+descriptors, nor any of them for long.
 
 Also: what it answers is prometheus_client's own exposition, byte for byte.
 """

@@ -143,7 +143,7 @@ def serve(tmp_path: Path, short: Path, *args: str, env: dict[str, str] | None = 
     return kvstore(["serve", *base(tmp_path, short), *extra], env=env)
 
 
-# ------------------------------------------------------------------------- F6: memory limit
+# ------------------------------------------------------------------------- memory limit
 
 def _fake_cgroup(tmp_path: Path, mount_line: str, membership: str,
                  limits: dict[str, str]) -> tuple[str, str]:
@@ -327,8 +327,9 @@ def memory_cgroup() -> Iterator:
 
 @pytest.mark.memory_cgroup
 def test_pool_over_the_cgroup_limit_is_refused_in_one_line(tmp_path, short, memory_cgroup):
-    """The audit's case at a small scale: before, preflight passed, the daemon said SERVING
-    and the prefault of the pool was OOM-killed (exit -9, nothing naming host.capacity)."""
+    """A pool over the memory limit, at a small scale: before, preflight passed, the daemon
+    said SERVING and the prefault of the pool was OOM-killed (exit -9, nothing naming
+    host.capacity)."""
     args = base(tmp_path, short)
     args[args.index("--host-capacity") + 1] = "320MiB"
     r = kvstore(["serve", *args], prefix=memory_cgroup(256 * MiB))
@@ -340,7 +341,7 @@ def test_pool_over_the_cgroup_limit_is_refused_in_one_line(tmp_path, short, memo
     assert r.started and r.rc == 0, r
 
 
-# --------------------------------------------------------- F7: files that cannot be read
+# --------------------------------------------------------- files that cannot be read
 
 def test_config_file_that_cannot_be_read_is_one_line(tmp_path, short):
     folder = tmp_path / "conf.d"
@@ -386,7 +387,7 @@ def test_gpu_devices_of_the_wrong_type_is_one_line(tmp_path, short):
     assert_one_line(r, "gpu.devices")
 
 
-# ------------------------------------------------------------- F8: KVSTORE_* variables
+# ------------------------------------------------------------- KVSTORE_* variables
 
 def test_documented_variables_are_not_settings(tmp_path):
     args = make_parser().parse_args(["serve", "--data-dir", str(tmp_path)])
@@ -421,7 +422,7 @@ def test_unknown_variable_is_named_without_its_value(tmp_path, short):
         assert "12345678" not in str(ei.value) and "hunter2" not in str(ei.value), ei.value
 
 
-# ---------------------------------------------- F9 (+ F8, F14): status, metrics warning
+# ---------------------------------------------- status, metrics warning
 
 @pytest.fixture(scope="module")
 def tenants_daemon(tmp_path_factory) -> Iterator[tuple]:
@@ -460,7 +461,7 @@ def test_metrics_beyond_loopback_is_warned_about(tenants_daemon):
                      r"loopback with no authentication", d.output()), d.output()
 
 
-# ----------------------------------------------------- F10: types and never-ending leases
+# ----------------------------------------------------- types and never-ending leases
 
 @pytest.mark.parametrize("toml, words", [
     ("[server]\nworkers = true\n", ["server.workers", "expected an integer"]),
@@ -512,7 +513,7 @@ def test_client_lease_ttl_inf_or_nan_is_refused():
             table.ttl(bad)
 
 
-# --------------------------------------------------------------- F11: [remote] settings
+# --------------------------------------------------------------- [remote] settings
 
 @pytest.mark.parametrize("key, value", [("policy", "'bogus'"), ("high_watermark", "0.01"),
                                         ("low_watermark", "0.01")])
@@ -523,7 +524,7 @@ def test_remote_has_no_policy_or_watermarks(tmp_path, short, key, value):
     assert not re.search(rf"^{key}\s*=", default, re.M)
 
 
-# ----------------------------------------------------------------- F12: README metrics
+# ----------------------------------------------------------------- README metrics
 
 def test_readme_says_which_rpc_series_exist_from_the_first_scrape():
     from kvstore.metrics import RPC_CODES
@@ -538,7 +539,7 @@ def test_readme_says_which_rpc_series_exist_from_the_first_scrape():
     assert {"UNAUTHENTICATED", "PERMISSION_DENIED", "OUT_OF_RANGE"} <= set(RPC_CODES)
 
 
-# ------------------------------------------------------ F13: refusals from the store open
+# ------------------------------------------------------ refusals from the store open
 
 @pytest.mark.parametrize("setting, words", [
     ("host.policy=bogus", ["host.policy", "'bogus'", "arc"]),
@@ -561,7 +562,7 @@ def test_policy_names_match_the_policies():
     assert set(config.POLICIES) == set(_POLICIES)
 
 
-# ------------------------------------------------------------ F14: metrics exposure
+# ------------------------------------------------------------ metrics exposure
 
 def test_metrics_exposure_warning():
     from kvstore.cli import metrics_exposure

@@ -1,7 +1,6 @@
 """The daemon's start and stop against what an operator's mistakes and crashes leave: a second
 daemon on a live daemon's socket or shm name, a data folder other users could read, a
-truncated LMDB file, a slab left by a daemon killed with its children (the audit of the
-operator surface, F1, F3, F4, F5, F15).
+truncated LMDB file, a slab left by a daemon killed with its children.
 
 Every daemon here is a real `kvstore serve` process (tests/daemon.py); every shm segment a test
 names is removed at its end.
@@ -92,7 +91,7 @@ def _kill_with_children(d: Daemon) -> None:
     d.kill()
 
 
-# -- F1 --------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------
 def test_refused_start_on_a_live_socket_leaves_it_alone(tmp_path, short_dir):
     """A second `kvstore serve` given a live daemon's --socket is refused, and its way out
     removes nothing it did not make: the first daemon's socket stays, new clients connect."""
@@ -114,7 +113,7 @@ def test_refused_start_on_a_live_socket_leaves_it_alone(tmp_path, short_dir):
         cleanup(a)
 
 
-# -- F3 --------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------
 def _open_to_others(folder: Path) -> list[str]:
     """Entries under `folder` (itself included) with any right for group or other users,
     sockets aside."""
@@ -173,7 +172,7 @@ def test_with_tenants_a_socket_in_the_data_folder_stays_reachable(short_dir):
         cleanup(d)
 
 
-# -- F4, F15 ---------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 def test_a_live_daemons_shm_name_is_refused(tmp_path, shm_name):
     """Two daemons given one host.shm_name: the second is refused with one line naming the
     key, and the first keeps its slab (same inode) and its engines their blocks."""
@@ -242,7 +241,7 @@ def test_a_slab_left_by_a_daemon_killed_with_its_children_is_reclaimed(tmp_path,
         cleanup(a)
 
 
-# -- F5 --------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------
 def _truncate_lmdb(data_dir: Path, size: int = 8192) -> Path:
     p = data_dir / "ssd" / "index" / "data.mdb"
     assert p.stat().st_size > size

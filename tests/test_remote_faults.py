@@ -1,17 +1,17 @@
 """Remote tier against hostile or broken Redis contents and settings (real redis-server, no mocks).
 
-What is pinned here, each from a finding of the remote tier's audit:
+What is pinned here:
 - a value longer than the caller's bound is never read whole: at most bound + 1 bytes cross the
   wire, it is a counted `corrupt`/`oversize` miss and it is deleted, also when the caller
-  stopped waiting before the answer came (F5);
+  stopped waiting before the answer came;
 - a read's deadline grows with the bytes the caller expects, and a bulk read that comes late
-  does not mark an answering node down for every caller; a hung one still goes down (F7);
+  does not mark an answering node down for every caller; a hung one still goes down;
 - a node going down logs one WARNING naming the cause, never the password, and one INFO when
-  it answers again; a node that keeps failing the same way does not repeat it (F9);
+  it answers again; a node that keeps failing the same way does not repeat it;
 - a URL redis-py cannot use is refused when the tier is built, standalone or cluster, naming
-  `remote.urls` and the URL with its password masked; the daemon says so in one line (F10);
+  `remote.urls` and the URL with its password masked; the daemon says so in one line;
 - a non-string value (WRONGTYPE) or an empty one under a block key is a counted `corrupt` miss
-  and is deleted; a missing key is a plain miss (F11).
+  and is deleted; a missing key is a plain miss.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def net_out(r: redis.Redis) -> int:
     return int(r.info("stats")["total_net_output_bytes"])
 
 
-# ---------------------------------------------------------------------------------- F5
+# ----------------------------------------------------------------------------------
 
 
 def test_value_over_the_bound_is_read_bounded_counted_and_deleted(redis_server):
@@ -131,7 +131,7 @@ def test_oversize_value_is_deleted_even_when_the_caller_gave_up(redis_server):
         assert t.stats["up"] and t.stats["timeouts"] == 1
 
 
-# ---------------------------------------------------------------------------------- F7
+# ----------------------------------------------------------------------------------
 
 
 def test_read_deadline_follows_the_expected_bytes(redis_server, monkeypatch):
@@ -185,7 +185,7 @@ def test_late_bulk_read_marks_down_only_a_node_that_stops_answering(redis_server
         assert wait_until(lambda: t.get_many(keys) == vals)
 
 
-# ---------------------------------------------------------------------------------- F9
+# ----------------------------------------------------------------------------------
 
 
 def test_node_down_is_logged_once_with_its_cause_and_no_password(tmp_path, caplog):
@@ -239,7 +239,7 @@ def test_error_texts_never_carry_the_password():
     assert PASSWORD not in mask_url(f"nonsense:{PASSWORD}@h")
 
 
-# ---------------------------------------------------------------------------------- F10
+# ----------------------------------------------------------------------------------
 
 BAD_URLS = [f"redis://:{PASSWORD}@127.0.0.1:notaport", f"http://:{PASSWORD}@127.0.0.1:6379",
             "redis://127.0.0.1:99999"]
@@ -283,7 +283,7 @@ def test_daemon_refuses_an_unusable_url_in_one_line(tmp_path, cluster):
     assert named[0].startswith("kvstore: ") and "redis://:***@127.0.0.1:notaport" in named[0]
 
 
-# ---------------------------------------------------------------------------------- F11
+# ----------------------------------------------------------------------------------
 
 
 def test_non_string_or_empty_value_is_a_counted_corrupt_miss_and_deleted(redis_server):

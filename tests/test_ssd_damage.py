@@ -29,28 +29,17 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import pytest
-from kvstore_client import KVLayout, connect
+from kvstore_client import connect
 from kvstore_client.errors import DataLoss
 
 from kvstore.metrics import StoreCollector
 from tests.daemon import DaemonError, cleanup, start_daemon
 from tests.store_helpers import SMALL, kv_block, make_store, namespace, random_prompt
+from tests.test_crash import LAYOUT, prompt_kv
 from tiers.ssd import SSDTier
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="float16")
 REC = struct.Struct("<QQQ")         # an SSD record: offset, value length, checksum; then meta
 MIB = 1 << 20
-
-
-def prompt_kv(keys: list[bytes]) -> np.ndarray:
-    """[L, 2, n*T, H, D] fp16 whose block i is a pure function of keys[i]."""
-    parts = []
-    for k in keys:
-        rng = np.random.default_rng(int.from_bytes(k[:8], "little"))
-        shape = (LAYOUT.num_layers, 2, LAYOUT.block_tokens, LAYOUT.num_kv_heads,
-                 LAYOUT.head_dim)
-        parts.append(rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).view(np.float16))
-    return np.concatenate(parts, axis=2)
 
 
 def served(ns, keys: list[bytes]) -> int:
