@@ -32,6 +32,7 @@ from kvstore_client.common.errors import InvalidArgument, KVStoreError, Unavaila
 
 from . import gate, refusal
 from .auth import OPEN, Auth
+from .handlers import client_call
 from .handlers.admin import AdminCalls
 from .handlers.leases import LeaseCalls
 from .handlers.namespaces import NamespaceCalls
@@ -122,7 +123,8 @@ class KVStoreServicer:
             try:
                 self._enter()
                 entered = True
-                resp = fn(requests if stream else _one(requests, method))
+                with client_call.serving(context):
+                    resp = fn(requests if stream else _one(requests, method))
             except Exception as exc:
                 code, msg = self._failure(method, exc)
                 self._done(method, code, t0, entered)

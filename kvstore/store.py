@@ -40,7 +40,7 @@ from .lookup import LookupResult, Queries
 from .moves import Moves
 from .namespaces import Registry
 from .opening import close_tiers, open_tiers
-from .state import NamespaceInfo, StoreState
+from .state import CallCancelled, NamespaceInfo, StoreState
 from .store_stats import stats
 from .upkeep import Upkeep
 from .validate import (
@@ -480,12 +480,13 @@ class Store:
             time.sleep(0)
 
     def evict(self, tier: str, nbytes: int = 0, only: set[bytes] | None = None,
-              deadline: float | None = None) -> tuple[int, int]:
+              deadline: float | None = None, cancelled: Callable[[], bool] | None = None
+              ) -> tuple[int, int]:
         """Evict from `tier` until `nbytes` are freed (0: everything evictable); with `only`,
         blocks of those namespaces alone (a tenant's Evict). `deadline` (time.monotonic()):
         an Evict of all host blocks stops waiting for the demotions in flight then, and
         answers what it freed (a disk slower than the writers would otherwise hold the call
-        for every round)."""
+        for every round); `cancelled()` true (the client went away): it stops likewise."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidArgument(f"bytes must be a non-negative integer, got {nbytes!r}")
         st = self.state
@@ -507,9 +508,9 @@ class Store:
                 f, b = evict(None, only, deadline)
                 freed, blocks = freed + f, blocks + b
                 try:
-                    if not st.wait_demotions(deadline):
+                    if not st.wait_demotions(deadline, cancelled):
                         break
-                except DeadlineExceeded:
+                except (DeadlineExceeded, CallCancelled):
                     break
             return freed, blocks
 

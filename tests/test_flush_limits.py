@@ -153,8 +153,8 @@ def test_store_flush_ends_at_its_deadline_or_cancel_and_loses_nothing(
         assert all(bytes(v) == kv_block(k) for k, v in got)
 
 
-@pytest.fixture
-def slow_disk_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon]:
+def start_slow_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      deadline_s: float = DEADLINE_S, host: str = "24MiB") -> Daemon:
     plain = Daemon.argv
 
     def argv(self: Daemon) -> list[str]:
@@ -162,9 +162,14 @@ def slow_disk_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
         assert args[1:3] == ["-m", "kvstore"], args
         return [args[0], "-c", SLOW_DAEMON, *args[3:]]
     monkeypatch.setattr(Daemon, "argv", argv)
-    d = start_daemon(tmp_path, {"host.capacity": "24MiB", "server.workers": "8",
-                                "limits.request_deadline_s": str(DEADLINE_S),
-                                "server.stop_flush_s": "1"})
+    return start_daemon(tmp_path, {"host.capacity": host, "server.workers": "8",
+                                   "limits.request_deadline_s": str(deadline_s),
+                                   "server.stop_flush_s": "1"})
+
+
+@pytest.fixture
+def slow_disk_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon]:
+    d = start_slow_daemon(tmp_path, monkeypatch)
     try:
         yield d
     finally:
@@ -254,6 +259,58 @@ def test_flush_ends_by_its_deadline_and_leaves_workers_to_other_calls(
         pytest.fail("ten Flushes on an idle daemon did not get the host blocks down")
     ch.close()
     assert "Traceback" not in d.output()
+
+
+def test_a_flush_ends_with_its_client_not_at_the_daemons_deadline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that gives up (its own shorter deadline) or goes away (cancels) ends its
+    Flush: the tenant's next Flush is let in at once, not refused as "already running" until
+    the daemon's own deadline (8 s here) ends the abandoned one."""
+    own_deadline_s = 8.0
+    d = start_slow_daemon(tmp_path, monkeypatch, deadline_s=own_deadline_s, host="96MiB")
+    try:
+        ch = d.channel()
+        ns = register(ch, "flush-client-gone")
+        for keys in chains(384):            # 1536 host-only blocks: 24 batches, 9.6 s at least
+            put(ch, ns, keys)
+        ch.close()
+
+        def let_in_after(start_flush) -> tuple[float, list[str]]:
+            """Seconds from starting a Flush that is then abandoned until a new Flush is let
+            in (anything but RESOURCE_EXHAUSTED), and the codes met on the way."""
+            t0 = time.monotonic()
+            start_flush()
+            codes: list[str] = []
+            while time.monotonic() - t0 < own_deadline_s + 4:
+                code, _, details = timed_flush(d, timeout=0.3)
+                codes.append(code)
+                if code != "RESOURCE_EXHAUSTED":
+                    return time.monotonic() - t0, codes
+                assert "already running" in details, details
+                time.sleep(0.05)
+            return time.monotonic() - t0, codes
+
+        # Its client's deadline (0.3 s) is far shorter than the daemon's.
+        took, codes = let_in_after(lambda: timed_flush(d, timeout=0.3))
+        assert took < own_deadline_s / 2, (took, codes)
+
+        # Its client cancels it, having set no deadline at all (after the Flush let in above,
+        # whose client gave up after 0.3 s too, has ended its batch in flight).
+        time.sleep(1.0)
+        with d.channel() as cch:
+            call = cch.unary_unary("/kvstore.v1.KVStore/Flush",
+                                   request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=pb.FlushResponse.FromString)
+
+            def start_and_cancel() -> None:
+                fut = call.future(pb.FlushRequest())
+                time.sleep(0.3)
+                assert fut.cancel()
+            took, codes = let_in_after(start_and_cancel)
+        assert took < own_deadline_s / 2, (took, codes)
+        assert "Traceback" not in d.output()
+    finally:
+        cleanup(d)
 
 
 # -- a namespace registered on a full disk is persisted once space comes back -----------------

@@ -146,6 +146,25 @@ def test_a_tenants_flood_evicts_only_its_own_gpu_blocks(daemon) -> None:
         assert all(0 <= s.offset < 8 * BB for s in lease_b.slots)
 
 
+def test_a_tenants_flush_writes_only_its_own_device_only_blocks(daemon) -> None:
+    """A Flush writes the blocks only a device holds down to SSD: a tenant's, only its own
+    (another's would cost its disk share and its call's time, and say what it holds)."""
+    with connect(daemon.address, token=TOKENS["a"]) as a, \
+            connect(daemon.address, token=TOKENS["b"]) as b:
+        na = a.namespace(LAYOUT, model="flush-scope")
+        nb = b.namespace(LAYOUT, model="flush-scope")
+        ka, kb = keys_for(na, 11, 4), keys_for(nb, 12, 4)
+        assert DeviceKV(na, cache(4, seed=11)).store_keys(ka, list(range(4))) == 4
+        assert DeviceKV(nb, cache(4, seed=12)).store_keys(kb, list(range(4))) == 4
+        assert na.lookup_result(ka).per_tier.get("ssd", 0) == 0
+        assert nb.lookup_result(kb).per_tier.get("ssd", 0) == 0
+        assert b.flush() >= 4              # (with B's blocks of the tests before)
+        assert nb.lookup_result(kb).per_tier["ssd"] == 4
+        assert na.lookup_result(ka).per_tier.get("ssd", 0) == 0, "B's Flush wrote A's blocks"
+        assert a.flush() >= 4
+        assert na.lookup_result(ka).per_tier["ssd"] == 4
+
+
 def test_a_full_gpu_quota_names_the_tenant(daemon) -> None:
     with connect(daemon.address, token=TOKENS["b"]) as b:
         nb = b.namespace(LAYOUT, model="full")

@@ -7,20 +7,22 @@ flush another's blocks; without tenants the scope is everything.
 
 Why a Flush has a deadline and a tenant one Flush at a time: when writes outrun the disk a
 Flush can take long, and it holds a gRPC worker all that while. It ends at
-`limits.request_deadline_s` of its start (DEADLINE_EXCEEDED, having written what it could),
-and a tenant's second Flush while one runs is refused at once (RESOURCE_EXHAUSTED): Flushes a
-client gave up on tied up every worker, and the daemon's other calls then waited for one.
+`limits.request_deadline_s` of its start or at the client's own deadline, whichever comes
+first (DEADLINE_EXCEEDED, having written what it could), and as soon as the client goes away
+(client_call.py). A tenant's second Flush while one runs is refused at once
+(RESOURCE_EXHAUSTED): Flushes a client gave up on tied up every worker, and the daemon's other
+calls then waited for one.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client.common.errors import InvalidArgument, ResourceExhausted
 
 from ..scoped import scoped_stats
+from . import client_call
 from .replies import stats_to_proto
 from .state import CallState
 from .validate import TIERS, check_keys, check_ns, parse_request
@@ -59,8 +61,9 @@ class AdminCalls:
             raise InvalidArgument(f"tier {req.tier[:40]!r} is not one of {list(TIERS)}")
         scope = self.s.auth.scope()
         store = self.s.store
-        deadline = time.monotonic() + self._flush_s     # (the call's own, as Flush's)
-        res = store.evict(req.tier, int(req.bytes), only=scope, deadline=deadline)
+        deadline, cancelled = client_call.bounds(self._flush_s)   # (as Flush's)
+        res = store.evict(req.tier, int(req.bytes), only=scope, deadline=deadline,
+                          cancelled=cancelled)
         freed, blocks = res if isinstance(res, tuple) else (res, 0)
         return pb.EvictResponse(freed_bytes=int(freed), blocks=int(blocks))
 
@@ -76,8 +79,8 @@ class AdminCalls:
                     "running; one at a time: retry when it ends")
             self._flushing.add(who)
         try:
-            deadline = time.monotonic() + self._flush_s
-            done = self.s.store.flush(only=scope, deadline=deadline)
+            deadline, cancelled = client_call.bounds(self._flush_s)
+            done = self.s.store.flush(only=scope, deadline=deadline, cancelled=cancelled)
         finally:
             with self._flushing_lock:
                 self._flushing.discard(who)

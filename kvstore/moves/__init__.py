@@ -143,7 +143,7 @@ class Moves:
                     check()
                     raise
         if finished and self.gpu_to_ssd is not None:
-            done += self.gpu_to_ssd.flush()
+            done += self.gpu_to_ssd.flush(only, deadline, cancelled, written=done)
         snapshot = st.policies["ssd"].snapshot()
         with st.unlocked():
             st.ssd.put_state("policy.ssd", snapshot)

@@ -16,6 +16,8 @@ without it, indexed as SSD copies under it again.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvstore_client.common.lazy import lazy_module
@@ -43,20 +45,36 @@ class GpuToSSD:
         self.to_ssd = to_ssd
         self.encoder = encoder
 
-    def flush(self) -> int:
-        """Write every gpu-only block to SSD (locked; released for each batch's transfer);
-        returns the blocks it tried."""
+    def flush(self, only: set[bytes] | None = None, deadline: float | None = None,
+              cancelled: Callable[[], bool] | None = None, written: int = 0) -> int:
+        """Write every gpu-only block (of the namespaces `only` names) to SSD (locked; released
+        for each batch's transfer); returns the blocks written. `deadline` (time.monotonic())
+        and `cancelled()`: as Moves.flush, checked before each batch (`written`: the blocks
+        the flush wrote before this, for the message)."""
+        from kvstore_client.common.errors import DeadlineExceeded
+
+        from ..state import CallCancelled
+
         st = self.state
         todo = [e for e in st.index.hot_entries()
-                if e.gpu is not None and e.host is None and not e.ssd and e.moving is None]
+                if e.gpu is not None and e.host is None and not e.ssd and e.moving is None
+                and (only is None or e.ns_id in only)]
+        done = 0
         for dev in st.gpu:
             mine = [e for e in todo if e.gpu_dev == dev]
             for i in range(0, len(mine), FLUSH_BATCH):
+                gone = cancelled is not None and cancelled()
+                if gone or (deadline is not None and time.monotonic() >= deadline):
+                    why = "the client went away" if gone else "it passed its deadline"
+                    raise (CallCancelled if gone else DeadlineExceeded)(
+                        f"Flush ended writing device-only blocks: {why}; {written + done} "
+                        "blocks were written to SSD (not yet synced); call Flush again for "
+                        "the rest")
                 batch = [e for e in mine[i:i + FLUSH_BATCH]
                          if e.gpu is not None and e.moving is None and not e.ssd]
                 if batch:
-                    self.demote(dev, batch)
-        return len(todo)
+                    done += self.demote(dev, batch)
+        return done
 
     def demote(self, dev: int, batch: list[Entry]) -> int:
         """Copy, verify, encode and write one batch of a device's blocks to SSD (locked on
