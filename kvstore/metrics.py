@@ -253,8 +253,7 @@ class StoreCollector(Collector):
                                      labels=["event"])
         for key, value in sorted(remote.items()):
             v = _number(value)
-            if v is not None and key not in ("up", "capacity", "used_bytes",
-                                             "round_trips_per_call"):
+            if v is not None and key not in ("up", "capacity", "round_trips_per_call"):
                 events.add_metric([metric_name(key)], v)
         yield events
         lat = remote.get("latency") or {}

@@ -120,7 +120,5 @@ class NetworkTier(KeyedTier, Protocol):
     def exists_many(self, gkeys: Sequence[bytes], deadline_s: float | None = None
                     ) -> list[bool]: ...
 
-    def has_room(self, nbytes: int) -> bool: ...
-
 
 __all__ = ["DeviceSlotTier", "DiskTier", "Item", "KeyedTier", "NetworkTier", "SlotTier"]

@@ -22,8 +22,8 @@ Why it looks the way it does:
 * **Verified values.** Values are `tiers.frame` frames (header + xxh3 checksum, the same bytes the
   SSD tier stores); a value that fails its check is a counted `corrupt` miss, never returned.
 * **Capacity belongs to Redis.** Redis' maxmemory policy may drop any key at any time (see
-  docs/remote.md); a vanished key is an ordinary miss. The tier counts the bytes it wrote so the
-  store can stop demoting past `capacity`.
+  docs/remote.md); a vanished key is an ordinary miss. The store bounds what it demotes by
+  `capacity` from its own index (the raw bytes of the blocks it holds as remote).
 
 redis-py is a hard dependency (imported here, not lazily); `kvstore` is never imported: the
 config is duck-typed (any object with RemoteConfig's attribute names).

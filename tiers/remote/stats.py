@@ -1,9 +1,9 @@
 """What the remote tier counts: calls, hits, bytes, failures, and each operation's latency.
 
 Why its own object: counters are bumped from the caller's thread and from the pool threads
-that run node batches and probes, so they share one lock, and the bytes this process wrote and
-has not seen go (`used_bytes`) are derived from them: the only view of Redis' usage the tier
-has, since Redis' own eviction is seen only when a key is found missing.
+that run node batches and probes, so they share one lock. The bytes this process wrote and has
+not deleted (`used_bytes`) are derived from them: an upper bound, since Redis' own eviction is
+seen only when the store finds a key missing (its index keeps the true figure).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 LATENCY_SAMPLES = 2048          # recent samples kept per operation, for histograms/percentiles
 OPS = ("exists", "get", "put", "delete")
 COUNTERS = ("calls", "round_trips", "hits", "misses", "lookup_hits", "lookup_misses",
-            "bytes_read", "bytes_written", "bytes_deleted", "bytes_vanished", "keys_written",
+            "bytes_read", "bytes_written", "bytes_deleted", "keys_written",
             "keys_deleted", "errors", "timeouts", "corrupt", "oversize", "wrong_type",
             "skipped_down", "moved", "probes", "reconnects", "slow")
 
@@ -56,9 +56,9 @@ class RemoteStats:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes written and not seen deleted or vanish (an upper bound, module docstring)."""
+        """Bytes written and not deleted (an upper bound, module docstring)."""
         c = self.counters
-        return max(0, c["bytes_written"] - c["bytes_deleted"] - c["bytes_vanished"])
+        return max(0, c["bytes_written"] - c["bytes_deleted"])
 
     def latency_summary(self) -> dict[str, dict[str, float]]:
         return {op: {"count": o.count, "sum_s": o.sum_s, "max_s": o.max_s}

@@ -472,18 +472,12 @@ class RemoteTier:
                             sum(s for s, r in zip(sizes, res, strict=True) if r))
         return n
 
-    def forget(self, nbytes: int) -> None:
-        """The caller found keys it wrote gone (Redis evicted them): stop counting their bytes."""
-        self._stats.add("bytes_vanished", int(nbytes))
-
     @property
     def used_bytes(self) -> int:
-        """Bytes this process wrote and has not seen deleted or vanish (an upper bound: Redis'
-        own eviction is only seen when a key is found missing, see `forget`)."""
+        """Bytes this process wrote and has not deleted: an upper bound of what it holds in
+        Redis, whose own eviction it does not see. The daemon's capacity bound and Stats use
+        the index's running total of the blocks it holds as remote instead (docs/remote.md)."""
         return self._stats.used_bytes
-
-    def has_room(self, nbytes: int) -> bool:
-        return self.capacity <= 0 or self.used_bytes + nbytes <= self.capacity
 
     @property
     def up(self) -> bool:
@@ -493,7 +487,6 @@ class RemoteTier:
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = dict(self._stats.counters)
         s["up"] = self.up
-        s["used_bytes"] = self.used_bytes
         s["capacity"] = self.capacity
         now = time.monotonic()
         nodes = self._nodes
