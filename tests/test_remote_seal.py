@@ -136,3 +136,54 @@ def test_a_delete_redis_did_not_answer_is_sent_again(tmp_path, redis_server):
         s.put(ns, more, [kv_block(k) for k in more])
         _until(lambda: r.dbsize() == 2)
         assert s.stats()["counters"]["remote_deletes_waiting"] == 0
+
+
+def test_waiting_deletes_are_kept_across_a_restart_and_sent_without_traffic(
+        tmp_path, redis_server):
+    """A restart used to forget the deletes Redis had not answered, so the blocks came back
+    with the next start; and they were sent again only with a later delete or write."""
+    import msgpack
+
+    from kvstore.moves.remote_deletes import FILE_NAME, RETRY_S
+    _, keys = random_prompt(np.random.default_rng(5), 4)
+    r = redis.Redis.from_url(redis_server.url)
+    kept = tmp_path / "a" / FILE_NAME
+    with remote_store(tmp_path / "a", redis_server.url, write_through=True,
+                      deadline_ms=200) as s:
+        ns = namespace(s)
+        s.put(ns, keys, [kv_block(k) for k in keys])
+        s.evict("host")
+        r.save()
+        redis_server.kill()                                  # down; back later from its RDB
+        assert s.delete(ns, keys) == 4
+        # written while the daemon runs (a crash loses at most RETRY_S of changes)
+        _until(lambda: kept.exists(), timeout=RETRY_S + 5)
+        assert sorted(msgpack.unpackb(kept.read_bytes())) == sorted(ns + k for k in keys)
+    redis_server.start()
+    assert r.dbsize() == 4                                   # back, with the blocks
+    with remote_store(tmp_path / "a", redis_server.url, write_through=True,
+                      deadline_ms=200) as s:
+        assert s.stats()["counters"]["remote_deletes_waiting"] == 4
+        assert namespace(s) == ns
+        _until(lambda: s.remote.up)
+        assert s.lookup(ns, keys).prefix_blocks == 0       # absent meanwhile
+        assert s.get(ns, keys) == []
+        _until(lambda: r.dbsize() == 0, timeout=RETRY_S + 5)    # sent with no traffic at all
+        assert s.stats()["counters"]["remote_deletes_waiting"] == 0
+        _until(lambda: not kept.exists(), timeout=RETRY_S + 5)
+
+
+def test_a_damaged_file_of_waiting_deletes_is_removed(tmp_path, redis_server):
+    from kvstore.moves.remote_deletes import FILE_NAME
+    (tmp_path / "a").mkdir()
+    kept = tmp_path / "a" / FILE_NAME
+    for junk in (b"\xc1junk", msgpack_of([1, 2]), os.urandom(64)):
+        kept.write_bytes(junk)
+        with remote_store(tmp_path / "a", redis_server.url) as s:
+            assert not kept.exists()
+            assert s.stats()["counters"].get("remote_deletes_waiting", 0) == 0
+
+
+def msgpack_of(obj) -> bytes:
+    import msgpack
+    return msgpack.packb(obj)

@@ -208,6 +208,8 @@ class Moves:
 
     def start_background(self) -> None:
         self.host_room.start_background()
+        if self.host_remote is not None:
+            self.host_remote.pending.start()
 
     def close(self) -> None:
         """Stop the demoter and the worker pools (after the store has let every call settle;

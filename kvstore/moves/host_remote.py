@@ -35,10 +35,10 @@ from ..pools import TenantPools
 from ..state import StoreState
 from .common import GONE, Flight, corrupt_host_copy
 from .encoding import Encoder
+from .remote_deletes import PendingDeletes
 
 EncodedCopies = list[tuple[Entry, int]]      # (block, encoded bytes) that landed
 CODEC_SLACK_BYTES = 4096  # a codec payload's headers and a frame's, beyond its share of the block
-UNDELETED_MAX = 65536    # remote deletes kept to send again (delete)
 EXISTS_FIRST = 32        # keys of the first existence check past the local prefix (extend)
 
 
@@ -47,8 +47,8 @@ class HostRemote:
         self.state = state
         self.pools = pools
         self.encoder = encoder
-        # Keys whose remote delete Redis did not answer, oldest first (delete).
-        self._undeleted: dict[bytes, None] = {}
+        # Keys whose remote delete Redis did not answer (remote_deletes.py).
+        self.pending = PendingDeletes(state, lambda: self.delete([]))
 
     # -- down -----------------------------------------------------------------------------------
     def demote(self, entries: list[Entry]) -> None:
@@ -97,7 +97,11 @@ class HostRemote:
                                           [v for _, v in items], strict=False)
         if not kept:
             return [], corrupt
-        retry = [g for g in self._undeleted if g not in {e.gkey for e in kept}][:4096]
+        if self.pending:
+            fresh = {e.gkey for e in kept}
+            retry = [g for g in self.pending.keys() if g not in fresh][:4096]
+        else:
+            retry = []
         failed: list[bytes] = []
         with st.unlocked():
             written = remote.put_many([(e.gkey, v, e.checksum)
@@ -105,7 +109,7 @@ class HostRemote:
             if retry and written:
                 remote.delete_many(retry, failed=failed)
         if retry and written:
-            self._settle_deletes(retry, failed)
+            self.pending.settle(retry, failed)
         if written < sum(len(v) + SEAL_BYTES for v in vals):
             st.counters["remote_demotion_failures"] += 1
             return [], corrupt      # Redis down or full: the blocks stay local
@@ -132,7 +136,7 @@ class HostRemote:
         """Phase 3 (locked): the copies that landed are indexed as remote."""
         st = self.state
         for e, nbytes in written:
-            self._undeleted.pop(e.gkey, None)      # a new copy, written after the delete
+            self.pending.written(e.gkey)           # a new copy, written after the delete
             st.index.set_remote(e)
             st.counters["bytes_to_remote"] += nbytes
         st.tier_counters["remote"]["demotions_in"] += len(written)
@@ -141,36 +145,23 @@ class HostRemote:
         """Delete remote copies the index no longer names (locked; the round trip runs
         without the lock).
 
-        Why deletes Redis did not answer are kept and sent again: a Delete while Redis was
-        down answered "deleted", and once Redis was back (a restart from its snapshot, a
-        failover) Lookup found the blocks again and Get served them. Until a later delete
-        reaches Redis (each delete, and each write that lands, sends the waiting ones too),
-        an existence check reads them as absent. At most UNDELETED_MAX are kept (the oldest
-        are given up, counted); a daemon restart forgets them."""
+        Deletes Redis did not answer wait in `pending` (remote_deletes.py): read as absent,
+        sent again with this one."""
         st = self.state
-        todo = list(dict.fromkeys([*gkeys, *self._undeleted]))
+        todo = list(dict.fromkeys([*gkeys, *self.pending.keys()]))
+        if not todo:
+            return
         failed: list[bytes] = []
         with st.unlocked():
             st.remote.delete_many(todo, failed=failed)
-        self._settle_deletes(todo, failed)
-
-    def _settle_deletes(self, sent: list[bytes], failed: list[bytes]) -> None:
-        """(locked) What a delete round trip left to send again."""
-        undeleted = self._undeleted
-        for g in sent:
-            undeleted.pop(g, None)
-        for g in failed:
-            undeleted[g] = None
-        while len(undeleted) > UNDELETED_MAX:
-            undeleted.pop(next(iter(undeleted)))
-            self.state.counters["remote_deletes_given_up"] += 1
-        self.state.counters["remote_deletes_waiting"] = len(undeleted)
+        self.pending.settle(todo, failed)
 
     def not_deleted(self, gkeys: list[bytes], found: list[bool]) -> list[bool]:
         """`found` with the keys whose delete has not reached Redis read as absent."""
-        if not self._undeleted:
+        pending = self.pending
+        if not pending:
             return found
-        return [f and g not in self._undeleted for g, f in zip(gkeys, found, strict=True)]
+        return [f and g not in pending for g, f in zip(gkeys, found, strict=True)]
 
     # -- up -------------------------------------------------------------------------------------
     def wanted(self, ns_id: bytes, keys: list[bytes]) -> list[bytes]:
@@ -268,4 +259,6 @@ class HostRemote:
         return out
 
     def close(self) -> None:
-        """Nothing held between calls (each pipelined acquire owns its fetch thread)."""
+        """(at a stop, locked) Keep the deletes still waiting for the next start; nothing
+        else is held between calls (each pipelined acquire owns its fetch thread)."""
+        self.pending.save()
