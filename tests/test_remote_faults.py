@@ -161,6 +161,24 @@ def test_read_deadline_follows_the_expected_bytes(redis_server, monkeypatch):
         0.7])
 
 
+def test_a_late_existence_check_or_delete_does_not_mark_a_live_node_down(redis_server):
+    """An existence check or a delete late behind a busy machine (here: the tier's one worker
+    held) used to mark the node down for every caller at once; the node is PINGed first."""
+    with RemoteTier(BoundCfg(urls=[redis_server.url], max_workers=1)) as t:
+        keys = gkeys(4)
+        t.put_many(pairs(keys, [framed(1000, seed=i) for i in range(4)]))
+        with worker_held(t):
+            assert t.exists_many(keys, deadline_s=0.05) == [False] * 4     # late: a miss
+            assert t.stats["timeouts"] == 1
+        assert wait_until(lambda: t.stats.get("slow") == 1)
+        assert t.stats["up"] and t.exists_many(keys) == [True] * 4
+        with worker_held(t):
+            t.delete_many(keys[:1], deadline_s=0.05)
+        assert wait_until(lambda: t.stats.get("slow") == 2)
+        assert t.stats["up"] and t.stats["skipped_down"] == 0
+        assert t.exists_many(keys) == [False, True, True, True]
+
+
 def test_late_bulk_read_marks_down_only_a_node_that_stops_answering(redis_server):
     with RemoteTier(BoundCfg(urls=[redis_server.url], max_workers=1)) as t:
         keys = gkeys(4)

@@ -191,13 +191,14 @@ class RemoteTier:
     # ----------------------------------------------------------------------------- engine
 
     def _run(self, op: str, gkeys: Sequence[bytes], per_node: Callable[[Batch], list],
-             deadline_s: float, bulk: bool = False) -> list[Any]:
+             deadline_s: float) -> list[Any]:
         """Send one pipeline per node in parallel; results in caller order, None = miss/failed.
 
         Items of a node that failed, timed out, was down or is unknown come back as None.
-        `bulk` (block reads and writes): a late batch does not mark its node down by itself, the
-        node is PINGed first (Nodes.check_slow): its deadline was sized from this caller's bytes,
-        and one caller's large values must not make the node a miss for every other caller.
+        A late batch does not mark its node down by itself, the node is PINGed first
+        (Nodes.check_slow): a block read's or write's deadline was sized from this caller's
+        bytes, and an existence check late behind a busy machine's scheduling is not a dead
+        node; neither may make the node a miss for every other caller.
         """
         t0 = time.perf_counter()
         out: list[Any] = [None] * len(gkeys)
@@ -229,10 +230,7 @@ class RemoteTier:
                     add("timeouts", 1)
                     add("errors", 1)
                     failure = f"{op} on {b.node}: {TIMEOUT_TEXT} {deadline_s * 1000:.0f} ms"
-                    if bulk:
-                        nodes.check_slow(b.node, failure, self.deadline_s)
-                    else:
-                        nodes.mark_down(b.node, failure)
+                    nodes.check_slow(b.node, failure, self.deadline_s)
                     continue
                 exc = f.exception()
                 if exc is not None:
@@ -349,7 +347,7 @@ class RemoteTier:
             else:
                 nbytes = n * ASSUMED_VALUE_BYTES
             deadline_s = self._bulk_deadline(nbytes)
-        res = self._run("get", gkeys, per_node, deadline_s, bulk=True)
+        res = self._run("get", gkeys, per_node, deadline_s)
         out: list[Any] = []
         hits = nbytes = corrupt = 0
         bad: list[bytes] = []
@@ -443,7 +441,7 @@ class RemoteTier:
 
         if deadline_s is None:
             deadline_s = self._bulk_deadline(sum(sizes))
-        res = self._run("put", gkeys, per_node, deadline_s, bulk=True)
+        res = self._run("put", gkeys, per_node, deadline_s)
         written = sum(s for s, r in zip(sizes, res, strict=True) if r)
         self._stats.add("bytes_written", written, "keys_written", sum(1 for r in res if r))
         return written
