@@ -23,6 +23,7 @@ from .checksums import xxh3_many
 from .index import Entry
 from .leases import Lease, LeaseTable, Slot
 from .moves import Moves
+from .moves.encoding import LOSSY
 from .state import StoreState, aligned
 
 
@@ -132,6 +133,10 @@ class HostWrites:
             self._write_through(published)
             return CommitResult(stored, dups)
 
+    def _lossy(self, ns_id: bytes) -> bool:
+        info = self.state.namespaces.get(ns_id)
+        return info is not None and info.spec.codec in LOSSY
+
     def _commit_sample(self, n: int, checksums: Sequence[int] | None) -> list[int]:
         """Which committed slots Commit hashes itself.
 
@@ -187,8 +192,15 @@ class HostWrites:
             e = Entry(ns_id, key, parent, size, checksum)
             st.index.add(e)
         else:
-            if not e.checksum:
-                e.checksum = checksum
+            if e.checksum and e.checksum != checksum:
+                if e.gpu is not None or not self._lossy(ns_id):
+                    # Same key, other bytes than the copies it has (engines differ in low
+                    # bits): one block never holds two versions, so the copy it has stays.
+                    st.counters["duplicate_blocks_differing"] += 1
+                    return False, e
+                # A lossy promotion left the checksum of dequantized bytes; the client's raw
+                # bytes are the block (its lower copies are codes, checked by their frames).
+            e.checksum = checksum
             st.index.set_parent(e, parent)
         st.index.set_host(e, offset)
         if batch is None:

@@ -67,6 +67,9 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                   "lookup_hit_blocks": "Keys Lookup found cached (longest prefix, any tier)",
                   "acquired_blocks": "Blocks pinned by Acquire and Get",
                   "duplicate_blocks": "Written blocks dropped because the key was stored",
+                  "duplicate_blocks_differing": "Written blocks dropped because the key was "
+                                                "stored with other bytes (the block kept its "
+                                                "own)",
                   "deleted_blocks": "Blocks removed by Delete",
                   "retention_hint_blocks": "Stored blocks reached by Retain hints",
                   "corrupt_blocks": "Blocks that failed their checksum and were dropped",

@@ -81,6 +81,44 @@ def test_lossy_codec_refuses_non_finite_block_and_stores_it_lossless(tmp_path):
         assert store.stats()["counters"]["lossy_refused_nonfinite"] == 1
 
 
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8"])
+def test_a_lossy_block_stored_again_after_its_promotion_is_served_as_stored(tmp_path, codec):
+    """A promotion of a lossy copy gives the block the checksum of its dequantized bytes; a
+    client storing the block again (another engine's store of the same prefix) then put raw
+    bytes under that checksum, and every read dropped them as corrupt."""
+    rng = np.random.default_rng(3)
+    with make_store(tmp_path, host_capacity=4 << 20) as store:
+        ns = namespace(store, LAYOUT, codec=codec)
+        _, keys = random_prompt(rng, 4, LAYOUT)
+        data = [as_bytes(outlier_kv(rng)) for _ in keys]
+        store.put(ns, keys, data)
+        store.evict("host")
+        assert len(store.get(ns, keys)) == 4            # promoted: dequantized host copies
+        store.evict("host")                             # (their SSD copies stay)
+        store.put(ns, keys, data)                       # the same raw bytes again
+        assert [d for _, d in store.get(ns, keys)] == data
+        c = store.stats()["counters"]
+        assert c.get("corrupt_blocks", 0) == 0 and c.get("get_checksum_mismatch", 0) == 0
+
+
+def test_other_bytes_under_a_stored_key_keep_the_block_it_has(tmp_path):
+    """Engines may differ in low bits: bytes stored under a key whose block lives on SSD only
+    used to become its host copy under the block's checksum, which they fail, so every read
+    dropped the block as corrupt. One block never holds two versions: the one it has stays."""
+    rng = np.random.default_rng(4)
+    with make_store(tmp_path) as store:
+        ns = namespace(store, LAYOUT, codec="lossless")
+        _, keys = random_prompt(rng, 3, LAYOUT)
+        data = [as_bytes(outlier_kv(rng)) for _ in keys]
+        store.put(ns, keys, data)
+        store.evict("host")
+        other = [bytes(d[:-1]) + bytes([d[-1] ^ 1]) for d in data]
+        assert store.put(ns, keys, other).stored == 0
+        assert [d for _, d in store.get(ns, keys)] == data
+        c = store.stats()["counters"]
+        assert c["duplicate_blocks_differing"] == 3 and c.get("corrupt_blocks", 0) == 0
+
+
 def test_lossless_namespace_round_trips_bit_exact_through_ssd(tmp_path):
     rng = np.random.default_rng(2)
     with make_store(tmp_path, ssd_compress="always") as store:
