@@ -70,8 +70,7 @@ def check_checksums(checksums: Sequence[int] | None) -> None:
     as it is, so a client may not mark a block "unknown"."""
     if checksums and 0 in checksums:
         i = list(checksums).index(0)
-        raise InvalidArgument(f"checksums[{i}] is 0; send each block's xxh3-64, or no "
-                              "checksums at all (the daemon then hashes every block)")
+        raise InvalidArgument(f"checksums[{i}] is 0; send each block's xxh3-64")
 
 
 def checked_token_ids(token_ids: bytes | Sequence[int] | None) -> bytes | None:

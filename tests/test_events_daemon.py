@@ -90,11 +90,11 @@ def test_token_ids_that_do_not_fit_the_keys_are_refused(tmp_path):
         with pytest.raises(InvalidArgument, match="3 token ids for 2 keys; send 16 per key"):
             client.call("Commit", pb.CommitRequest(lease_id=lease.lease_id,
                                                    keys=[b"a" * 32, b"b" * 32],
-                                                   token_ids=bytes(12)))
+                                                   token_ids=bytes(12), checksums=[1, 2]))
         lease = client.call("Reserve", pb.ReserveRequest(namespace_id=ns.ns_id, count=1)).lease
         with pytest.raises(InvalidArgument, match="5 bytes of token ids"):
             client.call("Commit", pb.CommitRequest(lease_id=lease.lease_id, keys=[b"a" * 32],
-                                                   token_ids=bytes(5)))
+                                                   token_ids=bytes(5), checksums=[1]))
         with pytest.raises(InvalidArgument, match="token ids for 1 blocks"):
             ns.store_keys([b"c" * 32], kv_for(T, 3), token_ids=[1, 2])
         # the daemon goes on serving

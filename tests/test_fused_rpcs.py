@@ -72,8 +72,10 @@ def test_lookup_reserve_then_lookup_acquire(daemon) -> None:
             assert r.prefix_blocks == 3 and len(r.lease.slots) == 2
             for s, d in zip(r.lease.slots, data[3:], strict=True):
                 pool.array[s.offset:s.offset + BLOCK] = d
-            assert stub.Commit(pb.CommitRequest(lease_id=r.lease.lease_id, keys=keys[3:],
-                                                parent=keys[2]), timeout=10).stored == 2
+            assert stub.Commit(pb.CommitRequest(
+                lease_id=r.lease.lease_id, keys=keys[3:], parent=keys[2],
+                checksums=[xxhash.xxh3_64_intdigest(d) for d in data[3:]]),
+                timeout=10).stored == 2
 
             # All cached: no lease at all, so nothing to release.
             r = stub.LookupReserve(pb.LookupReserveRequest(namespace_id=ns, keys=keys),

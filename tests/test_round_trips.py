@@ -225,7 +225,13 @@ def test_store_after_a_restart_drops_the_old_spare(tmp_path) -> None:
 def test_commit_reserve_ahead_and_first_slot_on_the_wire(daemon) -> None:
     big = pb.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16,
                       dtype="bfloat16")
-    with daemon.channel() as ch:
+    with daemon.channel() as ch, connect(daemon.address, transport="shm") as c:
+        c.namespace(LAYOUT, model="rt/wire-map")           # maps the pool, to hash the slots
+        pool = c.pool.slab.array
+
+        def sums(slots) -> list[int]:
+            return [xxhash.xxh3_64_intdigest(pool[s.offset:s.offset + s.length])
+                    for s in slots]
         stub = pb_grpc.KVStoreStub(ch)
         reg = stub.RegisterNamespace(pb.RegisterNamespaceRequest(
             spec=pb.NamespaceSpec(model="rt/wire", layout=big)), timeout=10)
@@ -234,20 +240,29 @@ def test_commit_reserve_ahead_and_first_slot_on_the_wire(daemon) -> None:
         lease = stub.Reserve(pb.ReserveRequest(namespace_id=ns, count=3), timeout=10).lease
         # More keys than the slots after first_slot: refused, nothing stored.
         with pytest.raises(grpc.RpcError) as ei:
-            stub.Commit(pb.CommitRequest(lease_id=lease.lease_id, keys=keys, first_slot=1),
-                        timeout=10)
+            stub.Commit(pb.CommitRequest(lease_id=lease.lease_id, keys=keys, first_slot=1,
+                                         checksums=[1, 2, 3]), timeout=10)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "from slot 1" in ei.value.details()
+        # Host slots committed without checksums: refused (a late write of a client whose
+        # lease on them expired would be published as these blocks).
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Commit(pb.CommitRequest(lease_id=lease.lease_id, keys=keys[1:], first_slot=1),
+                        timeout=10)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "no checksums" in ei.value.details()
         # Slot 0 unused, keys[1:] from slots 1 and 2; far more slots ahead than the pool holds:
         # the commit stands, without a next lease.
         r = stub.Commit(pb.CommitRequest(lease_id=lease.lease_id, keys=keys[1:], first_slot=1,
-                                         parent=keys[0], reserve_next=4096), timeout=10)
+                                         parent=keys[0], reserve_next=4096,
+                                         checksums=sums(lease.slots[1:])), timeout=10)
         assert r.stored == 2 and not r.HasField("next_lease")
         look = stub.Lookup(pb.LookupRequest(namespace_id=ns, keys=keys[1:]), timeout=10)
         assert look.prefix_blocks == 2
         r = stub.Reserve(pb.ReserveRequest(namespace_id=ns, count=1), timeout=10).lease
         nxt = stub.Commit(pb.CommitRequest(lease_id=r.lease_id, keys=keys[:1], reserve_next=2,
-                                           next_ttl_s=5), timeout=10).next_lease
+                                           next_ttl_s=5, checksums=sums(r.slots)),
+                          timeout=10).next_lease
         assert len(nxt.slots) == 2 and nxt.deadline - time.time() <= 5.5
         stub.Release(pb.ReleaseRequest(lease_id=nxt.lease_id), timeout=10)
         counters = stub.Stats(pb.StatsRequest(), timeout=10).counters
@@ -284,8 +299,11 @@ def test_reserve_ahead_takes_free_room_only(tmp_path) -> None:
                 before = last[0]
                 room = 0.95 * cap - before["used_bytes"]
                 assert 0 <= room < 64 * LAYOUT.block_bytes
+                (slot,) = lease.slots
+                view = c.pool.slab.array[slot.offset:slot.offset + slot.length]
                 r = stub.Commit(pb.CommitRequest(
-                    lease_id=lease.lease_id, keys=[b"k" * 16], reserve_next=64), timeout=10)
+                    lease_id=lease.lease_id, keys=[b"k" * 16], reserve_next=64,
+                    checksums=[xxhash.xxh3_64_intdigest(view)]), timeout=10)
                 assert r.stored == 1 and not r.HasField("next_lease")
                 assert host()["evictions"] == before["evictions"]
                 counters = stub.Stats(pb.StatsRequest(), timeout=10).counters

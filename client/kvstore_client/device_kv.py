@@ -114,8 +114,9 @@ class DeviceKV:
         try:
             offsets = self._offsets(lease.slots)[:n]
             self.copier.store(ids[have:have + n], offsets).wait(COPY_WAIT_S)
+            # (host memory: checksums as for a host Commit; CUDA memory: the daemon hashes)
             sums = ([xxhash.xxh3_64_intdigest(self.pool.view(o, self.ns.block_bytes))
-                     for o in offsets] if client.verify and self.pool.device is None else [])
+                     for o in offsets] if self.pool.device is None else [])
             if not client.leases.remove(lid):
                 raise LeaseExpired(f"write lease {lid} expired during the copy")
             r = client.call("Commit", pb.CommitRequest(lease_id=lid, keys=keys[have:have + n],

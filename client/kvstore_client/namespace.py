@@ -270,7 +270,8 @@ class Namespace:
 
     def fused_move(self, plan: blockcopy.Plan, to_slots: bool,
                    blocks: Sequence[int] | None = None) -> Callable:
-        """A fill (to_slots) or drain over `plan`: one pass, checksummed when verifying.
+        """A fill (to_slots) or drain over `plan`: one pass, checksummed (a drain only when
+        verifying).
 
         Key i of the call moves plan block `blocks[i]` (an engine adapter's chunk or page id),
         or plan block i without `blocks` (a sequence's token blocks)."""
@@ -286,7 +287,7 @@ class Namespace:
 
         @fused
         def move(base: np.ndarray, offsets: Sequence[int], first: int) -> np.ndarray | None:
-            return run(base, offsets, first, client.verify)
+            return run(base, offsets, first, to_slots or client.verify)
         if not to_slots:
             # A Get reply's blocks come with no checksum to compare against (the daemon checked
             # each copy against its commit checksum before it left): hashing them here would be
@@ -379,7 +380,7 @@ class Namespace:
             try:
                 offsets = self._check_slots(lease.slots, pool)[:n]
                 n = len(offsets)
-                sums = _fill_checksummed(fill, pool.slab.array, offsets, i, bb, client.verify)
+                sums = _fill_checksummed(fill, pool.slab.array, offsets, i, bb)
             except BaseException:
                 client.release_later(lease.lease_id)    # off the failing call's deadline
                 raise
@@ -413,7 +414,7 @@ class Namespace:
                                                                      keys=keys))
             else:
                 have = 0
-            sums = [0] * n if client.verify else []
+            sums = [0] * n
             per = max(1, _AHEAD_CHUNK_BYTES // bb)
             hi = n
             while hi > (have or 0):
@@ -421,10 +422,7 @@ class Namespace:
                     have = _prefix_of(look)
                     continue
                 lo = max(hi - per, 0) if have is None else have    # answered: the rest at once
-                got = _fill_checksummed(fill, pool.slab.array, offsets[lo:hi], lo, bb,
-                                        client.verify)
-                if sums:
-                    sums[lo:hi] = got
+                sums[lo:hi] = _fill_checksummed(fill, pool.slab.array, offsets[lo:hi], lo, bb)
                 hi = lo
             if have is None:
                 have = _prefix_of(look)
@@ -812,24 +810,25 @@ class Pinned:
         self.release()
 
 
-def _fill_checksummed(fill: Fill, base: np.ndarray, offsets: list[int], first: int, bb: int,
-                      verify: bool) -> list[int]:
-    """Run fill over the batch; the checksums to send with Commit ([] without verify)."""
+def _fill_checksummed(fill: Fill, base: np.ndarray, offsets: list[int], first: int, bb: int
+                      ) -> list[int]:
+    """Run fill over the batch; the checksums to send with Commit.
+
+    Why always, `verify` or not: the daemon cannot tell the bytes this client wrote from a
+    late write into the same slots by a client whose lease on them expired (a stalled
+    process resuming its copy), and refuses a host Commit without them."""
     if _is_fused(fill):
         got = fill(base, offsets, first)
-        if not verify:
-            return []
         if got is not None and len(got) == len(offsets):
             return got.tolist()
         return [xxhash.xxh3_64_intdigest(base[o:o + bb]) for o in offsets]
     sums: list[int] = []
     for c0, c1 in _chunks(len(offsets), bb):
         got = fill(base, offsets[c0:c1], first + c0)
-        if verify:
-            if got is not None and len(got) == c1 - c0:
-                sums += got.tolist()
-            else:
-                sums += [xxhash.xxh3_64_intdigest(base[o:o + bb]) for o in offsets[c0:c1]]
+        if got is not None and len(got) == c1 - c0:
+            sums += got.tolist()
+        else:
+            sums += [xxhash.xxh3_64_intdigest(base[o:o + bb]) for o in offsets[c0:c1]]
     return sums
 
 

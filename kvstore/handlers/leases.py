@@ -61,7 +61,9 @@ class LeaseCalls:
         parent = check_parent(req.parent)
         if req.checksums and len(req.checksums) != len(keys):
             raise InvalidArgument(f"{len(req.checksums)} checksums for {len(keys)} keys; send "
-                                  "one per key or none")
+                                  "one per key")
+        if keys and not req.checksums:
+            self._need_checksums(lease_id)
         lease = s.store.leases.find(lease_id) if req.reserve_next else None
         tokens = {"token_ids": req.token_ids} if req.token_ids else {}
         res = s.store.commit(lease_id, keys, parent=parent,
@@ -71,6 +73,27 @@ class LeaseCalls:
         if lease is not None and lease.tier == "host":
             self._reserve_ahead(resp, lease.ns_id, req)
         return resp
+
+    def _need_checksums(self, lease_id: str) -> None:
+        """Refuse a Commit of host-memory slots without checksums.
+
+        Why: every client that maps a pool can write into any of its slots, and a client
+        whose write lease expired while it was stalled goes on copying into slots the daemon
+        has since handed to another lease. Hashing the slots at Commit would publish that
+        late write as the new owner's blocks, with a checksum every later read agrees with.
+        The owner's own checksums tell its bytes apart. CUDA device slots are hashed by the
+        daemon (a client has no cheap hash of device memory there)."""
+        lease = self.s.store.leases.find(lease_id)
+        if lease is None:
+            return                          # unknown or ended: Commit itself says which
+        if lease.tier == "gpu":
+            gpu = getattr(self.s.store, "gpu", None) or {}
+            if not lease.slots or getattr(gpu.get(lease.slots[0].device), "kind", "") != "cpu":
+                return
+        raise InvalidArgument(
+            "Commit carries no checksums: send each block's xxh3-64 of the bytes you wrote "
+            "(checksums, one per key); without them the daemon cannot tell your bytes from a "
+            "late write into the same slots by a client whose lease on them expired")
 
     def _reserve_ahead(self, resp: pb.CommitResponse, ns_id: bytes, req: Any) -> None:
         """The write lease for the client's next store, in this Commit's answer. Why: an
