@@ -423,6 +423,7 @@ class LimitsConfig:
 class LeaseConfig:
     default_ttl_s: float = 30.0
     max_ttl_s: float = 600.0
+    expired_write_hold_s: float = 30.0   # an expired write lease's slots kept unused this long
 
 
 @dataclass
@@ -457,6 +458,9 @@ class StoreConfig:
                               f"{MAX_LEASE_TTL_S:g} seconds (every lease expires; an engine "
                               f"renews one it needs longer), got {ttl.default_ttl_s!r} / "
                               f"{ttl.max_ttl_s!r}")
+        if not 0 <= ttl.expired_write_hold_s <= 3600:
+            raise ConfigError("leases.expired_write_hold_s must be in 0..3600 seconds, got "
+                              f"{ttl.expired_write_hold_s!r}")
         self.server.check()
         self.auth.check()
         self.limits.check()

@@ -108,7 +108,11 @@ STORE_COUNTERS = {"lookups": "Lookup calls",
                                          "daemon started"}
 # Store figures that are levels, not counts (kvstore/gc_pauses.py).
 STORE_GAUGES = {"gc_frozen_objects": "Objects frozen out of every collection after the warm-ups",
-                "gc_walked_objects": "Objects a full collection walked once the daemon was warm"}
+                "gc_walked_objects": "Objects a full collection walked once the daemon was warm",
+                "remote_deletes_waiting": "Remote deletes Redis has not answered, to be sent "
+                                          "again",
+                "expired_write_slots_held": "Slots of expired write leases kept from the "
+                                            "allocator for leases.expired_write_hold_s"}
 # Series that exist from the first scrape at 0, so `increase()` and `rate()` see the first
 # event (a series that appears with value 1 has no earlier sample to increase from).
 MOVE_PATHS = ("client->host", "host->client", "host->ssd", "ssd->host", "remote->host",

@@ -33,6 +33,7 @@ from kvstore_client.common.layout import NamespaceSpec, check_retention
 from .carried import Carried
 from .config import StoreConfig
 from .gpu_slots import GpuSlots
+from .held_writes import HeldWrites
 from .host_reads import REMOTE_CHUNK, HostReads
 from .host_writes import CommitResult, HostWrites
 from .leases import Lease, LeaseTable
@@ -86,6 +87,7 @@ class Store:
                                  max_leases=lim.leases_per_tenant,
                                  max_slots=lim.lease_slots_per_tenant,
                                  owner_of=self.pools.owner if self.pools.tenants else None)
+        self.held_writes = HeldWrites(config.leases.expired_write_hold_s)
         self.moves = Moves(st, self.pools)
         reap, leases = self.reap_expired, self.leases
         self.host_writes = HostWrites(st, self.moves, leases, reap)
@@ -409,7 +411,17 @@ class Store:
             self.carried.end_all()
         for lease in self.leases.reap():
             self.state.counters["leases_expired"] += 1
-            self._end_lease(lease)
+            if lease.kind == "write" and self.held_writes.hold_s > 0:
+                self.held_writes.hold(lease)    # kvstore/held_writes.py: a stalled writer
+            else:
+                self._end_lease(lease)
+        held = self.held_writes
+        if held:
+            for lease in held.due():
+                self._end_lease(lease)
+            self.state.counters["expired_write_slots_held"] = held.slots
+        elif self.state.counters.get("expired_write_slots_held"):
+            self.state.counters["expired_write_slots_held"] = 0
 
     def _end_lease(self, lease: Lease) -> None:
         paths = self.writers if lease.kind == "write" else self.readers

@@ -29,7 +29,7 @@ RECLAIM_DEADLINE_S = 30.0
 
 @pytest.fixture(scope="module")
 def crash_daemon(tmp_path_factory: pytest.TempPathFactory):
-    d = start_daemon(tmp_path_factory.mktemp("crash"))
+    d = start_daemon(tmp_path_factory.mktemp("crash"), {"leases.expired_write_hold_s": "1"})
     try:
         yield d
     finally:

@@ -158,14 +158,13 @@ def _check_accounting(store) -> None:
         assert store.state.busy == 0
         entries = list(store.index.entries())
         owners = [e.host for e in entries if e.host is not None]
-        owners += [s.offset for lease in store.leases.all() if lease.kind == "write"
-                   for s in lease.slots]
+        writes = [*store.leases.all(), *store.held_writes.leases()]   # (held: expired)
+        owners += [s.offset for lease in writes if lease.kind == "write" for s in lease.slots]
         assert len(owners) == len(set(owners)), "a slot has two owners"
         alloc = store.host.allocator
         assert alloc.used_bytes == sum(alloc.size_of(o) for o in owners), "leaked host slots"
         assert store.host.used_bytes == sum(_aligned(e.size) for e in entries if e.host is not None
-                                            ) + sum(_aligned(s.length) for lease
-                                                    in store.leases.all()
+                                            ) + sum(_aligned(s.length) for lease in writes
                                                     if lease.kind == "write"
                                                     for s in lease.slots)
         assert len(store.policies["host"]) == sum(e.host is not None for e in entries)
