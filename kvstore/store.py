@@ -24,6 +24,7 @@ import blake3
 from kvstore_client.common.errors import (
     DeadlineExceeded,
     InvalidArgument,
+    LeaseExpired,
     NotFound,
     ResourceExhausted,
     Unavailable,
@@ -386,10 +387,12 @@ class Store:
     # ----------------------------------------------------------------- leases
 
     def release(self, lease_id: str, missing_ok: bool = False) -> None:
+        """End a lease. `missing_ok` (the daemon's own leases: prefetch): one already ended,
+        or past its deadline (the reaper ends it within REAP_EVERY_S), is no error."""
         with self.state.lock:
             try:
                 lease = self.leases.pop(lease_id)
-            except NotFound:
+            except (NotFound, LeaseExpired):
                 if missing_ok:
                     return
                 raise

@@ -67,3 +67,18 @@ def test_no_hold_frees_at_once(tmp_path) -> None:
         store.reserve(ns, 4, ttl_s=0.1)
         expire(store, 0.1)
         assert store.stats()["tiers"]["host"]["used_bytes"] == 0
+
+
+def test_the_daemons_own_release_of_a_lease_past_its_deadline_is_no_error(tmp_path) -> None:
+    """Prefetch releases its own read lease with missing_ok; one past its deadline but not
+    reaped yet raised LeaseExpired there, which would end the one prefetch thread for good."""
+    with small_store(tmp_path) as store:
+        ns = namespace(store, LAYOUT)
+        _, keys = random_prompt(np.random.default_rng(1), 2, LAYOUT)
+        store.put(ns, keys, [kv_block(k, LAYOUT) for k in keys])
+        lease = store.acquire(ns, keys, ttl_s=0.05, for_client=False)
+        time.sleep(0.1)
+        store.release(lease.id, missing_ok=True)
+        with store.state.lock:
+            store.reap_expired()
+        assert store.stats()["active_leases"] == 0
