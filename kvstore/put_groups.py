@@ -51,6 +51,11 @@ class PutGroups:
         self._tokens: list[bytes] | None = None   # the held blocks' token ids, if they came
         self._bytes = 0
 
+    @property
+    def empty(self) -> bool:
+        """No block held: every block added so far is stored."""
+        return not self._keys
+
     def start(self, ns_id: bytes, parent: bytes | None) -> None:
         self.ns_id, self.parent = ns_id, parent
 

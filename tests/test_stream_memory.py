@@ -176,3 +176,70 @@ def test_stalled_gets_hold_at_most_the_tenant_budget(tmp_path):
         for c in calls:
             c.cancel()
         cleanup(d)
+
+
+BLOCK1 = KVLayout(4, 8, 128, 64, "bfloat16")      # 1 MiB blocks
+
+
+def whole_messages(ns: bytes, keys: list[bytes], stall: threading.Event | None = None):
+    """One 1 MiB block a message; with `stall`, a wait after the last (the stream stays open)."""
+    for i, k in enumerate(keys):
+        yield pb.PutRequest(namespace_id=ns if i == 0 else b"",
+                            blocks=[pb.Block(key=k, data=bytes([i % 251]) * MIB)])
+    if stall is not None:
+        stall.wait()
+
+
+def test_stalled_puts_hold_at_most_the_tenant_budget(tmp_path):
+    """Messages a Put received but has not stored yet (a group gathers 8 MiB before it stores
+    one; more are read ahead) were never charged: each stalled Put held up to a group and the
+    messages read ahead, times the calls a tenant may make. They are charged from arrival
+    until stored, so past the budget a tenant's next message waits briefly, then its Put is
+    refused, while another tenant's Puts go on."""
+    budget = 24
+    d = daemon(tmp_path, quota_a="128MiB", quota_b="128MiB",
+               **{"limits.stream_bytes_per_tenant": f"{budget}MiB"})
+    gate = threading.Event()
+    outcomes: list[str] = []
+
+    def stalled(i: int, ns: bytes) -> None:
+        try:
+            pbg.KVStoreStub(d.channel()).Put(
+                whole_messages(ns, [key(100 * i + j) for j in range(7)], gate),
+                metadata=md("b"), timeout=20)
+            outcomes.append("OK")
+        except grpc.RpcError as e:
+            outcomes.append(e.code().name)
+
+    try:
+        ns_b, _ = namespace(d, "b", BLOCK1)
+        ns_a, _ = namespace(d, "a", BLOCK1)
+        time.sleep(0.5)
+        before = rss_anon_mib(d)
+        threads = [threading.Thread(target=stalled, args=(i, ns_b), daemon=True)
+                   for i in range(12)]                  # 12 x 7 MiB held before: 84 MiB
+        for t in threads:
+            t.start()
+        time.sleep(4)                                   # past the 2 s wait for room
+        grown = rss_anon_mib(d) - before
+        # The budget, plus per call what arrived before it could be charged (a message on the
+        # handler's thread, one on the reader's) and grpc's own copies: about 72 MiB here;
+        # 171 MiB before messages were charged.
+        assert grown < 110, f"daemon heap grew {grown} MiB with 12 stalled Puts"
+        assert outcomes.count("RESOURCE_EXHAUSTED") >= 4, outcomes   # (0 before)
+        # Another tenant's budget is its own.
+        stub = pbg.KVStoreStub(d.channel())
+        r = stub.Put(whole_messages(ns_a, [key(j, b"a") for j in range(16)]), metadata=md("a"),
+                     timeout=20)
+        assert r.stored == 16
+        # The stalled streams end, store what they sent, and give their charge back.
+        gate.set()
+        for t in threads:
+            t.join(20)
+        assert outcomes.count("OK") + outcomes.count("RESOURCE_EXHAUSTED") == 12, outcomes
+        r = stub.Put(whole_messages(ns_b, [key(j, b"n") for j in range(16)]), metadata=md("b"),
+                     timeout=20)
+        assert r.stored == 16
+    finally:
+        gate.set()
+        cleanup(d)

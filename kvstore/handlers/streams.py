@@ -36,7 +36,7 @@ from kvstore_client.common.read_ahead import ReadAhead
 from .. import gate, getcopy
 from ..put_groups import PutGroups
 from ..put_wire import check_token_ids, parse_put
-from ..stream_budget import StreamBudget, Tab
+from ..stream_budget import PutCharges, StreamBudget, Tab
 from .state import CallState
 from .validate import check_keys, check_ns, check_parent, parse_request
 
@@ -69,27 +69,31 @@ class StreamCalls:
         messages are received on a thread of their own (read_ahead.py); what was received
         before an error is stored before the error is reported."""
         groups = PutGroups(self.s.store)
-        received = ReadAhead(raws, PUT_READ_AHEAD, name="kvstore-put-read", inline=1)
         tab = self._tab()
-        charged = [0]                   # the open split block's charge to the stream budget
+        charges = PutCharges(tab)       # every message received, until its blocks are stored
+        received = ReadAhead(charges.arriving(raws), PUT_READ_AHEAD, name="kvstore-put-read",
+                             inline=1)
         try:
-            self._put_messages(received, groups, tab, charged)
+            self._put_messages(received, groups, tab, charges)
         except Exception:
             groups.flush_before_error()
             raise
         finally:
             received.close()
-            tab.give(charged[0])
+            charges.close()
+            tab.give(charges.extra)
         groups.flush()
         return pb.PutResponse(stored=groups.stored, duplicates=groups.duplicates)
 
     def _put_messages(self, raws: Iterable[bytes], groups: PutGroups, tab: Tab,
-                      charged: list[int]) -> None:
+                      charges: PutCharges) -> None:
         """Parse and check each message (kvstore/put_wire.py), handing its blocks to `groups`.
 
-        A split block is charged to the tenant's stream budget whole when its first piece
-        arrives, and given back once complete: refused there, before its buffer grows, since a
-        client that never sends the rest would hold it until the call's deadline."""
+        Each message stays charged to the tenant's stream budget until the group holding its
+        blocks is stored (stream_budget.PutCharges). A split block is charged whole when its
+        first piece arrives, and given back once complete: refused there, before its buffer
+        grows, since a client that never sends the rest would hold it until the call's
+        deadline; its pieces are given back as they are copied into it."""
         s = self.s
         ns: bytes | None = None
         prev: bytes | None = None      # parent of the next block
@@ -130,10 +134,12 @@ class StreamCalls:
                         raise InvalidArgument(f"message {m} blocks[0].data is {len(data)} "
                                               "bytes; a namespace's blocks have one size")
                     check_token_ids(f"message {m}", tokens, 1, block_tokens)
-                    if not tab.try_take(block_bytes):
+                    # The block's charge stands for its pieces: this message's goes first.
+                    charges.copied(m)
+                    if not tab.try_take(block_bytes, charges.own()):
                         raise tab.budget.exhausted(tab.who, block_bytes,
                                                    f"Put message {m} (a split block)")
-                    charged[0] = block_bytes
+                    charges.extra = block_bytes
                     split = (key, bytearray(data), m, tokens)
                 else:                           # grows only as its bytes arrive
                     if tokens:
@@ -141,12 +147,13 @@ class StreamCalls:
                                               "token_ids go on the block's first message "
                                               f"(message {split[2]}), with its key")
                     split[1].extend(data)
+                    charges.copied(m)           # (the piece is in the block's own buffer)
                 if block_bytes is None or len(split[1]) < block_bytes:
                     continue
                 blocks, tokens = [(split[0], memoryview(split[1]))], split[3]
                 split = None
-                tab.give(charged[0])    # complete: the group stores it within GROUP_BYTES
-                charged[0] = 0
+                tab.give(charges.extra)   # complete: the group stores it within GROUP_BYTES
+                charges.extra = 0
             else:
                 check_token_ids(f"message {m}", tokens, len(blocks), block_tokens)
             if not blocks:
@@ -154,6 +161,8 @@ class StreamCalls:
             keys = check_keys((k for k, _ in blocks), f"message {m} blocks[].key",
                               distinct=True)
             groups.add(keys, [d for _, d in blocks], tokens or None)
+            if groups.empty:
+                charges.stored(m)
             prev = keys[-1]
         gate.received()
         if split is not None:
