@@ -396,7 +396,7 @@ def _vllm_hashes(n: int, seed: int) -> list[bytes]:
 
 
 @contextmanager
-def relayed(tmp_path, replay: bool = False):
+def relayed(tmp_path, replay: bool = False, **events):
     """A store relaying a FakeEngine on its merged stream "e0", a subscriber of that stream,
     and a vLLM namespace: (engine, store, sub, ns)."""
     engine = FakeEngine()
@@ -404,7 +404,7 @@ def relayed(tmp_path, replay: bool = False):
                              endpoint=f"tcp://127.0.0.1:{free_port()}",
                              replay_endpoint=f"tcp://127.0.0.1:{free_port()}" if replay else "")
     try:
-        with make(tmp_path, endpoint="", replay_endpoint="", engines=[eng]) as store:
+        with make(tmp_path, endpoint="", replay_endpoint="", engines=[eng], **events) as store:
             sub = sub_of(store, "e0")
             try:
                 ns = store.register_namespace(NamespaceSpec(
@@ -461,6 +461,38 @@ def test_engine_stream_relays_gpu_events_and_names_vllm_blocks(tmp_path):
         evs = sub.wait(lambda e: held(e) == {"CPU": set(u)} and len(e) > 1,
                        since=last + 1, what="engine restart")
         assert evs[0]["type"] == "AllBlocksCleared"
+
+
+def test_the_daemons_own_start_over_keeps_a_relayed_engines_gpu_blocks(tmp_path):
+    """A start-over the daemon makes for its own reasons (its publisher fell behind) clears
+    the merged stream; the engine still holds its GPU blocks and says nothing, so the stream
+    announces them again after the daemon's, as it does to a consumer that subscribes; a
+    block the engine removed is not announced again."""
+    rng = np.random.default_rng(9)
+    with relayed(tmp_path, max_queue=16) as (engine, store, sub, ns):
+        hs = _vllm_hashes(4, 2)
+        u = {int.from_bytes(h, "big") & (2**64 - 1) for h in hs}
+        engine.send([{"type": "BlockStored", "block_hashes": hs, "parent_block_hash": None,
+                      "token_ids": list(range(7, 7 + 4 * T)), "block_size": T,
+                      "lora_id": None, "medium": "GPU", "lora_name": None}])
+        sub.wait(lambda e: held(e).get("GPU") == u, what="the engine's GPU blocks")
+        engine.send([{"type": "BlockRemoved", "block_hashes": [hs[3]], "medium": "GPU"}])
+        kept = u - {int.from_bytes(hs[3], "big") & (2**64 - 1)}
+        sub.wait(lambda e: held(e).get("GPU") == kept, what="the engine's removal")
+        last = sub.last_seq()
+        tokens, keys = random_prompt(rng, 64)
+        put(store, register(store), keys, tokens)   # 64 changes at once: past max_queue
+        evs = sub.wait(lambda e: any(x["type"] == "AllBlocksCleared" for x in e)
+                       and held(e).get("GPU") == kept, since=last + 1,
+                       what="the engine's blocks after the daemon's start-over")
+        assert store.events.recorder.overflows >= 1
+        assert [t for e in stored(evs, "GPU") for t in e["token_ids"]] == list(
+            range(7, 7 + 3 * T))
+        late = sub_of(store, "e0")
+        try:
+            late.wait(lambda e: held(e).get("GPU") == kept, what="a late subscriber")
+        finally:
+            late.close()
 
 
 def test_a_lora_adapters_blocks_are_announced_with_its_name(tmp_path):

@@ -348,6 +348,10 @@ class Publisher:
         for _, tiers, text, mask in held:
             for t in tiers:
                 self._emit(out, mask, text.event(wire.MEDIUM[t]))
+        for i in which:                 # a relayed engine's own GPU blocks (relay.py)
+            relay = self.relays.get(i)
+            if relay is not None:
+                out[i] += [wire.pack(e) for e in relay.held_gpu()]
         self._send(out)
         self.counters["events_start_overs" if clear else "events_reannouncements"] += 1
 

@@ -15,6 +15,14 @@ daemon learns the token ids routers index by (texts.py).
 An engine whose sequence numbers go back restarted (its GPU cache is gone) and an engine's
 AllBlocksCleared both wipe its stream at the router: the stream is then started over with
 what the daemon holds.
+
+What it keeps (`gpu`): the GPU blocks the engine holds, as the events it forwarded say, one
+event a block. A start-over the daemon makes for its own reasons (its publisher fell behind,
+its start) sends AllBlocksCleared on the merged stream too, which wiped the engine's GPU blocks
+at the router although the engine still held them: they came back only as the engine stored
+each again. The stream re-announces them after the daemon's blocks, and to a consumer that
+subscribes. A daemon restart starts with none (the engine's events while it was down are
+lost): they are credited again as the engine sends them.
 """
 
 from __future__ import annotations
@@ -129,9 +137,12 @@ class Relay:
             self.sub.close(0)
             raise
         self.last_seq: int | None = None
+        # hash -> the BlockStored event of that one block, in the order stored (module
+        # docstring); at most the token cache's cap, the oldest forgotten first.
+        self.gpu: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.counters: dict[str, int] = {"batches": 0, "events": 0, "dropped_media": 0,
                                          "bad_messages": 0, "restarts": 0, "gaps": 0,
-                                         "int_hashes": 0}
+                                         "int_hashes": 0, "gpu_record_dropped": 0}
         self._bad_logged = 0.0
         self._bad_unlogged = 0
         self._int_warned = False
@@ -159,6 +170,7 @@ class Relay:
                 self.counters["restarts"] += 1
                 log.info("events: engine %s restarted (its sequence went from %d to %d): its "
                          "stream starts over", self.name, self.last_seq, seq)
+                self.gpu.clear()
                 out.append(("restart", None))
             elif self.last_seq is not None and seq > self.last_seq + 1:
                 self.counters["gaps"] += 1
@@ -181,6 +193,7 @@ class Relay:
                 if fwd:
                     out.append(("forward", (time.time(), fwd, None)))
                     fwd = []
+                self.gpu.clear()
                 out.append(("restart", None))
                 continue
             if kind not in ("BlockStored", "BlockRemoved"):
@@ -198,9 +211,36 @@ class Relay:
                 p = ev.get("parent_block_hash")
                 ev["parent_block_hash"] = wire.u64(p) if isinstance(p, (int, bytes)) else None
                 self._learn(raw, p, ev, learned)
+                self._hold(ev)
+            else:
+                for h in ev["block_hashes"]:
+                    self.gpu.pop(h, None)
             fwd.append(ev)
             self.counters["events"] += 1
         return fwd
+
+    def _hold(self, ev: dict[str, Any]) -> None:
+        """Record a forwarded BlockStored as one event a block (module docstring)."""
+        hashes, tokens, bs = ev["block_hashes"], ev.get("token_ids"), ev.get("block_size")
+        whole = isinstance(tokens, list) and isinstance(bs, int) and bs > 0 \
+            and len(tokens) == bs * len(hashes)
+        prev = ev["parent_block_hash"]
+        for i, h in enumerate(hashes):
+            one = dict(ev, block_hashes=[h], parent_block_hash=prev)
+            if whole:
+                one["token_ids"] = tokens[bs * i:bs * (i + 1)]
+            elif len(hashes) > 1:
+                return              # tokens that do not split by block: not re-announced
+            self.gpu[h] = one
+            self.gpu.move_to_end(h)
+            prev = h
+        while len(self.gpu) > max(self.cache.cap, 1):
+            self.gpu.popitem(last=False)
+            self.counters["gpu_record_dropped"] += 1
+
+    def held_gpu(self) -> list[dict[str, Any]]:
+        """The engine's GPU blocks as BlockStored events, in the order they were stored."""
+        return list(self.gpu.values())
 
     def _learn(self, raw: list, parent: Any, ev: dict[str, Any], learned: list) -> None:
         tokens, bs = ev.get("token_ids"), ev.get("block_size")
