@@ -665,3 +665,57 @@ def test_a_chain_stored_at_once_goes_out_as_one_event(tmp_path):
                 [tuple(own_hash(ns + k) for k in k1), tuple(own_hash(ns + k) for k in k2)])
         finally:
             sub.close()
+
+
+def test_a_block_loaded_back_from_redis_is_announced_with_its_token_ids(tmp_path):
+    """Redis kept no block text: a block whose last local copy went, loaded back from Redis,
+    was held in host and never announced, nor was another node's load of it. The value now
+    carries the text (sealed with it), and the load announces it as one from SSD is."""
+    from tests.redis_fixtures import start_redis
+    server = start_redis(tmp_path / "redis")
+
+    def node(name: str) -> Store:
+        cfg = StoreConfig(data_dir=str(tmp_path / name))
+        cfg.host.capacity = 1 << 20
+        cfg.ssd.enabled = False
+        cfg.remote.enabled, cfg.remote.urls = True, [server.url]
+        cfg.remote.deadline_ms, cfg.remote.write_through = 2000, True
+        cfg.events.enabled = True
+        cfg.events.endpoint = "tcp://127.0.0.1:0"
+        cfg.events.interval_ms = 2.0
+        return Store(cfg.check())
+
+    def texts_of(evs: list[dict]) -> dict[int, list[int]]:
+        return {e["block_hashes"][0]: e["token_ids"] for e in stored(evs, "CPU")}
+
+    tokens, keys = random_prompt(np.random.default_rng(12), 4)
+    try:
+        with node("a") as a:
+            sub = sub_of(a)
+            try:
+                ns = register(a)
+                hs = {own_hash(ns + k) for k in keys}
+                want = {own_hash(ns + k): [int(t) for t in tokens[i * T:(i + 1) * T]]
+                        for i, k in enumerate(keys)}
+                put(a, ns, keys, tokens)
+                sub.wait(lambda e: held(e).get("CPU") == hs, what="the store")
+                a.evict("host")                       # only Redis holds the blocks now
+                last = sub.last_seq()
+                sub.wait(lambda e: not held(e).get("CPU"), what="the eviction")
+                assert [k for k, _ in a.get(ns, keys)] == keys       # loaded from Redis
+                evs = sub.wait(lambda e: held(e).get("CPU") == hs, since=last + 1,
+                               what="the blocks loaded back from Redis")
+                assert texts_of(evs) == want
+            finally:
+                sub.close()
+        with node("b") as b:                          # another node, the same Redis
+            sub = sub_of(b)
+            try:
+                assert register(b) == ns
+                assert [k for k, _ in b.get(ns, keys)] == keys
+                evs = sub.wait(lambda e: held(e).get("CPU") == hs, what="the other node's load")
+                assert texts_of(evs) == want
+            finally:
+                sub.close()
+    finally:
+        server.stop()

@@ -187,3 +187,27 @@ def test_a_damaged_file_of_waiting_deletes_is_removed(tmp_path, redis_server):
 def msgpack_of(obj) -> bytes:
     import msgpack
     return msgpack.packb(obj)
+
+
+def test_a_note_is_sealed_with_the_value():
+    """A value's note (the block's KV-event text) is covered by its tag: changed, the value is
+    refused; a value without one is the KVR1 layout it always was."""
+    import pytest
+    from kvstore_client.common.errors import DataLoss
+
+    from tiers import frame
+    from tiers.remote.envelope import MAX_NOTE_BYTES, Sealer, sealed_bytes
+    s = Sealer(None)
+    fr = frame.frame("raw", 4096, os.urandom(4096))
+    g = os.urandom(32)
+    plain, noted = s.seal(g, 7, fr), s.seal(g, 7, fr, b"tokens")
+    assert plain[:4] == b"KVR1" and len(plain) == sealed_bytes(len(fr))
+    assert noted[:4] == b"KVR2" and len(noted) == sealed_bytes(len(fr), b"tokens")
+    assert s.open_noted(g, plain)[0::2] == (7, b"")
+    assert s.open_noted(g, noted)[0::2] == (7, b"tokens")
+    assert bytes(s.open(g, noted)[1]) == fr
+    forged = noted.replace(b"tokens", b"tokenz")
+    with pytest.raises(DataLoss, match="seal does not match"):
+        s.open_noted(g, forged)
+    too_long = b"x" * (MAX_NOTE_BYTES + 1)
+    assert s.seal(g, 7, fr, too_long) == plain          # left out, not truncated

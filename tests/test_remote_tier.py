@@ -153,7 +153,7 @@ def test_standalone_round_trip_and_counters(redis_server):
         assert all(type(g) is bytes for g in got[:16])
         assert gone == set(missing)                         # Redis said: not there
         u = t.get_many([keys[0], keys[8]], unframed=True)
-        assert all(isinstance(x, Unframed) and len(x) == 4 for x in u)
+        assert all(isinstance(x, Unframed) and x.note == b"" for x in u)
         assert (u[0].codec, u[0].raw_len, bytes(u[0].payload), u[0].checksum) == (
             "raw", 50_000, bytes(unframe(vals[0])[2]), sums[0])
         assert (u[1].codec, u[1].raw_len, u[1].checksum) == ("raw", 50_008, 0)  # none given
@@ -472,7 +472,7 @@ def test_two_daemons_share_a_prefix_through_the_cluster(redis_cluster):
                         for k, blk, c in zip(keys, blocks, sums, strict=True)])
             assert b.exists_many(keys) == [True] * 8
             got = b.get_many(keys, unframed=True)
-            for (c, raw_len, payload, checksum), blk, want in zip(got, blocks, sums,
+            for (c, raw_len, payload, checksum, _), blk, want in zip(got, blocks, sums,
                                                                   strict=True):
                 out = np.empty(layout.block_bytes, np.uint8)
                 assert (c, raw_len, checksum) == (codec, layout.block_bytes, want)

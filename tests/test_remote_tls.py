@@ -74,7 +74,7 @@ def round_trip(t: RemoteTier, server: RedisProc, n: int = 6) -> None:
     assert t.exists_many(keys + gkeys(1)) == [True] * n + [False]
     assert t.get_many(keys) == vals
     got = t.get_many(keys[:2], unframed=True)
-    assert [(c, r, bytes(p), cs) for c, r, p, cs in got] == [
+    assert [(c, r, bytes(p), cs) for c, r, p, cs, _ in got] == [
         (c, r, bytes(p), 0) for c, r, p in map(unframe, vals[:2])]
     assert server.client().get(make_key(b"kvs:", keys[1])) == sealed(keys[1], vals[1])
     s = t.stats

@@ -11,16 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 
 from ..config import EventsConfig
+from ..entry import NS_ID_BYTES
 from ..index import BlockIndex
 from .pending import ssd_text
 from .publisher import Publisher
 from .recorder import Recorder
 from .relay import Relay, TokenCache
 from .stream import Stream
-from .texts import BlockText, LazyTexts
+from .texts import BlockText, LazyTexts, resolve
 
 
 class Events:
@@ -54,8 +56,9 @@ class Events:
             ctx.term()
             raise
         self.streams = streams
+        self._ssd_text = lambda g: ssd_text(state.ssd, g)
         self.recorder = Recorder(state.namespaces, [s.models for s in streams], cfg.max_queue,
-                                 lambda g: ssd_text(state.ssd, g))
+                                 self._ssd_text)
         self.publisher = Publisher(state, self.recorder, streams, relays, cache, ctx,
                                    cfg.batch_events, cfg.interval_ms / 1000.0,
                                    cfg.token_cache_blocks)
@@ -82,6 +85,30 @@ class Events:
 
     def close(self) -> None:
         self.publisher.close()
+
+    def note(self, gkey: bytes, on_ssd: bool) -> bytes:
+        """The block's text as the note its remote value carries (tiers/remote/envelope.py),
+        b"" where none is known: from the book, else, for a block SSD holds, its SSD meta
+        (locked). Why: Redis is the one tier that kept no text, so a block loaded back from
+        it (by this node after its last local copy went, or by another node) was never
+        announced."""
+        text = resolve(self.book.get(gkey))
+        if text is None and on_ssd:
+            text = self._ssd_text(gkey)
+        return b"" if text is None else msgpack.packb(text.pack())
+
+    def learn_note(self, gkey: bytes, note: bytes) -> None:
+        """A block loaded from Redis (locked, before its host copy is indexed): its text from
+        the value's note, so the copy is announced as one promoted from SSD is."""
+        book = self.recorder.book
+        if not note or gkey in book or not self.recorder.wants_tokens(gkey[:NS_ID_BYTES]):
+            return
+        try:
+            text = BlockText.unpack(msgpack.unpackb(note))
+        except Exception:  # noqa: BLE001 - a note that is not a text: no announcement
+            return
+        if text is not None:
+            book[gkey] = text
 
     def wants_tokens(self, ns_id: bytes) -> bool:
         return self.recorder.wants_tokens(ns_id)

@@ -26,7 +26,7 @@ import time
 
 from kvstore_client.common.errors import DataLoss
 
-from tiers.remote.envelope import SEAL_BYTES
+from tiers.remote.envelope import sealed_bytes
 from tiers.remote.tier import DEFAULT_MAX_VALUE_BYTES, VALUE_SLACK_BYTES
 
 from ..entry import NS_ID_BYTES
@@ -103,14 +103,19 @@ class HostRemote:
         else:
             retry = []
         failed: list[bytes] = []
+        # Each value carries the block's KV-event text, where events know one: Redis kept
+        # none, so a block loaded back from it was never announced (events/service.py).
+        ev = st.events
+        notes = ([ev.note(e.gkey, e.host is None) for e in kept] if ev is not None
+                 else [b""] * len(kept))
         with st.unlocked():
-            written = remote.put_many([(e.gkey, v, e.checksum)
-                                       for e, v in zip(kept, vals, strict=True)])
+            written = remote.put_many([(e.gkey, v, e.checksum, n)
+                                       for e, v, n in zip(kept, vals, notes, strict=True)])
             if retry and written:
                 remote.delete_many(retry, failed=failed)
         if retry and written:
             self.pending.settle(retry, failed)
-        if written < sum(len(v) + SEAL_BYTES for v in vals):
+        if written < sum(sealed_bytes(len(v), n) for v, n in zip(vals, notes, strict=True)):
             st.counters["remote_demotion_failures"] += 1
             return [], corrupt      # Redis down or full: the blocks stay local
         return [(e, len(v)) for e, v in zip(kept, vals, strict=True)], corrupt

@@ -62,6 +62,7 @@ class Promotion:
     nbytes: int = 0                 # encoded bytes read
     ssd_missed: bool = False        # the index said SSD but LMDB had no value
     gpu: bool = False               # copy the gpu copy down (gpu_host.py)
+    note: bytes = b""               # a remote value's note: the block's KV-event text
 
 
 def decode_into(host: Any, p: Promotion, value: object, layout: KVLayout) -> None:
@@ -74,6 +75,7 @@ def decode_into(host: Any, p: Promotion, value: object, layout: KVLayout) -> Non
         if isinstance(value, tuple):
             codec = value[0]
             sealed = value[3] if len(value) > 3 else 0      # a remote value's seal
+            p.note = value[4] if len(value) > 4 else b""
             if sealed and p.checksum and sealed != p.checksum:
                 raise DataLoss("the remote value was sealed with another commit checksum "
                                "than this block's")
@@ -214,6 +216,8 @@ class Promoter:
             return True
         if p.new_checksum:
             e.checksum = p.new_checksum
+        if p.note and st.events is not None:
+            st.events.learn_note(e.gkey, p.note)    # (announced as this copy is indexed)
         st.index.set_host(e, p.offset)
         st.policies["host"].insert(e.gkey, e.parent_gkey, e.size)
         self.host_room.note_promoted(e.gkey, self.host_room.pools.segment_of(e.ns_id))

@@ -38,7 +38,7 @@ from .connection import (
     mask_url,
     url_secrets,
 )
-from .envelope import Sealer, sealer_from_file
+from .envelope import MAX_NOTE_BYTES, Sealer, sealer_from_file
 from .nodes import TIMEOUT_TEXT, Batch, Nodes, make_key
 from .stats import RemoteStats
 
@@ -49,9 +49,9 @@ except ImportError:  # pragma: no cover - only while frame.py is being written
 
 
 # What a caller adds to a value's worst-case frame size when it passes `max_value_bytes`: room
-# for a small envelope the store may wrap around a frame (a value stored by a newer daemon must
-# not read as oversize and be deleted by an older one's bound).
-VALUE_SLACK_BYTES = 256
+# for the seal and its note (envelope.py), and for a small envelope a newer daemon may wrap
+# around a frame (its values must not read as oversize and be deleted by an older one's bound).
+VALUE_SLACK_BYTES = 256 + 4 + MAX_NOTE_BYTES
 # The bound on a value's size when the caller gives none (and the config has no
 # `max_value_bytes`): the largest block a namespace may declare, plus 1 MiB for frame and codec
 # headers and the envelope. No value a daemon writes is larger; callers that know the
@@ -78,12 +78,14 @@ ABSENT = _Marker("ABSENT")           # the node answered: no such key
 
 
 class Unframed(NamedTuple):
-    """A verified value, opened (get_many(unframed=True)): the frame's fields and the checksum
-    the block was committed with (0: unknown), from its seal (tiers/remote/envelope.py)."""
+    """A verified value, opened (get_many(unframed=True)): the frame's fields, the checksum
+    the block was committed with (0: unknown) and the note sealed with it (b"": none), from
+    its seal (tiers/remote/envelope.py)."""
     codec: str
     raw_len: int
     payload: memoryview
     checksum: int
+    note: bytes = b""
 
 
 def _read_reply(kind: Any, value: Any) -> Any:
@@ -359,7 +361,7 @@ class RemoteTier:
                 continue
             nbytes += len(v)
             try:
-                checksum, fr = self.sealer.open(g, v)
+                checksum, fr, note = self.sealer.open_noted(g, v)
                 if self.verify or unframed:
                     codec, raw_len, payload = _unframe(fr)  # type: ignore[misc]
             except (DataLoss, ValueError, TypeError):
@@ -369,7 +371,8 @@ class RemoteTier:
                     gone.add(g)
                 out.append(None)
                 continue
-            out.append(Unframed(codec, raw_len, payload, checksum) if unframed else bytes(fr))
+            out.append(Unframed(codec, raw_len, payload, checksum, note) if unframed
+                       else bytes(fr))
             hits += 1
         self._stats.add("hits", hits, "misses", len(res) - hits, "bytes_read", nbytes,
                         "corrupt", corrupt)
@@ -421,15 +424,17 @@ class RemoteTier:
                 self._pool.submit(_pipeline_delete, b)
 
     def put_many(self, items: Sequence[tuple], deadline_s: float | None = None) -> int:
-        """Store (gkey, frame) or (gkey, frame, commit checksum) items, each sealed to its key
-        and checksum (0: unknown), one pipelined SET batch per node. Returns the bytes Redis
+        """Store (gkey, frame), (gkey, frame, commit checksum) or (gkey, frame, checksum,
+        note) items, each sealed to its key, checksum (0: unknown) and note
+        (tiers/remote/envelope.py), one pipelined SET batch per node. Returns the bytes Redis
         acknowledged (seals included); failures are counted (and raised only with
         raise_errors)."""
         if not items:
             return 0
         gkeys = [it[0] for it in items]
         seal = self.sealer.seal
-        values = [seal(it[0], it[2] if len(it) > 2 else 0, it[1]) for it in items]
+        values = [seal(it[0], it[2] if len(it) > 2 else 0, it[1], it[3] if len(it) > 3 else b"")
+                  for it in items]
         sizes = [len(v) for v in values]
         ttl = self.ttl_s or None
 
