@@ -22,6 +22,7 @@ from kvstore_client import (
     DeadlineExceeded,
     InvalidArgument,
     KVLayout,
+    LeaseExpired,
     PagedKV,
     Unavailable,
     connect,
@@ -374,3 +375,128 @@ def test_retain_hints_reach_the_daemon(ns) -> None:
         ns.client.call("Retain", pb.RetainRequest(namespace_id=ns.ns_id, keys=keys,
                                                   level="forever"))
     assert ns.lookup(ids) == 3 * T                   # a hint never drops anything
+
+
+def loaded_blocks(ns, keys: list[bytes]) -> dict[int, np.ndarray]:
+    """The cached prefix of `keys` as each block's bytes (canonical layout), by position."""
+    got: dict[int, np.ndarray] = {}
+
+    def drain(base: np.ndarray, offsets, first: int) -> None:
+        for j, off in enumerate(offsets):
+            got[first + j] = base[off:off + ns.block_bytes].copy()
+    assert ns.load_blocks(keys, drain) == len(got)
+    return got
+
+
+def test_two_threads_storing_over_grpc_each_send_their_own_bytes(shared_daemon) -> None:
+    """Over Put streams a store stages its blocks and gRPC's sender encodes them while the RPC
+    runs, so two threads storing through one Namespace (the Client is thread-safe) must not
+    share that staging. A's fill returns only after B's fill has run: with one buffer per
+    Namespace, A's keys would be stored with B's bytes every time, and served as valid."""
+    bb, n = LAYOUT.block_bytes, 4
+    a_filled, b_filled = threading.Event(), threading.Event()
+
+    def filler(mark: int, after: threading.Event | None, before: threading.Event | None):
+        def fill(base: np.ndarray, offsets, first: int) -> None:
+            if after is not None:
+                assert after.wait(30), "the other store's fill never ran"
+            for j, off in enumerate(offsets):
+                base[off:off + bb] = mark + first + j
+            if before is not None:
+                before.set()
+            if mark == 0xA0:
+                assert b_filled.wait(30), "the other store's fill never ran"
+        return fill
+
+    with connect(shared_daemon.address, transport="grpc") as c:
+        ns = c.namespace(LAYOUT, model="grpc-staging", tenant_salt=f"{id(c)}")
+        assert c.transport == "grpc"
+        keys = {m: [bytes([m, i]) * 8 for i in range(n)] for m in (0xA0, 0xB0)}
+        fills = {0xA0: filler(0xA0, None, a_filled), 0xB0: filler(0xB0, a_filled, b_filled)}
+        errors: list[BaseException] = []
+
+        def store(m: int) -> None:
+            try:
+                assert ns.store_blocks(keys[m], fills[m]) == n
+            except BaseException as e:  # noqa: BLE001 - reported by the test thread
+                errors.append(e)
+        threads = [threading.Thread(target=store, args=(m,), daemon=True) for m in keys]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+        for m, ks in keys.items():
+            got = loaded_blocks(ns, ks)
+            assert len(got) == n
+            for i in range(n):
+                assert np.all(got[i] == m + i), f"block {i} of store {m:#x} holds other bytes"
+
+
+def test_a_pin_held_across_a_restart_says_pin_again(shared_daemon) -> None:
+    """A Pinned keeps the pool mapping it pinned in. Once another call of its client re-maps
+    a restarted daemon's pool, that mapping is closed, and loading the pin must raise the
+    documented LeaseExpired ("pin again"), not an AttributeError or TypeError from inside the
+    copy: engines catch KVStoreError. Both the one-pass kernel and the numpy drain."""
+    d = shared_daemon
+    with connect(d.address, transport="shm") as c:
+        ns = c.namespace(LAYOUT, model="pin-restart", tenant_salt=f"{id(c)}")
+        ids, kv = prompt(21, 4 * T), make_kv(21, 4 * T)
+        assert ns.store(ids, kv) == 4
+        pinned = ns.pin(ns.keys(ids))
+        assert pinned.blocks == 4
+        d.restart()
+        out = torch.zeros_like(kv)
+        assert ns.load(ids, out=out) == 4 * T       # this call re-maps the new run's pool
+        assert torch.equal(bits_t(out), bits_t(kv)) and c.counters["resyncs"] >= 1
+        strided = torch.zeros((4, 2, 2, 4 * T, 64), dtype=torch.bfloat16).transpose(2, 3)
+        for dst in (torch.zeros_like(kv), strided):
+            with pytest.raises(LeaseExpired, match="pin again"):
+                pinned.load_keys(dst)
+        pinned.release()
+        again = ns.pin(ns.keys(ids))                # what the error says to do works
+        assert again.blocks == 4 and again.load_keys(out) == 4
+        assert torch.equal(bits_t(out), bits_t(kv))
+        again.release()
+
+
+def test_two_threads_storing_through_one_paged_kv_each_store_their_own_pages(
+        shared_daemon) -> None:
+    """PagedKV's torch path (device caches; use_torch_gather here) gathers pages into a host
+    staging buffer before the slots: two threads storing through one PagedKV must not share
+    it. With one buffer per PagedKV, about half the blocks held the other thread's pages."""
+    pages, n, rounds = 64, 32, 10
+    layers = [torch.zeros((2, pages, T, 2, 64), dtype=torch.bfloat16) for _ in range(4)]
+    for layer in layers:
+        for p in range(pages):
+            layer[:, p] = p                         # small integers: exact in bf16
+    want = {p: int(torch.tensor(float(p), dtype=torch.bfloat16).view(torch.int16))
+            for p in range(pages)}
+    with connect(shared_daemon.address, transport="shm") as c:
+        ns = c.namespace(LAYOUT, model="paged-staging", tenant_salt=f"{id(c)}")
+        paged = PagedKV(ns, layers, use_torch_gather=True)
+
+        def keys(w: int, r: int) -> list[bytes]:
+            return [bytes([w, r, i]) * 6 for i in range(n)]
+        errors: list[BaseException] = []
+
+        def store(w: int) -> None:
+            try:
+                for r in range(rounds):
+                    assert paged.store_keys(keys(w, r), list(range(w * n, (w + 1) * n))) == n
+            except BaseException as e:  # noqa: BLE001 - reported by the test thread
+                errors.append(e)
+        threads = [threading.Thread(target=store, args=(w,), daemon=True) for w in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+        wrong = []
+        for w in (0, 1):
+            for r in range(rounds):
+                got = loaded_blocks(ns, keys(w, r))
+                assert len(got) == n
+                wrong += [(w, r, i) for i in range(n)
+                          if not np.all(got[i].view(np.int16) == want[w * n + i])]
+        assert not wrong, f"{len(wrong)} blocks hold another page's bytes: {wrong[:4]}"

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kvstore_client import connect, leases
-from kvstore_client.common.errors import DeadlineExceeded
+from kvstore_client.common.errors import DeadlineExceeded, InvalidArgument
 from kvstore_client.common.layout import KVLayout
 
 from tests.daemon import Daemon, cleanup, start_daemon
@@ -154,3 +154,69 @@ def test_sglang_backend_calls_keep_their_bounds(tmp_path: Path) -> None:
     for e in (s_exists, s_exists2):
         assert e["n"] == 0 and e["batch_s"] < 1.0 + MARGIN_S, e
     assert not any(s_get["ok"]) and s_get["s"] < 2.0 + MARGIN_S, s_get
+
+
+# What the calls below took before they shared one deadline: a timeout per lease released
+# first (4 spares: 5 s; 6 pins: 7 s), or Flush's 60 s floor whatever the caller asked for.
+SHARED_BOUND_S = 2.5
+
+
+def test_stats_after_stores_releases_within_its_own_deadline(
+        daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stats (and Evict) first give back the spare write lease of each namespace that stored
+    lately, so its answer counts them as free. Against a stopped daemon those releases come
+    out of the call's one deadline: not a timeout each and then the call's own."""
+    monkeypatch.setattr(leases, "SPARE_IDLE_S", 60.0)     # the spares wait for the Stats
+    c = connect(daemon.address, timeout=1.0)
+    try:
+        for i in range(4):
+            ns = c.namespace(LAYOUT, model=f"deadlines-spares-{i}")
+            assert ns.store_blocks(_keys(b"s"), _fill) == 4
+        with stopped(daemon):
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceeded, match="Stats"):
+                c.stats()
+            took = time.monotonic() - t0
+        assert took < SHARED_BOUND_S, took
+        # Answered again. Spares the stopped daemon was not sent end at their lease deadline.
+        assert c.stats()["daemon_id"] == c.daemon_id
+    finally:
+        c.close()
+
+
+def test_close_with_many_pins_takes_one_deadline(daemon) -> None:
+    """close() releases every lease it holds; against a stopped daemon all of them share one
+    deadline (the daemon ends the rest at theirs), so six pins do not cost six timeouts."""
+    c = connect(daemon.address, timeout=1.0)
+    ns = c.namespace(LAYOUT, model="deadlines-pins")
+    keys = _keys(b"p")
+    assert ns.store_blocks(keys, _fill) == 4
+    pins = [ns.pin(keys) for _ in range(6)]
+    assert all(p.blocks == 4 for p in pins) and len(c.leases.held) >= 6
+    with stopped(daemon):
+        t0 = time.monotonic()
+        c.close()
+        took = time.monotonic() - t0
+    assert took < SHARED_BOUND_S, took
+
+
+def test_flush_and_evict_keep_a_timeout_the_caller_passes(daemon) -> None:
+    """flush() waits at least 60 s by default (a whole host tier goes to SSD), but a timeout
+    passed to it, or to evict(), is the call's deadline; a bad one is refused at once."""
+    c = connect(daemon.address, timeout=5.0)
+    try:
+        ns = c.namespace(LAYOUT, model="deadlines-flush")
+        assert ns.store_blocks(_keys(b"f"), _fill) == 4
+        with stopped(daemon):
+            for call in (lambda: c.flush(timeout=1.0), lambda: c.evict("host", timeout=1.0)):
+                t0 = time.monotonic()
+                with pytest.raises(DeadlineExceeded):
+                    call()
+                took = time.monotonic() - t0
+                assert took < SHARED_BOUND_S, took
+        for bad in (0, -1.0, "1"):
+            with pytest.raises(InvalidArgument, match="timeout"):
+                c.flush(timeout=bad)
+        assert c.flush(timeout=30.0) >= 4           # answered again, within what it was given
+    finally:
+        c.close()

@@ -280,6 +280,28 @@ def test_plan_rejects_wrong_cache_shapes():
         cg.PagedCopier(HostRegion(1 << 20), cache, bf)
 
 
+def test_plan_refuses_tensors_whose_elements_overlap_within_a_block():
+    """Heads broadcast with expand (stride 0), or a head axis stepping inside head_dim, put
+    several elements of one block at one address: a load would leave the last value written
+    in all of them (other bytes than the block), so the plan refuses such a cache as it
+    refuses blocks that overlap. Padded and permuted layouts stay accepted."""
+    L = LAYOUT
+    T, H, D = L.block_tokens, L.num_kv_heads, L.head_dim
+    dt = getattr(torch, L.dtype)
+    broadcast = [torch.zeros((6, T, 1, D), dtype=dt).expand(6, T, H, D) for _ in range(2 * 4)]
+    raw = [torch.zeros((6, T, D + 1), dtype=dt) for _ in range(2 * 4)]
+    inside = [torch.as_strided(r, (6, T, H, D), (T * (D + 1), D + 1, 1, 1)) for r in raw]
+    for tensors in (broadcast, inside):
+        cache = cg.PagedKVCache([(tensors[2 * i], tensors[2 * i + 1]) for i in range(4)])
+        with pytest.raises(InvalidArgument, match="elements of one block overlap"):
+            cg.static_plan(cache.geoms(), L)
+        for method in ("torch", "runs"):
+            with pytest.raises(InvalidArgument, match="elements of one block overlap"):
+                cg.PagedCopier(HostRegion(1 << 20), cache, L, method=method)
+    for kind in ("padded", "head_major", "token_major"):
+        cg.static_plan(make_caches(L, 4, None, kind)[1].geoms(), L)
+
+
 @pytest.mark.parametrize("method", ["auto", "torch", "runs"])
 @pytest.mark.parametrize("kind", ["vllm", "flashinfer", "padded", "head_major", "token_major"])
 def test_cpu_store_then_load_round_trip(kind, method):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -100,3 +101,37 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
     arr[::PAGE] = 0
     return arr
+
+
+class StagingBuffers:
+    """Staging buffers that each call checks out for itself and gives back when done.
+
+    Why: the Client is thread-safe, and a staged store is read lazily (a Put stream's sender
+    thread encodes the staged blocks while the RPC runs), so one buffer shared by the calls of
+    a Namespace or PagedKV let one thread's fill overwrite blocks another was still sending:
+    wrong bytes stored under valid keys. A buffer is never in two calls at once; `keep` of
+    them wait for reuse, so a single-threaded engine allocates and page-faults once, not per
+    call.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self._keep = keep
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least `nbytes` that no other call holds until `give` returns it."""
+        with self._lock:
+            fits = [b for b in self._free if b.nbytes >= nbytes]
+            if fits:
+                buf = min(fits, key=lambda b: b.nbytes)
+                self._free = [b for b in self._free if b is not buf]
+                return buf
+        return aligned_buffer(nbytes)
+
+    def give(self, buf: np.ndarray) -> None:
+        """Return a buffer no reader can still reach (the largest `keep` are kept)."""
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.nbytes, reverse=True)
+            del self._free[self._keep:]

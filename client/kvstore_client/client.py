@@ -53,6 +53,12 @@ DEFAULT_TIMEOUT_S = 10.0
 # Calls whose answer depends on the releases a client has queued (leases.py): sent after them;
 # those that also count or free reserved slots give the spare write leases back first.
 _AFTER_RELEASES = {"Delete": False, "Flush": False, "Evict": True, "Stats": True}
+# Releases sent together off a call's path (the lease thread's, close()) share one deadline of
+# at most this long: the daemon ends a lease not released by then at its own deadline.
+RELEASE_S = 2.0
+# A Flush's default deadline: demoting a whole host tier writes all of it to SSD, which a
+# client's per-call timeout (seconds) is not sized for. A timeout passed to flush() wins.
+FLUSH_TIMEOUT_S = 60.0
 DEFAULT_ADDRESS = "data/kvstore.sock"   # `kvstore serve`'s default socket, relative to its cwd
 
 TRANSPORTS = ("auto", "shm", "grpc")
@@ -196,7 +202,7 @@ class Client:
         self.gpu_pools: list[dict] = []
         self._shm_error: str | None = None
         self._namespaces: weakref.WeakSet[Namespace] = weakref.WeakSet()
-        self.leases = LeaseKeeper(self._renew, self._release_quiet)
+        self.leases = LeaseKeeper(self._renew, self._release_quiet, self._release_many)
         # corrupt_blocks: checksum failures of the daemon's own copy (the mapping was checked
         # to be the live pool), the only ones that justify dropping a block for everyone.
         self.counters: dict[str, int] = {"resyncs": 0, "checksum_failures": 0,
@@ -219,7 +225,8 @@ class Client:
         timeout = timeout or self.timeout
         t_end = time.monotonic() + timeout
         if method in _AFTER_RELEASES:
-            self.leases.flush(spares=_AFTER_RELEASES[method])
+            # Out of this call's deadline: the releases are part of what it waits for.
+            self.leases.flush(spares=_AFTER_RELEASES[method], deadline=t_end)
         first = not self._reached
         if first:
             self._check_address()
@@ -368,17 +375,39 @@ class Client:
         return self.call("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id,
                                                             ttl_s=self.lease_ttl_s)).deadline
 
-    def _release_quiet(self, lease_id: str) -> None:
+    def _release_deadline(self) -> float:
+        return time.monotonic() + min(RELEASE_S, self.timeout)
+
+    def _release_quiet(self, lease_id: str, deadline: float | None = None) -> None:
+        self._release_many([lease_id], deadline)
+
+    def _release_many(self, lease_ids: list[str], deadline: float | None = None) -> None:
+        """Release leases one after another within one deadline (monotonic; None: RELEASE_S
+        from now); those it leaves unsent end at their own deadlines.
+
+        Why one deadline, not one each: against a daemon that stopped answering, each Release
+        would wait its whole timeout, so a Stats after a few stores or a close() with many
+        pins took N times the caller's timeout. Release takes one lease id, and only Acquire,
+        LookupAcquire and Commit carry releases (a Stats, Evict or Flush cannot), so the batch
+        is sent over the lane where there is one (tens of microseconds each)."""
         if self._closed:
             return  # close() released every lease the keeper held
-        try:
-            self.call("Release", pb.ReleaseRequest(lease_id=lease_id),
-                      timeout=min(2.0, self.timeout))
-        except (NotFound, LeaseExpired, Unavailable):
-            pass  # already gone: the daemon restarted or reaped it
-        except DeadlineExceeded as e:
-            # The lease ends at its deadline anyway; the caller's own error (if any) matters.
-            log.debug("kvstore: release of %s timed out: %s", lease_id, e)
+        if deadline is None:
+            deadline = self._release_deadline()
+        for k, lease_id in enumerate(lease_ids):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.debug("kvstore: %d releases left to their lease deadlines (no time left)",
+                          len(lease_ids) - k)
+                return
+            try:
+                self.call("Release", pb.ReleaseRequest(lease_id=lease_id), timeout=left)
+            except (NotFound, LeaseExpired, Unavailable):
+                pass  # already gone: the daemon restarted or reaped it
+            except KVStoreError as e:
+                # Timed out, or refused: the lease ends at its deadline anyway, and the
+                # caller's own error (if any) matters; the next ones may still go.
+                log.debug("kvstore: release of %s failed: %s", lease_id, e)
 
     def release(self, lease_id: str) -> None:
         """Release a lease (best effort: a lease the daemon no longer knows is already free)."""
@@ -516,22 +545,32 @@ class Client:
         return {"tiers": tiers, "counters": dict(r.counters), "namespaces": r.namespaces,
                 "active_leases": r.active_leases, "daemon_id": r.daemon_id}
 
-    def evict(self, tier: str, nbytes: int = 0) -> tuple[int, int]:
-        """Ask the daemon to evict from `tier` (0 bytes: everything evictable)."""
-        r = self.call("Evict", pb.EvictRequest(tier=tier, bytes=nbytes))
+    def evict(self, tier: str, nbytes: int = 0, *, timeout: float | None = None
+              ) -> tuple[int, int]:
+        """Ask the daemon to evict from `tier` (0 bytes: everything evictable). `timeout`:
+        seconds for the whole call (None: the client's), the releases it sends first included."""
+        r = self.call("Evict", pb.EvictRequest(tier=tier, bytes=nbytes),
+                      timeout=_check_timeout(timeout))
         return int(r.freed_bytes), int(r.blocks)
 
-    def flush(self) -> int:
+    def flush(self, *, timeout: float | None = None) -> int:
         """Demote every host block to SSD; returns how many were written. Past the daemon's
         limits.request_deadline_s it raises DeadlineExceeded, saying how many it wrote (call
-        again for the rest); a second Flush of the same tenant at once is ResourceExhausted."""
-        return int(self.call("Flush", pb.FlushRequest(), timeout=max(self.timeout, 60)).demoted)
+        again for the rest); a second Flush of the same tenant at once is ResourceExhausted.
+
+        `timeout`: seconds for the whole call. None: the client's timeout, but at least
+        FLUSH_TIMEOUT_S (60 s), because writing a whole host tier to SSD outlasts a per-call
+        timeout sized for stores and loads; one passed here is kept as given."""
+        t = _check_timeout(timeout) or max(self.timeout, FLUSH_TIMEOUT_S)
+        return int(self.call("Flush", pb.FlushRequest(), timeout=t).demoted)
 
     def close(self) -> None:
-        """Release every lease still held, unmap the pool, close the channel. Idempotent."""
+        """Release every lease still held, unmap the pool, close the channel. Idempotent.
+        The releases share one deadline (at most 2 s, or `timeout` if shorter), however many
+        leases are held: the daemon ends any left at their own deadlines."""
         if self._closed:
             return
-        self.leases.close()
+        self.leases.close(self._release_deadline())
         self._closed = True
         with self._lock:
             if self._pool is not None:
@@ -555,6 +594,16 @@ _RESPONSE = {m: getattr(pb, f"{m}Response") for m in METHOD_ID}
 # What grpc says when a daemon was there to connect to: the first call waits for it then.
 _DAEMON_THERE = ("timed out", "stream removed", "broken pipe", "connection reset",
                  "socket closed")
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    """A caller's per-call timeout: None, or positive seconds (0 would mean the default to
+    `call`, and a negative one fail at once: both are mistakes worth saying so)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidArgument(f"timeout must be positive seconds, got {timeout!r}")
+    return float(timeout)
 
 
 def _left(method: str, timeout: float, t_end: float, why: str = "") -> float:

@@ -91,6 +91,20 @@ def _dense_suffix_elems(g: TensorGeom) -> int:
     return run
 
 
+def _elements_overlap(g: TensorGeom) -> bool:
+    """Whether two elements of one block [T, H, D] share an address (a stride 0, or strides
+    that interleave). Why: the block check above looks only across blocks, and a copy into
+    such a tensor keeps the last of several values. Sorted by stride, each axis must step past
+    everything the smaller ones span, as the block stride must past a whole block."""
+    span = 0                    # elements the smaller axes reach beyond their first
+    for s, n in sorted((abs(s), n) for n, s in zip(g.shape[1:], g.strides[1:], strict=True)
+                       if n > 1):
+        if s <= span:
+            return True
+        span += (n - 1) * s
+    return False
+
+
 def static_plan(geoms: Sequence[TensorGeom], layout: KVLayout) -> StaticPlan:
     """Runs of one block: the largest pieces contiguous in both the engine tensor and the
     canonical slot, the same size for every tensor, so one launch moves a whole batch.
@@ -114,6 +128,13 @@ def static_plan(geoms: Sequence[TensorGeom], layout: KVLayout) -> StaticPlan:
         if nb > 1 and abs(g.strides[0]) * g.itemsize < g.block_span():
             raise InvalidArgument(f"cache tensor {c}: blocks overlap (block stride "
                                   f"{g.strides[0]} elements)")
+        if _elements_overlap(g):
+            raise InvalidArgument(
+                f"cache tensor {c}: elements of one block overlap (strides {g.strides[1:]} for "
+                f"[block_tokens, heads, head_dim] {g.shape[1:]}, e.g. a head axis broadcast "
+                "with expand): a load would write several values to one address and leave "
+                "the cache holding other bytes than the block; give every (token, head, dim) "
+                "its own memory (e.g. .contiguous())")
     e = layout.itemsize
     chunk = T * H * D                      # elements of one (layer, K|V) part of a block
     run = 0

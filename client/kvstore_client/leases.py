@@ -18,6 +18,11 @@ The same thread takes two round trips off the engine's path:
 - a spare write lease that a Commit reserved ahead (`keep_spare`) waits here for the next
   store; one left unused is released after `SPARE_IDLE_S`, so an idle client does not keep
   pool space from other engines.
+
+Releases sent together (a flush before a call, a batch of the thread's, `close()`) share one
+absolute deadline, not one each: against a daemon that stopped answering, N leases would
+otherwise hold the caller (or the renewals behind them) for N timeouts. One not sent in time
+is no loss: the daemon ends it at its deadline.
 """
 
 from __future__ import annotations
@@ -64,12 +69,17 @@ def seconds_left(deadline_unix: float) -> float:
 class LeaseKeeper:
     """Tracks held leases; renews them in the background; releases them on close.
 
-    `renew(lease_id) -> new deadline (unix time)` and `release(lease_id)` are the client's RPCs.
+    `renew(lease_id) -> new deadline (unix time)` and `release(lease_id)` are the client's RPCs;
+    `release_many(lease_ids, deadline)`, where given, releases a batch within one deadline
+    (monotonic; None: the client's default for releases).
     """
 
-    def __init__(self, renew: Callable[[str], float], release: Callable[[str], None]) -> None:
+    def __init__(self, renew: Callable[[str], float], release: Callable[[str], None],
+                 release_many: Callable[[list[str], float | None], None] | None = None
+                 ) -> None:
         self._renew = renew
         self._release = release
+        self._release_many = release_many
         self._held: dict[str, _Held] = {}
         self._lost: set[str] = set()
         self._pending: list[tuple[str, float]] = []  # (id, when the thread sends it)
@@ -136,18 +146,19 @@ class LeaseKeeper:
             self._pending += [(lid, now) for lid in lease_ids]
             self._wake()
 
-    def flush(self, spares: bool = False) -> None:
+    def flush(self, spares: bool = False, deadline: float | None = None) -> None:
         """Send the pending releases now (and with `spares`, give the spares back), in the
         caller's thread: before a call whose answer depends on what this client holds (a
         Delete skips blocks a read lease still pins; an Evict cannot free reserved slots;
-        Stats counts leases)."""
+        Stats counts leases). `deadline` (monotonic) is that call's own, so the releases
+        come out of its time rather than adding their own."""
         with self._cond:
             pending = [lid for lid, _ in self._pending]
             self._pending = []
             if spares:
                 pending += list(self._spares)
                 self._spares.clear()
-        self._release_all(pending)
+        self._release_all(pending, deadline)
 
     def keep_spare(self, lease_id: str, deadline_unix: float) -> None:
         """Hold an unused write lease for the next store; release it if none comes."""
@@ -223,7 +234,15 @@ class LeaseKeeper:
             for h in due:
                 self._renew_one(h.lease_id)
 
-    def _release_all(self, lease_ids: list[str]) -> None:
+    def _release_all(self, lease_ids: list[str], deadline: float | None = None) -> None:
+        if not lease_ids:
+            return
+        if self._release_many is not None:
+            try:
+                self._release_many(lease_ids, deadline)
+            except Exception as e:  # noqa: BLE001 - the daemon reaps them at the deadline anyway
+                log.debug("kvstore: release of %d leases failed: %s", len(lease_ids), e)
+            return
         for lease_id in lease_ids:
             try:
                 self._release(lease_id)
@@ -256,8 +275,10 @@ class LeaseKeeper:
                 h.expires_at = sent + seconds_left(deadline)
 
     # -- shutdown -----------------------------------------------------------------------------
-    def close(self) -> None:
-        """Stop renewing and release every lease still held (best effort, errors logged)."""
+    def close(self, deadline: float | None = None) -> None:
+        """Stop renewing and release every lease still held (best effort, errors logged), all
+        within `deadline` (monotonic; None: the client's default for releases, and up to 5 s
+        for the thread)."""
         with self._cond:
             if self._closed:
                 return
@@ -268,6 +289,8 @@ class LeaseKeeper:
             self._spares.clear()
             self._pending = []
             self._cond.notify_all()
-        self._release_all(held)
+        self._release_all(held, deadline)
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+            # A thread still in a renewal or release ends with the channel close() closes.
+            self._thread.join(timeout=5 if deadline is None
+                              else max(0.0, deadline - time.monotonic()))

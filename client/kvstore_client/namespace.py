@@ -22,7 +22,15 @@ import xxhash
 
 from . import blockcopy
 from ._proto import kvstore_pb2 as pb
-from .buffers import PAGE, _is_tensor, aligned_buffer, check_seq, copy_block, raw_view, slot_view
+from .buffers import (
+    PAGE,
+    StagingBuffers,
+    _is_tensor,
+    check_seq,
+    copy_block,
+    raw_view,
+    slot_view,
+)
 from .common.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -119,7 +127,7 @@ class Namespace:
         self.key_bytes = key_bytes
         self.ns_id = b""
         self.block_bytes = spec.layout.block_bytes
-        self._staging: np.ndarray | None = None
+        self._staging = StagingBuffers()      # Put's staged blocks, one buffer per call
         self._spare: Any | None = None          # write lease a Commit reserved ahead
         self._spare_lock = threading.Lock()
         # Whether this namespace's last store found blocks cached. A store into a spare lease
@@ -335,6 +343,17 @@ class Namespace:
             raise _Stale("host pool segment replaced")
         return pool
 
+    @staticmethod
+    def _pool_bytes(pool: _Pool) -> np.ndarray:
+        """The mapped pool's bytes, or _Stale once another call re-mapped a restarted daemon's
+        pool and closed this one. Why: a call holds its `_Pool` for a whole round trip (a
+        `Pinned` for as long as it lives) and `_adopt` closes it under them; the caller's
+        reference to the array keeps the mapping alive for its copy (shm.SharedSlab.close)."""
+        arr = pool.slab.array
+        if arr is None:
+            raise _Stale("host pool closed: the daemon restarted and its new pool is mapped")
+        return arr
+
     def _lookup_reserve(self, keys: list[bytes]) -> tuple[int, Any]:
         """(cached prefix, write lease for the next missing blocks or None) in one round trip;
         Lookup then (later) Reserve against a daemon that predates LookupReserve."""
@@ -380,7 +399,7 @@ class Namespace:
             try:
                 offsets = self._check_slots(lease.slots, pool)[:n]
                 n = len(offsets)
-                sums = _fill_checksummed(fill, pool.slab.array, offsets, i, bb)
+                sums = _fill_checksummed(fill, self._pool_bytes(pool), offsets, i, bb)
             except BaseException:
                 client.release_later(lease.lease_id)    # off the failing call's deadline
                 raise
@@ -422,7 +441,8 @@ class Namespace:
                     have = _prefix_of(look)
                     continue
                 lo = max(hi - per, 0) if have is None else have    # answered: the rest at once
-                sums[lo:hi] = _fill_checksummed(fill, pool.slab.array, offsets[lo:hi], lo, bb)
+                base = self._pool_bytes(pool)       # each piece: a re-map may close it
+                sums[lo:hi] = _fill_checksummed(fill, base, offsets[lo:hi], lo, bb)
                 hi = lo
             if have is None:
                 have = _prefix_of(look)
@@ -501,16 +521,32 @@ class Namespace:
         client.leases.add(lease.lease_id, lease.deadline)
         return lease
 
-    def _staging_buffer(self, nbytes: int) -> np.ndarray:
-        if self._staging is None or self._staging.nbytes < nbytes:
-            self._staging = aligned_buffer(nbytes)
-        return self._staging
-
     def _store_grpc(self, keys: list[bytes], start: int, parent: bytes, fill: Fill,
                     parts: Callable[[int], list[Any]] | None = None,
                     tokens: bytes | None = None) -> int:
         """Put streams; `parts(i)` (contiguous pieces of block i) skips the staging copy;
         `tokens` (every key's, as _tokens gives them) go with their blocks' messages."""
+        stride = (self.block_bytes + PAGE - 1) // PAGE * PAGE
+        per_rpc = max(1, _PUT_RPC_BYTES // stride)
+        # This call's own staging (StagingBuffers: gRPC reads it lazily while the Put runs).
+        staging = (self._staging.take(min(len(keys) - start, per_rpc) * stride)
+                   if parts is None else None)
+        done = False
+        try:
+            stored = self._put_all(keys, start, parent, fill, parts, tokens, staging)
+            done = True
+        finally:
+            # Given back only after a Put that the daemon answered, having read every message;
+            # a failed one may leave gRPC's sender thread still encoding from it.
+            if staging is not None and done:
+                self._staging.give(staging)
+        return stored
+
+    def _put_all(self, keys: list[bytes], start: int, parent: bytes, fill: Fill,
+                 parts: Callable[[int], list[Any]] | None, tokens: bytes | None,
+                 staging: np.ndarray | None) -> int:
+        """The Put RPCs of one store, up to _PUT_RPC_BYTES each, each filled into `staging`
+        (this call's alone) just before it is sent."""
         client, bb = self.client, self.block_bytes
         tb = 4 * self.layout.block_tokens           # token id bytes a block
         stride = (bb + PAGE - 1) // PAGE * PAGE
@@ -522,8 +558,8 @@ class Namespace:
         while i < len(keys):
             n = min(len(keys) - i, per_rpc)
             base, offsets = None, []
-            if parts is None:
-                base = self._staging_buffer(n * stride)
+            if staging is not None:
+                base = staging
                 offsets = [j * stride for j in range(n)]
                 fill(base, offsets, i)
             def msgs(i: int = i, n: int = n, parent: bytes = parent, base=base,
@@ -638,7 +674,7 @@ class Namespace:
             # slots are in the new run's pool, which this (tenant, memfd) mapping is not.
             raise _Stale("host pool replaced by a restarted daemon")
         want = list(lease.checksums) if client.verify else []
-        good = _drain_verified(drain, pool.slab.array, offsets, bb,
+        good = _drain_verified(drain, self._pool_bytes(pool), offsets, bb,
                                want if len(want) == n else None)
         if not client.leases.ok(lid):
             client.counters["leases_lost"] += 1

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from . import blockcopy
-from .buffers import _is_tensor, _torch, aligned_buffer, raw_view
+from .buffers import StagingBuffers, _is_tensor, _torch, raw_view
 from .common.errors import InvalidArgument
 from .common.layout import KVLayout
 from .namespace import Namespace
@@ -122,7 +122,7 @@ class PagedKV:
             t = _torch()
             self._tview = [(t.from_numpy(x) if isinstance(x, np.ndarray) else x)
                            .movedim((page_axis, kv_axis), (0, 1)) for x in self._raw]
-            self._staging: Any = None
+            self._staging = StagingBuffers()     # one buffer per copy, never shared
         # Host-memory caches go through the one-pass copy kernel when it can address them.
         self._kplan = None
         if not self._torch_path and blockcopy.kernel_available():
@@ -174,15 +174,11 @@ class PagedKV:
                     src[pages] = dst[idx]
 
     # -- torch path (device tensors) -------------------------------------------------------
-    def _stage(self, n: int) -> Any:
-        t = _torch()
+    def _stage(self, buf: np.ndarray, n: int) -> Any:
+        """n canonical blocks of `buf` as a torch tensor [n, L, 2, T, H, D] (same memory)."""
         lay = self.layout
-        if self._staging is None or self._staging.shape[0] < n:
-            buf = aligned_buffer(n * lay.block_bytes)
-            self._staging_np = buf
-            self._staging = t.from_numpy(buf.view(self._raw_np_dtype())).view(
-                (n,) + lay.block_shape)
-        return self._staging[:n]
+        return _torch().from_numpy(buf[:n * lay.block_bytes].view(self._raw_np_dtype())).view(
+            (n,) + lay.block_shape)
 
     def _raw_np_dtype(self) -> Any:
         return _INT[self.layout.itemsize]
@@ -191,23 +187,26 @@ class PagedKV:
                     to_slots: bool) -> None:
         t = _torch()
         n = len(offsets)
-        stage = self._stage(n)
         bb = self.layout.block_bytes
         dt = self._raw_np_dtype()
+        # This copy's own staging: two threads moving pages through one PagedKV must not
+        # write each other's blocks (StagingBuffers). Both directions' torch copies are
+        # synchronous (no non_blocking), so nothing reads it once this returns.
+        buf = self._staging.take(n * bb)
+        stage = self._stage(buf, n)
         if to_slots:
             for layer, v in enumerate(self._tview):
                 idx = t.as_tensor(pages, device=v.device)
                 stage[:, layer].copy_(v.index_select(0, idx))
             for j, off in enumerate(offsets):
-                np.copyto(base[off:off + bb].view(dt), self._staging_np[j * bb:(j + 1) * bb]
-                          .view(dt))
+                np.copyto(base[off:off + bb].view(dt), buf[j * bb:(j + 1) * bb].view(dt))
         else:
             for j, off in enumerate(offsets):
-                np.copyto(self._staging_np[j * bb:(j + 1) * bb].view(dt),
-                          base[off:off + bb].view(dt))
+                np.copyto(buf[j * bb:(j + 1) * bb].view(dt), base[off:off + bb].view(dt))
             for layer, v in enumerate(self._tview):
                 idx = t.as_tensor(pages, device=v.device)
                 v.index_copy_(0, idx, stage[:, layer].to(v.device))
+        self._staging.give(buf)
 
     def _move(self, base: np.ndarray, offsets: Sequence[int], pages: np.ndarray,
               to_slots: bool) -> None:
