@@ -81,6 +81,43 @@ def test_sdk_stores_carry_token_ids_and_the_wire_is_vllms(tmp_path):
         cleanup(d)
 
 
+def test_paged_and_device_stores_announce_their_blocks(tmp_path):
+    """PagedKV.store (a paged engine's host path) and DeviceKV.store (the gpu tier) took the
+    prompt's token ids but never sent them, so none of their blocks was ever announced."""
+    import torch
+    from kvstore_client import gpu as cg
+    from kvstore_client.device_kv import DeviceKV
+    from kvstore_client.paged import PagedKV
+    d = start_daemon(tmp_path, {**EVENTS, "host.capacity": "16MiB", "gpu.enabled": "true",
+                                "gpu.backend": "cpu", "gpu.capacity": "4MiB"})
+    sub = None
+    try:
+        pub, replay = streams_of(d)["node"]
+        sub = Sub(pub, replay)
+        client = connect(d.address)
+        ns = client.namespace(model="llama", layout=LAYOUT)
+        shape = (2, 8, T, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+        rng = np.random.default_rng(3)
+        pages = [rng.standard_normal(shape).astype(np.float16) for _ in range(LAYOUT.num_layers)]
+        tokens = np.arange(100, 100 + 3 * T)
+        assert PagedKV(ns, pages).store(tokens, [5, 2, 7]) == 3
+        evs = sub.wait(lambda e: len(firsts(stored(e, "CPU"))) == 3, what="PagedKV's store")
+        assert [t for e in firsts(stored(evs, "CPU")) for t in e["token_ids"]] == \
+            tokens.tolist()
+        cache = cg.PagedKVCache.from_vllm([torch.randn(shape).to(torch.float16)
+                                           for _ in range(LAYOUT.num_layers)])
+        on_gpu = np.arange(700, 700 + 2 * T)
+        assert DeviceKV(ns, cache).store(on_gpu, [1, 4]) == 2
+        evs = sub.wait(lambda e: len(firsts(stored(e, "GPU"))) == 2, what="DeviceKV's store")
+        assert [t for e in firsts(stored(evs, "GPU")) for t in e["token_ids"]] == \
+            on_gpu.tolist()
+        client.close()
+    finally:
+        if sub is not None:
+            sub.close()
+        cleanup(d)
+
+
 def test_token_ids_that_do_not_fit_the_keys_are_refused(tmp_path):
     d = start_daemon(tmp_path, EVENTS)
     try:

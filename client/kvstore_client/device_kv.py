@@ -90,12 +90,21 @@ class DeviceKV:
         return out
 
     # -- store ------------------------------------------------------------------------------
+    def store(self, token_ids: Any, block_ids: Any) -> int:
+        """store_keys for the reference keys of the full blocks of token_ids (and their token
+        ids, for KV events)."""
+        return self.store_keys(self.ns.keys(token_ids), block_ids, token_ids=token_ids)
+
     def store_keys(self, keys: Sequence[bytes], block_ids: Any, *,
-                   parent: bytes | None = None, _retry: bool = True) -> int:
+                   parent: bytes | None = None, token_ids: Any = None,
+                   _retry: bool = True) -> int:
         """Store cache blocks block_ids[i] as keys[i] (the ones not cached yet, in any tier)
-        into the gpu tier; returns blocks written."""
+        into the gpu tier; returns blocks written. `token_ids`: as Namespace.store_keys (block
+        i's at [i*T, (i+1)*T)), sent where the daemon publishes KV events, which announce only
+        blocks whose token ids it knows."""
         keys = list(keys)
         ids = _ids(block_ids, len(keys))
+        tokens = self.ns._tokens(token_ids, len(keys))
         self._fresh()
         client = self.ns.client
         have = self.ns.lookup_keys(keys)
@@ -108,7 +117,8 @@ class DeviceKV:
             device=self.device)).lease
         lid = lease.lease_id
         if _retry and self._stale(lid):
-            return self.store_keys(keys, block_ids, parent=parent, _retry=False)
+            return self.store_keys(keys, block_ids, parent=parent, token_ids=token_ids,
+                                   _retry=False)
         client.leases.add(lid, lease.deadline)
         committed = False
         try:
@@ -119,8 +129,11 @@ class DeviceKV:
                      for o in offsets] if self.pool.device is None else [])
             if not client.leases.remove(lid):
                 raise LeaseExpired(f"write lease {lid} expired during the copy")
+            tb = 4 * self.ns.layout.block_tokens        # token id bytes a block
+            mine = tokens[have * tb:(have + n) * tb] if tokens else b""
             r = client.call("Commit", pb.CommitRequest(lease_id=lid, keys=keys[have:have + n],
-                                                       parent=prev, checksums=sums))
+                                                       parent=prev, checksums=sums,
+                                                       token_ids=mine))
             committed = True
             return int(r.stored)
         finally:

@@ -231,21 +231,25 @@ class PagedKV:
 
     # -- public -------------------------------------------------------------------------------
     def store_keys(self, keys: Sequence[bytes], block_table: Any, *,
-                   parent: bytes | None = None) -> int:
-        """Store pages block_table[i] as keys[i] (missing blocks only); returns blocks written."""
+                   parent: bytes | None = None, token_ids: Any = None) -> int:
+        """Store pages block_table[i] as keys[i] (missing blocks only); returns blocks written.
+        `token_ids`: as Namespace.store_keys (block i's at [i*T, (i+1)*T)), sent where the
+        daemon publishes KV events, which announce only blocks whose token ids it knows."""
         keys = list(keys)
         pages = self._pages(block_table, len(keys), "store")
         ns = self._ns()
         if self._kplan is not None:
-            return ns.store_blocks(keys, ns.fused_move(self._kplan, True, pages), parent=parent)
+            return ns.store_blocks(keys, ns.fused_move(self._kplan, True, pages), parent=parent,
+                                   token_ids=token_ids)
 
         def fill(base: np.ndarray, offsets: Sequence[int], first: int) -> None:
             self._move(base, offsets, pages[first:first + len(offsets)], True)
-        return ns.store_blocks(keys, fill, parent=parent)
+        return ns.store_blocks(keys, fill, parent=parent, token_ids=token_ids)
 
     def store(self, token_ids: Any, block_table: Any) -> int:
-        """store_keys for the reference keys of the full blocks of token_ids."""
-        return self.store_keys(self._ns().keys(token_ids), block_table)
+        """store_keys for the reference keys of the full blocks of token_ids (and their token
+        ids, for KV events)."""
+        return self.store_keys(self._ns().keys(token_ids), block_table, token_ids=token_ids)
 
     def load_keys(self, keys: Sequence[bytes], block_table: Any) -> int:
         """Load the cached prefix of keys into pages block_table[i]; returns blocks loaded.
