@@ -37,14 +37,15 @@ index held the lock 5 s). A packed array of row numbers per namespace, and each 
 it for an O(1) swap-remove, costs 8 bytes a row (about 8.4 with array growth: ~8 MB at a
 million rows; a dict of sets of row ints would cost ~70).
 
-Why each namespace keeps running totals of its SSD and remote blocks (`tier_usage`): the SSD
-and remote quota checks run under the store lock once per demotion batch, and a walk of even
-one tenant's blocks made each batch of a tenant with a million SSD blocks hold the lock for
-0.1-0.3 s. Every change of a block's SSD or remote residency, or of whether it is indexed,
-already passes through this class (set_ssd / set_remote, add, add_cold, discard, the bulk
-loads; a test checks that no other code assigns the fields), so each updates its namespace's
-counts and bytes there: 32 bytes a namespace, nothing a row. A hot entry's own fields rule
-while it has one and a packed row's flags otherwise, and packing and unpacking carry the
+Why each namespace keeps running totals of its SSD and remote blocks (`tier_usage`) and a
+count of its host copies (`host_blocks`): the SSD and remote quota checks run under the store
+lock once per demotion batch, and a tenant's Stats once per call, and a walk of even one
+tenant's blocks made each batch of a tenant with a million SSD blocks hold the lock for
+0.1-0.3 s. Every change of a block's residency, or of whether it is indexed, already passes
+through this class (set_host / clear_host, set_ssd / set_remote, add, add_cold, discard,
+the bulk loads; a test checks that no other code assigns the fields), so each updates its
+namespace's counts and bytes there: 40 bytes a namespace, nothing a row. A hot entry's own
+fields rule while it has one and a packed row's flags otherwise, and packing and unpacking carry the
 same fields across, so sweeps leave the totals as they are. A block's size never changes
 while it is indexed. A detached copy from read() or entries() must never be passed to
 set_ssd / set_remote (it is not the block: its change would count without being made).
@@ -129,6 +130,8 @@ class BlockIndex:
         self._ns_pos = array("i")
         # Namespace number -> its SSD and remote blocks and bytes (_SUMS slots each).
         self._tier_sums = array("q")
+        # Namespace number -> its blocks with a host copy (host_blocks).
+        self._host_n = array("q")
         self._free = array("i")
         self._sweep_at = _SWEEP_MIN
         # Parents named by indexed blocks but not indexed themselves: only a key in here can
@@ -168,6 +171,7 @@ class BlockIndex:
             self._ns_ids.append(ns_id)
             self._ns_rows.append(array("i"))
             self._tier_sums.extend((0,) * _SUMS)
+            self._host_n.append(0)
         own = self._ns_rows[n]
         if self._free:
             r = self._free.pop()
@@ -337,8 +341,11 @@ class BlockIndex:
     def set_host(self, e: Entry, offset: int) -> None:
         was = e.host
         e.host = offset
-        if was is None and self.listener is not None:
-            self.listener.changed(e, HOST, True)
+        if was is None:
+            if e.row >= 0:
+                self._host_n[self._ns[e.row]] += 1
+            if self.listener is not None:
+                self.listener.changed(e, HOST, True)
 
     def add_host_many(self, entries: Sequence[Entry], offsets: Sequence[int]) -> None:
         """add() then set_host() for each of a batch of new blocks (none indexed, none
@@ -364,6 +371,7 @@ class BlockIndex:
             if e.ssd or e.remote:
                 self._tally(r, _tiers(e), e.size, 1)
             e.host = off
+            self._host_n[self._ns[r]] += 1
         if len(hot) > self._sweep_at:
             self._sweep()
         listener = self.listener
@@ -379,6 +387,8 @@ class BlockIndex:
     def clear_host(self, e: Entry) -> None:
         if e.host is not None:
             e.host = None
+            if e.row >= 0:
+                self._host_n[self._ns[e.row]] -= 1
             if self.listener is not None:
                 self.listener.changed(e, HOST, False)
 
@@ -431,6 +441,8 @@ class BlockIndex:
         entry.children = self._awaited.pop(g, 0)
         self._link(entry.parent_gkey, 1, entry.row)
         self._tally(entry.row, _tiers(entry), entry.size, 1)
+        if entry.host is not None:
+            self._host_n[self._ns[entry.row]] += 1
         if self.listener is not None and entry.resident:
             for tier, on in ((GPU, entry.gpu is not None), (HOST, entry.host is not None),
                              (SSD, entry.ssd), (REMOTE, entry.remote)):
@@ -536,8 +548,11 @@ class BlockIndex:
             remote = [size[r] for r in rows if flags[r] & _REMOTE]
             sums[_SUMS * n:_SUMS * (n + 1)] = array("q", (len(ssd), sum(ssd), len(remote),
                                                           sum(remote)))
+        self._host_n = array("q", bytes(8 * len(own)))
         for e in hot.values():
             self._tally(e.row, _tiers(e), e.size, 1)
+            if e.host is not None:
+                self._host_n[ns[e.row]] += 1
 
     def _link(self, p: bytes | None, delta: int, child: int = -1) -> None:
         """Count a child in (delta 1) or out (-1) of parent `p`, indexed or awaited; a child
@@ -621,6 +636,8 @@ class BlockIndex:
             self._awaited[gkey] = n
         if e is not None:
             self._tally(r, _tiers(e), e.size, -1)
+            if e.host is not None:
+                self._host_n[self._ns[r]] -= 1
         elif tiers := self._flags[r] & (_SSD | _REMOTE):
             self._tally(r, tiers, self._size[r], -1)
         self._free_row(r)
@@ -663,6 +680,12 @@ class BlockIndex:
             return 0, 0
         i = _SUMS * n + _TIER_SLOT[tier]
         return self._tier_sums[i], self._tier_sums[i + 1]
+
+    def host_blocks(self, ns_id: bytes) -> int:
+        """The namespace's blocks with a host copy, from its running count: no walk (a
+        tenant's Stats, under the store lock, cost a walk of every block it held)."""
+        n = self._ns_no.get(ns_id)
+        return 0 if n is None else self._host_n[n]
 
     def tier_total(self, tier: str) -> tuple[int, int]:
         """(blocks, raw bytes) of every namespace in `tier` ("ssd" or "remote"): a sum over

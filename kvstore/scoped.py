@@ -1,9 +1,10 @@
 """Stats as one tenant sees them: its own namespaces' blocks, not the whole daemon's.
 
 Why computed on demand from the index: a non-admin Stats must not reveal other tenants'
-activity (their block counts, hit rates, traffic), and a walk of the caller's own namespaces
-costs only as much as the caller has stored. SSD and remote usage come from the index's running
-totals per namespace (BlockIndex.tier_usage); only host copies are still counted by a walk.
+activity (their block counts, hit rates, traffic). Every figure comes from the index's running
+counts per namespace (BlockIndex.tier_usage, host_blocks), not from a walk: a walk of the
+caller's blocks, under the store lock, made a tenant holding a million blocks stall every
+other caller for as long as its Stats took.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ def scoped_stats(store: Any, ns_ids: set[bytes]) -> dict:
                 n, b = index.tier_usage(ns, tier)
                 counts[tier][0] += n
                 counts[tier][1] += b
-            for host, _, _, size in index.namespace_residency(ns):
-                if host:
-                    counts["host"][0] += 1
-                    counts["host"][1] += aligned(size)
+            n = index.host_blocks(ns)
+            info = store.state.namespaces.get(ns)
+            counts["host"][0] += n
+            counts["host"][1] += n * aligned(info.block_bytes) if info is not None else 0
         caps = {"host": store.host.capacity,
                 "ssd": store.ssd.capacity if store.ssd is not None else None,
                 "remote": store.config.remote.capacity if store.remote is not None else None}

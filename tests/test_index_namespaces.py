@@ -69,7 +69,8 @@ def _check_totals(ix: BlockIndex, namespaces: list[bytes]) -> None:
     """Every namespace's running totals equal a walk of its blocks."""
     for ns in namespaces:
         assert {t: ix.tier_usage(ns, t) for t in ("ssd", "remote")} == _walked(ix, ns), ns
-    assert len(ix._tier_sums) == 4 * len(ix._ns_ids)
+        assert ix.host_blocks(ns) == sum(h for h, _, _, _ in ix.namespace_residency(ns)), ns
+    assert len(ix._tier_sums) == 4 * len(ix._ns_ids) and len(ix._host_n) == len(ix._ns_ids)
 
 
 def test_a_namespace_walk_reads_only_its_own_rows():
@@ -171,7 +172,7 @@ def test_tier_totals_stay_exact_through_every_change(monkeypatch):
         k = key(rng.randrange(300))
         size = rng.randrange(1, 1 << 20)
         ssd, remote = rng.random() < 0.6, rng.random() < 0.3
-        op = rng.randrange(9)
+        op = rng.randrange(10)
         if op == 0 and k in model[ns]:
             ix.discard(ns + k)
             del model[ns][k]
@@ -204,6 +205,8 @@ def test_tier_totals_stay_exact_through_every_change(monkeypatch):
                 del model[e.ns_id][e.key]
             ix.set_ssd(e, not e.ssd)
             ix.set_remote(e, not e.remote)
+            if e.row < 0:               # (detached: its host copy counts nowhere either)
+                ix.set_host(e, 4096) if e.host is None else ix.clear_host(e)
             del e
         elif op == 7:
             if rng.random() < 0.5:
@@ -211,6 +214,10 @@ def test_tier_totals_stay_exact_through_every_change(monkeypatch):
             ix.compact()
         elif op == 8 and model[ns]:     # hot again from its packed row, then let go
             ix.get(ns + rng.choice(sorted(model[ns])))
+        elif op == 9 and model[ns]:     # a promotion gives a host copy, an eviction takes it
+            e = ix.get(ns + rng.choice(sorted(model[ns])))
+            ix.set_host(e, 4096 * step) if e.host is None else ix.clear_host(e)
+            del e
         if step % 50 == 0 or op in (0, 6, 7):
             _check_model(ix, model)
         else:

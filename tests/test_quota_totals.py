@@ -18,6 +18,7 @@ from kvstore_client.errors import ResourceExhausted
 from kvstore.config import StoreConfig
 from kvstore.index import BlockIndex
 from kvstore.scoped import scoped_stats
+from kvstore.state import aligned
 from kvstore.store import Store
 from kvstore.tenants import TENANT_KEY, hash_token
 
@@ -77,8 +78,14 @@ def test_ssd_quota_from_totals_caps_evicts_own_and_refuses(tmp_path, monkeypatch
                 assert used == _walk(s, own, "ssd") and 0 < used <= QUOTA, (round_, used)
                 assert s.pools.tier_bytes({b}, "ssd") == _walk(s, {b}, "ssd") == 6 * BB
             walks.clear()
-        stats = scoped_stats(s, own)["tiers"]["ssd"]
+        _put(s, a1, 50, 3)                  # host copies too
+        tiers = scoped_stats(s, own)["tiers"]
+        assert not walks, "a tenant's Stats walked its blocks"
+        stats = tiers["ssd"]
         assert stats["used_bytes"] == used and stats["blocks"] == used // BB
+        host = sum(h for ns in own for h, *_ in real(s.index, ns))
+        assert host >= 3 and tiers["host"]["blocks"] == host
+        assert tiers["host"]["used_bytes"] == host * aligned(BB)
         assert s.lookup(b, b_keys).prefix_blocks == 6     # b's blocks never evicted for a
         # Nothing of a's own left to evict and 12 blocks to flush: a named refusal.
         _put(s, a1, 7, 12)
