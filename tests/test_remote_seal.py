@@ -211,3 +211,42 @@ def test_a_note_is_sealed_with_the_value():
         s.open_noted(g, forged)
     too_long = b"x" * (MAX_NOTE_BYTES + 1)
     assert s.seal(g, 7, fr, too_long) == plain          # left out, not truncated
+
+
+def test_a_waiting_delete_is_not_sent_while_a_new_copy_is_written(tmp_path, redis_server):
+    """A delete waiting since Redis was down, sent again (every second) while a new copy of
+    the same block was being written, landed after the write: Redis lost the copy the index
+    named, and a Get after host eviction found nothing. A new copy now replaces the waiting
+    delete, and no DEL of a key goes out while its SET is in flight. The write is slowed after
+    Redis took it (a slow pipeline) so a retry round falls inside it."""
+    import time
+
+    from kvstore.moves.remote_deletes import RETRY_S
+    _, keys = random_prompt(np.random.default_rng(6), 4)
+    r = redis.Redis.from_url(redis_server.url)
+    with remote_store(tmp_path / "a", redis_server.url, write_through=True,
+                      deadline_ms=200) as s:
+        ns = namespace(s)
+        s.put(ns, keys, [kv_block(k) for k in keys])
+        s.evict("host")
+        r.save()
+        redis_server.kill()
+        assert s.delete(ns, keys) == 4
+        redis_server.start()
+        _until(lambda: s.remote.up)
+        plain = s.remote.put_many
+
+        def slow_put_many(items, *a, **kw):
+            n = plain(items, *a, **kw)
+            time.sleep(RETRY_S * 1.2)
+            return n
+        s.remote.put_many = slow_put_many
+        try:
+            s.put(ns, keys, [kv_block(k) for k in keys])        # stored again: written through
+        finally:
+            s.remote.put_many = plain
+        time.sleep(RETRY_S * 1.5)
+        assert r.dbsize() == 4, "the waiting delete dropped the new copies"
+        s.evict("host")
+        assert s.get(ns, keys) == [(k, kv_block(k)) for k in keys]
+        assert s.stats()["counters"]["remote_deletes_waiting"] == 0

@@ -23,6 +23,7 @@ prefixes) and decodes them into reserved host slots (promotion.py, `fill_remote`
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from kvstore_client.common.errors import DataLoss
 
@@ -49,6 +50,11 @@ class HostRemote:
         self.encoder = encoder
         # Keys whose remote delete Redis did not answer (remote_deletes.py).
         self.pending = PendingDeletes(state, lambda: self.delete([]))
+        # Keys with a SET, and keys with a DEL, in flight (the round trips run unlocked). A
+        # key is never in both: a DEL of a waiting delete sent while a new copy's SET is in
+        # flight could land after it and drop the new copy, which the index then names.
+        self._writing: Counter[bytes] = Counter()
+        self._deleting: Counter[bytes] = Counter()
 
     # -- down -----------------------------------------------------------------------------------
     def demote(self, entries: list[Entry]) -> None:
@@ -95,28 +101,40 @@ class HostRemote:
         items = self._fit_capacity(items)
         kept, vals = self.pools.fit_quota("remote", [e for e, _ in items],
                                           [v for _, v in items], strict=False)
+        if self._deleting and any(e.gkey in self._deleting for e in kept):
+            # A DEL of the same key is in flight: not written now (a later demotion is).
+            pairs = [(e, v) for e, v in zip(kept, vals, strict=True)
+                     if e.gkey not in self._deleting]
+            kept, vals = [e for e, _ in pairs], [v for _, v in pairs]
         if not kept:
             return [], corrupt
-        if self.pending:
-            fresh = {e.gkey for e in kept}
-            retry = [g for g in self.pending.keys() if g not in fresh][:4096]
-        else:
-            retry = []
+        keys = [e.gkey for e in kept]
+        replaced = self.pending.take(keys)      # a new copy supersedes a waiting delete
+        retry = [g for g in self.pending.keys() if g not in self._writing][:4096]
+        self._writing.update(keys)
+        self._deleting.update(retry)
         failed: list[bytes] = []
         # Each value carries the block's KV-event text, where events know one: Redis kept
         # none, so a block loaded back from it was never announced (events/service.py).
         ev = st.events
         notes = ([ev.note(e.gkey, e.host is None) for e in kept] if ev is not None
                  else [b""] * len(kept))
-        with st.unlocked():
-            written = remote.put_many([(e.gkey, v, e.checksum, n)
-                                       for e, v, n in zip(kept, vals, notes, strict=True)])
-            if retry and written:
-                remote.delete_many(retry, failed=failed)
+        try:
+            with st.unlocked():
+                written = remote.put_many([(e.gkey, v, e.checksum, n)
+                                           for e, v, n in zip(kept, vals, notes, strict=True)])
+                if retry and written:
+                    remote.delete_many(retry, failed=failed)
+        finally:
+            self._writing.subtract(keys)
+            self._deleting.subtract(retry)
+            self._writing += Counter()          # (drops the keys back at zero)
+            self._deleting += Counter()
         if retry and written:
             self.pending.settle(retry, failed)
         if written < sum(sealed_bytes(len(v), n) for v, n in zip(vals, notes, strict=True)):
             st.counters["remote_demotion_failures"] += 1
+            self.pending.settle([], replaced)   # the old copy may still be there
             return [], corrupt      # Redis down or full: the blocks stay local
         return [(e, len(v)) for e, v in zip(kept, vals, strict=True)], corrupt
 
@@ -153,12 +171,19 @@ class HostRemote:
         Deletes Redis did not answer wait in `pending` (remote_deletes.py): read as absent,
         sent again with this one."""
         st = self.state
-        todo = list(dict.fromkeys([*gkeys, *self.pending.keys()]))
+        writing = self._writing
+        todo = list(dict.fromkeys([*gkeys, *(g for g in self.pending.keys()
+                                             if g not in writing)]))
         if not todo:
             return
         failed: list[bytes] = []
-        with st.unlocked():
-            st.remote.delete_many(todo, failed=failed)
+        self._deleting.update(todo)
+        try:
+            with st.unlocked():
+                st.remote.delete_many(todo, failed=failed)
+        finally:
+            self._deleting.subtract(todo)
+            self._deleting += Counter()
         self.pending.settle(todo, failed)
 
     def not_deleted(self, gkeys: list[bytes], found: list[bool]) -> list[bool]:

@@ -60,6 +60,16 @@ class PendingDeletes:
     def keys(self) -> list[bytes]:
         return list(self._keys)
 
+    def take(self, gkeys: list[bytes]) -> list[bytes]:
+        """Remove the keys a write is about to replace; the ones that were waiting (to be put
+        back with `settle([], them)` if the write does not land)."""
+        out = [g for g in gkeys if g in self._keys]
+        for g in out:
+            del self._keys[g]
+        if out:
+            self._changed()
+        return out
+
     def written(self, gkey: bytes) -> None:
         """A new copy of the block landed after its delete: nothing to delete any more."""
         if gkey in self._keys:
