@@ -177,6 +177,10 @@ class RemoteConfig(CapacityConfig):
     # A secret file every daemon sharing the Redis holds: values are then sealed with a keyed
     # hash, and one written without the secret is refused (tiers/remote/envelope.py).
     auth_key_file: str = ""
+    # With KV events on, values carry their block's event text (tiers/remote/envelope.py,
+    # KVR2), so a load from Redis is announced. Daemons before this setting existed delete
+    # such values as corrupt: turn it on once every daemon sharing the Redis reads them.
+    value_notes: bool = False
 
 
 @dataclass

@@ -669,8 +669,9 @@ def test_a_chain_stored_at_once_goes_out_as_one_event(tmp_path):
 
 def test_a_block_loaded_back_from_redis_is_announced_with_its_token_ids(tmp_path):
     """Redis kept no block text: a block whose last local copy went, loaded back from Redis,
-    was held in host and never announced, nor was another node's load of it. The value now
-    carries the text (sealed with it), and the load announces it as one from SSD is."""
+    was held in host and never announced, nor was another node's load of it. With
+    remote.value_notes the value carries the text (sealed with it), and the load announces it
+    as one from SSD is."""
     from tests.redis_fixtures import start_redis
     server = start_redis(tmp_path / "redis")
 
@@ -680,6 +681,7 @@ def test_a_block_loaded_back_from_redis_is_announced_with_its_token_ids(tmp_path
         cfg.ssd.enabled = False
         cfg.remote.enabled, cfg.remote.urls = True, [server.url]
         cfg.remote.deadline_ms, cfg.remote.write_through = 2000, True
+        cfg.remote.value_notes = True
         cfg.events.enabled = True
         cfg.events.endpoint = "tcp://127.0.0.1:0"
         cfg.events.interval_ms = 2.0

@@ -250,3 +250,29 @@ def test_a_waiting_delete_is_not_sent_while_a_new_copy_is_written(tmp_path, redi
         s.evict("host")
         assert s.get(ns, keys) == [(k, kv_block(k)) for k in keys]
         assert s.stats()["counters"]["remote_deletes_waiting"] == 0
+
+
+def test_values_carry_no_note_unless_value_notes_is_on(tmp_path, redis_server):
+    """Daemons from before notes existed delete a KVR2 value as corrupt, so in a Redis shared
+    with them a daemon writes KVR1 values, events on or not, until remote.value_notes."""
+    _, keys = random_prompt(np.random.default_rng(8), 2)
+    r = redis.Redis.from_url(redis_server.url)
+    from kvstore.config import StoreConfig
+    from kvstore.store import Store
+    for notes in (False, True):
+        prefix = f"n{int(notes)}:"
+        cfg = StoreConfig(data_dir=str(tmp_path / f"n{notes}"))
+        cfg.host.capacity, cfg.ssd.enabled = 4 << 20, False
+        cfg.remote.enabled, cfg.remote.urls = True, [redis_server.url]
+        cfg.remote.write_through, cfg.remote.value_notes = True, notes
+        cfg.remote.key_prefix = prefix
+        cfg.events.enabled, cfg.events.endpoint = True, "tcp://127.0.0.1:0"
+        with Store(cfg.check()) as s:
+            ns = namespace(s)
+            lease = s.reserve(ns, 2)
+            for k, sl in zip(keys, lease.slots, strict=True):
+                s.host.view(sl.offset, sl.length)[:] = np.frombuffer(kv_block(k), np.uint8)
+            s.commit(lease.id, keys, checksums=None, token_ids=list(range(2 * 8)))
+            _until(lambda p=prefix: len(r.keys(p + "*")) == 2)
+        magics = {r.get(k)[:4] for k in r.keys(prefix + "*")}
+        assert magics == ({b"KVR2"} if notes else {b"KVR1"}), (notes, magics)

@@ -114,9 +114,10 @@ class HostRemote:
         self._writing.update(keys)
         self._deleting.update(retry)
         failed: list[bytes] = []
-        # Each value carries the block's KV-event text, where events know one: Redis kept
-        # none, so a block loaded back from it was never announced (events/service.py).
-        ev = st.events
+        # With remote.value_notes, each value carries the block's KV-event text, where events
+        # know one: Redis kept none, so a block loaded back from it was never announced
+        # (events/service.py). Off by default: daemons before it delete such values.
+        ev = st.events if st.config.remote.value_notes else None
         notes = ([ev.note(e.gkey, e.host is None) for e in kept] if ev is not None
                  else [b""] * len(kept))
         try:
