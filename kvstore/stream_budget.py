@@ -84,6 +84,11 @@ class StreamBudget:
                 self._used.pop(who, None)
             self._cond.notify_all()
 
+    def pressed(self, who: str | None) -> bool:
+        """Whether the tenant holds half its budget or more (a Put then stores what it has
+        gathered at once rather than hold it while its other calls wait for room)."""
+        return bool(self.limit) and self.used(who) * 2 >= self.limit
+
     def used(self, who: str | None) -> int:
         with self._cond:
             return self._used.get(who, 0)
@@ -124,11 +129,12 @@ class PutCharges:
     and the ones read ahead (PUT_READ_AHEAD), up to 4 MiB each; a tenant's Puts that stop
     sending held all that for each of its calls, uncounted. A message is charged as the
     reader receives it (waiting up to ROOM_WAIT_S for the tenant's other streams to give room
-    back, which also stops reading ahead: an honest burst's groups are stored in far less, and
-    a budget held by stalled streams is refused soon, not at the deadline), and given back
-    once the group holding its
+    back, which also stops reading ahead: a budget held by stalled streams is refused soon,
+    not at the deadline), and given back once the group holding its
     blocks is stored (`stored`), or at once for a piece of a split block, whose bytes are
-    copied out of the message (`copied`; the block is charged whole where it starts).
+    copied out of the message (`copied`; the block is charged whole where it starts). A
+    tenant at half its budget has each Put store what it gathered at once (`pressed`): many
+    honest Puts at once then keep landing instead of holding groups while the others wait.
     """
 
     def __init__(self, tab: Tab) -> None:

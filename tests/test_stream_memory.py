@@ -194,8 +194,8 @@ def test_stalled_puts_hold_at_most_the_tenant_budget(tmp_path):
     """Messages a Put received but has not stored yet (a group gathers 8 MiB before it stores
     one; more are read ahead) were never charged: each stalled Put held up to a group and the
     messages read ahead, times the calls a tenant may make. They are charged from arrival
-    until stored, so past the budget a tenant's next message waits briefly, then its Put is
-    refused, while another tenant's Puts go on."""
+    until stored, and a tenant at half its budget stores what each Put gathered at once, so
+    stalled Puts hold little beyond what they stored, and another tenant's Puts go on."""
     budget = 24
     d = daemon(tmp_path, quota_a="128MiB", quota_b="128MiB",
                **{"limits.stream_bytes_per_tenant": f"{budget}MiB"})
@@ -222,11 +222,11 @@ def test_stalled_puts_hold_at_most_the_tenant_budget(tmp_path):
             t.start()
         time.sleep(4)                                   # past the 2 s wait for room
         grown = rss_anon_mib(d) - before
-        # The budget, plus per call what arrived before it could be charged (a message on the
-        # handler's thread, one on the reader's) and grpc's own copies: about 72 MiB here;
-        # 171 MiB before messages were charged.
-        assert grown < 110, f"daemon heap grew {grown} MiB with 12 stalled Puts"
-        assert outcomes.count("RESOURCE_EXHAUSTED") >= 4, outcomes   # (0 before)
+        # Per call what arrived before it could be charged (a message on the handler's thread,
+        # one on the reader's) and grpc's own copies, beside the budget: 61-89 MiB here, 171
+        # MiB before messages were charged.
+        assert grown < 120, f"daemon heap grew {grown} MiB with 12 stalled Puts"
+        assert "OK" not in outcomes, outcomes           # (still open, stalled)
         # Another tenant's budget is its own.
         stub = pbg.KVStoreStub(d.channel())
         r = stub.Put(whole_messages(ns_a, [key(j, b"a") for j in range(16)]), metadata=md("a"),
@@ -242,4 +242,34 @@ def test_stalled_puts_hold_at_most_the_tenant_budget(tmp_path):
         assert r.stored == 16
     finally:
         gate.set()
+        cleanup(d)
+
+
+def test_many_honest_puts_at_once_all_land_under_the_budget(tmp_path):
+    """Puts that keep sending, more at once than the budget holds groups for: each stores what
+    it gathered as soon as the tenant's budget is half used, instead of holding a group while
+    the others wait for room (and are refused after 2 s)."""
+    d = daemon(tmp_path, quota_a="256MiB", quota_b="64MiB",
+               **{"limits.stream_bytes_per_tenant": "24MiB", "host.capacity": "512MiB"})
+    results: list[object] = []
+
+    def writer(i: int, ns: bytes) -> None:
+        try:
+            r = pbg.KVStoreStub(d.channel()).Put(
+                whole_messages(ns, [key(1000 * i + j, b"h") for j in range(16)]),
+                metadata=md("a"), timeout=30)
+            results.append(r.stored)
+        except grpc.RpcError as e:
+            results.append(e.code().name)
+
+    try:
+        ns_a, _ = namespace(d, "a", BLOCK1)
+        threads = [threading.Thread(target=writer, args=(i, ns_a), daemon=True)
+                   for i in range(8)]                  # 8 x 16 MiB, a 24 MiB budget
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        assert results == [16] * 8, results
+    finally:
         cleanup(d)

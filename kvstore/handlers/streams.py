@@ -161,6 +161,8 @@ class StreamCalls:
             keys = check_keys((k for k, _ in blocks), f"message {m} blocks[].key",
                               distinct=True)
             groups.add(keys, [d for _, d in blocks], tokens or None)
+            if not groups.empty and tab.budget.pressed(tab.who):
+                groups.flush()          # many Puts at once: store, and give the room back
             if groups.empty:
                 charges.stored(m)
             prev = keys[-1]
