@@ -112,18 +112,26 @@ def _until(check, timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+def deleted_while_redis_is_down(s, keys: list[bytes], r, redis_server) -> bytes:
+    """Store `keys` (written through to Redis), evict host, snapshot Redis, stop it, and
+    Delete the blocks: the deletes wait, and Redis comes back from its RDB with the blocks.
+    Returns the namespace."""
+    ns = namespace(s)
+    s.put(ns, keys, [kv_block(k) for k in keys])
+    s.evict("host")
+    r.save()
+    redis_server.kill()                                      # down; back later from its RDB
+    assert s.delete(ns, keys) == 4
+    return ns
+
+
 def test_a_delete_redis_did_not_answer_is_sent_again(tmp_path, redis_server):
     _, keys = random_prompt(np.random.default_rng(3), 4)
     _, more = random_prompt(np.random.default_rng(4), 2)
     r = redis.Redis.from_url(redis_server.url)
     with remote_store(tmp_path / "a", redis_server.url, write_through=True,
                       deadline_ms=200) as s:
-        ns = namespace(s)
-        s.put(ns, keys, [kv_block(k) for k in keys])
-        s.evict("host")
-        r.save()
-        redis_server.kill()                                  # down; back later from its RDB
-        assert s.delete(ns, keys) == 4
+        ns = deleted_while_redis_is_down(s, keys, r, redis_server)
         assert s.stats()["counters"]["remote_deletes_waiting"] == 4
         redis_server.start()
         assert r.dbsize() == 4                               # back, with the blocks
@@ -150,12 +158,7 @@ def test_waiting_deletes_are_kept_across_a_restart_and_sent_without_traffic(
     kept = tmp_path / "a" / FILE_NAME
     with remote_store(tmp_path / "a", redis_server.url, write_through=True,
                       deadline_ms=200) as s:
-        ns = namespace(s)
-        s.put(ns, keys, [kv_block(k) for k in keys])
-        s.evict("host")
-        r.save()
-        redis_server.kill()                                  # down; back later from its RDB
-        assert s.delete(ns, keys) == 4
+        ns = deleted_while_redis_is_down(s, keys, r, redis_server)
         # written while the daemon runs (a crash loses at most RETRY_S of changes)
         _until(lambda: kept.exists(), timeout=RETRY_S + 5)
         assert sorted(msgpack.unpackb(kept.read_bytes())) == sorted(ns + k for k in keys)
@@ -226,12 +229,7 @@ def test_a_waiting_delete_is_not_sent_while_a_new_copy_is_written(tmp_path, redi
     r = redis.Redis.from_url(redis_server.url)
     with remote_store(tmp_path / "a", redis_server.url, write_through=True,
                       deadline_ms=200) as s:
-        ns = namespace(s)
-        s.put(ns, keys, [kv_block(k) for k in keys])
-        s.evict("host")
-        r.save()
-        redis_server.kill()
-        assert s.delete(ns, keys) == 4
+        ns = deleted_while_redis_is_down(s, keys, r, redis_server)
         redis_server.start()
         _until(lambda: s.remote.up)
         plain = s.remote.put_many
