@@ -32,6 +32,14 @@ def streams_of(d) -> dict[str, tuple[str, str]]:
         r"KV events \((\S+) stream\) on (\S+?), replay on (\S+)", d.output())}
 
 
+def node_subscriber(d):
+    """(a subscriber of the daemon's node stream, a client, its "llama" namespace)."""
+    pub, replay = streams_of(d)["node"]
+    sub = Sub(pub, replay)
+    client = connect(d.address)
+    return sub, client, client.namespace(model="llama", layout=LAYOUT)
+
+
 def kv_for(n_tokens: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return rng.standard_normal((LAYOUT.num_layers, 2, n_tokens, LAYOUT.num_kv_heads,
@@ -42,10 +50,7 @@ def test_sdk_stores_carry_token_ids_and_the_wire_is_vllms(tmp_path):
     d = start_daemon(tmp_path, {**EVENTS, "host.capacity": "16MiB"})
     sub = None
     try:
-        pub, replay = streams_of(d)["node"]
-        sub = Sub(pub, replay)
-        client = connect(d.address)
-        ns = client.namespace(model="llama", layout=LAYOUT)
+        sub, client, ns = node_subscriber(d)
         assert ns.wants_token_ids
         tokens = np.arange(5000, 5000 + 6 * T + 5)          # 6 full blocks and a tail
         assert ns.store(tokens, kv_for(len(tokens), 1)) == 6
@@ -92,10 +97,7 @@ def test_paged_and_device_stores_announce_their_blocks(tmp_path):
                                 "gpu.backend": "cpu", "gpu.capacity": "4MiB"})
     sub = None
     try:
-        pub, replay = streams_of(d)["node"]
-        sub = Sub(pub, replay)
-        client = connect(d.address)
-        ns = client.namespace(model="llama", layout=LAYOUT)
+        sub, client, ns = node_subscriber(d)
         shape = (2, 8, T, LAYOUT.num_kv_heads, LAYOUT.head_dim)
         rng = np.random.default_rng(3)
         pages = [rng.standard_normal(shape).astype(np.float16) for _ in range(LAYOUT.num_layers)]

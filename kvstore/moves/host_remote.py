@@ -160,7 +160,6 @@ class HostRemote:
         """Phase 3 (locked): the copies that landed are indexed as remote."""
         st = self.state
         for e, nbytes in written:
-            self.pending.written(e.gkey)           # a new copy, written after the delete
             st.index.set_remote(e)
             st.counters["bytes_to_remote"] += nbytes
         st.tier_counters["remote"]["demotions_in"] += len(written)

@@ -70,12 +70,6 @@ class PendingDeletes:
             self._changed()
         return out
 
-    def written(self, gkey: bytes) -> None:
-        """A new copy of the block landed after its delete: nothing to delete any more."""
-        if gkey in self._keys:
-            del self._keys[gkey]
-            self._changed()
-
     def settle(self, sent: Iterable[bytes], failed: Iterable[bytes]) -> None:
         """What a delete round trip left to send again: `sent` reached Redis unless in
         `failed`."""
