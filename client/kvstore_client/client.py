@@ -41,6 +41,7 @@ from .common.handoff import Session, handshake, handshake_path
 from .common.hashing import DEFAULT_KEY_BYTES, ExtraKey
 from .common.lane_wire import METHOD_ID, lane_path
 from .common.layout import KVLayout, NamespaceSpec
+from .common.limits import MAX_CARRIED_RELEASES
 from .lane import LaneClient, NotSent, available
 from .leases import LeaseKeeper
 from .namespace import Namespace
@@ -56,6 +57,8 @@ _AFTER_RELEASES = {"Delete": False, "Flush": False, "Evict": True, "Stats": True
 # Releases sent together off a call's path (the lease thread's, close()) share one deadline of
 # at most this long: the daemon ends a lease not released by then at its own deadline.
 RELEASE_S = 2.0
+# Leases one Release call gives back: the daemon's cap, the same as release_leases'.
+MAX_RELEASES = MAX_CARRIED_RELEASES
 # A Flush's default deadline: demoting a whole host tier writes all of it to SSD, which a
 # client's per-call timeout (seconds) is not sized for. A timeout passed to flush() wins.
 FLUSH_TIMEOUT_S = 60.0
@@ -154,6 +157,9 @@ class Client:
         self.copy_threads = copy_threads or default_threads()
         # LookupReserve / LookupAcquire until a daemon answers UNIMPLEMENTED (an older one).
         self.fused_rpcs = True
+        # Many leases in one Release until a daemon answers one without results (an older
+        # one: _release_many).
+        self.batch_release = True
         self.put_pieces = False         # set from RegisterNamespace's protocol (_adopt)
         self.put_tokens = False
         self._lock = threading.RLock()
@@ -382,32 +388,63 @@ class Client:
         self._release_many([lease_id], deadline)
 
     def _release_many(self, lease_ids: list[str], deadline: float | None = None) -> None:
-        """Release leases one after another within one deadline (monotonic; None: RELEASE_S
-        from now); those it leaves unsent end at their own deadlines.
+        """Release leases within one deadline (monotonic; None: RELEASE_S from now), in one
+        Release call per MAX_RELEASES of them; those it leaves unsent end at their own
+        deadlines.
 
-        Why one deadline, not one each: against a daemon that stopped answering, each Release
-        would wait its whole timeout, so a Stats after a few stores or a close() with many
-        pins took N times the caller's timeout. Release takes one lease id, and only Acquire,
-        LookupAcquire and Commit carry releases (a Stats, Evict or Flush cannot), so the batch
-        is sent over the lane where there is one (tens of microseconds each)."""
+        Why one call and one deadline: the leases a client gives back together (a batch of
+        finished loads, the pins it held at close, those pending before a Stats) cost one
+        round trip, not one each, and against a daemon that stopped answering N releases do
+        not take N times the caller's timeout. A daemon that predates `lease_ids` ends only
+        the first lease of a call and answers with no results: the rest then go one call
+        each, and so do later releases until a resync (the daemon may have been upgraded)."""
         if self._closed:
             return  # close() released every lease the keeper held
         if deadline is None:
             deadline = self._release_deadline()
-        for k, lease_id in enumerate(lease_ids):
+        ids = list(dict.fromkeys(lease_ids))
+        i = 0
+        while i < len(ids):
             left = deadline - time.monotonic()
             if left <= 0:
                 log.debug("kvstore: %d releases left to their lease deadlines (no time left)",
-                          len(lease_ids) - k)
+                          len(ids) - i)
                 return
+            batch = ids[i:i + MAX_RELEASES] if self.batch_release else ids[i:i + 1]
             try:
-                self.call("Release", pb.ReleaseRequest(lease_id=lease_id), timeout=left)
-            except (NotFound, LeaseExpired, Unavailable):
-                pass  # already gone: the daemon restarted or reaped it
+                r = self.call("Release", pb.ReleaseRequest(lease_id=batch[0],
+                                                           lease_ids=batch[1:]), timeout=left)
+            except (NotFound, LeaseExpired):
+                # The first lease was gone already. A daemon that reads lease_ids answers a
+                # batch with results, never this: an older one, which ended nothing else.
+                i += 1
+                if len(batch) > 1:
+                    self.batch_release = False
+                continue
+            except Unavailable:
+                i += len(batch)     # the daemon restarted or is gone: so are these leases
+                continue
+            except InvalidArgument as e:
+                if len(batch) == 1:
+                    log.debug("kvstore: release of %s refused: %s", batch[0], e)
+                    i += 1
+                else:           # a daemon whose cap is lower than ours: one call each
+                    self.batch_release = False
+                continue
             except KVStoreError as e:
-                # Timed out, or refused: the lease ends at its deadline anyway, and the
+                # Timed out, or refused: the leases end at their deadlines anyway, and the
                 # caller's own error (if any) matters; the next ones may still go.
-                log.debug("kvstore: release of %s failed: %s", lease_id, e)
+                log.debug("kvstore: release of %d leases failed: %s", len(batch), e)
+                i += len(batch)
+                continue
+            if len(batch) > 1 and len(r.results) != len(batch):
+                self.batch_release = False      # an older daemon: it ended batch[0] only
+                i += 1
+                continue
+            for lease_id, res in zip(batch, r.results, strict=False):
+                if res.code != "OK":
+                    log.debug("kvstore: release of %s: %s %s", lease_id, res.code, res.message)
+            i += len(batch)
 
     def release(self, lease_id: str) -> None:
         """Release a lease (best effort: a lease the daemon no longer knows is already free)."""
@@ -513,6 +550,7 @@ class Client:
         with self._lock:
             self.counters["resyncs"] += 1
             self.fused_rpcs = True      # the daemon may have been upgraded
+            self.batch_release = True
             if self._session is not None:
                 self.ensure_session(refresh=True)
             for ns in list(self._namespaces):

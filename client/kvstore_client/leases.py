@@ -19,10 +19,10 @@ The same thread takes two round trips off the engine's path:
   store; one left unused is released after `SPARE_IDLE_S`, so an idle client does not keep
   pool space from other engines.
 
-Releases sent together (a flush before a call, a batch of the thread's, `close()`) share one
-absolute deadline, not one each: against a daemon that stopped answering, N leases would
-otherwise hold the caller (or the renewals behind them) for N timeouts. One not sent in time
-is no loss: the daemon ends it at its deadline.
+Releases sent together (a flush before a call, a batch of the thread's, `close()`) go in one
+Release call (its `lease_ids`) and share one absolute deadline, not one each: against a daemon
+that stopped answering, N leases would otherwise hold the caller (or the renewals behind them)
+for N timeouts. One not sent in time is no loss: the daemon ends it at its deadline.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ slots, and the fused calls that look a prefix up and take its lease in one round
 Why together: each hands out or ends a lease whose slots the client maps and copies through,
 so each checks the same things (tier, ttl, the caller owns the namespace or lease) and answers
 leases the same way (CallState.lease_out). Finished read leases may ride on a later call
-(`release_leases`): an engine loading batch after batch saves a Release round trip each.
+(`release_leases`): an engine loading batch after batch saves a Release round trip each, and
+one Release may end many leases (`lease_ids`), each with its own result.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client.common.errors import InvalidArgument, KVStoreError
+from kvstore_client.common.limits import MAX_CARRIED_RELEASES
 
 from .state import CallState
 from .validate import (
@@ -32,6 +34,9 @@ from .validate import (
 log = logging.getLogger("kvstore.server")
 
 MAX_RESERVE_AHEAD = 1 << 12   # slots one Commit may reserve for the next store
+# Lease ids one Release may end: the bound on its hold of the store lock that the leases a
+# call carries have (release_leases), for the same reason.
+MAX_RELEASES = MAX_CARRIED_RELEASES
 
 
 class LeaseCalls:
@@ -141,10 +146,47 @@ class LeaseCalls:
 
     def Release(self, raw: bytes) -> pb.ReleaseResponse:
         req = parse_request(pb.ReleaseRequest, raw)
+        if req.lease_ids:
+            return self._release_batch(req)
         lease_id = check_lease_id(req.lease_id)
         self.s.auth.check_lease(lease_id)
         self.s.store.release(lease_id)
         return pb.ReleaseResponse()
+
+    def _release_batch(self, req: Any) -> pb.ReleaseResponse:
+        """End every lease a Release names (lease_id, then lease_ids), each with its own
+        result: a client giving back many leases waits on one round trip, and one it may not
+        release (unknown, expired, another tenant's) costs only that one. The ownership
+        checks run first, outside the store lock; the releases then take it once, as the
+        carried ones do (kvstore/carried.py), not once per lease behind every other caller."""
+        s = self.s
+        n = len(req.lease_ids) + bool(req.lease_id)
+        if n > MAX_RELEASES:
+            raise InvalidArgument(f"{n} lease ids in one Release; the limit is {MAX_RELEASES} "
+                                  "(send the rest in another)")
+        ids = ([req.lease_id] if req.lease_id else []) + list(req.lease_ids)
+        errors: list[KVStoreError | None] = [None] * len(ids)
+        owned: list[int] = []
+        for i, lease_id in enumerate(ids):
+            try:
+                s.auth.check_lease(check_lease_id(lease_id))
+                owned.append(i)
+            except KVStoreError as e:
+                errors[i] = e
+        if owned:
+            with s.store.state.lock:
+                for i in owned:
+                    try:
+                        s.store.release(ids[i])
+                    except KVStoreError as e:
+                        errors[i] = e
+        resp = pb.ReleaseResponse()
+        for e in errors:
+            if e is None:
+                resp.results.add(code="OK")
+            else:
+                resp.results.add(code=e.code, message=str(e))
+        return resp
 
     def RenewLease(self, raw: bytes) -> pb.RenewLeaseResponse:
         s = self.s
