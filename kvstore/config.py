@@ -135,8 +135,27 @@ class SSDConfig(TierConfig):
             raise ConfigError(f"{name}.compress must be one of {list(COMPRESS_MODES)}, got "
                               f"{self.compress!r}")
 
+    def check_serving(self, name: str) -> None:
+        """The floor a daemon's SSD tier needs (SSD_MIN_CAPACITY), checked where a daemon's
+        config is loaded (load_config). Store() alone skips it: tests build tiers of a few
+        blocks on purpose, to drive a full SSD."""
+        if self.enabled and self.capacity < SSD_MIN_CAPACITY:
+            raise ConfigError(
+                f"{name}.capacity must be at least {format_size(SSD_MIN_CAPACITY)} "
+                f"({SSD_MIN_CAPACITY} bytes), got {self.capacity} bytes: the SSD tier takes "
+                f"the host tier's evictions in batches of up to "
+                f"{format_size(SSD_BATCH_BYTES)} and a block, and a batch it cannot hold "
+                f"never lands (a bare number is bytes: write a size such as \"64GiB\")")
+
 
 COMPRESS_MODES = ("auto", "always", "never")
+# What a daemon's SSD tier must hold. The host tier's evictions (background demotion, Evict,
+# a stop's flush) reach it in batches of up to 64 blocks and about SSD_BATCH_BYTES (the block
+# that crosses it stays in the batch: kvstore/moves/host_room.py, BATCH_BYTES), and a batch
+# the tier cannot hold even empty never lands: every write then fails "ssd tier full (0 of N
+# bytes)" once the host pool is full. Twice a batch holds any batch of blocks up to 32 MiB.
+SSD_BATCH_BYTES = 32 << 20
+SSD_MIN_CAPACITY = 2 * SSD_BATCH_BYTES
 
 
 @dataclass
@@ -632,7 +651,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     if overrides:
         _apply(cfg, overrides, "", text=True)
     try:
-        return cfg.check()
+        cfg.check()
+        cfg.ssd.check_serving("ssd")
+        return cfg
     except ConfigError as e:
         raise ConfigError(f"{e}{_set_by(str(e), env, overrides or {})}") from None
 

@@ -556,6 +556,38 @@ def test_host_pool_under_a_page_is_a_config_error(tmp_path, short):
     assert_one_line(r, "config error", "host.capacity", "4096")
 
 
+@pytest.mark.parametrize("how", [["--ssd-capacity", "1"], ["--ssd-capacity", "67108863"],
+                                 "toml"], ids=["one_byte", "a_byte_short", "file"])
+def test_an_ssd_tier_under_one_eviction_batch_is_a_config_error(tmp_path, short, how):
+    """Before, `ssd.capacity = 1` (one byte: a bare number is bytes) started, and every write
+    failed "ssd tier full (0 of 1 bytes)" once the host pool was full: no host eviction batch
+    ever fit. Now: refused at load, naming the key and the minimum."""
+    if how == "toml":             # (base()'s --ssd-capacity left out: a flag beats the file)
+        cfg = tmp_path / "kv.toml"
+        cfg.write_text("[ssd]\ncapacity = 1\n")
+        args = base(tmp_path, short)
+        i = args.index("--ssd-capacity")
+        r = kvstore(["serve", *args[:i], *args[i + 2:], "--config", str(cfg)], env=_env())
+    else:
+        r = serve(tmp_path, short, *how)
+    assert_one_line(r, "config error", "ssd.capacity", "at least 64.0 MiB", "67108864 bytes")
+
+
+def test_ssd_floor_follows_the_eviction_batch():
+    """The floor is two host eviction batches, and only where the SSD tier is on."""
+    from kvstore.moves.host_room import BATCH_BYTES
+
+    assert config.SSD_BATCH_BYTES == BATCH_BYTES
+    assert config.SSD_MIN_CAPACITY == 2 * BATCH_BYTES
+    assert load_config(overrides={"ssd": {"capacity": "64MiB"}}, environ={}).ssd.capacity \
+        == 64 * MiB
+    cfg = load_config(overrides={"ssd": {"enabled": "false", "capacity": "1"}}, environ={})
+    assert not cfg.ssd.enabled
+    with pytest.raises(ConfigError, match=r"ssd.capacity must be at least 64.0 MiB.*got 1 "
+                                          r"bytes.*\(set by KVSTORE_SSD__CAPACITY\)"):
+        load_config(environ={"KVSTORE_SSD__CAPACITY": "1"})
+
+
 def test_policy_names_match_the_policies():
     from kvstore.policies import _POLICIES
 
