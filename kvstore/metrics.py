@@ -18,20 +18,31 @@ Naming (README.md (Metrics) lists every metric):
 Why a server of its own (MetricsServer) and not prometheus_client's start_http_server: that one
 starts a thread per connection and waits for a request for ever, so any local user (the endpoint
 has no authentication) could hold a thread and a descriptor per idle or slow connection until
-the daemon ran out of descriptors and refused its engines too. This one serves at most
-METRICS_MAX_CONNECTIONS at once (more are closed at once), gives each an absolute deadline to
-send its request and another to take the reply, and buffers at most METRICS_MAX_REQUEST bytes
-of request; the reply is prometheus_client's own WSGI app's, byte for byte.
+the daemon ran out of descriptors and refused its engines too. This one serves every
+connection from one thread (a selector) and builds replies on a second, keeps at most
+METRICS_MAX_CONNECTIONS open and METRICS_MAX_PER_PEER from one peer (a new one takes the place
+of that peer's oldest, or of the oldest of the peer holding the most: whoever holds
+connections only pushes out its own, and a scrape gets in at once), gives each an absolute
+deadline to send its request, another for its reply to be built and another to take it, and
+buffers at most
+METRICS_MAX_REQUEST bytes of request; the reply is prometheus_client's own WSGI app's, byte for
+byte.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
 import email.utils
+import ipaddress
 import logging
 import os
+import queue
 import re
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -113,6 +124,9 @@ STORE_GAUGES = {"gc_frozen_objects": "Objects frozen out of every collection aft
                                           "again",
                 "expired_write_slots_held": "Slots of expired write leases kept from the "
                                             "allocator for leases.expired_write_hold_s"}
+# Remote tier figures that are not event counts (kvstore_remote_events leaves them out).
+REMOTE_NOT_EVENTS = frozenset({"up", "serving", "nodes_up", "nodes_total", "capacity",
+                               "round_trips_per_call"})
 # Series that exist from the first scrape at 0, so `increase()` and `rate()` see the first
 # event (a series that appears with value 1 has no earlier sample to increase from).
 MOVE_PATHS = ("client->host", "host->client", "host->ssd", "ssd->host", "remote->host",
@@ -124,10 +138,12 @@ LOSSY_CODECS = ("fp8_e4m3", "int8")
 RPC_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION",
              "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DATA_LOSS", "DEADLINE_EXCEEDED", "INTERNAL",
              "UNAUTHENTICATED", "PERMISSION_DENIED", "OUT_OF_RANGE")
-# The endpoint's bounds (MetricsServer): connections served at once, seconds a connection has
-# to send its whole request (from its accept) and to take the whole reply (from its first
-# byte), and the longest request (line and headers) read.
-METRICS_MAX_CONNECTIONS = 16
+# The endpoint's bounds (MetricsServer): connections open at once, and from one peer (a uid
+# on this host, else an address); seconds a connection has to send its whole request (from
+# its accept), for its reply to be built (from then) and to take the whole reply (from when it
+# is ready: the write deadline, twice); the longest request (line and headers) read.
+METRICS_MAX_CONNECTIONS = 64
+METRICS_MAX_PER_PEER = 4
 METRICS_READ_DEADLINE_S = 5.0
 METRICS_WRITE_DEADLINE_S = 10.0
 METRICS_MAX_REQUEST = 8192
@@ -253,14 +269,25 @@ class StoreCollector(Collector):
         """The Redis/Valkey client's own figures (tiers/remote/), when the tier is enabled."""
         if not remote:
             return
-        up = GaugeMetricFamily("kvstore_remote_up", "1 while every remote node answers")
-        up.add_metric([], 1.0 if remote.get("up") else 0.0)
+        up = GaugeMetricFamily("kvstore_remote_up", "1 while the remote tier serves: at least "
+                               "one of its nodes answers")
+        up.add_metric([], 1.0 if remote.get("serving", remote.get("up")) else 0.0)
         yield up
+        for key, name, help_ in (
+                ("nodes_up", "kvstore_remote_nodes_up", "Remote nodes answering (a cluster's "
+                 "primaries; a down one's keys are misses until it answers again)"),
+                ("nodes_total", "kvstore_remote_nodes", "Remote nodes known (a cluster's "
+                 "primaries, 0 until its slot table is read; standalone: 1)")):
+            v = _number(remote.get(key))
+            if v is not None:
+                g = GaugeMetricFamily(name, help_)
+                g.add_metric([], v)
+                yield g
         events = CounterMetricFamily("kvstore_remote_events", "Remote client events by name",
                                      labels=["event"])
         for key, value in sorted(remote.items()):
             v = _number(value)
-            if v is not None and key not in ("up", "capacity", "round_trips_per_call"):
+            if v is not None and key not in REMOTE_NOT_EVENTS:
                 events.add_metric([metric_name(key)], v)
         yield events
         lat = remote.get("latency") or {}
@@ -398,21 +425,51 @@ class Metrics:
 
 _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
             b"Connection: close\r\n\r\n")
+_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n"
+              b"Connection: close\r\n\r\n")
+READING, BUILDING, WRITING = "reading", "building", "writing"
+
+
+@dataclasses.dataclass(eq=False)
+class _Conn:
+    """One connection of the endpoint, from its accept to its close."""
+
+    sock: socket.socket
+    peer: str                       # whose share it counts in (peer_key)
+    accepted: float                 # monotonic
+    deadline: float                 # of the phase it is in
+    state: str = READING
+    buf: bytearray = dataclasses.field(default_factory=bytearray)
+    out: memoryview | None = None   # the reply's bytes not yet sent
+    dropped: bool = False           # closed by the loop: the builder skips it
 
 
 class MetricsServer:
     """HTTP/1.x for the metrics endpoint, one request per connection, with bounds (module
-    docstring): an accept thread, and a thread per connection being served, at most
-    `max_connections` of them; a connection past that is closed at once (after a 503 it
-    need not wait for)."""
+    docstring).
+
+    Why one thread reads and writes every connection (a selector) instead of a thread each:
+    a connection that sends nothing then costs a descriptor, not a thread, and the endpoint
+    can let many wait without running out of anything. Why a new connection is never refused
+    for room but takes the place of the oldest connection of the peer holding the most (its
+    own peer first, at that peer's cap): whoever holds connections open, idle or dribbling a
+    byte at a time, only ever pushes out its own, and a scrape from anyone else gets in at
+    once instead of waiting for a deadline. Peers are told apart by uid where the peer's end is
+    a socket of this host (the kernel's sock_diag says whose: every local user reaches
+    loopback, from any of 127/8's addresses), else by address (an IPv6 peer by its /64).
+    Replies are built one at a time on a second thread, so neither a slow collection nor a
+    flood of requests holds up accepting or the deadlines.
+    """
 
     def __init__(self, host: str, port: int, app: Callable[..., Any],
                  max_connections: int = METRICS_MAX_CONNECTIONS,
                  read_deadline_s: float = METRICS_READ_DEADLINE_S,
                  write_deadline_s: float = METRICS_WRITE_DEADLINE_S,
-                 max_request: int = METRICS_MAX_REQUEST) -> None:
+                 max_request: int = METRICS_MAX_REQUEST,
+                 max_per_peer: int = METRICS_MAX_PER_PEER) -> None:
         self._app = app
         self.max_connections = max_connections
+        self.max_per_peer = max_per_peer
         self.read_deadline_s = read_deadline_s
         self.write_deadline_s = write_deadline_s
         self.max_request = max_request
@@ -430,128 +487,208 @@ class MetricsServer:
         self._sock = sock
         self.server_port = sock.getsockname()[1]
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()      # being served (under _lock)
+        self._conns: list[_Conn] = []                # oldest first; the loop's own
+        self._built: list[_Conn] = []                # replies ready (under _lock)
+        self._requests: queue.SimpleQueue[_Conn | None] = queue.SimpleQueue()
         self._closing = False
-        self._thread = threading.Thread(target=self._accept_loop, name="kvstore-metrics",
-                                        daemon=True)
+        self._peers = PeerNames()
+        self._builder = threading.Thread(target=self._build_loop, name="kvstore-metrics-reply",
+                                         daemon=True)
+        self._builder.start()
+        self._thread = threading.Thread(target=self._loop, name="kvstore-metrics", daemon=True)
         self._thread.start()
 
     @property
     def connections(self) -> int:
-        """Connections being served now."""
-        with self._lock:
-            return len(self._conns)
+        """Connections open now."""
+        return len(self._conns)
 
     def close(self) -> None:
-        """Stop accepting and cut the connections being served; returns at once (the threads
-        serving them end on their own, each within its deadline at the latest)."""
+        """Stop accepting and close every connection; returns within a few seconds (a reply
+        being built finishes on its own thread, and is dropped).
+
+        Why the loop closes the listening socket and the pipe's read end itself, and the
+        write end is closed under the lock: a descriptor closed while another thread may
+        still use it can be reused at once by anything the daemon opens (a file, an engine's
+        connection), which would then get that thread's bytes."""
         with self._lock:
             if self._closing:
                 return
             self._closing = True
-            for conn in self._conns:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        os.write(self._wake_w, b"x")
+            self._wake_locked()
+        self._requests.put(None)
         self._thread.join(5.0)
-        self._sock.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-    # -- accepting ----------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._sock, selectors.EVENT_READ)
-            sel.register(self._wake_r, selectors.EVENT_READ)
-            while True:
-                ready = [key.fileobj for key, _ in sel.select()]
-                if self._wake_r in ready:
-                    return
-                try:
-                    conn, _ = self._sock.accept()
-                except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                    continue
-                except OSError as e:    # out of descriptors: let the peers' closes catch up
-                    log.warning("metrics endpoint cannot accept a connection: %s", e)
-                    time.sleep(0.1)
-                    continue
-                self._admit(conn)
-
-    def _admit(self, conn: socket.socket) -> None:
+        if self._thread.is_alive():
+            log.warning("metrics endpoint: its loop did not stop within 5 s")
         with self._lock:
-            admitted = not self._closing and len(self._conns) < self.max_connections
-            if admitted:
-                self._conns.add(conn)
-        if not admitted:
-            _refuse(conn)
+            os.close(self._wake_w)
+            self._wake_w = -1
+
+    def _wake_locked(self) -> None:
+        """Wake the loop (under _lock, so never after close() closed the pipe)."""
+        if self._wake_w < 0:
             return
         try:
-            threading.Thread(target=self._serve, args=(conn,), name="kvstore-metrics-conn",
-                             daemon=True).start()
-        except RuntimeError:            # no thread to be had: drop it
-            self._forget(conn)
+            os.write(self._wake_w, b"x")
+        except OSError:                 # full: the loop wakes anyway
+            pass
 
-    def _forget(self, conn: socket.socket) -> None:
-        with self._lock:                # (close() never shuts down a closed, reused fd)
-            self._conns.discard(conn)
-            conn.close()
-
-    # -- one connection -----------------------------------------------------------------------
-    def _serve(self, conn: socket.socket) -> None:
+    # -- the loop -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
         try:
-            head = self._read_head(conn, time.monotonic() + self.read_deadline_s)
-            if head is None:
-                return
-            reply = self._reply(head)
-            self._send(conn, reply, time.monotonic() + self.write_deadline_s)
-            try:
-                conn.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-        except OSError:
-            pass                        # the peer went away, or a deadline passed
-        except Exception:               # noqa: BLE001 - one bad request must not end the thread
-            log.exception("metrics endpoint: serving a request failed")
+            while not self._closing:
+                now = time.monotonic()
+                for c in [c for c in self._conns if c.deadline <= now]:
+                    self._drop(sel, c)
+                soonest = min((c.deadline for c in self._conns), default=now + 1.0)
+                # New connections last: a request already here is read (and so no longer
+                # evictable) before the connections that arrived with it are admitted.
+                ready = sorted(sel.select(max(0.0, soonest - now)),
+                               key=lambda kv: kv[0].fileobj is self._sock)
+                for key, _ in ready:
+                    if key.fileobj is self._wake_r:
+                        self._take_built(sel)
+                    elif key.fileobj is self._sock:
+                        self._accept_all(sel)
+                    elif key.data in self._conns:
+                        self._step(sel, key.data)
+        except Exception:               # noqa: BLE001 - said once; the endpoint is then shut
+            log.exception("metrics endpoint: its loop failed; scrapes are refused from now on")
         finally:
-            self._forget(conn)
+            for c in self._conns:
+                c.dropped = True
+                c.sock.close()
+            self._conns.clear()
+            sel.close()
+            self._peers.close()
+            self._sock.close()
+            os.close(self._wake_r)
 
-    def _read_head(self, conn: socket.socket, deadline: float) -> bytes | None:
-        """The request line and headers (up to the empty line), or None: the peer closed,
-        sent more than max_request bytes without ending them, or ran past the deadline."""
-        buf = bytearray()
-        while True:
-            end = _head_end(buf)
-            if end >= 0:
-                return bytes(buf[:end])
-            if len(buf) > self.max_request:
-                self._send(conn, b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                           b"Content-Length: 0\r\nConnection: close\r\n\r\n",
-                           time.monotonic() + 1.0)
-                return None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            conn.settimeout(left)
+    def _take_built(self, sel: selectors.BaseSelector) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        with self._lock:
+            built, self._built = self._built, []
+        for c in built:
+            if c in self._conns:
+                c.state, c.deadline = WRITING, time.monotonic() + self.write_deadline_s
+                sel.register(c.sock, selectors.EVENT_WRITE, c)
+
+    def _accept_all(self, sel: selectors.BaseSelector) -> None:
+        """Accept what is waiting, at most max_connections a round: a peer connecting as fast
+        as it can must not keep the loop from deadlines and replies."""
+        for _ in range(self.max_connections):
             try:
-                data = conn.recv(4096)
-            except TimeoutError:
-                return None
-            if not data:
-                return None
-            buf += data
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as e:        # out of descriptors: let the peers' closes catch up
+                log.warning("metrics endpoint cannot accept a connection: %s", e)
+                time.sleep(0.1)
+                return
+            try:
+                sock.setblocking(False)
+                peer = self._peers.key(sock)
+            except OSError:             # gone already
+                sock.close()
+                continue
+            self._admit(sel, sock, peer)
 
-    @staticmethod
-    def _send(conn: socket.socket, data: bytes, deadline: float) -> None:
-        view = memoryview(data)
-        while view:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the metrics reply's deadline passed")
-            conn.settimeout(left)
-            view = view[conn.send(view):]
+    def _admit(self, sel: selectors.BaseSelector, sock: socket.socket, peer: str) -> None:
+        """Make room by the class docstring's rule, then serve `sock`; refused (503) only when
+        every candidate's reply is being built."""
+        mine = [c for c in self._conns if c.peer == peer]
+        if len(mine) >= self.max_per_peer or len(self._conns) >= self.max_connections:
+            if len(mine) >= self.max_per_peer:
+                victim = _oldest(mine)
+            else:               # the peers holding the most first; ties: the oldest first
+                counts = collections.Counter(c.peer for c in self._conns)
+                ranked = sorted(self._conns, key=lambda c: -counts[c.peer])   # stable
+                victim = _oldest(ranked)
+            if victim is None:
+                _refuse(sock)
+                return
+            self._drop(sel, victim)
+        now = time.monotonic()
+        c = _Conn(sock, peer, now, now + self.read_deadline_s)
+        self._conns.append(c)
+        sel.register(sock, selectors.EVENT_READ, c)
+        self._step(sel, c)      # a request already here is taken before the next accept
+
+    def _drop(self, sel: selectors.BaseSelector, c: _Conn) -> None:
+        """Close `c` in any state. One being built is safe to close: the builder never
+        touches a socket, skips a dropped request, and its reply is then thrown away."""
+        c.dropped = True
+        self._conns.remove(c)
+        try:
+            sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        c.sock.close()
+
+    def _step(self, sel: selectors.BaseSelector, c: _Conn) -> None:
+        """Read what a connection sent, or send it what it can take of its reply."""
+        try:
+            if c.state == WRITING:
+                assert c.out is not None
+                c.out = c.out[c.sock.send(c.out):]
+                if not c.out:
+                    with contextlib.suppress(OSError):
+                        c.sock.shutdown(socket.SHUT_WR)
+                    self._drop(sel, c)
+                return
+            data = c.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:                 # the peer went away
+            self._drop(sel, c)
+            return
+        if not data:
+            self._drop(sel, c)
+            return
+        c.buf += data
+        end = _head_end(c.buf)
+        if end < 0 and len(c.buf) <= self.max_request:
+            return
+        sel.unregister(c.sock)
+        if end < 0:                     # too long: told so, then closed, the rest unread
+            c.out, c.state = memoryview(_TOO_LARGE), WRITING
+            c.deadline = time.monotonic() + 1.0
+            sel.register(c.sock, selectors.EVENT_WRITE, c)
+            return
+        c.buf = c.buf[:end]
+        # Why a deadline while queued too: a collection that hangs (the store's lock held)
+        # must not hold descriptors for ever. A peer that closes meanwhile is not noticed
+        # (unregistered: its end may be only half-closed, still waiting for the reply);
+        # sending the reply then fails and drops it.
+        c.state, c.deadline = BUILDING, time.monotonic() + self.write_deadline_s
+        self._requests.put(c)
+
+    # -- replies ------------------------------------------------------------------------------
+    def _build_loop(self) -> None:
+        while (c := self._requests.get()) is not None and not self._closing:
+            if c.dropped:               # cut at its deadline, or evicted, while queued
+                continue
+            try:
+                reply = self._reply(bytes(c.buf))
+            except Exception:           # noqa: BLE001 - one bad request must not end the thread
+                log.exception("metrics endpoint: serving a request failed")
+                reply = _response("500 Internal Server Error", [], b"")
+            c.out = memoryview(reply)
+            with self._lock:
+                if self._closing:
+                    return
+                self._built.append(c)
+                self._wake_locked()
 
     def _reply(self, head: bytes) -> bytes:
         """The whole HTTP reply to one request, from prometheus_client's WSGI app."""
@@ -579,7 +716,8 @@ class MetricsServer:
         try:
             body = b"".join(self._app(environ, start_response))
         except Exception:  # noqa: BLE001 - a failed collection is a 500, as under wsgiref
-            log.exception("metrics endpoint: building the reply failed")
+            if not self._closing:       # (at a stop the store may be gone: no alarm)
+                log.exception("metrics endpoint: building the reply failed")
             return _response("500 Internal Server Error", [], b"")
         status, headers = started
         return _response(status, headers, body)
@@ -600,10 +738,94 @@ def _response(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes
 
 
 def _refuse(conn: socket.socket) -> None:
-    """Over the cap: a 503 if the socket takes it at once, then closed."""
+    """No room: a 503 if the socket takes it at once, then closed."""
     try:
         conn.setblocking(False)
         conn.send(_REFUSED)
     except OSError:
         pass
     conn.close()
+
+
+def _oldest(conns: list[_Conn]) -> _Conn | None:
+    """The one accepted first of `conns` (in accept order) whose reply is not being built."""
+    return next((c for c in conns if c.state != BUILDING), None)
+
+
+# sock_diag (linux/sock_diag.h, linux/inet_diag.h): one socket's record, asked for by its four
+# addresses and ports; the record's owner uid is at _DIAG_UID in the reply's payload.
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLMSG_ERROR = 2
+_NLM_F_REQUEST = 1
+_NLMSG_HEADER = struct.Struct("=IHHII")
+_DIAG_UID = 64
+_NO_COOKIE = 0xFFFFFFFF
+
+
+class PeerNames:
+    """Whose share a TCP connection counts in (MetricsServer): "uid N" when the peer's end is
+    a socket of this host (in this network namespace), else its address ("addr A"; an IPv6
+    peer by its /64, "net N", as a host there holds the whole prefix). Used from one thread."""
+
+    def __init__(self) -> None:
+        self._nl: socket.socket | None = None
+        self._seq = 0
+        self._unavailable = not hasattr(socket, "AF_NETLINK")
+
+    def close(self) -> None:
+        if self._nl is not None:
+            self._nl.close()
+            self._nl = None
+
+    def key(self, sock: socket.socket) -> str:
+        peer, local = sock.getpeername(), sock.getsockname()
+        addr = ipaddress.ip_address(str(peer[0]).split("%")[0])
+        here = ipaddress.ip_address(str(local[0]).split("%")[0])
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+            if isinstance(here, ipaddress.IPv6Address) and here.ipv4_mapped is not None:
+                here = here.ipv4_mapped
+        uid = self._uid(addr, int(peer[1]), here, int(local[1]))
+        if uid is not None:
+            return f"uid {uid}"
+        if addr.version == 6:
+            return f"net {ipaddress.ip_network((addr, 64), strict=False)}"
+        return f"addr {addr}"
+
+    def _uid(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int,
+             here: ipaddress.IPv4Address | ipaddress.IPv6Address, here_port: int) -> int | None:
+        """The owner of the socket at addr:port connected to here:here_port, or None: not a
+        socket of this host, gone already, or sock_diag unavailable (a kernel without it)."""
+        if self._unavailable or addr.version != here.version:
+            return None
+        family = socket.AF_INET if addr.version == 4 else socket.AF_INET6
+        req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF)
+        req += struct.pack("!HH", port, here_port)
+        req += addr.packed.ljust(16, b"\0") + here.packed.ljust(16, b"\0")
+        req += struct.pack("=III", 0, _NO_COOKIE, _NO_COOKIE)
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        msg = _NLMSG_HEADER.pack(_NLMSG_HEADER.size + len(req), _SOCK_DIAG_BY_FAMILY,
+                                 _NLM_F_REQUEST, self._seq, 0) + req
+        try:
+            if self._nl is None:
+                self._nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM,
+                                         _NETLINK_SOCK_DIAG)
+                self._nl.settimeout(0.2)        # the kernel answers within the send
+            self._nl.send(msg)
+            while True:
+                data = self._nl.recv(8192)
+                _, kind, _, seq, _ = _NLMSG_HEADER.unpack_from(data)
+                if seq == self._seq:
+                    break
+        except OSError as e:
+            if self._nl is None:                # no sock_diag here: by address from now on
+                log.info("metrics endpoint: peers told apart by address only (%s)", e)
+                self._unavailable = True
+            else:
+                self._nl.close()
+                self._nl = None
+            return None
+        if kind == _NLMSG_ERROR or len(data) < _NLMSG_HEADER.size + _DIAG_UID + 4:
+            return None                         # (ENOENT: not a socket of this host)
+        return struct.unpack_from("=I", data, _NLMSG_HEADER.size + _DIAG_UID)[0]
