@@ -184,9 +184,32 @@ class Nodes:
 
     @property
     def up(self) -> bool:
+        """Every node answers (none is in back-off) and, in a cluster, the topology is known."""
         if self.cluster and self.rc is None:
             return False
         return all(st.up for st in self.states.values())
+
+    def health(self) -> tuple[int, int]:
+        """(nodes up, nodes known): standalone, its one server; a cluster, the primaries of
+        its slot table (with any node a call reached since), (0, 0) until the table is known.
+
+        Why apart from `up`: a cluster serves every slot of its live primaries while others
+        are down (their keys are misses), so "one node down" is a degraded tier, not a dead
+        one; the operator needs both figures (kvstore_remote_up, kvstore_remote_nodes_up)."""
+        if self.standalone is not None:
+            return (1 if self.node(STANDALONE).up else 0), 1
+        rc = self.rc
+        if rc is None:
+            return 0, 0
+        names = set(self.states)
+        try:
+            for owners in list(rc.nodes_manager.slots_cache.values()):
+                if owners:
+                    names.add(owners[0].name)
+        except Exception:  # noqa: BLE001 - a table being rebuilt: the nodes seen so far
+            pass
+        states = self.states
+        return sum(1 for n in names if n not in states or states[n].up), len(names)
 
     def usable(self, name: str) -> bool:
         """True when calls may go to the node; a down node past its back-off gets a probe."""

@@ -489,7 +489,10 @@ class RemoteTier:
     @property
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = dict(self._stats.counters)
-        s["up"] = self.up
+        s["up"] = self.up                   # every node answers
+        # Any node answers: the tier still serves (a cluster, its live nodes' slots).
+        s["nodes_up"], s["nodes_total"] = self._nodes.health()
+        s["serving"] = s["nodes_up"] > 0
         s["capacity"] = self.capacity
         now = time.monotonic()
         nodes = self._nodes
