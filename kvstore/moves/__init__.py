@@ -173,6 +173,9 @@ class Moves:
                 if e.host is not None:
                     st.host.free(e.host)
                     st.policies["host"].remove(g)
+                    # The Entry leaves the index naming no slot: a caller still holding it (a
+                    # flush's list) must not take it for a host copy and write the freed slot.
+                    index.clear_host(e)
                 index.discard(g)
                 continue
             if e.host is not None:

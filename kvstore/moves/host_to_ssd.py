@@ -92,10 +92,15 @@ class HostToSSD:
     def demote(self, entries: list[Entry], strict: bool = True) -> int:
         """Write the host copies among `entries` that have no SSD copy yet to SSD (locked;
         releases the lock for the encode and the write): flush and write-through. Skips blocks
-        in flight (another thread's move will settle them). `strict`: a tenant's SSD quota
-        that cannot fit them raises. Returns the blocks written."""
+        in flight (another thread's move will settle them) and blocks no longer indexed as
+        these entries (deleted since the caller listed them, the lock released meanwhile: a
+        flush's earlier batches): their slots are not theirs, and settling one would put a key
+        the index does not hold into the SSD policy. `strict`: a tenant's SSD quota that
+        cannot fit them raises. Returns the blocks written."""
         st = self.state
-        todo = [e for e in entries if not e.ssd and e.host is not None and e.moving is None]
+        get = st.index.get
+        todo = [e for e in entries if not e.ssd and e.host is not None and e.moving is None
+                and get(e.gkey) is e]
         if not todo:
             return 0
         flight = Flight(st, todo)
