@@ -14,6 +14,7 @@ kvstore.
 
 from __future__ import annotations
 
+import inspect
 import re
 import ssl
 from collections.abc import Iterable
@@ -28,6 +29,11 @@ from redis.exceptions import AuthenticationError
 ERROR_CHARS = 300               # last_error strings are cut to this length
 # How long after the deadline a node's sockets time out (see connection_kwargs).
 SOCKET_GRACE_S = 1.0
+# No CLIENT SETINFO on connect (redis-py >= 5 sends LIB-NAME and LIB-VER, one round trip each,
+# before a new connection's first command): named as the installed redis-py names it.
+NO_SETINFO: dict[str, Any] = (
+    {"driver_info": None} if "driver_info" in inspect.signature(redis.Redis.__init__).parameters
+    else {"lib_name": None, "lib_version": None})
 
 
 def cfg_value(cfg: Any, name: str, default: Any) -> Any:
@@ -138,6 +144,10 @@ def connection_kwargs(cfg: Any, tls: bool) -> dict[str, Any]:
         # Large replies: read big chunks (fewer hiredis feeds; see docs/remote.md figures).
         "socket_read_size": int(cfg_value(cfg, "socket_read_size", 1 << 20)),
         "health_check_interval": int(cfg_value(cfg, "health_check_interval_s", 30)),
+        # A new connection pays its round trips (TCP, TLS, AUTH) inside the first call's
+        # deadline; redis-py's two CLIENT SETINFO calls would add two more for a label in
+        # CLIENT LIST. At 100 ms to the server they alone outlast the default deadline.
+        **NO_SETINFO,
     }
     if cfg_value(cfg, "username", ""):
         kw["username"] = cfg.username

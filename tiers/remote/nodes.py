@@ -17,6 +17,13 @@ its deadline grows with the bytes it moves, and one caller's large values must n
 a miss for every caller while it answers everyone else. The node is PINGed in the background
 instead (`check_slow`) and goes down only if that PING is late or fails too.
 
+Warm connections: each node gets `warm` connections opened in the background when it becomes
+known (the standalone server at once, a cluster's primaries once its slot table is read) and
+again when it answers after being down. A connection's setup (TCP, TLS, AUTH) costs round
+trips that a cold call would pay inside its deadline: at tens of milliseconds to the server,
+the first calls after a start, or after an outage dropped the connections, would come late,
+be misses, and mark the node down, though it answers.
+
 Log: a node going down logs one WARNING naming the cause (the operator's only view of a wrong
 password or a TLS mistake besides `stats`), and one INFO when it is back. Rate-limited per node:
 the same cause again within LOG_REPEAT_S, or any cause within LOG_MIN_INTERVAL_S of the last
@@ -106,7 +113,7 @@ class Nodes:
     def __init__(self, urls: list[str], cluster: bool, prefix: bytes,
                  conn_kwargs: dict[str, Any], pool: ThreadPoolExecutor, stats: RemoteStats,
                  describe: Callable[[BaseException | str], str], backoff_min_s: float,
-                 backoff_max_s: float, label: str = "") -> None:
+                 backoff_max_s: float, label: str = "", warm: int = 0) -> None:
         self.cluster = cluster
         self.prefix = prefix
         self.backoff_min_s = backoff_min_s
@@ -121,6 +128,8 @@ class Nodes:
         self._label = label or STANDALONE     # how logs name the standalone server
         self._lock = threading.Lock()
         self._next_refresh = 0.0             # monotonic; slot-table refreshes are rate-limited
+        self._warm = warm                    # connections opened ahead per node (`warm_node`)
+        self._warming = 0                    # warm-up PINGs under way (under _lock)
         self.states: dict[str, NodeState] = {}
         self.standalone: redis.Redis | None = None
         self.rc: Any = None                  # redis.cluster.RedisCluster once discovered
@@ -133,6 +142,7 @@ class Nodes:
             kw["retry"] = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
             self.standalone = redis.Redis(**kw)
             self.states[STANDALONE] = NodeState(STANDALONE)
+            self.warm_node(STANDALONE)
 
     # -- routing ------------------------------------------------------------------------------
     def route(self, gkeys: Sequence[bytes]) -> dict[str, Batch] | None:
@@ -344,6 +354,11 @@ class Nodes:
         except Exception as e:  # noqa: BLE001 - any failure means "still down"
             self.mark_down(name, e)
         else:
+            # An outage dropped its connections: open them before calls go there again, or
+            # the first ones pay the setup inside their deadlines and mark it down anew.
+            end = time.monotonic() + 2 * float(self._conn_kwargs.get("socket_timeout", 1.0))
+            for t in self.warm_node(name):
+                t.join(max(0.0, end - time.monotonic()))
             self.mark_up(name)
         finally:
             with self._lock:
@@ -374,6 +389,8 @@ class Nodes:
                     kw[k] = first[k]
             self.rc = RedisCluster(startup_nodes=nodes, require_full_coverage=False,
                                    dynamic_startup_nodes=True, **kw)
+            for node in self.rc.get_primaries():
+                self.warm_node(node.name)
         except Exception as e:  # noqa: BLE001
             with self._lock:
                 now = time.monotonic()
@@ -424,13 +441,51 @@ class Nodes:
             self.topology.probing = False
 
     def wait_ready(self, timeout: float) -> bool:
-        """Block until the cluster topology is known (standalone: at once)."""
+        """Block until the cluster topology is known (standalone: at once) and the warm-up
+        connections it started are open or have failed; False if `timeout` passed first."""
         end = time.monotonic() + timeout
         while self.cluster and self.rc is None and time.monotonic() < end:
             if not self.topology.probing and time.monotonic() >= self.topology.down_until:
                 self.discover_async()
             time.sleep(0.01)
-        return not self.cluster or self.rc is not None
+        while self._warming and time.monotonic() < end:
+            time.sleep(0.01)
+        return (not self.cluster or self.rc is not None) and not self._warming
+
+    # -- warm connections ---------------------------------------------------------------------
+    def warm_node(self, name: str) -> list[threading.Thread]:
+        """Open up to `warm` connections to a node in the background (module docstring): as
+        many PINGs at once, each on a thread of its own, so each takes a connection of its
+        own from the node's pool (fewer where one ends before another starts: on a near
+        server, a new connection is cheap anyway). A failure is not a health signal here:
+        the calls, and their probes, judge the node. Returns the threads started."""
+        client = self.client_for(name)
+        if client is None or self.closed or self._warm <= 0:
+            return []
+        with self._lock:
+            self._warming += self._warm
+        started = []
+        for _ in range(self._warm):
+            t = threading.Thread(target=self._warm_one, args=(client,), daemon=True,
+                                 name="kvs-remote-warm")
+            try:
+                t.start()
+            except RuntimeError:        # no thread to be had: the calls connect themselves
+                with self._lock:
+                    self._warming -= 1
+            else:
+                started.append(t)
+        return started
+
+    def _warm_one(self, client: redis.Redis) -> None:
+        try:
+            if not self.closed:
+                client.ping()
+        except Exception:  # noqa: BLE001 - see warm_node
+            pass
+        finally:
+            with self._lock:
+                self._warming -= 1
 
     def close(self) -> None:
         self.closed = True

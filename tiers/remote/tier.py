@@ -170,14 +170,16 @@ class RemoteTier:
         self._tls, self._client_cert = tls, "ssl_certfile" in conn
         self._secrets = url_secrets(urls, str(cfg_value(cfg, "password", "")))
         self._closed = False
-        self._pool = ThreadPoolExecutor(max_workers=int(cfg_value(cfg, "max_workers", 8)),
-                                        thread_name_prefix="kvs-remote")
+        workers = int(cfg_value(cfg, "max_workers", 8))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvs-remote")
         self._stats = RemoteStats()
         self._nodes = Nodes(urls, self.cluster, self.prefix, conn, self._pool, self._stats,
                             self._describe,
                             float(cfg_value(cfg, "backoff_min_ms", 50)) / 1000.0,
                             float(cfg_value(cfg, "backoff_max_ms", 2000)) / 1000.0,
-                            label=mask_url(urls[0]))
+                            label=mask_url(urls[0]),
+                            # as many as the batches that may go to one node at once
+                            warm=workers)
 
     def key(self, gkey: bytes) -> bytes:
         return make_key(self.prefix, gkey)
@@ -187,7 +189,8 @@ class RemoteTier:
                               secrets=self._secrets)
 
     def wait_ready(self, timeout: float = 5.0) -> bool:
-        """Block until the cluster topology is known (standalone: at once). For tools/tests."""
+        """Block until the cluster topology is known (standalone: at once) and the warm-up
+        connections are open (Nodes.warm_node). For tools and tests."""
         return self._nodes.wait_ready(timeout)
 
     # ----------------------------------------------------------------------------- engine
