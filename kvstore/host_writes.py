@@ -228,7 +228,11 @@ class HostWrites:
         if self.moves.host_remote is not None and st.config.remote.write_through:
             # Each block's source is its host copy if it still has one, else its SSD copy
             # (put's room-making may have evicted an entry it published earlier).
-            self.moves.host_remote.demote([e for e in entries if not e.remote and e.resident])
+            # Only blocks still the index's own: the SSD write above released the lock, and
+            # a block deleted meanwhile must not reach Redis under a key no one holds.
+            get = st.index.get
+            self.moves.host_remote.demote([e for e in entries if not e.remote and e.resident
+                                           and get(e.gkey) is e])
 
     def put(self, ns_id: bytes, keys: list[bytes], blocks: Sequence,
             parent: bytes | None, texts: list | None = None) -> CommitResult:

@@ -70,8 +70,11 @@ class GpuToSSD:
                         f"Flush ended writing device-only blocks: {why}; {written + done} "
                         "blocks were written to SSD (not yet synced); call Flush again for "
                         "the rest")
+                # (still the index's own: one deleted while an earlier batch was written is
+                # not this block any more, whatever its fields say)
                 batch = [e for e in mine[i:i + FLUSH_BATCH]
-                         if e.gpu is not None and e.moving is None and not e.ssd]
+                         if e.gpu is not None and e.moving is None and not e.ssd
+                         and st.index.get(e.gkey) is e]
                 if batch:
                     done += self.demote(dev, batch)
         return done

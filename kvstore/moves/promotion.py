@@ -200,6 +200,9 @@ class Promoter:
         e = p.entry
         e.moving = None
         if p.ssd_missed and not st.ssd.contains(e.gkey):
+            # Gone from LMDB under us: off the policy too, or it stays there, never picked
+            # (nothing to evict), until its row is freed.
+            st.policies["ssd"].remove(e.gkey)
             st.index.set_ssd(e, False)
         if p.source is None:
             st.host.free(p.offset)
