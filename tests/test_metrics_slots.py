@@ -25,6 +25,7 @@ import pytest
 
 from kvstore import metrics
 from tests.daemon import Daemon, cleanup, start_daemon
+from tests.test_metrics_endpoint import _fds, _port
 
 READ_DEADLINE_S = getattr(metrics, "METRICS_READ_DEADLINE_S", 5.0)
 PER_PEER = getattr(metrics, "METRICS_MAX_PER_PEER", 16)
@@ -39,14 +40,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         yield d
     finally:
         cleanup(d)
-
-
-def _port(d: Daemon) -> int:
-    return int(d.metrics_url.rsplit(":", 1)[1].split("/")[0])
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def _scrape(d: Daemon) -> str:
