@@ -283,6 +283,7 @@ class EngineStreamConfig:
     name: str                       # stable: names the stream's sequence file
     endpoint: str                   # ZMQ PUB address the router is pointed at for this engine
     source: str = ""                # the engine's --kv-events-config endpoint ("": none)
+    source_replay: str = ""         # ...and its replay_endpoint ("": none; asked, never bound)
     replay_endpoint: str = ""       # ZMQ ROUTER address for replay requests ("": none)
     dp_rank: int = 0                # data_parallel_rank of this stream's own batches
     models: list[str] = field(default_factory=list)     # [] = events.models
@@ -305,12 +306,15 @@ class EngineStreamConfig:
             raise ConfigError(f"{where}.name: letters, digits, '_', '.', '-' only (it names "
                               f"a file), got {out.name!r}")
         check_endpoint(out.endpoint, f"{where}.endpoint")
-        for key in ("source", "replay_endpoint"):
+        for key in ("source", "source_replay", "replay_endpoint"):
             value = getattr(out, key)
             if not isinstance(value, str) or (value and not value.startswith(("tcp://",
                                                                              "ipc://"))):
                 raise ConfigError(f"{where}.{key}: expected a tcp:// or ipc:// address or '', "
                                   f"got {value!r}")
+        if out.source_replay and not out.source:
+            raise ConfigError(f"{where}.source_replay: the engine's replay socket is asked only "
+                              "for the events of a source; set source too")
         if not isinstance(out.dp_rank, int) or isinstance(out.dp_rank, bool) \
                 or not 0 <= out.dp_rank < 1 << 16:
             raise ConfigError(f"{where}.dp_rank must be an integer in 0..65535")

@@ -107,7 +107,8 @@ class Sub:
             if pred(evs):
                 return evs
             if time.monotonic() > end:
-                raise AssertionError(f"{what} not seen within {deadline_s} s; got {evs}")
+                raise AssertionError(f"{what} not seen within {deadline_s} s; got {len(evs)} "
+                                     f"events, the last: {evs[-20:]}")
             self.pump()
 
     def last_seq(self) -> int:

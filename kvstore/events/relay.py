@@ -21,21 +21,31 @@ event a block. A start-over the daemon makes for its own reasons (its publisher 
 its start) sends AllBlocksCleared on the merged stream too, which wiped the engine's GPU blocks
 at the router although the engine still held them: they came back only as the engine stored
 each again. The stream re-announces them after the daemon's blocks, and to a consumer that
-subscribes. A daemon restart starts with none (the engine's events while it was down are
-lost): they are credited again as the engine sends them.
+subscribes. A daemon restart starts with none: they are credited again as the engine sends
+them, unless the engine's replay socket is known (`source_replay`).
+
+What it asks (replay.py): with `source_replay`, the engine's replay socket, for the batches
+from 0 at the daemon's start (the engine's history, as much as its buffer still has) and from
+the first missing number on a gap in the engine's numbers (its PUB socket or ours dropped
+them). The live batches wait meanwhile, then those the replay brought too are skipped as
+repeats. A replay that cannot fill a gap (the engine's buffer no longer has the batches, no
+answer within the deadline) leaves it: counted (`replay_missed`, in batches), logged, and the
+relay goes on.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 from kvstore_client.common.engine_keys import fold_vllm_key as fold_key
 
 from . import wire
+from .replay import Replay, ReplayResult
 from .stream import bind
 from .texts import BlockText, check_lora, check_tokens
 
@@ -43,6 +53,7 @@ log = logging.getLogger("kvstore.events")
 
 LOG_EVERY_S = 10.0
 MAX_MESSAGES = 256          # engine messages handled per publisher tick, per relay
+REPLAY_RETRY_S = 10         # no replay request this long after one that failed
 
 
 Lora = tuple[int | None, str | None] | None
@@ -120,13 +131,18 @@ def attach(sub: zmq.Socket, source: str, key: str) -> None:
 
 
 class Relay:
-    """One engine's event source (used by the publisher thread only)."""
+    """One engine's event source (used by the publisher thread only; a replay reads on its
+    own thread, replay.py). `replay`: the engine's replay_endpoint, verbatim ("": none);
+    `replay_bytes`: what a replay may hold, its answer and the live batches waiting for it,
+    each. `wake` (set by the service) wakes the publisher thread; a replay's thread calls it
+    when its answer is in."""
 
     def __init__(self, ctx: zmq.Context, name: str, source: str, cache: TokenCache,
-                 hwm: int, key: str) -> None:
+                 hwm: int, key: str, replay: str = "", replay_bytes: int = 64 << 20) -> None:
         self.name = name
         self.source = source
         self.cache = cache
+        self.ctx = ctx
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, hwm)
         self.sub.setsockopt(zmq.LINGER, 0)
@@ -142,17 +158,46 @@ class Relay:
         self.gpu: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.counters: dict[str, int] = {"batches": 0, "events": 0, "dropped_media": 0,
                                          "bad_messages": 0, "restarts": 0, "gaps": 0,
-                                         "int_hashes": 0, "gpu_record_dropped": 0}
+                                         "int_hashes": 0, "gpu_record_dropped": 0,
+                                         "replays": 0, "replay_batches": 0,
+                                         "replay_failures": 0, "replay_missed": 0}
         self._bad_logged = 0.0
         self._bad_unlogged = 0
         self._int_warned = False
+        self.replay_endpoint = replay
+        self.replay_bytes = replay_bytes
+        self.wake: Callable[[], None] = _no_wake    # the publisher's, once it exists
+        self._replay: Replay | None = None
+        self._replay_at = 0.0           # when the next replay may be asked
+        self._asked_at: int | None = None   # the live batch whose gap the last replay was for
+        self._held: deque[tuple[int, bytes]] = deque()  # live batches read, not yet handled
+        self._held_bytes = 0
+        self._backlog: deque[tuple[int, bytes]] = deque()  # a replay's, not yet handled
+        self._backlog_next = 0          # ...the number it should bring next
+        # seq -> hash of each batch the last replay brought, to skip when it comes live too
+        # (the engine sent it before the replay was served and the SUB socket had it queued)
+        self._repeats: dict[int, int] = {}
+        self._repeats_top = -1
+        self._warned_at = 0.0
+        self._closing = False
+        if replay:
+            self._ask(0, None)          # the engine's history, from its buffer's start
 
+    # -- reading ------------------------------------------------------------------------------
     def pump(self) -> list[tuple[str, Any]]:
         """Read what the engine sent: [("forward", (ts, events, rank)) | ("restart", None)]
-        in order, plus what it taught, returned as ("learned", [(key or None, hash)])."""
+        in order, plus what it taught, returned as ("learned", [(key or None, hash)]).
+
+        At most MAX_MESSAGES batches are handled a call (a replay's answer may be thousands:
+        the rest waits for the next tick, which `wake` brings at once). While a replay is
+        under way the live batches read wait for it, replay_bytes of them at most: past that
+        the replay is given up. While a finished replay's batches or waiting ones are handled,
+        reading stops at replay_bytes held (the rest waits in ZMQ, up to its hwm)."""
         out: list[tuple[str, Any]] = []
         learned: list[tuple[bytes | None, int]] = []
         for _ in range(MAX_MESSAGES):
+            if self._held_bytes > self.replay_bytes:
+                break
             try:
                 frames = self.sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -160,28 +205,159 @@ class Relay:
             if len(frames) != 3 or len(frames[1]) != 8:
                 self._bad(f"{len(frames)} frames")
                 continue
-            seq = int.from_bytes(frames[1], "big", signed=True)
-            try:
-                ts, events, rank = wire.decode_batch(frames[2])
-            except ValueError as e:
-                self._bad(str(e))
-                continue
-            if self.last_seq is not None and seq <= self.last_seq:
-                self.counters["restarts"] += 1
-                log.info("events: engine %s restarted (its sequence went from %d to %d): its "
-                         "stream starts over", self.name, self.last_seq, seq)
-                self.gpu.clear()
-                out.append(("restart", None))
-            elif self.last_seq is not None and seq > self.last_seq + 1:
-                self.counters["gaps"] += 1
-            self.last_seq = seq
-            fwd = self._translate(events, learned, out)
-            self.counters["batches"] += 1
-            if fwd:
-                out.append(("forward", (ts, fwd, rank)))
+            self._held.append((int.from_bytes(frames[1], "big", signed=True), frames[2]))
+            self._held_bytes += len(frames[2])
+        if self._replay is not None:
+            res = self._replay.result
+            if res is None:
+                if self._held_bytes <= self.replay_bytes:
+                    return out
+                self._replay.cancel(0)
+                res = ReplayResult(self._replay.start, why="the engine's live batches "
+                                   "waiting for it outgrew events.replay_bytes")
+            self._replay = None
+            self._finished(res)
+        budget = MAX_MESSAGES
+        while self._backlog and budget > 0:
+            seq, payload = self._backlog.popleft()
+            self._replayed(seq, payload, out, learned)
+            budget -= 1
+        while not self._backlog and self._held and budget > 0:
+            seq, payload = self._held[0]
+            if not self._take(seq, payload, out, learned):
+                break                   # a replay was asked: this batch and the rest wait
+            self._held.popleft()
+            self._held_bytes -= len(payload)
+            budget -= 1
+        if self._replay is None and (self._backlog or self._held):
+            self.wake()                 # more to handle: the next tick, not in a second
         if learned:
             out.append(("learned", learned))
         return out
+
+    def _take(self, seq: int, payload: bytes, out: list, learned: list) -> bool:
+        """One live batch; False when it showed a gap and a replay was asked for the batches
+        before it (it and those after it wait)."""
+        may_ask = True
+        if self.last_seq is not None and seq <= self.last_seq:
+            brought = self._repeats.get(seq)
+            if brought is not None and (brought == hash(payload) or seq == self._asked_at):
+                return True             # a replay brought it already (that one is kept)
+            # An engine whose replay differs from its live batches is not asked again for
+            # this restart: each answer would bring the same difference, then a restart.
+            may_ask = brought is None
+            self.counters["restarts"] += 1
+            log.info("events: engine %s restarted (its sequence went from %d to %d): its "
+                     "stream starts over", self.name, self.last_seq, seq)
+            self.gpu.clear()
+            self._repeats.clear()
+            self.last_seq = self._asked_at = None
+            out.append(("restart", None))
+        # with a replay socket the engine's stream is wanted from its start (seq 0)
+        want = self.last_seq + 1 if self.last_seq is not None else \
+            (0 if self.replay_endpoint else None)
+        if want is not None and seq > want:
+            if seq == self._asked_at:
+                self._missed(want, seq, "the replay did not bring them")
+            else:
+                self.counters["gaps"] += 1
+                if may_ask and self._ask(want, seq):
+                    return False
+                if self.replay_endpoint:
+                    self._missed(want, seq, "not asked for: its replay socket failed less "
+                                 f"than {REPLAY_RETRY_S} s ago" if may_ask else "not asked "
+                                 "for: its replay and live batches of one number differ")
+        if self._asked_at is not None and seq >= self._asked_at:
+            self._asked_at = None
+        if self._repeats and seq > self._repeats_top:
+            self._repeats.clear()       # past what the last replay brought
+        self._apply(seq, payload, out, learned)
+        return True
+
+    def _apply(self, seq: int, payload: bytes, out: list, learned: list) -> bool:
+        try:
+            ts, events, rank = wire.decode_batch(payload)
+        except ValueError as e:
+            self._bad(str(e))       # its number too may be garbage: not taken
+            return False
+        self.last_seq = seq
+        fwd = self._translate(events, learned, out)
+        self.counters["batches"] += 1
+        if fwd:
+            out.append(("forward", (ts, fwd, rank)))
+        return True
+
+    # -- replays ------------------------------------------------------------------------------
+    def _ask(self, start: int, gap_at: int | None) -> bool:
+        """Ask the engine's replay socket for its batches from `start` (one request at a
+        time; none for REPLAY_RETRY_S after one that failed). `gap_at`: the live batch that
+        showed the gap (None at the start)."""
+        if not self.replay_endpoint or self._closing or self._replay is not None \
+                or time.monotonic() < self._replay_at:
+            return False
+        self._asked_at = gap_at
+        self.counters["replays"] += 1
+        self._replay = Replay(self.ctx, self.replay_endpoint, start, self.replay_bytes,
+                              lambda: self.wake())
+        return True
+
+    def _finished(self, res: ReplayResult) -> None:
+        """Take a finished replay's answer: its batches are handled before the live ones that
+        waited for it (_replayed)."""
+        self._backlog = deque(res.batches)
+        self._backlog_next = res.start
+        if res.complete:
+            return
+        self.counters["replay_failures"] += 1
+        if self.last_seq is None and not self._held and not res.answered:
+            # the request at the start, unanswered: the engine is not up yet, and its first
+            # batch is read live (a later gap asks again)
+            log.info("events: engine %s: its replay socket %s answered nothing (%s): the "
+                     "engine is read from its next batch", self.name, self.replay_endpoint,
+                     res.why)
+            return
+        self._replay_at = time.monotonic() + REPLAY_RETRY_S
+        self._warn("events: engine %s: its replay socket %s answered no whole replay from "
+                   "%d (%s); the relay goes on with the %d batch(es) it got (and asks again "
+                   "%d s from now at the earliest)", self.name, self.replay_endpoint,
+                   res.start, res.why, len(res.batches), REPLAY_RETRY_S)
+
+    def _replayed(self, seq: int, payload: bytes, out: list, learned: list) -> None:
+        """Forward a batch a replay brought, unless the relay has it already (a gap's
+        batches; at the start, the engine's history); remember it, to skip it as a repeat
+        when it comes live too (the engine sent it before it served the replay, and the SUB
+        socket had it queued)."""
+        if self.last_seq is not None and seq <= self.last_seq:
+            return
+        want = self._backlog_next if self.last_seq is None else \
+            max(self.last_seq + 1, self._backlog_next)
+        if seq > want:
+            self._missed(want, seq, "the engine's buffer no longer has them")
+        self._backlog_next = seq + 1
+        self._repeats[seq] = hash(payload)
+        self._repeats_top = seq
+        if self._apply(seq, payload, out, learned):
+            self.counters["replay_batches"] += 1
+
+    def _missed(self, want: int, seq: int, why: str) -> None:
+        self.counters["replay_missed"] += seq - want
+        self._warn("events: engine %s: its batches %d..%d are lost (%s): the router misses "
+                   "their events until the engine stores or removes those blocks again",
+                   self.name, want, seq - 1, why)
+
+    def _warn(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= LOG_EVERY_S:
+            self._warned_at = now
+            log.warning(msg + " (logged once per %d s)", *args, LOG_EVERY_S)
+
+    def stop_replay(self) -> None:
+        """No replay from now on; one under way is cancelled (its thread gone on return, so
+        it calls `wake` no more)."""
+        self._closing = True
+        rep, self._replay = self._replay, None
+        if rep is not None:
+            rep.cancel()
 
     def _translate(self, events: list[dict[str, Any]], learned: list,
                    out: list[tuple[str, Any]]) -> list[dict[str, Any]]:
@@ -280,4 +456,9 @@ class Relay:
             self._bad_logged, self._bad_unlogged = now, 0
 
     def close(self) -> None:
+        self.stop_replay()
         self.sub.close(linger=0)
+
+
+def _no_wake() -> None:
+    pass

@@ -8,6 +8,7 @@ store's background work. docs/routing.md describes what goes out.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,8 @@ class Events:
                                       cfg.replay_bytes))
                 if eng.source:
                     relays[len(streams) - 1] = Relay(ctx, eng.name, eng.source, cache,
-                                                     cfg.hwm, f"events.engines[{i}].source")
+                                                     cfg.hwm, f"events.engines[{i}].source",
+                                                     eng.source_replay, cfg.replay_bytes)
         except BaseException:
             for s in streams:
                 s.close(linger_s=0)
@@ -62,6 +64,13 @@ class Events:
         self.publisher = Publisher(state, self.recorder, streams, relays, cache, ctx,
                                    cfg.batch_events, cfg.interval_ms / 1000.0,
                                    cfg.token_cache_blocks)
+        # A relay's replay that ends wakes the publisher to forward it (else it waits for the
+        # next tick, up to a second), from the replay's thread: never once the publisher's
+        # wake pipe is closed (its descriptor may name another file by then).
+        self._wake_lock = threading.Lock()
+        self._closed = False
+        for r in relays.values():
+            r.wake = self._wake_publisher
 
     @property
     def book(self) -> dict[bytes, BlockText]:
@@ -83,7 +92,14 @@ class Events:
     def start(self) -> None:
         self.publisher.start()
 
+    def _wake_publisher(self) -> None:
+        with self._wake_lock:
+            if not self._closed:
+                self.publisher._wake()
+
     def close(self) -> None:
+        with self._wake_lock:
+            self._closed = True
         self.publisher.close()
 
     def note(self, gkey: bytes, on_ssd: bool) -> bytes:
