@@ -340,6 +340,10 @@ class EventsConfig:
     interval_ms: float = 10.0                   # gathering window after a change wakes it
     token_cache_blocks: int = 262144            # engine blocks whose tokens relays remember
     engines: list[Any] = field(default_factory=list)    # [[events.engines]] tables
+    # Connections each bound events socket keeps, in all and from one peer (kvstore/events/
+    # peers.py: a uid on this host, else an address, an IPv6 one by its /64)
+    max_connections: int = 64
+    max_connections_per_peer: int = 8
     # Events with [tenants.*]: every tenant's blocks and token ids go to whoever connects
     allow_with_tenants: bool = False
 
@@ -350,7 +354,9 @@ class EventsConfig:
             check_endpoint(self.replay_endpoint, "events.replay_endpoint")
         for key, lo, hi in (("dp_rank", 0, 65535), ("buffer_steps", 0, 10**7),
                             ("hwm", 1, 10**8), ("max_queue", 16, 10**8),
-                            ("batch_events", 1, 65536), ("token_cache_blocks", 0, 10**8)):
+                            ("batch_events", 1, 65536), ("token_cache_blocks", 0, 10**8),
+                            ("max_connections", 1, 65536),
+                            ("max_connections_per_peer", 1, 65536)):
             v = getattr(self, key)
             if not lo <= v <= hi:
                 raise ConfigError(f"events.{key} must be in {lo}..{hi}, got {v}")

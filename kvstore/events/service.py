@@ -18,6 +18,7 @@ import zmq
 from ..config import EventsConfig
 from ..entry import NS_ID_BYTES
 from ..index import BlockIndex
+from .peers import Guard
 from .pending import ssd_text
 from .publisher import Publisher
 from .recorder import Recorder
@@ -35,22 +36,25 @@ class Events:
         streams: list[Stream] = []
         relays: dict[int, Relay] = {}
         cache = TokenCache(cfg.token_cache_blocks)
+        # every bound socket's connections capped (peers.py); closed with the first stream
+        self.guard = Guard(cfg.max_connections, cfg.max_connections_per_peer)
         try:
             if cfg.endpoint:
                 streams.append(Stream(ctx, "node", "events.", cfg.endpoint,
                                       cfg.replay_endpoint, cfg.topic, cfg.dp_rank, cfg.hwm,
                                       cfg.buffer_steps, seq_dir, cfg.models,
-                                      cfg.replay_bytes))
+                                      cfg.replay_bytes, self.guard))
             for i, eng in enumerate(cfg.engines):
                 streams.append(Stream(ctx, eng.name, f"events.engines[{i}].", eng.endpoint,
                                       eng.replay_endpoint, cfg.topic, eng.dp_rank, cfg.hwm,
                                       cfg.buffer_steps, seq_dir, eng.models or cfg.models,
-                                      cfg.replay_bytes))
+                                      cfg.replay_bytes, self.guard))
                 if eng.source:
                     relays[len(streams) - 1] = Relay(ctx, eng.name, eng.source, cache,
                                                      cfg.hwm, f"events.engines[{i}].source",
                                                      eng.source_replay, cfg.replay_bytes)
         except BaseException:
+            self.guard.close()
             for s in streams:
                 s.close(linger_s=0)
             for r in relays.values():
@@ -90,6 +94,7 @@ class Events:
         index.listener = self.recorder
 
     def start(self) -> None:
+        self.guard.start()
         self.publisher.start()
 
     def _wake_publisher(self) -> None:

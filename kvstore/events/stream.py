@@ -3,7 +3,9 @@
 Used by the publisher thread only (ZMQ sockets are not thread-safe); bound by the daemon's
 start, so an address in use is an operator error there (EventsAddressError), not later.
 Nothing here blocks: PUB drops messages for a subscriber past its high-water mark, ROUTER drops
-replies to a peer past its own, and replay requests are served at a bounded rate.
+replies to a peer past its own, and replay requests are served at a bounded rate. What peers
+may hold of the daemon: connections, so many per peer and in all (peers.py, on a thread of its
+own); replies queued unread, one replay per connection and `replay_bytes` in all (serve_replay).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import zmq
 
 from . import wire
 from .errors import EventsAddressError
+from .peers import Guard
 from .seqfile import SeqFile
 
 log = logging.getLogger("kvstore.events")
@@ -32,6 +35,7 @@ REPLAY_BATCHES_PER_S = 50000
 SUB_MAX_BYTES = 4096
 REPLAY_MAX_BYTES = 64
 LOG_EVERY_S = 10.0          # bad replay requests: one log line this often, with the count
+REPLAY_OVERHEAD = 64        # bytes counted per replayed batch beside its payload (frames, headers)
 
 
 def bind(sock: zmq.Socket, address: str, key: str) -> str:
@@ -52,7 +56,8 @@ def bind(sock: zmq.Socket, address: str, key: str) -> str:
 class Stream:
     def __init__(self, ctx: zmq.Context, name: str, key: str, endpoint: str, replay: str,
                  topic: str, dp_rank: int, hwm: int, buffer_steps: int, seq_dir: Path,
-                 models: list[str], replay_bytes: int = 64 << 20) -> None:
+                 models: list[str], replay_bytes: int = 64 << 20,
+                 guard: Guard | None = None) -> None:
         self.name = name
         self.dp_rank = dp_rank
         self.models = models
@@ -71,8 +76,11 @@ class Stream:
         self.pub.setsockopt(zmq.RCVHWM, 1000)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.replay: zmq.Socket | None = None
+        self.guard = guard
         try:
             self.address = bind(self.pub, endpoint, key + "endpoint")
+            if guard is not None:
+                guard.watch(self.pub, self.address, f"{key}endpoint {self.address}")
             if replay:
                 self.replay = ctx.socket(zmq.ROUTER)
                 self.replay.setsockopt(zmq.LINGER, 0)
@@ -80,19 +88,30 @@ class Stream:
                 # a peer whose queue is full raises zmq.Again at once (MANDATORY), so one that
                 # does not read its last replay costs one failed send, not a walk of the buffer
                 self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                # room for one whole replay per peer; the payloads are shared, not copied
+                # room for one whole replay per peer (a peer gets one at a time)
                 self.replay.setsockopt(zmq.SNDHWM, (self.buffer.maxlen or 0) + 2)
                 self.replay_address = bind(self.replay, replay, key + "replay_endpoint")
+                if guard is not None:
+                    guard.watch(self.replay, self.replay_address,
+                                f"{key}replay_endpoint {self.replay_address}")
         except BaseException:
             self.close(linger_s=0)
             raise
         self.seq = SeqFile(seq_dir / f"{name}.seq")
         self.counters: dict[str, int] = {"batches": 0, "events": 0, "replays": 0,
-                                         "bad_replay_requests": 0, "subscriptions": 0}
+                                         "bad_replay_requests": 0, "subscriptions": 0,
+                                         "replays_refused": 0}
+        # Replies queued in ZMQ and not yet taken by their peer: peer identity -> (tracker of
+        # the reply's end marker, its bytes). A peer's messages leave its pipe in order, so
+        # once the end marker is released (sent to the kernel, or dropped with the peer) the
+        # whole reply is.
+        self._unread: dict[bytes, tuple[zmq.MessageTracker, int]] = {}
         self.replay_at = 0.0            # when the next replay request may be served
         self.sent_at = time.monotonic()
         self._bad_logged = 0.0
         self._bad_unlogged = 0
+        self._refused_logged = 0.0
+        self._refused_unlogged = 0
 
     def send(self, events: list[bytes], ts: float | None = None,
              dp_rank: int | None = None, empty_ok: bool = False) -> None:
@@ -140,7 +159,17 @@ class Stream:
 
         A request is [identity, b"", 8-byte start sequence number]; the answer is every
         buffered batch from that number on (all of them when it is long gone), then the end
-        marker. Anything else is dropped and counted, logged once per LOG_EVERY_S."""
+        marker. Anything else is dropped and counted, logged once per LOG_EVERY_S.
+
+        Why replies are bounded by bytes too: pyzmq copies every frame under 64 KiB (its copy
+        threshold) into each reply, and the larger ones it shares pin payloads the buffer has
+        since let go, so each peer that asks and never reads would hold up to `replay_bytes`
+        of the daemon's memory (its pipe holds a whole replay), for as long as it stays
+        connected. So a peer gets one replay at a time (a request while its last reply is
+        unread is refused), and a request is refused while the replies queued unread and
+        its own would pass `replay_bytes` (one is always served when none is queued). A
+        refused request gets no answer (the router's own deadline tells it); counted
+        (replays_refused), logged once per LOG_EVERY_S."""
         if self.replay is None:
             return
         now = time.monotonic()
@@ -156,19 +185,40 @@ class Stream:
                       f"a start of {len(frames[2])} bytes, not 8")
             return
         cid, start = frames[0], int.from_bytes(frames[2], "big")
+        answer = [(seq, buf) for seq, buf in self.buffer if seq >= start]
+        size = sum(len(buf) + REPLAY_OVERHEAD for _, buf in answer) + REPLAY_OVERHEAD
+        self._unread = {k: v for k, v in self._unread.items() if not v[0].done}
+        queued = sum(n for _, n in self._unread.values())
+        if cid in self._unread or (queued and queued + size > self.max_buffer_bytes):
+            self._refused(cid in self._unread, queued)
+            return
         self.counters["replays"] += 1
         sent = 0
         try:
-            for seq, buf in list(self.buffer):
-                if seq >= start:
-                    self.replay.send_multipart((cid, b"", self.topic, wire.seq_bytes(seq), buf),
-                                               zmq.NOBLOCK, copy=False)
-                    sent += 1
-            self.replay.send_multipart((cid, b"", b"", wire.END_SEQ, b""), zmq.NOBLOCK)
+            for seq, buf in answer:
+                self.replay.send_multipart((cid, b"", self.topic, wire.seq_bytes(seq), buf),
+                                           zmq.NOBLOCK, copy=False)
+                sent += 1
+            end = zmq.Frame(wire.END_SEQ, track=True, copy=False)
+            self.replay.send_multipart((cid, b"", b"", end, b""), zmq.NOBLOCK)
+            self._unread[cid] = (end.tracker, size)
         except zmq.ZMQError:
-            pass                        # that peer stopped reading (Again) or left: the rest
-                                        # is dropped
+            pass                        # that peer left (EHOSTUNREACH), or its pipe is full
+                                        # (not of ours: one replay at a time): the rest is
+                                        # dropped
         self.replay_at += sent / REPLAY_BATCHES_PER_S
+
+    def _refused(self, own: bool, queued: int) -> None:
+        self.counters["replays_refused"] += 1
+        self._refused_unlogged += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= LOG_EVERY_S:
+            log.warning("events: stream %s: refused %d replay request(s) (last: %s)", self.name,
+                        self._refused_unlogged,
+                        "its peer had not read its last reply yet" if own else
+                        f"{queued} bytes of replies queued unread; events.replay_bytes = "
+                        f"{self.max_buffer_bytes}")
+            self._refused_logged, self._refused_unlogged = now, 0
 
     def _bad(self, what: str) -> None:
         self.counters["bad_replay_requests"] += 1
@@ -181,7 +231,10 @@ class Stream:
             self._bad_logged, self._bad_unlogged = now, 0
 
     def close(self, linger_s: float = 1.0) -> None:
-        """Close the sockets, giving what is queued `linger_s` to leave."""
+        """Close the sockets, giving what is queued `linger_s` to leave (the guard's
+        monitors first: the context waits for them)."""
+        if self.guard is not None:
+            self.guard.close()
         if getattr(self, "seq", None) is not None:
             self.seq.close()
         for sock in (self.pub, self.replay):
