@@ -274,3 +274,59 @@ def test_unread_replays_are_bounded_in_bytes(tmp_path):
             s.close(0)
         stream.close(linger_s=0)
         ctx.term()
+
+
+def test_a_replay_left_unread_has_its_connection_cut_for_the_next(tmp_path, monkeypatch):
+    """A peer that asks for 32 MiB and neither reads nor leaves: another peer's request is
+    refused while that reply sits unread, and once it has sat REPLAY_UNREAD_S the refusal
+    cuts the idle peer's connection (checked against its socket's inode), libzmq drops its
+    reply, and the other peer is served. Before, the idle peer held the room for as long as
+    it stayed connected."""
+    from kvstore.events import stream as stream_mod
+    from kvstore.events.stream import Stream
+
+    monkeypatch.setattr(stream_mod, "REPLAY_UNREAD_S", 0.5)
+    ctx = zmq.Context()
+    stream = Stream(ctx, "node", "events.", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "", 0,
+                    1000, 100, tmp_path, [], replay_bytes=48 << 20)
+    peers = []
+    try:
+        for i in range(8):
+            stream.send([bytes([0xC6]) + (4 << 20).to_bytes(4, "big") + bytes([i]) * (4 << 20)])
+        for _ in range(2):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVHWM, 1)
+            s.setsockopt(zmq.RCVBUF, 4096)
+            s.connect(stream.replay_address)
+            peers.append(s)
+        idle, other = peers
+
+        def ask(s: zmq.Socket) -> str:
+            before = dict(stream.counters)
+            s.send_multipart([b"", (0).to_bytes(8, "big")])
+            end = time.monotonic() + DEADLINE_S
+            while time.monotonic() < end:
+                stream.serve_replay()
+                if stream.counters["replays"] > before["replays"]:
+                    return "served"
+                if stream.counters["replays_refused"] > before["replays_refused"]:
+                    return "refused"
+                time.sleep(0.01)
+            raise AssertionError("the request was not read within the deadline")
+
+        assert ask(idle) == "served"
+        assert ask(other) == "refused"          # within the deadline: the room is idle's
+        assert stream.counters.get("replays_cut", 0) == 0
+        time.sleep(0.6)
+        end = time.monotonic() + DEADLINE_S
+        while (result := ask(other)) == "refused" and time.monotonic() < end:
+            time.sleep(0.1)
+        assert result == "served"
+        assert stream.counters.get("replays_cut", 0) == 1
+        assert other.poll(int(DEADLINE_S * 1000))
+    finally:
+        for s in peers:
+            s.close(0)
+        stream.close(linger_s=0)
+        ctx.term()

@@ -72,17 +72,59 @@ class _Endpoint:
     shut: int = 0                   # connections shut for a cap, since the last log line
 
     def mine(self, s: socket.socket) -> bool:
-        """Whether `s` is a connection accepted on this endpoint (not its listener, not a
-        connection the daemon made, not another endpoint's)."""
-        if s.type != socket.SOCK_STREAM or s.getsockopt(socket.SOL_SOCKET,
-                                                          socket.SO_ACCEPTCONN):
-            return False
-        local = s.getsockname()
-        if s.family in (socket.AF_INET, socket.AF_INET6):
-            return self.port is not None and local[1] == self.port and bool(s.getpeername())
-        if s.family == socket.AF_UNIX:
-            return self.path is not None and local == self.path
+        return _accepted_on(s, self.port, self.path)
+
+
+def _accepted_on(s: socket.socket, port: int | None, path: str | bytes | None) -> bool:
+    """Whether `s` is a connection accepted on the endpoint bound at `port` or `path` (not
+    its listener, not a connection the daemon made, not another endpoint's)."""
+    if s.type != socket.SOCK_STREAM or s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
         return False
+    local = s.getsockname()
+    if s.family in (socket.AF_INET, socket.AF_INET6):
+        return port is not None and local[1] == port and bool(s.getpeername())
+    if s.family == socket.AF_UNIX:
+        return path is not None and local == path
+    return False
+
+
+# One connection of a bound events socket, as libzmq's descriptor of it and the inode of its
+# socket: what `cut` checks before it shuts anything (the number may name another file later).
+ConnRef = tuple[int, tuple[int, int]]
+
+
+def connection_of(fd: int, address: str) -> ConnRef | None:
+    """The connection libzmq holds at `fd` (a message's ZMQ_SRCFD), if it is one accepted on
+    the socket bound at `address`; None if the number names anything else by now."""
+    port, path = _bound(address)
+    s = _dup_socket(fd)
+    if s is None:
+        return None
+    with s:
+        try:
+            if not _accepted_on(s, port, path):
+                return None
+        except OSError:
+            return None
+        ino = _inode(s.fileno())
+    return None if ino is None else (fd, ino)
+
+
+def cut(ref: ConnRef) -> bool:
+    """Shut a connection (libzmq then drops it and what it queued for the peer), through a
+    duplicate that still names its socket; False if it is gone already."""
+    fd, ino = ref
+    s = _dup_socket(fd)
+    if s is None:
+        return False
+    with s:
+        if _inode(s.fileno()) != ino:
+            return False
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+    return True
 
 
 def _bound(address: str) -> tuple[int | None, str | bytes | None]:
@@ -270,6 +312,20 @@ class Guard:
                             ep.name, ep.shut, self.max_total, self.max_per_peer,
                             dict(collections.Counter(c.peer for c in ep.conns.values())))
                 ep.shut = 0
+
+
+def _dup_socket(fd: int) -> socket.socket | None:
+    """A socket object on a duplicate of `fd` (closing it leaves `fd` alone), or None: `fd`
+    is closed, or names something other than a socket by now."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
 
 
 def _inode(fd: int) -> tuple[int, int] | None:

@@ -14,13 +14,14 @@ import errno
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
 from . import wire
 from .errors import EventsAddressError
-from .peers import Guard
+from .peers import ConnRef, Guard, connection_of, cut
 from .seqfile import SeqFile
 
 log = logging.getLogger("kvstore.events")
@@ -36,6 +37,20 @@ SUB_MAX_BYTES = 4096
 REPLAY_MAX_BYTES = 64
 LOG_EVERY_S = 10.0          # bad replay requests: one log line this often, with the count
 REPLAY_OVERHEAD = 64        # bytes counted per replayed batch beside its payload (frames, headers)
+# A reply still unread this long after it was queued: its connection is cut when another
+# request needs its room (a router reads a replay within seconds: vLLM's own waits 5 s).
+REPLAY_UNREAD_S = 10.0
+
+
+@dataclass
+class _Unread:
+    """A reply queued in ZMQ for one peer and not yet taken (serve_replay)."""
+
+    tracker: zmq.MessageTracker     # of its end marker: done once the whole reply left ZMQ
+    size: int                       # bytes counted against replay_bytes
+    deadline: float                 # monotonic: past it, `conn` may be cut
+    conn: ConnRef | None            # the peer's connection (None: not known, never cut)
+    cut: bool = False
 
 
 def bind(sock: zmq.Socket, address: str, key: str) -> str:
@@ -100,12 +115,12 @@ class Stream:
         self.seq = SeqFile(seq_dir / f"{name}.seq")
         self.counters: dict[str, int] = {"batches": 0, "events": 0, "replays": 0,
                                          "bad_replay_requests": 0, "subscriptions": 0,
-                                         "replays_refused": 0}
+                                         "replays_refused": 0, "replays_cut": 0}
         # Replies queued in ZMQ and not yet taken by their peer: peer identity -> (tracker of
         # the reply's end marker, its bytes). A peer's messages leave its pipe in order, so
         # once the end marker is released (sent to the kernel, or dropped with the peer) the
         # whole reply is.
-        self._unread: dict[bytes, tuple[zmq.MessageTracker, int]] = {}
+        self._unread: dict[bytes, _Unread] = {}
         self.replay_at = 0.0            # when the next replay request may be served
         self.sent_at = time.monotonic()
         self._bad_logged = 0.0
@@ -169,16 +184,20 @@ class Stream:
         unread is refused), and a request is refused while the replies queued unread and
         its own would pass `replay_bytes` (one is always served when none is queued). A
         refused request gets no answer (the router's own deadline tells it); counted
-        (replays_refused), logged once per LOG_EVERY_S."""
+        (replays_refused), logged once per LOG_EVERY_S. A reply left unread REPLAY_UNREAD_S
+        has its connection cut (through peers.cut, checked against the socket's inode) when
+        a request is refused, so a peer that asks and never reads holds the room for that
+        long, not for as long as it stays connected; counted (replays_cut)."""
         if self.replay is None:
             return
         now = time.monotonic()
         if now < self.replay_at:
             return
         try:
-            frames = self.replay.recv_multipart(zmq.NOBLOCK)
+            msg = self.replay.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
+        frames = [f.bytes for f in msg]
         self.replay_at = now + REPLAY_EVERY_S
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             self._bad(f"{len(frames)} frames" if len(frames) != 3 else
@@ -187,10 +206,11 @@ class Stream:
         cid, start = frames[0], int.from_bytes(frames[2], "big")
         answer = [(seq, buf) for seq, buf in self.buffer if seq >= start]
         size = sum(len(buf) + REPLAY_OVERHEAD for _, buf in answer) + REPLAY_OVERHEAD
-        self._unread = {k: v for k, v in self._unread.items() if not v[0].done}
-        queued = sum(n for _, n in self._unread.values())
+        self._unread = {k: u for k, u in self._unread.items() if not u.tracker.done}
+        queued = sum(u.size for u in self._unread.values())
         if cid in self._unread or (queued and queued + size > self.max_buffer_bytes):
             self._refused(cid in self._unread, queued)
+            self._cut_stale(now)
             return
         self.counters["replays"] += 1
         sent = 0
@@ -201,12 +221,32 @@ class Stream:
                 sent += 1
             end = zmq.Frame(wire.END_SEQ, track=True, copy=False)
             self.replay.send_multipart((cid, b"", b"", end, b""), zmq.NOBLOCK)
-            self._unread[cid] = (end.tracker, size)
+            self._unread[cid] = _Unread(end.tracker, size, now + REPLAY_UNREAD_S,
+                                        self._conn(msg[-1]))
         except zmq.ZMQError:
             pass                        # that peer left (EHOSTUNREACH), or its pipe is full
                                         # (not of ours: one replay at a time): the rest is
                                         # dropped
         self.replay_at += sent / REPLAY_BATCHES_PER_S
+
+    def _conn(self, frame: zmq.Frame) -> ConnRef | None:
+        """The connection a request came on (libzmq's ZMQ_SRCFD of its message)."""
+        try:
+            return connection_of(frame.get(zmq.SRCFD), self.replay_address)
+        except (zmq.ZMQError, OSError, ValueError):
+            return None
+
+    def _cut_stale(self, now: float) -> None:
+        """Cut the connections whose replies sat unread past their deadlines: libzmq then
+        drops the reply, and its room is free for the next request."""
+        for u in self._unread.values():
+            if not u.cut and u.conn is not None and now >= u.deadline:
+                u.cut = True
+                if cut(u.conn):
+                    self.counters["replays_cut"] += 1
+                    log.warning("events: stream %s: cut a replay peer that left its reply "
+                                "(%d bytes) unread for %g s", self.name, u.size,
+                                REPLAY_UNREAD_S)
 
     def _refused(self, own: bool, queued: int) -> None:
         self.counters["replays_refused"] += 1
