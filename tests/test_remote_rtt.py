@@ -11,7 +11,9 @@ and so do the first ones after an outage that dropped every connection.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,40 +28,50 @@ pytestmark = pytest.mark.redis
 
 PASSWORD = "Pw-rtt-s3cret"
 ONE_WAY_S = 0.05            # a 100 ms round trip
-DEADLINE_MS = 180           # one round trip and room to spare; two do not fit
-WORKERS = 4
+DEADLINE_MS = 190           # one round trip and room to spare; two do not fit
+WORKERS = 8                 # the tier's threads, and so the connections it opens per node
+CALLS = 4                   # calls at once: each needs a connection of its own
 
 
 class DelayProxy:
     """TCP on loopback that forwards each chunk, in order, ONE_WAY_S after it arrived (each
-    direction), as a far server's network would. `drop_all` cuts every connection."""
+    direction), as a far server's network would; in a process of its own, so its timing does
+    not share the test's interpreter with the tier's threads. `drop_all` cuts every
+    connection."""
 
     def __init__(self, upstream_port: int, one_way_s: float) -> None:
-        self.upstream_port = upstream_port
-        self.one_way_s = one_way_s
-        self.loop = asyncio.new_event_loop()
-        self._conns: set[asyncio.StreamWriter] = set()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._listen(), self.loop).result(5)
+        ctx = multiprocessing.get_context("fork")
+        self._drop, self._stop = ctx.Event(), ctx.Event()
+        ours, theirs = ctx.Pipe()
+        self._proc = ctx.Process(target=_proxy_main, daemon=True,
+                                 args=(upstream_port, one_way_s, theirs, self._drop, self._stop))
+        self._proc.start()
+        assert ours.poll(10), "the delay proxy did not start"
+        self.port = ours.recv()
 
-    async def _listen(self) -> int:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return self._server.sockets[0].getsockname()[1]
+    def drop_all(self) -> None:
+        self._drop.set()
+        end = time.monotonic() + 5
+        while self._drop.is_set() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not self._drop.is_set(), "the delay proxy did not cut its connections"
 
-    async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
-        try:
-            ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            cw.close()
-            return
-        self._conns |= {cw, uw}
-        await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw), return_exceptions=True)
-        for w in (cw, uw):
-            self._conns.discard(w)
-            w.close()
+    def close(self) -> None:
+        self._stop.set()
+        self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
 
-    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+
+def _proxy_main(upstream_port: int, one_way_s: float, conn, drop, stop) -> None:
+    asyncio.run(_proxy(upstream_port, one_way_s, conn, drop, stop))
+
+
+async def _proxy(upstream_port: int, one_way_s: float, conn, drop, stop) -> None:
+    loop = asyncio.get_running_loop()
+    writers: set[asyncio.StreamWriter] = set()
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
         async def send() -> None:
@@ -67,7 +79,7 @@ class DelayProxy:
                 due, data = await queue.get()
                 if not data:
                     break
-                await asyncio.sleep(max(0.0, due - self.loop.time()))
+                await asyncio.sleep(max(0.0, due - loop.time()))
                 w.write(data)
                 await w.drain()
             w.close()
@@ -75,22 +87,32 @@ class DelayProxy:
         sender = asyncio.create_task(send())
         try:
             while data := await r.read(65536):
-                queue.put_nowait((self.loop.time() + self.one_way_s, data))
+                queue.put_nowait((loop.time() + one_way_s, data))
         finally:
             queue.put_nowait((0.0, b""))
             await sender
 
-    def drop_all(self) -> None:
-        def cut() -> None:
-            for w in list(self._conns):
-                w.transport.abort()
-        self.loop.call_soon_threadsafe(cut)
+    async def serve(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", upstream_port)
+        except OSError:
+            cw.close()
+            return
+        writers.update((cw, uw))
+        await asyncio.gather(pipe(cr, uw), pipe(ur, cw), return_exceptions=True)
+        for w in (cw, uw):
+            writers.discard(w)
+            w.close()
 
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self._server.close)
-        self.drop_all()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    conn.send(server.sockets[0].getsockname()[1])
+    while not stop.is_set():
+        if drop.is_set():
+            for w in list(writers):
+                w.transport.abort()
+            drop.clear()
+        await asyncio.sleep(0.01)
+    server.close()
 
 
 @dataclass
@@ -128,7 +150,7 @@ def _all_at_once(t: RemoteTier, keysets: list[list[bytes]]) -> list[list[bool]]:
 
 def test_first_calls_after_a_start_and_after_an_outage_hit_at_a_far_server(far):
     r, proxy = far
-    keysets = [gkeys(3) for _ in range(WORKERS)]
+    keysets = [gkeys(3) for _ in range(CALLS)]
     for keys in keysets:
         for g in keys:
             r.set(make_key(b"kvs:", g), b"x")
@@ -136,10 +158,10 @@ def test_first_calls_after_a_start_and_after_an_outage_hit_at_a_far_server(far):
                  deadline_ms=DEADLINE_MS, backoff_min_ms=50, backoff_max_ms=200)
     with RemoteTier(cfg) as t:
         assert t.wait_ready(10)
-        # Every worker's call at once: each needs a connection of its own.
+        # Calls at once: each needs a connection of its own.
         found = _all_at_once(t, keysets)
         s = t.stats
-        assert found == [[True] * 3] * WORKERS, (found, s)
+        assert found == [[True] * 3] * CALLS, (found, s)
         assert s["timeouts"] == 0 and s["up"], s
 
         # An outage that drops every connection: calls fail until a probe finds the node
@@ -154,5 +176,5 @@ def test_first_calls_after_a_start_and_after_an_outage_hit_at_a_far_server(far):
         timeouts = t.stats["timeouts"]
         found = _all_at_once(t, keysets)
         s = t.stats
-        assert found == [[True] * 3] * WORKERS, (found, s)
+        assert found == [[True] * 3] * CALLS, (found, s)
         assert s["timeouts"] == timeouts and s["up"], s

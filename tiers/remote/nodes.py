@@ -354,8 +354,12 @@ class Nodes:
         except Exception as e:  # noqa: BLE001 - any failure means "still down"
             self.mark_down(name, e)
         else:
-            # An outage dropped its connections: open them before calls go there again, or
-            # the first ones pay the setup inside their deadlines and mark it down anew.
+            # An outage broke its connections: open new ones before calls go there again, or
+            # the first ones pay the setup inside their deadlines and mark it down anew. The
+            # pool starts over first: a broken connection still in it, or one a late call
+            # or PING gives back after the warm-up, would reconnect inside a call (redis-py
+            # hands out the connection given back last).
+            _start_over(client)
             end = time.monotonic() + 2 * float(self._conn_kwargs.get("socket_timeout", 1.0))
             for t in self.warm_node(name):
                 t.join(max(0.0, end - time.monotonic()))
@@ -495,3 +499,14 @@ class Nodes:
                     c.close()
                 except Exception:  # noqa: BLE001
                     pass
+
+
+def _start_over(client: redis.Redis) -> None:
+    """Forget a node client's connections: the idle ones are closed, and those in use are
+    dropped when given back (redis-py's pool lets go of a connection it no longer counts)."""
+    pool = client.connection_pool
+    try:
+        pool.disconnect(inuse_connections=False)
+        pool.reset()
+    except Exception:  # noqa: BLE001 - a pool of another shape: calls reconnect themselves
+        log.debug("remote tier: could not start a node's connection pool over", exc_info=True)
