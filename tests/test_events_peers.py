@@ -220,60 +220,72 @@ def test_a_new_user_gets_in_past_the_total(tmp_path):
                     child.kill()
 
 
+class ReplayPeers:
+    """A real Stream holding eight 4 MiB batches (replay_bytes 48 MiB), and DEALER peers of
+    its replay socket that read no further than they must (they never read here)."""
+
+    def __init__(self, tmp_path) -> None:
+        from kvstore.events.stream import Stream
+
+        self.ctx = zmq.Context()
+        self.stream = Stream(self.ctx, "node", "events.", "tcp://127.0.0.1:0",
+                             "tcp://127.0.0.1:0", "", 0, 1000, 100, tmp_path, [],
+                             replay_bytes=48 << 20)
+        self.peers: list[zmq.Socket] = []
+        for i in range(8):
+            self.stream.send([bytes([0xC6]) + (4 << 20).to_bytes(4, "big")
+                              + bytes([i]) * (4 << 20)])
+
+    def peer(self) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVHWM, 1)
+        s.setsockopt(zmq.RCVBUF, 4096)
+        s.connect(self.stream.replay_address)
+        self.peers.append(s)
+        return s
+
+    def ask(self, s: zmq.Socket) -> str:
+        """Ask from 0; "served" or "refused", once the stream has read the request."""
+        counters = self.stream.counters
+        before = dict(counters)
+        s.send_multipart([b"", (0).to_bytes(8, "big")])
+        end = time.monotonic() + DEADLINE_S
+        while time.monotonic() < end:
+            self.stream.serve_replay()
+            if counters["replays"] > before["replays"]:
+                return "served"
+            if counters.get("replays_refused", 0) > before.get("replays_refused", 0):
+                return "refused"
+            time.sleep(0.01)
+        raise AssertionError("the request was not read within the deadline")
+
+    def close(self) -> None:
+        for s in self.peers:
+            s.close(0)
+        self.stream.close(linger_s=0)
+        self.ctx.term()
+
+
 def test_unread_replays_are_bounded_in_bytes(tmp_path):
     """Peers that ask the replay socket for 32 MiB and never read: the first is served and
     holds it (ZMQ queues what the kernel does not take), its second request and another
     peer's are refused (32 + 32 MiB would pass replay_bytes, 48 MiB), and once the first peer
     leaves, the other is served. Before, each was served: N peers, N x 32 MiB queued."""
-    from kvstore.events.stream import Stream
-
-    ctx = zmq.Context()
-    stream = Stream(ctx, "node", "events.", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "", 0,
-                    1000, 100, tmp_path, [], replay_bytes=48 << 20)
-    peers = []
+    rp = ReplayPeers(tmp_path)
     try:
-        for i in range(8):
-            stream.send([bytes([0xC6]) + (4 << 20).to_bytes(4, "big") + bytes([i]) * (4 << 20)])
-
-        def peer() -> zmq.Socket:
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.RCVHWM, 1)         # reads no further than it must
-            s.setsockopt(zmq.RCVBUF, 4096)
-            s.connect(stream.replay_address)
-            peers.append(s)
-            return s
-
-        def ask(s: zmq.Socket) -> str:
-            """Ask from 0; "served" or "refused", once the stream has read the request."""
-            before = dict(stream.counters)
-            s.send_multipart([b"", (0).to_bytes(8, "big")])
-            end = time.monotonic() + DEADLINE_S
-            while time.monotonic() < end:
-                stream.serve_replay()
-                if stream.counters["replays"] > before["replays"]:
-                    return "served"
-                if stream.counters.get("replays_refused", 0) > \
-                        before.get("replays_refused", 0):
-                    return "refused"
-                time.sleep(0.01)
-            raise AssertionError("the request was not read within the deadline")
-
-        a, b = peer(), peer()
-        assert ask(a) == "served"
-        assert ask(a) == "refused"          # its last reply is unread
-        assert ask(b) == "refused"          # a's 32 MiB + b's 32 MiB > 48 MiB
+        a, b = rp.peer(), rp.peer()
+        assert rp.ask(a) == "served"
+        assert rp.ask(a) == "refused"       # its last reply is unread
+        assert rp.ask(b) == "refused"       # a's 32 MiB + b's 32 MiB > 48 MiB
         a.close(0)
         end = time.monotonic() + DEADLINE_S
-        while (result := ask(b)) == "refused" and time.monotonic() < end:
+        while (result := rp.ask(b)) == "refused" and time.monotonic() < end:
             time.sleep(0.1)                 # a's pipe goes with it, and its reply
         assert result == "served"
         assert b.poll(int(DEADLINE_S * 1000))   # ...and that reply is there to be read
     finally:
-        for s in peers:
-            s.close(0)
-        stream.close(linger_s=0)
-        ctx.term()
+        rp.close()
 
 
 def test_a_replay_left_unread_has_its_connection_cut_for_the_next(tmp_path, monkeypatch):
@@ -283,50 +295,20 @@ def test_a_replay_left_unread_has_its_connection_cut_for_the_next(tmp_path, monk
     reply, and the other peer is served. Before, the idle peer held the room for as long as
     it stayed connected."""
     from kvstore.events import stream as stream_mod
-    from kvstore.events.stream import Stream
 
     monkeypatch.setattr(stream_mod, "REPLAY_UNREAD_S", 0.5)
-    ctx = zmq.Context()
-    stream = Stream(ctx, "node", "events.", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "", 0,
-                    1000, 100, tmp_path, [], replay_bytes=48 << 20)
-    peers = []
+    rp = ReplayPeers(tmp_path)
     try:
-        for i in range(8):
-            stream.send([bytes([0xC6]) + (4 << 20).to_bytes(4, "big") + bytes([i]) * (4 << 20)])
-        for _ in range(2):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.RCVHWM, 1)
-            s.setsockopt(zmq.RCVBUF, 4096)
-            s.connect(stream.replay_address)
-            peers.append(s)
-        idle, other = peers
-
-        def ask(s: zmq.Socket) -> str:
-            before = dict(stream.counters)
-            s.send_multipart([b"", (0).to_bytes(8, "big")])
-            end = time.monotonic() + DEADLINE_S
-            while time.monotonic() < end:
-                stream.serve_replay()
-                if stream.counters["replays"] > before["replays"]:
-                    return "served"
-                if stream.counters["replays_refused"] > before["replays_refused"]:
-                    return "refused"
-                time.sleep(0.01)
-            raise AssertionError("the request was not read within the deadline")
-
-        assert ask(idle) == "served"
-        assert ask(other) == "refused"          # within the deadline: the room is idle's
-        assert stream.counters.get("replays_cut", 0) == 0
+        idle, other = rp.peer(), rp.peer()
+        assert rp.ask(idle) == "served"
+        assert rp.ask(other) == "refused"       # within the deadline: the room is idle's
+        assert rp.stream.counters.get("replays_cut", 0) == 0
         time.sleep(0.6)
         end = time.monotonic() + DEADLINE_S
-        while (result := ask(other)) == "refused" and time.monotonic() < end:
+        while (result := rp.ask(other)) == "refused" and time.monotonic() < end:
             time.sleep(0.1)
         assert result == "served"
-        assert stream.counters.get("replays_cut", 0) == 1
+        assert rp.stream.counters.get("replays_cut", 0) == 1
         assert other.poll(int(DEADLINE_S * 1000))
     finally:
-        for s in peers:
-            s.close(0)
-        stream.close(linger_s=0)
-        ctx.term()
+        rp.close()
