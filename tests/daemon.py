@@ -29,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -263,3 +265,18 @@ def daemon_fixture(tmp_path: Path) -> Iterator[Daemon]:
 
 
 daemon = daemon_fixture   # also importable by its fixture name
+
+
+_RPC = re.compile(r'^kvstore_rpcs_total\{code="(\w+)",method="(\w+)"\} (\S+)$')
+
+
+def rpc_counts(d: Daemon) -> Counter:
+    """RPCs the daemon finished, by (status code, method): its own count, from /metrics."""
+    with urllib.request.urlopen(d.metrics_url, timeout=30) as r:
+        text = r.read().decode()
+    out: Counter = Counter()
+    for line in text.splitlines():
+        m = _RPC.match(line)
+        if m:
+            out[m.group(1), m.group(2)] = int(float(m.group(3)))
+    return out

@@ -8,9 +8,7 @@ drops the field, as an older daemon's parser does).
 
 from __future__ import annotations
 
-import re
 import textwrap
-import urllib.request
 from collections import Counter
 from concurrent import futures
 
@@ -25,14 +23,13 @@ from kvstore_client._proto import kvstore_pb2_grpc as pbg
 from kvstore_client.common.limits import MAX_CARRIED_RELEASES
 
 from kvstore.tenants import hash_token
-from tests.daemon import cleanup, start_daemon
+from tests.daemon import cleanup, rpc_counts, start_daemon
 
 T = 16
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=T, dtype="float16")
 PB_LAYOUT = pb.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=T,
                         dtype="float16")
 TOKENS = {"team-a": "batch-token-a", "team-b": "batch-token-b"}
-_RPC = re.compile(r'^kvstore_rpcs_total\{code="(\w+)",method="(\w+)"\} (\S+)$')
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +74,8 @@ def tenants(tmp_path_factory: pytest.TempPathFactory):
 
 def releases(d) -> Counter:
     """Release calls the daemon finished, by status code (its /metrics page)."""
-    with urllib.request.urlopen(d.metrics_url, timeout=30) as r:
-        text = r.read().decode()
-    out: Counter = Counter()
-    for line in text.splitlines():
-        m = _RPC.match(line)
-        if m and m.group(2) == "Release":
-            out[m.group(1)] = int(float(m.group(3)))
-    return out
+    return Counter({code: n for (code, method), n in rpc_counts(d).items()
+                    if method == "Release"})
 
 
 def active_leases(address: str) -> int:

@@ -20,8 +20,15 @@ import numpy as np
 import pytest
 
 from tests.daemon import cleanup, start_daemon
-from tests.redis_fixtures import start_cluster, start_redis
-from tests.test_remote_tier import Cfg, framed, gkeys, pairs, wait_until
+from tests.redis_fixtures import start_redis
+from tests.test_remote_tier import (  # noqa: F401 - own_cluster: a fixture
+    Cfg,
+    framed,
+    gkeys,
+    own_cluster_fixture,
+    pairs,
+    wait_until,
+)
 from tiers.remote import RemoteTier, make_key
 
 pytestmark = pytest.mark.redis
@@ -31,21 +38,13 @@ ALERTS = ROOT / "deploy" / "prometheus-alerts.yml"
 PREFIX = b"up:"
 
 
-@pytest.fixture(name="cluster")
-def cluster_fixture(tmp_path):
-    c = start_cluster(tmp_path)
-    yield c
-    for node in c.nodes:
-        node.kill()
-
-
 def _health(t: RemoteTier) -> tuple[bool, bool, int, int]:
     s = t.stats
     return s["serving"], s["up"], s["nodes_up"], s["nodes_total"]
 
 
-def test_one_node_down_still_serves_and_is_counted(cluster):
-    cfg = Cfg(urls=cluster.urls, cluster=True, key_prefix=PREFIX.decode(),
+def test_one_node_down_still_serves_and_is_counted(own_cluster):
+    cfg = Cfg(urls=own_cluster.urls, cluster=True, key_prefix=PREFIX.decode(),
               backoff_min_ms=10, backoff_max_ms=50)
     with RemoteTier(cfg) as t:
         assert t.wait_ready(10)
@@ -53,8 +52,8 @@ def test_one_node_down_still_serves_and_is_counted(cluster):
         keys = gkeys(32)
         vals = [framed(500, seed=i) for i in range(32)]
         t.put_many(pairs(keys, vals))
-        victim = cluster.nodes[1]
-        on_victim = [cluster.node_for_key(make_key(PREFIX, k)) is victim for k in keys]
+        victim = own_cluster.nodes[1]
+        on_victim = [own_cluster.node_for_key(make_key(PREFIX, k)) is victim for k in keys]
         assert any(on_victim) and not all(on_victim)
         victim.kill()
         try:
@@ -62,12 +61,12 @@ def test_one_node_down_still_serves_and_is_counted(cluster):
             assert wait_until(lambda: (t.exists_many(keys), _health(t))[1][2] == 2, 10)
             assert _health(t) == (True, False, 2, 3)
             assert t.exists_many(keys) == [not v for v in on_victim]
-            cluster.nodes[0].kill()
-            cluster.nodes[2].kill()
+            own_cluster.nodes[0].kill()
+            own_cluster.nodes[2].kill()
             assert wait_until(lambda: (t.exists_many(keys), _health(t))[1][2] == 0, 10)
             assert _health(t) == (False, False, 0, 3)
         finally:
-            cluster.start()
+            own_cluster.start()
         # Probes bring both back once calls try them again (the restarted nodes are empty).
         assert wait_until(lambda: (t.exists_many(keys), _health(t))[1] == (True, True, 3, 3),
                           20)
@@ -94,7 +93,7 @@ def _scrape(url: str) -> dict[str, float]:
             for m in re.finditer(r"^(kvstore_remote_[a-z_]+) (\S+)$", text, re.M)}
 
 
-def test_daemon_metrics_and_alert_series(cluster, tmp_path):
+def test_daemon_metrics_and_alert_series(own_cluster, tmp_path):
     """A daemon writing through to the cluster: remote_up stays 1 with one node down, and
     nodes_up says 2 of 3; 0 with all down; every kvstore_remote_* series the shipped alert
     rules name is exported."""
@@ -102,7 +101,7 @@ def test_daemon_metrics_and_alert_series(cluster, tmp_path):
     from kvstore_client import KVLayout
 
     d = start_daemon(tmp_path / "d", {
-        "remote.enabled": True, "remote.urls": ",".join(cluster.urls),
+        "remote.enabled": True, "remote.urls": ",".join(own_cluster.urls),
         "remote.cluster": True, "remote.key_prefix": "dup:", "remote.write_through": True,
         "remote.deadline_ms": 2000})
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_tokens=16)
@@ -124,7 +123,7 @@ def test_daemon_metrics_and_alert_series(cluster, tmp_path):
         assert {"kvstore_remote_up", "kvstore_remote_nodes_up", "kvstore_remote_nodes"} <= named
         assert named <= set(m), named - set(m)
 
-        cluster.nodes[1].kill()
+        own_cluster.nodes[1].kill()
         try:
             def nodes_up(n: int) -> bool:
                 write()
@@ -132,12 +131,12 @@ def test_daemon_metrics_and_alert_series(cluster, tmp_path):
             assert wait_until(lambda: nodes_up(2), 20)
             m = _scrape(d.metrics_url)
             assert (m["kvstore_remote_up"], m["kvstore_remote_nodes"]) == (1, 3), m
-            cluster.nodes[0].kill()
-            cluster.nodes[2].kill()
+            own_cluster.nodes[0].kill()
+            own_cluster.nodes[2].kill()
             assert wait_until(lambda: nodes_up(0), 20)
             assert _scrape(d.metrics_url)["kvstore_remote_up"] == 0
         finally:
-            cluster.start()
+            own_cluster.start()
         deadline = time.monotonic() + 30
         while not nodes_up(3):
             assert time.monotonic() < deadline, _scrape(d.metrics_url)

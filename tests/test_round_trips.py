@@ -5,9 +5,7 @@ the client's lease thread, off the load's path). Counted by the daemon's own RPC
 
 from __future__ import annotations
 
-import re
 import time
-import urllib.request
 from collections import Counter
 
 import grpc
@@ -21,11 +19,10 @@ from kvstore_client import KVLayout, connect
 from kvstore_client._proto import kvstore_pb2 as pb
 from kvstore_client._proto import kvstore_pb2_grpc as pb_grpc
 
-from tests.daemon import cleanup, start_daemon
+from tests.daemon import cleanup, rpc_counts, start_daemon
 
 T = 16
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=T, dtype="float16")
-_RPC = re.compile(r'^kvstore_rpcs_total\{code="OK",method="(\w+)"\} (\S+)$')
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +36,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory):
 
 def rpcs(d) -> Counter:
     """Successful RPCs the daemon finished, by method (its /metrics page)."""
-    with urllib.request.urlopen(d.metrics_url, timeout=30) as r:
-        text = r.read().decode()
-    out: Counter = Counter()
-    for line in text.splitlines():
-        m = _RPC.match(line)
-        if m:
-            out[m.group(1)] = int(float(m.group(2)))
-    return out
+    return Counter({method: n for (code, method), n in rpc_counts(d).items()
+                    if code == "OK"})
 
 
 def active_leases(d) -> int:
