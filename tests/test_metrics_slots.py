@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvstore import metrics
+from kvstore.peer_names import PeerNames
 from tests.daemon import Daemon, cleanup, start_daemon
 from tests.test_metrics_endpoint import _fds, _port
 
@@ -233,7 +234,7 @@ def test_local_peers_are_told_apart_by_their_uid():
     lst = socket.create_server(("127.0.0.1", 0))
     lst.settimeout(10)
     port = lst.getsockname()[1]
-    names = metrics.PeerNames()
+    names = PeerNames()
     ctx = multiprocessing.get_context("fork")
     ready, stop = ctx.Event(), ctx.Event()
     child = ctx.Process(target=_connect_as, args=(NOBODY, port, ready, stop))

@@ -9,8 +9,9 @@ monitor reports each accepted connection (EVENT_ACCEPTED, with its descriptor) t
 our own, which names its peer and shuts it (shutdown(2): libzmq reads its end, drops it, closes
 the descriptor) when the peer, or the endpoint, is over its cap.
 
-A peer is whoever owns the connecting socket: "uid N" for a socket of this host (sock_diag for
-TCP, metrics.PeerNames; SO_PEERCRED for ipc://), else its address (an IPv6 one by its /64).
+A peer is whoever owns the connecting socket: "uid N" for a socket of this host (sock_diag
+for TCP, peer_names.PeerNames; SO_PEERCRED for ipc://), else its address (an IPv6 one by its
+/64).
 Each endpoint keeps at most `max_per_peer` connections of one peer (its next ones are shut at
 once: an established subscription keeps its stream, and a peer holding connections only ever
 holds its own share), and `max_total` in all; a new peer past that takes the place of the
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..metrics import PeerNames
+from ..peer_names import PeerNames
 
 log = logging.getLogger("kvstore.events")
 
