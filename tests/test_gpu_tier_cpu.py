@@ -31,6 +31,10 @@ T = LAYOUT.block_tokens
 BB = LAYOUT.block_bytes                      # 16 KiB a block
 DEADLINE_S = 30.0
 LEASE_TTL_S = 5.0           # the killed client's leases (below DEADLINE_S: they expire in it)
+# How long the module daemon keeps an expired write lease's slots unused (kvstore/held_writes.py).
+# The default, 30 s, equals DEADLINE_S: a poll for the slots raced the hold and lost on a loaded
+# machine. Long enough to see the slots held right after expiry, well inside DEADLINE_S.
+WRITE_HOLD_S = 5.0
 
 # The engine both sides run: a vLLM-layout paged cache whose block b holds seed-derived KV.
 ENGINE = """
@@ -109,7 +113,8 @@ def first_lossy_demotion(address: str, codec: str) -> None:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory):
-    d = gpu_daemon(tmp_path_factory.mktemp("gputier"))
+    d = gpu_daemon(tmp_path_factory.mktemp("gputier"),
+                   **{"leases.expired_write_hold_s": str(WRITE_HOLD_S)})
     try:
         yield d
     finally:
@@ -215,7 +220,8 @@ def test_watermark_eviction_demotes_to_host_then_ssd_and_acquire_promotes_back(
 
 
 def test_sigkilled_client_holding_gpu_slots_leaks_nothing(daemon) -> None:
-    """A client holding gpu slots is SIGKILLed: its leases expire, its slots come back.
+    """A client holding gpu slots is SIGKILLed: its leases expire, its slots come back after
+    the write hold (a stalled, not dead, writer could still copy into them until then).
 
     While it lives, the child renews its two leases when the test asks, right before each
     check, so a check needs the lease to outlast one RPC, not a renewal thread to keep pace on
@@ -265,8 +271,22 @@ def test_sigkilled_client_holding_gpu_slots_leaks_nothing(daemon) -> None:
             child.wait(10)
             for f in (child.stdin, child.stdout, child.stderr):
                 f.close()
-        poll(lambda: c.stats()["active_leases"] == 0, "the dead client's leases expiring")
+        # The leases were reaped after the last Stats that still counted them began: the
+        # slots are surely held if the next look comes well inside the hold from that start.
+        end, last_counted = time.monotonic() + DEADLINE_S, None
+        while True:
+            asked = time.monotonic()
+            if c.stats()["active_leases"] == 0:
+                break
+            assert time.monotonic() < end, "the dead client's leases did not expire"
+            last_counted = asked
+            time.sleep(0.1)
+        st = c.stats()
+        if last_counted is not None and time.monotonic() - last_counted < WRITE_HOLD_S / 2:
+            assert st["counters"].get("expired_write_slots_held") == 6
+            assert st["tiers"]["gpu"]["used_bytes"] == base + 6 * BB
         poll(lambda: tiers(c)["gpu"]["used_bytes"] == base, "its gpu slots coming back")
+        assert c.stats()["counters"].get("expired_write_slots_held", 0) == 0
         c.evict("gpu")                           # unpinned now: demoted to host
         assert tiers(c)["gpu"]["used_bytes"] == 0
         per = ns.lookup_result(keys_for(ns, 3, 4)).per_tier
