@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from kvstore_client import connect
 
 from tests.daemon import Daemon, cleanup, start_daemon
 from tests.events_helpers import zmq
@@ -187,6 +188,12 @@ def test_one_user_holds_only_its_share(tmp_path):
             for s in socks:
                 s.close()
         assert "shut" in d.output() and "events.max_connections_per_peer" in d.output()
+        # 197 + 197 shut, counted for operators (the publisher copies the count once a tick)
+        end = time.monotonic() + DEADLINE_S
+        with connect(d.address) as c:
+            while (shut := c.stats()["counters"].get("events_connections_shut", 0)) < 394:
+                assert time.monotonic() < end, f"events_connections_shut {shut}, want >= 394"
+                time.sleep(0.1)
 
 
 @needs_root

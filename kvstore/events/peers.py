@@ -151,6 +151,9 @@ class Guard:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._logged = 0.0
+        # connections shut for a cap since the start; written by the guard's thread only, read
+        # by the publisher's into the counter events_connections_shut
+        self.shut_total = 0
 
     def watch(self, sock: zmq.Socket, address: str, name: str) -> None:
         """Cap `sock`'s connections (bound to `address`, its LAST_ENDPOINT); on the thread
@@ -283,6 +286,7 @@ class Guard:
         except OSError:
             pass
         ep.shut += 1
+        self.shut_total += 1
 
     def _shut_held(self, ep: _Endpoint, c: _Conn) -> None:
         """Shut a counted connection, through a duplicate that names its socket still (else

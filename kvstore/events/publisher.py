@@ -34,6 +34,7 @@ from xxhash import xxh3_64_intdigest
 
 from . import wire
 from .held import held_blocks
+from .peers import Guard
 from .pending import PendingTexts
 from .recorder import CommitRun, Item, Recorder
 from .relay import Relay, TokenCache
@@ -81,8 +82,10 @@ class Publisher:
 
     def __init__(self, state: Any, recorder: Recorder, streams: list[Stream],
                  relays: dict[int, Relay], cache: TokenCache, ctx: zmq.Context,
-                 batch_events: int, interval_s: float, pending_cap: int) -> None:
+                 batch_events: int, interval_s: float, pending_cap: int,
+                 guard: Guard | None = None) -> None:
         self.state = state     # the store's shared state (kvstore/state.py)
+        self.guard = guard     # the bound sockets' connection caps (peers.py), for its count
         self.recorder = recorder
         self.streams = streams
         self.relays = relays
@@ -275,6 +278,8 @@ class Publisher:
         keys only this thread writes, so it needs no lock."""
         totals: Counter = Counter(self.counters)
         totals["events_overflows"] = self.recorder.overflows
+        if self.guard is not None:
+            totals["events_connections_shut"] = self.guard.shut_total
         for s in self.streams:
             totals.update({f"events_{k}": v for k, v in s.counters.items()})
         for r in self.relays.values():

@@ -67,7 +67,7 @@ class Events:
                                  self._ssd_text)
         self.publisher = Publisher(state, self.recorder, streams, relays, cache, ctx,
                                    cfg.batch_events, cfg.interval_ms / 1000.0,
-                                   cfg.token_cache_blocks)
+                                   cfg.token_cache_blocks, self.guard)
         # A relay's replay that ends wakes the publisher to forward it (else it waits for the
         # next tick, up to a second), from the replay's thread: never once the publisher's
         # wake pipe is closed (its descriptor may name another file by then).
