@@ -82,6 +82,28 @@ def test_close_flush_with_budget_writes_everything_and_reports(tmp_path):
         store.close()
 
 
+def test_close_flush_counts_the_blocks_written_not_tried(tmp_path):
+    """A host copy that fails its checksum is not written to SSD (it is dropped as corrupt):
+    the stop's flush says 199 of 200 were flushed, as many as a restart finds."""
+    store = make_store(tmp_path, host_capacity=4 << 20)
+    ns = namespace(store)
+    _, keys = random_prompt(np.random.default_rng(4), 200)
+    blocks = [kv_block(k) for k in keys]
+    store.put(ns, keys, blocks)
+    e = store.state.index.get(ns + keys[7])
+    store.host.view(e.host, e.size)[100] ^= 0xFF            # a torn host copy
+    lines: list[str] = []
+    store.close(flush_budget_s=600.0, progress=lines.append)
+    assert lines[-1].startswith("flushed 199 blocks"), lines
+    store = make_store(tmp_path, host_capacity=4 << 20)
+    try:
+        got = store.get(ns, keys)
+        assert [k for k, _ in got] == keys[:7]                # the prefix up to the torn one
+        assert sum(store.lookup(ns, [k]).prefix_blocks for k in keys) == 199
+    finally:
+        store.close()
+
+
 def test_sigterm_prints_flush_progress_and_stops(tmp_path):
     from kvstore_client import KVLayout, connect
 

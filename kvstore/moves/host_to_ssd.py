@@ -97,12 +97,16 @@ class HostToSSD:
         flush's earlier batches): their slots are not theirs, and settling one would put a key
         the index does not hold into the SSD policy. `strict`: a tenant's SSD quota that
         cannot fit them raises. Returns the blocks written."""
+        return len(self._demote(entries, strict))
+
+    def _demote(self, entries: list[Entry], strict: bool = True) -> SSDCopies:
+        """`demote`, returning the copies written."""
         st = self.state
         get = st.index.get
         todo = [e for e in entries if not e.ssd and e.host is not None and e.moving is None
                 and get(e.gkey) is e]
         if not todo:
-            return 0
+            return []
         flight = Flight(st, todo)
         st.demotions.add(flight.event)
         try:
@@ -113,7 +117,7 @@ class HostToSSD:
         self.settle(written)
         for g in corrupt:
             corrupt_host_copy(st, g, "demotion")
-        return len(written)
+        return written
 
     # -- phase 2 --------------------------------------------------------------------------------
     def write(self, todo: list[Entry], strict: bool) -> tuple[SSDCopies, list[bytes]]:
@@ -269,9 +273,12 @@ class HostToSSD:
         """Demote every host-only block (of the namespaces `only` names) in batches (locked;
         released for each batch's transfer). With `budget_s`, stops starting batches once that
         many seconds have passed and says how many blocks it dropped; with `progress`,
-        reports about once a second. Returns (blocks, raw bytes, whether it finished, blocks it
-        set out to write)."""
+        reports about once a second. Returns (blocks written, their raw bytes, whether it
+        finished, blocks it set out to write). Written, not tried: a batch's blocks deleted
+        since it was listed, in another move's flight or whose host copy fails its checksum are
+        not written by it, and a count of tried blocks told the operator they were on SSD."""
         st = self.state
+        get = st.index.get
         todo = [e for e in st.index.hot_entries() if e.host is not None and not e.ssd
                 and (only is None or e.ns_id in only)]
         start = last = time.monotonic()
@@ -282,7 +289,8 @@ class HostToSSD:
         for i in range(0, len(todo), FLUSH_BATCH):
             now = time.monotonic()
             if budget_s is not None and now - start >= budget_s:
-                left = len(todo) - done
+                left = sum(1 for e in todo[i:] if e.host is not None and not e.ssd
+                           and get(e.gkey) is e)
                 st.counters["stop_flush_dropped_blocks"] += left
                 msg = (f"flush stopped after {now - start:.1f} s (server.stop_flush_s): "
                        f"{left} host-only blocks not written to SSD are dropped")
@@ -294,8 +302,7 @@ class HostToSSD:
                 last = now
                 progress(f"flushed {done}/{len(todo)} blocks, "
                          f"{nbytes / max(now - start, 1e-9) / 1e9:.2f} GB/s")
-            batch = todo[i:i + FLUSH_BATCH]
-            self.demote(batch)
-            done += len(batch)
-            nbytes += sum(e.size for e in batch)
+            written = self._demote(todo[i:i + FLUSH_BATCH])
+            done += len(written)
+            nbytes += sum(e.size for e, _ in written)
         return done, nbytes, True, len(todo)
