@@ -102,7 +102,7 @@ def test_a_failed_store_fails_within_its_deadline_with_its_own_error(
         assert ns.store_blocks(a, _fill) == 4
         if cached_before:
             assert ns.store_blocks(a, _fill) == 0               # duplicates: next store looks up
-        assert ns._spare is not None and ns._prefix_seen is cached_before
+        assert ns._writer.spare is not None and ns._writer.prefix_seen is cached_before
         with stopped(daemon):
             t0 = time.monotonic()
             with pytest.raises(DeadlineExceeded) as err:

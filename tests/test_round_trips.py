@@ -10,7 +10,7 @@ from collections import Counter
 
 import grpc
 import kvstore_client.leases
-import kvstore_client.namespace
+import kvstore_client.writes
 import numpy as np
 import pytest
 import torch
@@ -106,15 +106,15 @@ def test_store_into_a_reserved_lease_skips_the_cached_prefix(daemon, monkeypatch
     """The lookup answers while the last block is being filled: the cached blocks before it
     are never copied, and the commit publishes the new ones from the slots they were filled in.
     """
-    monkeypatch.setattr(kvstore_client.namespace, "_AHEAD_CHUNK_BYTES", LAYOUT.block_bytes)
+    monkeypatch.setattr(kvstore_client.writes, "_AHEAD_CHUNK_BYTES", LAYOUT.block_bytes)
     with connect(daemon.address, transport="shm") as c:
         ns = c.namespace(LAYOUT, model="rt/prefix")
         ids, kv = prompt(2, 4), make_kv(2, 4)
         keys = ns.keys(ids)
         assert ns.store(ids[:2 * T], kv[:, :, :2 * T].contiguous()) == 2
         assert ns.store(prompt(3, 4), make_kv(3, 4)) == 4       # leaves a 4-slot spare
-        assert ns._spare is not None and len(ns._spare.slots) == 4
-        ns._prefix_seen = True          # as after a store that found blocks cached
+        assert ns._writer.spare is not None and len(ns._writer.spare.slots) == 4
+        ns._writer.prefix_seen = True          # as after a store that found blocks cached
         src = kv.view(torch.int16).numpy()
         filled: list[int] = []
         lookups: list = []               # the store's Lookup, sent as a future
@@ -153,12 +153,12 @@ def test_a_store_that_expects_no_cached_prefix_copies_it_and_learns(daemon) -> N
         ids, kv = prompt(20, 4), make_kv(20, 4)
         assert ns.store(ids[:2 * T], kv[:, :, :2 * T].contiguous()) == 2
         assert ns.store(prompt(21, 4), make_kv(21, 4)) == 4
-        assert not ns._prefix_seen
+        assert not ns._writer.prefix_seen
         before = rpcs(daemon)
         other = make_kv(22, 4)              # what a wrong copy of the prefix would serve
         other[:, :, 2 * T:] = kv[:, :, 2 * T:]
         assert ns.store(ids, other) == 2    # blocks 0-1 copied, refused as duplicates
-        assert (rpcs(daemon) - before)["Lookup"] == 0 and ns._prefix_seen
+        assert (rpcs(daemon) - before)["Lookup"] == 0 and ns._writer.prefix_seen
         out = torch.zeros_like(kv)
         assert ns.load(ids, out) == 4 * T
         assert torch.equal(bits(out), bits(kv))     # the first commit's bytes, all four
@@ -175,9 +175,9 @@ def test_an_all_cached_store_keeps_its_spare_and_an_idle_spare_goes_back(daemon,
         ids, kv = prompt(4, 3), make_kv(4, 3)
         assert ns.store(ids, kv) == 3
         assert ns.store(ids, kv) == 0       # copied again, refused as duplicates: it learns
-        spare = ns._spare.lease_id
+        spare = ns._writer.spare.lease_id
         assert ns.store(ids, kv) == 0       # looked up first: nothing copied, nor committed
-        assert ns._spare is not None and ns._spare.lease_id == spare
+        assert ns._writer.spare is not None and ns._writer.spare.lease_id == spare
         assert active_leases(daemon) == 1
         monkeypatch.setattr(kvstore_client.leases, "SPARE_IDLE_S", 0.2)
         assert ns.store(prompt(5, 3), make_kv(5, 3)) == 3
@@ -201,7 +201,7 @@ def test_store_after_a_restart_drops_the_old_spare(tmp_path) -> None:
         with connect(d.address, transport="shm") as c:
             ns = c.namespace(LAYOUT, model="rt/restart")
             assert ns.store(prompt(7, 2), make_kv(7, 2)) == 2
-            assert ns._spare is not None
+            assert ns._writer.spare is not None
             d.stop()
             d.start()
             ids, kv = prompt(8, 2), make_kv(8, 2)

@@ -27,7 +27,7 @@ _WHERE = {
     "Unimplemented": "common.errors",
     "block_keys": "common.hashing", "chain_key": "common.hashing",
     "CODECS": "common.layout", "KVLayout": "common.layout", "NamespaceSpec": "common.layout",
-    "LookupResult": "namespace", "Namespace": "namespace", "Pinned": "namespace",
+    "LookupResult": "reads", "Namespace": "namespace", "Pinned": "reads",
     "PagedKV": "paged",
 }
 
@@ -69,5 +69,6 @@ if TYPE_CHECKING:   # for type checkers and IDEs: the same names, imported eager
     )
     from .common.hashing import block_keys, chain_key
     from .common.layout import CODECS, KVLayout, NamespaceSpec
-    from .namespace import LookupResult, Namespace, Pinned
+    from .namespace import Namespace
     from .paged import PagedKV
+    from .reads import LookupResult, Pinned

@@ -7,7 +7,8 @@ retrying the call once, so callers see at most a slower call.
 
 Every RPC carries a deadline and waits for the channel to become ready within it, so a daemon
 that is restarting is waited for, and one that is gone fails within `timeout` seconds. What a
-namespace does with the connection (hashing, lookup, store, load) is in `namespace.py`.
+namespace does with the connection (hashing, lookup, store, load) is in `namespace.py`
+(and `writes.py`, `reads.py`).
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ class DeviceKV:
         blocks whose token ids it knows."""
         keys = list(keys)
         ids = _ids(block_ids, len(keys))
-        tokens = self.ns._tokens(token_ids, len(keys))
+        tokens = self.ns.token_bytes(token_ids, len(keys))
         self._fresh()
         client = self.ns.client
         have = self.ns.lookup_keys(keys)

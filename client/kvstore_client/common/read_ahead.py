@@ -13,7 +13,7 @@ arrival starts the reader: a stream of at most `inline` messages (a Put of one m
 inline=1) costs no thread.
 
 Both ends use it (the daemon's Put, kvstore/handlers/streams.py; the SDK's Get,
-kvstore_client/namespace.py); it imports nothing but the standard library.
+kvstore_client/reads.py); it imports nothing but the standard library.
 """
 
 from __future__ import annotations
