@@ -124,6 +124,9 @@ STORE_GAUGES = {"gc_frozen_objects": "Objects frozen out of every collection aft
                                           "again",
                 "expired_write_slots_held": "Slots of expired write leases kept from the "
                                             "allocator for leases.expired_write_hold_s"}
+# The event counts a gpu device reports (kvstore/moves/gpu_host.py, gpu_slots.py), each exported
+# from the first scrape at 0 like the tier counters.
+DEVICE_COUNTERS = ("stored", "bytes_in", "evictions", "demotions", "promotions", "read_hits")
 # Remote tier figures that are not event counts (kvstore_remote_events leaves them out).
 REMOTE_NOT_EVENTS = frozenset({"up", "serving", "nodes_up", "nodes_total", "capacity",
                                "round_trips_per_call"})
@@ -249,18 +252,31 @@ class StoreCollector(Collector):
 
     @staticmethod
     def _devices(devices: dict[str, dict]) -> Iterator[Metric]:
-        """Per-device gpu tier figures: kvstore_gpu_device_<field>{device, kind}."""
+        """Per-device gpu tier figures: kvstore_gpu_device_<field>{device, kind}; the levels
+        (TIER_GAUGES) as gauges, every other field as a `_total` counter.
+
+        Why counters: besides its levels a device reports only event counts (stored,
+        evictions, demotions, promotions, read_hits, bytes_in: kvstore/moves/gpu_host.py,
+        gpu_slots.py), which only grow; typed as gauges they read as levels, `rate()` and
+        `increase()` did not treat a daemon restart as a counter reset, and the names broke
+        the `_total` rule every other counter here keeps. Why DEVICE_COUNTERS at 0: a device
+        counts an event only once it happens, and a series that appears at 1 has no earlier
+        sample for `increase()` (MOVE_PATHS)."""
         fams: dict[str, Metric] = {}
         for dev, fields in devices.items():
             kind = str(fields.get("kind", ""))
+            fields = {**dict.fromkeys(DEVICE_COUNTERS, 0), **fields}
             for field, value in fields.items():
                 v = _number(value)
                 if v is None:
                     continue
                 name = metric_name(field)
-                fam = fams.get(name) or GaugeMetricFamily(
-                    f"kvstore_gpu_device_{name}", f"gpu tier, per device: {field}",
-                    labels=["device", "kind"])
+                fam = fams.get(name)
+                if fam is None:
+                    kind_of = GaugeMetricFamily if field in TIER_GAUGES else CounterMetricFamily
+                    fam = kind_of(f"kvstore_gpu_device_{name}",
+                                  f"gpu tier, per device: {TIER_GAUGES.get(field) or field}",
+                                  labels=["device", "kind"])
                 fams[name] = fam
                 fam.add_metric([str(dev), kind], v)
         yield from fams.values()
@@ -320,11 +336,14 @@ class StoreCollector(Collector):
                  for name, help_ in STORE_COUNTERS.items()}
         for name in known:
             known[name].add_metric([], float(_number(counters.get(name)) or 0.0))
+        # Every level from the first scrape, at 0 until the store first sets it (no deletes
+        # waiting, no expired write slots held, no frozen objects before the warm-up): a
+        # documented series that appeared only with its first event left dashboards on "no
+        # data" and an alert such as `kvstore_expired_write_slots_held > 0` with nothing to read.
         levels = {name: GaugeMetricFamily(f"kvstore_{name}", help_)
-                  for name, help_ in STORE_GAUGES.items()
-                  if _number(counters.get(name)) is not None}
+                  for name, help_ in STORE_GAUGES.items()}
         for name, fam in levels.items():
-            fam.add_metric([], float(_number(counters[name])))
+            fam.add_metric([], float(_number(counters.get(name)) or 0.0))
         zeros = {f"codec_{d}_bytes_{c}": 0 for d in ("in", "out") for c in CODECS}
         zeros |= {f"codec_blocks_{c}": 0 for c in CODECS}
         zeros |= {f"codec_{st}_{c}": 0 for st in ("error_sum", "error_samples")

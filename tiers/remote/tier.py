@@ -115,6 +115,25 @@ def _pipeline_delete(b: Batch) -> list:
     return p.execute(raise_on_error=False)
 
 
+def _pipeline_delete_sized(b: Batch) -> list:
+    """STRLEN then DEL each key, in one pipeline: per key (keys deleted, bytes it held), or
+    DEL's error. For delete_many callers that do not know the sizes (the daemon never does),
+    so `bytes_deleted` counts what Redis gave back; a key that is not a string (STRLEN's
+    WRONGTYPE) counts 0 bytes."""
+    p = b.client.pipeline(transaction=False)
+    for k in b.keys:
+        p.strlen(k)
+        p.delete(k)
+    res = p.execute(raise_on_error=False)
+    out: list = []
+    for size, deleted in zip(res[0::2], res[1::2], strict=True):
+        if isinstance(deleted, BaseException):
+            out.append(deleted)
+        else:
+            out.append((deleted, size if isinstance(size, int) else 0))
+    return out
+
+
 class RemoteTier:
     """Keyed tier over Redis/Valkey; see tiers/remote/__init__.py for the rules it keeps."""
 
@@ -459,23 +478,29 @@ class RemoteTier:
         """Delete keys (one pipelined DEL batch per node); returns how many existed.
 
         `sizes` (the sizes put_many counted: frames plus their seals) lets the tier keep
-        `used_bytes` right.
+        `used_bytes` right; without them each key's length is asked in the same pipeline
+        (STRLEN before its DEL, no extra round trip), so `bytes_deleted` is never left at 0
+        while keys go (the daemon's deletes carry no sizes).
         `failed`, where given, receives the keys whose node did not answer (down, late): they
         may still be there.
         """
         if not gkeys:
             return 0
 
-        res = self._run("delete", gkeys, _pipeline_delete,
+        res = self._run("delete", gkeys,
+                        _pipeline_delete if sizes is not None else _pipeline_delete_sized,
                         self.deadline_s if deadline_s is None else deadline_s)
         if failed is not None:
             failed.extend(g for g, r in zip(gkeys, res, strict=True)
                           if r is None or isinstance(r, BaseException))
+        if sizes is None:
+            gone = [r for r in res if isinstance(r, tuple) and r[0]]   # (not down, late)
+            self._stats.add("keys_deleted", len(gone),
+                            "bytes_deleted", sum(size for _, size in gone))
+            return len(gone)
         n = sum(1 for r in res if r and not isinstance(r, BaseException))
         self._stats.add("keys_deleted", n)
-        if sizes is not None:
-            self._stats.add("bytes_deleted",
-                            sum(s for s, r in zip(sizes, res, strict=True) if r))
+        self._stats.add("bytes_deleted", sum(s for s, r in zip(sizes, res, strict=True) if r))
         return n
 
     @property
