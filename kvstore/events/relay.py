@@ -28,9 +28,11 @@ What it asks (replay.py): with `source_replay`, the engine's replay socket, for 
 from 0 at the daemon's start (the engine's history, as much as its buffer still has) and from
 the first missing number on a gap in the engine's numbers (its PUB socket or ours dropped
 them). The live batches wait meanwhile, then those the replay brought too are skipped as
-repeats. A replay that cannot fill a gap (the engine's buffer no longer has the batches, no
-answer within the deadline) leaves it: counted (`replay_missed`, in batches), logged, and the
-relay goes on.
+repeats. The engine's ROUTER drops what a long answer does not fit in the pipe to us; the
+replay asks again from the first batch it lost, within its deadline (`replay_resumes`,
+replay.py). A replay that cannot fill a gap (the engine's buffer no longer has the batches, no
+whole answer within the deadline) leaves it: counted (`replay_missed`, in batches), logged,
+and the relay goes on.
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ class Relay:
                                          "bad_messages": 0, "restarts": 0, "gaps": 0,
                                          "int_hashes": 0, "gpu_record_dropped": 0,
                                          "replays": 0, "replay_batches": 0,
-                                         "replay_failures": 0, "replay_missed": 0}
+                                         "replay_failures": 0, "replay_missed": 0,
+                                         "replay_resumes": 0}
         self._bad_logged = 0.0
         self._bad_unlogged = 0
         self._int_warned = False
@@ -306,6 +309,7 @@ class Relay:
         waited for it (_replayed)."""
         self._backlog = deque(res.batches)
         self._backlog_next = res.start
+        self.counters["replay_resumes"] += max(res.rounds - 1, 0)   # asked again: drops
         if res.complete:
             return
         self.counters["replay_failures"] += 1
