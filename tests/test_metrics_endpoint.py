@@ -20,14 +20,14 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import generate_latest, make_wsgi_app
 
-from kvstore import metrics
+from kvstore import metrics_endpoint
+from kvstore.metrics_endpoint import (
+    METRICS_MAX_CONNECTIONS,
+    METRICS_MAX_PER_PEER,
+    METRICS_MAX_REQUEST,
+    METRICS_READ_DEADLINE_S,
+)
 from tests.daemon import Daemon, cleanup, start_daemon
-
-# (Read with defaults, so the daemon tests also run, and fail, against a build without them.)
-METRICS_MAX_CONNECTIONS = getattr(metrics, "METRICS_MAX_CONNECTIONS", 16)
-METRICS_READ_DEADLINE_S = getattr(metrics, "METRICS_READ_DEADLINE_S", 5.0)
-METRICS_MAX_REQUEST = getattr(metrics, "METRICS_MAX_REQUEST", 8192)
-METRICS_MAX_PER_PEER = getattr(metrics, "METRICS_MAX_PER_PEER", METRICS_MAX_CONNECTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def test_reply_is_prometheus_clients_exposition():
     reg = CollectorRegistry()
     Counter("kvs_test_things", "Things", ["kind"], registry=reg).labels("a").inc(3)
     Counter("kvs_test_other", "Other", registry=reg).inc()
-    srv = metrics.MetricsServer("127.0.0.1", 0, make_wsgi_app(reg))
+    srv = metrics_endpoint.MetricsServer("127.0.0.1", 0, make_wsgi_app(reg))
     url = f"http://127.0.0.1:{srv.server_port}"
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:

@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvstore import metrics
+from kvstore import metrics_endpoint
 from kvstore.peer_names import PeerNames
 from tests.daemon import Daemon, cleanup, start_daemon
 from tests.test_metrics_endpoint import _fds, _port
 
-READ_DEADLINE_S = getattr(metrics, "METRICS_READ_DEADLINE_S", 5.0)
-PER_PEER = getattr(metrics, "METRICS_MAX_PER_PEER", 16)
+READ_DEADLINE_S = metrics_endpoint.METRICS_READ_DEADLINE_S
+PER_PEER = metrics_endpoint.METRICS_MAX_PER_PEER
 NOBODY = 65534
 SCRAPE_DEADLINE_S = 5.0         # each scrape's own: no retry, it must succeed at its first try
 
@@ -266,7 +266,7 @@ def test_close_gives_back_every_descriptor():
     from prometheus_client.exposition import make_wsgi_app
 
     fds0 = _fds(os.getpid())
-    srv = metrics.MetricsServer("127.0.0.1", 0, make_wsgi_app(CollectorRegistry()))
+    srv = metrics_endpoint.MetricsServer("127.0.0.1", 0, make_wsgi_app(CollectorRegistry()))
     port = srv.server_port
     held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(6)]
     try:

@@ -4,7 +4,7 @@ Why: the PUB and replay sockets have no authentication, and libzmq accepts every
 and keeps it (with a descriptor of the daemon's) for as long as the peer likes. One local user
 (or any host, on an address beyond loopback) could open thousands, run the daemon out of
 descriptors and so make it refuse its engines' gRPC calls too. The metrics endpoint solved the
-same problem for HTTP (metrics.MetricsServer); libzmq has no accept hook, so here a socket
+same problem for HTTP (metrics_endpoint.MetricsServer); libzmq has no accept hook, so here a socket
 monitor reports each accepted connection (EVENT_ACCEPTED, with its descriptor) to a thread of
 our own, which names its peer and shuts it (shutdown(2): libzmq reads its end, drops it, closes
 the descriptor) when the peer, or the endpoint, is over its cap.
