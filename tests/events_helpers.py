@@ -7,7 +7,9 @@ batches by sequence number, dropping repeats. Every wait has a deadline.
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -31,6 +33,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Lines:
+    """A child's stdout, line by line (JSON), each read within an absolute deadline; `more()`
+    adds what the child said elsewhere (its log) to a failure's message."""
+
+    def __init__(self, proc: subprocess.Popen, what: str,
+                 more: Callable[[], str] = lambda: "") -> None:
+        self.proc, self.what, self.more, self._buf = proc, what, more, b""
+
+    def ready(self) -> bool:
+        return b"\n" in self._buf or bool(select.select([self.proc.stdout], [], [], 0)[0])
+
+    def next(self, deadline_s: float) -> dict:
+        end = time.monotonic() + deadline_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise AssertionError(f"{self.what} said nothing within {deadline_s} s"
+                                     f"{self.more()}")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"{self.what} exited ({self.proc.wait(10)}){self.more()}")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
 
 
 class Sub:

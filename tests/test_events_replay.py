@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -49,7 +48,7 @@ from kvstore_client import KVLayout, connect
 from kvstore.config import ConfigError, EngineStreamConfig, load_config
 from kvstore.events import replay as replay_mod
 from tests.daemon import cleanup, start_daemon
-from tests.events_helpers import ROOT, Sub, free_port, held, stored, zmq
+from tests.events_helpers import ROOT, Lines, Sub, free_port, held, stored, zmq
 from tests.store_helpers import random_prompt
 from tests.test_events import FakeEngine, make, put, register
 
@@ -342,23 +341,8 @@ class Engine:
             [str(VLLM_PY), "-c", ENGINE, self.endpoint, self.replay, str(hwm)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
             cwd=str(tmp))
-        self._buf = b""
-        assert self._line(READY_S) == {"ready": True}
-
-    def _line(self, deadline_s: float) -> dict:
-        end = time.monotonic() + deadline_s
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = end - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise AssertionError(f"the engine did not answer within {deadline_s} s; its "
-                                     f"log:\n{self._tail()}")
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise AssertionError(f"the engine exited; its log:\n{self._tail()}")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+        self.lines = Lines(self.proc, "the engine", lambda: f"; its log:\n{self._tail()}")
+        assert self.lines.next(READY_S) == {"ready": True}
 
     def _tail(self) -> str:
         self.log.flush()
@@ -368,7 +352,7 @@ class Engine:
         """Publish these batches; the next sequence number once they are all sent."""
         self.proc.stdin.write(json.dumps({"batches": list(batches)}).encode() + b"\n")
         self.proc.stdin.flush()
-        return self._line(DEADLINE_S)["next_seq"]
+        return self.lines.next(DEADLINE_S)["next_seq"]
 
     def close(self) -> None:
         try:

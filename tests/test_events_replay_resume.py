@@ -13,7 +13,6 @@ on the word, and says when it has (vLLM's own `_service_replay` does the serving
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import shutil
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.events_helpers import ROOT, free_port
+from tests.events_helpers import ROOT, Lines, free_port
 from tests.test_events_replay import VLLM_PY, _need_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -83,30 +82,6 @@ print(json.dumps({"complete": res.complete, "why": res.why, "n": len(seqs),
 """
 
 
-class Lines:
-    """A child's stdout, line by line (JSON), each read within an absolute deadline."""
-
-    def __init__(self, proc: subprocess.Popen, what: str) -> None:
-        self.proc, self.what, self._buf = proc, what, b""
-
-    def ready(self) -> bool:
-        return b"\n" in self._buf or bool(select.select([self.proc.stdout], [], [], 0)[0])
-
-    def next(self, deadline_s: float = DEADLINE_S) -> dict:
-        end = time.monotonic() + deadline_s
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = end - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise AssertionError(f"{self.what} said nothing within {deadline_s} s")
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise AssertionError(f"{self.what} exited ({self.proc.wait(10)})")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
-
-
 def test_a_replay_the_engine_dropped_to_a_stalled_reader_arrives_whole(tmp_path):
     _need_vllm()
     d = Path(tempfile.mkdtemp(prefix="kvs-rr-"))
@@ -126,12 +101,12 @@ def test_a_replay_the_engine_dropped_to_a_stalled_reader_arrives_whole(tmp_path)
             env=dict(env, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "client")])))
         out = Lines(reader, "the reader")
         # the first request: the reader is stopped while the engine serves the whole answer
-        assert eng.next() == {"asked": True}
+        assert eng.next(DEADLINE_S) == {"asked": True}
         os.kill(reader.pid, signal.SIGSTOP)
         try:
             engine.stdin.write(b"go\n")
             engine.stdin.flush()
-            assert eng.next() == {"served": True}
+            assert eng.next(DEADLINE_S) == {"served": True}
         finally:
             os.kill(reader.pid, signal.SIGCONT)
         # the reader goes on: every further request is served at once, until it has ended
@@ -141,12 +116,12 @@ def test_a_replay_the_engine_dropped_to_a_stalled_reader_arrives_whole(tmp_path)
             assert time.monotonic() < end, "the reader did not end"
             select.select([engine.stdout, reader.stdout], [], [], 0.1)
             if eng.ready():
-                assert eng.next() == {"asked": True}
+                assert eng.next(DEADLINE_S) == {"asked": True}
                 asked += 1
                 engine.stdin.write(b"go\n")
                 engine.stdin.flush()
-                assert eng.next() == {"served": True}
-        got = out.next()
+                assert eng.next(DEADLINE_S) == {"served": True}
+        got = out.next(DEADLINE_S)
         assert (got["complete"], got["n"], got["in_order"], got["why"]) == \
             (True, N, True, ""), got
         assert got["digest"] == ready["digest"]

@@ -25,7 +25,6 @@ import sys
 import textwrap
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
@@ -144,20 +143,11 @@ def exported(vals: Series, types: dict[str, str]) -> dict[str, tuple[str, frozen
 
 
 # -- the tests --------------------------------------------------------------------------------
-@pytest.fixture
-def ssd_daemon(tmp_path: Path) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path)
-    try:
-        yield d
-    finally:
-        cleanup(d)
-
-
-def test_figures_follow_a_host_and_ssd_workload(ssd_daemon: Daemon) -> None:
+def test_figures_follow_a_host_and_ssd_workload(daemon: Daemon) -> None:
     """Stores, lookups, a duplicate Put, Evict, promotion, host read hits, Delete, Flush, an
     int8 namespace, a SIGKILLed client's lease and a restart: after each, the figures equal what
     was done, Stats says what the endpoint says, and no counter goes down."""
-    d = ssd_daemon
+    d = daemon
     snap = Scrapes(d)
     c = connect(d.address)
     ns = c.namespace(LAYOUT, model="truth/a")
