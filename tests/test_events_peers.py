@@ -319,3 +319,63 @@ def test_a_replay_left_unread_has_its_connection_cut_for_the_next(tmp_path, monk
         assert other.poll(int(DEADLINE_S * 1000))
     finally:
         rp.close()
+
+
+def _daemon_end(pid: int, mine: socket.socket) -> socket.socket | None:
+    """The daemon's end of our connection `mine`: a duplicate of its descriptor, taken with
+    pidfd_getfd(2) (root), whose peer is our socket's own address."""
+    import ctypes
+
+    want = mine.getsockname()
+    pidfd = os.pidfd_open(pid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
+                    continue
+            except OSError:
+                continue
+            fd = libc.syscall(438, pidfd, int(name), 0)        # SYS_pidfd_getfd (one number on every arch)
+            if fd < 0:
+                continue
+            s = socket.socket(fileno=fd)
+            try:
+                if s.family == socket.AF_INET and s.getpeername() == want:
+                    return s
+            except OSError:
+                pass
+            s.close()
+        return None
+    finally:
+        os.close(pidfd)
+
+
+@needs_root
+def test_kept_tcp_connections_get_keepalives_and_a_user_timeout(tmp_path):
+    """A router host that vanishes leaves its connections half-open: with keepalives and
+    TCP_USER_TIMEOUT on the daemon's end of each connection it keeps, the kernel drops them
+    within about a minute instead of never (idle) or ~15 minutes of retransmits (streaming)."""
+    from kvstore.events import peers
+
+    with _daemon(tmp_path, total=16, per_peer=3) as (d, pub, replay):
+        for port in (_port(pub), _port(replay)):
+            (mine,) = _open(port, 1)
+            try:
+                end, got = time.monotonic() + DEADLINE_S, None
+                while True:
+                    theirs = _daemon_end(d.proc.pid, mine)
+                    if theirs is not None:
+                        with theirs:
+                            opt = theirs.getsockopt
+                            got = (opt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                                   opt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                                   opt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+                        if got[0]:      # (tuned by the guard's thread, after the accept)
+                            break
+                    assert time.monotonic() < end, f"port {port}: not tuned: {got}"
+                    time.sleep(0.1)
+                assert got == (1, peers.KEEPALIVE_IDLE_S, peers.USER_TIMEOUT_S * 1000)
+                assert not _closed(mine)
+            finally:
+                mine.close()

@@ -26,6 +26,15 @@ reused): the monitor's DISCONNECTED events only say when to look (SWEEP_S at mos
 otherwise), so a lost or late event costs nothing. Shutting an older connection goes through
 a fresh duplicate, checked against its inode, so it can never hit another socket.
 
+Why each kept TCP connection gets keepalives and a user timeout (KEEPALIVE_*, USER_TIMEOUT_S,
+set on the same duplicate): a router host that vanishes (power, network) leaves its connection
+half-open, counted against its address's share and holding a descriptor. Idle (a replay
+socket), nothing would ever tell; streaming (the PUB socket), the kernel would retransmit for
+about 15 minutes (tcp_retries2). Both happen below ZMTP, so no peer needs to know of them
+(a ZMTP heartbeat could break peers of ZMTP 3.0). A router that is alive but stalled with its
+receive window shut is dropped after USER_TIMEOUT_S as well; it reconnects when it runs again,
+and what it missed meanwhile its PUB queue would have dropped anyway.
+
 The monitor's pipe: libzmq's I/O thread waits when 1000 events are queued unread, so the
 thread must never stall: it waits on nothing but the monitor sockets and sock_diag (a reply in
 the same system call, 0.2 s at most).
@@ -52,6 +61,10 @@ log = logging.getLogger("kvstore.events")
 SWEEP_S = 0.25              # a closed connection is counted gone within this at most
 LOG_EVERY_S = 10.0          # connections shut for a cap: one log line this often, with counts
 _UCRED = struct.Struct("=iII")          # SO_PEERCRED: pid, uid, gid
+KEEPALIVE_IDLE_S = 30       # a silent connection is probed after this long...
+KEEPALIVE_INTVL_S = 10      # ...this often...
+KEEPALIVE_CNT = 3           # ...and dropped after this many probes unanswered
+USER_TIMEOUT_S = 60         # sent bytes unacknowledged this long (a window shut): dropped
 
 
 @dataclass
@@ -269,6 +282,7 @@ class Guard:
                     return
                 self._shut_held(ep, max((c for c in ep.conns.values() if c.peer == top),
                                         key=lambda c: c.order))
+            _tune(s)
             ep.conns.pop(fd, None)      # (an earlier socket at that number is gone)
             self._order += 1
             ep.conns[fd] = _Conn(fd, ino, peer, self._order)
@@ -317,6 +331,20 @@ class Guard:
                             ep.name, ep.shut, self.max_total, self.max_per_peer,
                             dict(collections.Counter(c.peer for c in ep.conns.values())))
                 ep.shut = 0
+
+
+def _tune(s: socket.socket) -> None:
+    """Keepalives and a user timeout on a kept TCP connection (module docstring)."""
+    if s.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTVL_S)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_CNT)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_S * 1000)
+    except OSError:
+        pass                            # gone meanwhile: nothing to tune
 
 
 def _dup_socket(fd: int) -> socket.socket | None:
