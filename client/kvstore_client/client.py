@@ -8,7 +8,7 @@ retrying the call once, so callers see at most a slower call.
 Every RPC carries a deadline and waits for the channel to become ready within it, so a daemon
 that is restarting is waited for, and one that is gone fails within `timeout` seconds. What a
 namespace does with the connection (hashing, lookup, store, load) is in `namespace.py`
-(and `writes.py`, `reads.py`).
+(and `writes.py`, `reads.py`); the mapping of the host pool is `host_pool.py`.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from .common.hashing import DEFAULT_KEY_BYTES, ExtraKey
 from .common.lane_wire import METHOD_ID, lane_path
 from .common.layout import KVLayout, NamespaceSpec
 from .common.limits import MAX_CARRIED_RELEASES
+from .host_pool import MappedPool, fd_ino
 from .lane import LaneClient, NotSent, available
 from .leases import LeaseKeeper
 from .namespace import Namespace
@@ -66,70 +67,6 @@ FLUSH_TIMEOUT_S = 60.0
 DEFAULT_ADDRESS = "data/kvstore.sock"   # `kvstore serve`'s default socket, relative to its cwd
 
 TRANSPORTS = ("auto", "shm", "grpc")
-
-
-# ----------------------------------------------------------------------------------- addresses
-
-# ------------------------------------------------------------------------------ the client
-
-def _fd_ino(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino
-
-
-class _Pool:
-    """The mapped host pool, with the segment identity to notice a restarted daemon."""
-
-    def __init__(self, name: str, size: int, fd: int | None = None,
-                 session: Session | None = None, auth_path: str | None = None) -> None:
-        from .common import prefault, shm  # only clients that map the pool need them
-        self.name, self.size = name, size
-        self.fd_backed = fd is not None
-        # A tenant's own pool comes as a memfd from the handshake; it has no name to stat. Its
-        # identity is the memfd's inode: while this mapping holds that memfd, no later run's
-        # pool can have the same one (a socket file's inode, by contrast, may be reused).
-        self.ino = _fd_ino(fd) if fd is not None else None
-        self.slab = shm.attach_fd(fd, size) if fd is not None else shm.attach(name, size)
-        if not self.fd_backed:
-            self.ino = self._ino()
-        # Set once a newer session or handshake named another memfd: a restarted daemon whose
-        # pool this mapping is not, although nothing about the mapping itself changed.
-        self.replaced = False
-        self._session, self._auth_path = session, auth_path
-        # Take this process's page faults on the pool now, in the background, not in the
-        # engine's first copies into each slot (kvstore_client/common/prefault.py).
-        self._prefaulter = prefault.start(self.slab._mmap, size) if size else None
-
-    def _ino(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(os.path.join("/dev/shm", self.name))
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino
-
-    def current(self) -> bool:
-        """False when the daemon replaced the segment (restart) or removed it."""
-        if self.fd_backed:
-            # The handshake socket file's identity is a cheap first sign (a token client gets
-            # no other until a checksum fails); `replaced`, set by a newer session, is sure.
-            return not self.replaced and (self._session is None or self._auth_path is None
-                                          or self._session.current(self._auth_path))
-        return not os.path.isdir("/dev/shm") or self._ino() == self.ino
-
-    def follow(self, session: Session | None) -> bool:
-        """Keep the mapping for a newer session only when its pool fd names this same memfd
-        (a session renewed within one daemon run); else mark it replaced. True if kept."""
-        fd = session.pool_fd if session is not None else None
-        if fd is not None and _fd_ino(fd) == self.ino:
-            self._session = session
-            return True
-        self.replaced = True
-        return False
-
-    def close(self) -> None:
-        if self._prefaulter is not None:
-            self._prefaulter.stop()         # before the mapping goes
-        self.slab.close()
 
 
 class Client:
@@ -205,7 +142,7 @@ class Client:
             "/kvstore.v1.KVStore/Get", request_serializer=pb.GetRequest.SerializeToString,
             response_deserializer=lambda b: b)
         self.daemon_id = ""
-        self._pool: _Pool | None = None
+        self._pool: MappedPool | None = None
         self.gpu_pools: list[dict] = []
         self._shm_error: str | None = None
         self._namespaces: weakref.WeakSet[Namespace] = weakref.WeakSet()
@@ -345,7 +282,7 @@ class Client:
                 if self._lane is not None:      # its hello carries the session too
                     self._lane.renew(self._session.token)
 
-    def pool_moved(self, pool: _Pool) -> bool:
+    def pool_moved(self, pool: MappedPool) -> bool:
         """After a checksum failure: whether the daemon now hands out another pool than the
         memfd `pool` maps. One handshake, because a token client keeps its session across a
         restart and only the socket file's identity (common/handoff.py, socket_id) says so,
@@ -361,7 +298,7 @@ class Client:
         except KVStoreError:
             return False                # no answer: nothing says the mapping is stale
         try:
-            same = probe.pool_fd is not None and _fd_ino(probe.pool_fd) == pool.ino
+            same = probe.pool_fd is not None and fd_ino(probe.pool_fd) == pool.ino
         finally:
             probe.close_fds()
         if not same:
@@ -471,7 +408,7 @@ class Client:
         return self.leases.release_later(lease_id)
 
     @property
-    def pool(self) -> _Pool | None:
+    def pool(self) -> MappedPool | None:
         return self._pool
 
     @property
@@ -526,12 +463,12 @@ class Client:
             return
         try:
             if hp.kind == "memfd" and fd is not None and hp.size:
-                self._pool = _Pool("", int(hp.size), fd=fd, session=session,
+                self._pool = MappedPool("", int(hp.size), fd=fd, session=session,
                                    auth_path=self._auth_path)
             elif hp.kind != "shm" or not hp.name or not hp.size:
                 raise NotFound(f"the daemon offers no shared-memory host pool ({hp.kind!r})")
             else:
-                self._pool = _Pool(hp.name, int(hp.size))
+                self._pool = MappedPool(hp.name, int(hp.size))
             self._shm_error = None
         except (KVStoreError, OSError) as e:
             self._shm_error = str(e)

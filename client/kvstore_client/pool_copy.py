@@ -20,7 +20,8 @@ from ._proto import kvstore_pb2 as pb
 from .common.errors import DataLoss
 
 if TYPE_CHECKING:
-    from .client import Client, _Pool
+    from .client import Client
+    from .host_pool import MappedPool
 
 # Blocks are copied and checksummed in groups of about this many bytes, so the checksum pass
 # reads bytes the copy just left in cache.
@@ -56,7 +57,7 @@ class Stale(Exception):
     """The pool mapping or a lease went stale mid-call: resync and try again."""
 
 
-def current_pool(client: Client) -> _Pool:
+def current_pool(client: Client) -> MappedPool:
     """The mapped host pool, or Stale when the daemon replaced its segment (a restart)."""
     pool = client.pool
     if pool is None or not pool.current():
@@ -64,9 +65,9 @@ def current_pool(client: Client) -> _Pool:
     return pool
 
 
-def pool_bytes(pool: _Pool) -> np.ndarray:
+def pool_bytes(pool: MappedPool) -> np.ndarray:
     """The mapped pool's bytes, or Stale once another call re-mapped a restarted daemon's
-    pool and closed this one. Why: a call holds its `_Pool` for a whole round trip (a
+    pool and closed this one. Why: a call holds its `MappedPool` for a whole round trip (a
     `Pinned` for as long as it lives) and `_adopt` closes it under them; the caller's
     reference to the array keeps the mapping alive for its copy (shm.SharedSlab.close)."""
     arr = pool.slab.array
@@ -75,7 +76,7 @@ def pool_bytes(pool: _Pool) -> np.ndarray:
     return arr
 
 
-def check_slots(slots: Sequence[pb.Slot], pool: _Pool, block_bytes: int) -> list[int]:
+def check_slots(slots: Sequence[pb.Slot], pool: MappedPool, block_bytes: int) -> list[int]:
     """The slots' offsets, or DataLoss for a slot that is not one block inside the pool."""
     offsets = []
     for s in slots:

@@ -26,7 +26,7 @@ from .pool_copy import Drain, Stale, check_slots, current_pool, drain_verified, 
 from .wire import decode_get
 
 if TYPE_CHECKING:
-    from .client import _Pool
+    from .host_pool import MappedPool
     from .namespace import Namespace
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def _load_shm(ns: Namespace, keys: list[bytes], drain: Drain) -> int:
         client.release_later(lease.lease_id)
 
 
-def drain_lease(ns: Namespace, lease: Any, keys: Sequence[bytes], pool: _Pool,
+def drain_lease(ns: Namespace, lease: Any, keys: Sequence[bytes], pool: MappedPool,
                 drain: Drain) -> int:
     """Copy a read lease's blocks out through drain, verified; blocks of the good prefix."""
     client, bb, lid = ns.client, ns.block_bytes, lease.lease_id
@@ -175,7 +175,7 @@ class Pinned:
     found (per tier), `blocks` how many leading blocks are pinned and loadable now."""
 
     def __init__(self, ns: Namespace, keys: list[bytes], lookup: LookupResult, lease: Any,
-                 pool: _Pool) -> None:
+                 pool: MappedPool) -> None:
         self.ns, self.keys, self.lookup, self._lease, self._pool = ns, keys, lookup, lease, pool
         self.blocks = len(lease.slots) if lease is not None else 0
 
