@@ -16,6 +16,10 @@ HTML comment on the line right before its fence, with the reason in parentheses:
 
 Markdown renderers hide the comment. A marker without a reason, or one not followed by a code
 fence, fails the test (so markers cannot go stale unnoticed).
+
+Each ```toml block (a daemon config, or a tenants file for `auth.tokens_file`) is loaded the
+way `kvstore serve --config` loads it, so a key, table or value type the daemon would refuse
+fails here; a placeholder token hash (`"<sha256 hex>"`) is read as a valid one.
 """
 
 from __future__ import annotations
@@ -99,6 +103,22 @@ def test_markers_are_well_formed_and_some_blocks_run():
     for b in ALL_BLOCKS:
         if b.skip_reason is not None:
             assert len(b.skip_reason) >= 5, f"{b.name}: give a reason to skip"
+
+
+TOML_BLOCKS = [b for b in ALL_BLOCKS if b.lang == "toml" and b.skip_reason is None]
+
+
+@pytest.mark.parametrize("block", TOML_BLOCKS, ids=lambda b: b.name)
+def test_doc_config_block_loads(block, tmp_path):
+    from kvstore.config import load_config
+    from kvstore.tenants import load_tenants
+
+    path = tmp_path / "kvstore.toml"
+    path.write_text(block.code.replace('"<sha256 hex>"', '"' + "0" * 64 + '"'))
+    cfg = load_config(path, environ={})         # raises ConfigError naming the bad key
+    if cfg.tenants:
+        cfg.auth.tokens_file = ""               # the block's own tables, not a file it names
+        assert load_tenants(cfg)
 
 
 @pytest.fixture(scope="module")
