@@ -4,6 +4,15 @@ Lookup is the hot path (one call per engine request): one hold of the lock, read
 of the index (`peek_run` makes no Entry for a packed block), and for the remote tier, which no
 index can know fully (another node may have written a block), one batched existence check
 after the lock is released.
+
+What the hit and miss counts mean (`tier_counters` hits/misses, `lookup_blocks`,
+`lookup_hit_blocks`; the operator's hit rate): of the blocks engines asked for to load, how
+many were cached. So they count a Lookup or LookupAcquire (a prefix: each tier's resident
+prefix is its hits) and a Locate (every key on its own: the keys resident in a tier are its
+hits; the vLLM and SGLang adapters look up this way), and not the lookup a store makes of the
+prefix it need not write (LookupReserve, a Lookup marked `for_store`): counted, every store of
+new blocks added its blocks as misses, and an engine that only loaded through Locate showed a
+hit rate of 0. A store's lookups are counted in `store_lookups` only.
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ class Queries:
         self.state = state
         self.remote = remote
 
-    def lookup(self, ns_id: bytes, keys: list[bytes]) -> LookupResult:
-        """The longest cached prefix of `keys` (checked by the store), overall and per tier."""
+    def lookup(self, ns_id: bytes, keys: list[bytes], counted: bool = True) -> LookupResult:
+        """The longest cached prefix of `keys` (checked by the store), overall and per tier;
+        `counted`: in the hit and miss counts (module docstring)."""
         st = self.state
         with st.lock:
             st.check_open()
@@ -58,12 +68,15 @@ class Queries:
                 per["ssd"] = d
             if st.remote is not None:
                 per["remote"] = r
-            st.counters["lookups"] += 1
-            st.counters["lookup_blocks"] += len(keys)
-            st.counters["lookup_hit_blocks"] += n
-            for t, c in per.items():
-                st.tier_counters[t]["hits"] += c
-                st.tier_counters[t]["misses"] += len(keys) - c
+            if counted:
+                st.counters["lookups"] += 1
+                st.counters["lookup_blocks"] += len(keys)
+                st.counters["lookup_hit_blocks"] += n
+                for t, c in per.items():
+                    st.tier_counters[t]["hits"] += c
+                    st.tier_counters[t]["misses"] += len(keys) - c
+            else:
+                st.counters["store_lookups"] += 1
             for k in keys[n:n + 1]:
                 for p in st.policies.values():
                     rec = getattr(p, "record_miss", None)
@@ -84,23 +97,31 @@ class Queries:
         """
         st = self.state
         out: list[str | None] = []
+        h = gg = d = r = 0                  # keys resident in each tier (module docstring)
         with st.lock:
             st.check_open()
             info = st.namespace(ns_id)
             get = st.index.get
             for k in keys:
                 e = get(ns_id + k)
+                if e is None:
+                    out.append(None)
+                    continue
+                on_h, on_g = e.host is not None, e.gpu is not None
+                h, gg, d, r = h + on_h, gg + on_g, d + e.ssd, r + e.remote
                 # host before gpu: Locate's readers load from host, and a gpu-only block is
                 # one a prefetch copies down (kvstore/moves/gpu_host.py)
-                out.append(None if e is None else "host" if e.host is not None
-                           else "gpu" if e.gpu is not None
-                           else "ssd" if e.ssd else "remote" if e.remote else None)
+                out.append("host" if on_h else "gpu" if on_g else "ssd" if e.ssd
+                           else "remote" if e.remote else None)
             st.counters["locate_blocks"] += len(keys)
-        # At most REMOTE_LOCATE_KEYS asked of Redis per call (the rest answer None, as for a
-        # key nobody holds): one pipeline of 65,536 made-up keys cost the daemon about half a
-        # second of CPU, and its late answer marked Redis down for every tenant.
-        missing = [i for i, t in enumerate(out) if t is None][:REMOTE_LOCATE_KEYS]
-        if st.remote is not None and missing:
+            # At most REMOTE_LOCATE_KEYS asked of Redis per call (the rest answer None, as for
+            # a key nobody holds): one pipeline of 65,536 made-up keys cost the daemon about
+            # half a second of CPU, and its late answer marked Redis down for every tenant.
+            missing = ([i for i, t in enumerate(out) if t is None][:REMOTE_LOCATE_KEYS]
+                       if st.remote is not None else [])
+            if not missing:                 # counted now: no second hold of the lock
+                self._count_located(keys, out, h, gg, d, r)
+        if missing:
             asked = [ns_id + keys[i] for i in missing]
             found = st.remote.exists_many(asked)
             if self.remote is not None:         # a delete Redis has not had yet: absent
@@ -115,4 +136,25 @@ class Queries:
                         st.index.add(e)
                     st.index.set_remote(e)
                     out[i] = "remote"
+                    r += 1
+                self._count_located(keys, out, h, gg, d, r)
         return out
+
+    def _count_located(self, keys: list[bytes], out: list[str | None], h: int, gg: int,
+                       d: int, r: int) -> None:
+        """A Locate's hits and misses (locked): per tier the keys resident there, overall the
+        keys found anywhere (module docstring)."""
+        st = self.state
+        per = {"host": h}
+        if st.gpu:
+            per["gpu"] = gg
+        if st.ssd is not None:
+            per["ssd"] = d
+        if st.remote is not None:
+            per["remote"] = r
+        n = len(keys)
+        st.counters["lookup_blocks"] += n
+        st.counters["lookup_hit_blocks"] += n - out.count(None)
+        for t, c in per.items():
+            st.tier_counters[t]["hits"] += c
+            st.tier_counters[t]["misses"] += n - c

@@ -52,9 +52,11 @@ TIER_COUNTERS = {"hits": "Looked-up blocks found in the tier (longest-prefix cou
                  "demotions_in": "Blocks received from the tier above",
                  "promotions": "Blocks copied up into this tier from a lower one",
                  "read_hits": "Acquired/Get blocks already resident in the tier"}
-STORE_COUNTERS = {"lookups": "Lookup calls",
-                  "lookup_blocks": "Keys asked about by Lookup",
-                  "lookup_hit_blocks": "Keys Lookup found cached (longest prefix, any tier)",
+STORE_COUNTERS = {"lookups": "Lookup and LookupAcquire calls of loads (not of stores)",
+                  "lookup_blocks": "Keys asked about by loads' Lookup, LookupAcquire, Locate",
+                  "lookup_hit_blocks": "Keys those found cached (a prefix; Locate: each key)",
+                  "store_lookups": "Lookups a store made of the prefix it need not write "
+                                   "(LookupReserve, Lookup for_store): not hits or misses",
                   "acquired_blocks": "Blocks pinned by Acquire and Get",
                   "duplicate_blocks": "Written blocks dropped because the key was stored",
                   "duplicate_blocks_differing": "Written blocks dropped because the key was "

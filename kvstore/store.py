@@ -249,9 +249,11 @@ class Store:
 
     # ----------------------------------------------------------------- lookup
 
-    def lookup(self, ns_id: bytes, keys: Sequence[bytes]) -> LookupResult:
-        """The longest cached prefix of `keys`, overall and per tier."""
-        return self.queries.lookup(ns_id, checked_keys(keys, allow_empty=True, chain=True))
+    def lookup(self, ns_id: bytes, keys: Sequence[bytes], counted: bool = True) -> LookupResult:
+        """The longest cached prefix of `keys`, overall and per tier; `counted`: in the hit
+        and miss counts (False: a store's lookup of what not to write, kvstore/lookup.py)."""
+        return self.queries.lookup(ns_id, checked_keys(keys, allow_empty=True, chain=True),
+                                   counted)
 
     def where(self, ns_id: bytes, keys: Sequence[bytes]) -> list[str | None]:
         """The fastest tier holding each key, or None (kvstore/lookup.py)."""

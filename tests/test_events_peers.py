@@ -336,7 +336,7 @@ def _daemon_end(pid: int, mine: socket.socket) -> socket.socket | None:
                     continue
             except OSError:
                 continue
-            fd = libc.syscall(438, pidfd, int(name), 0)        # SYS_pidfd_getfd (one number on every arch)
+            fd = libc.syscall(438, pidfd, int(name), 0)  # SYS_pidfd_getfd, on every arch
             if fd < 0:
                 continue
             s = socket.socket(fileno=fd)

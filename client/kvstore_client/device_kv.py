@@ -26,6 +26,7 @@ from ._proto import kvstore_pb2 as pb
 from .common.errors import DataLoss, InvalidArgument, LeaseExpired, NotFound
 from .common.pools import open_pool
 from .paged_copy import PagedCopier, PagedKVCache
+from .writes import cached_prefix
 
 if TYPE_CHECKING:
     from .namespace import Namespace
@@ -107,7 +108,7 @@ class DeviceKV:
         tokens = self.ns.token_bytes(token_ids, len(keys))
         self._fresh()
         client = self.ns.client
-        have = self.ns.lookup_keys(keys)
+        have = cached_prefix(self.ns, keys)
         if have >= len(keys):
             return 0
         n = len(keys) - have

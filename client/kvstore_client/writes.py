@@ -80,7 +80,7 @@ class Writer:
         ns = self.ns
         if ns.client.pool is not None:
             return self._store_shm(keys, parent, fill, tokens)
-        have = ns.lookup_keys(keys)
+        have = cached_prefix(self.ns, keys)
         if have >= len(keys):
             return 0
         first_parent = keys[have - 1] if have else (parent or b"")
@@ -109,7 +109,7 @@ class Writer:
             except Unimplemented:
                 log.info("kvstore: daemon has no LookupReserve; using Lookup + Reserve")
                 client.fused_rpcs = False
-        return self.ns.lookup_keys(keys), None
+        return cached_prefix(self.ns, keys), None
 
     def _store_shm(self, keys: list[bytes], parent: bytes | None, fill: Fill,
                    tokens: bytes | None = None) -> int:
@@ -173,8 +173,8 @@ class Writer:
             if self.prefix_seen:
                 # The store's one deadline: the Commit gets what waiting on the lookup left.
                 deadline = time.monotonic() + client.timeout
-                look = client.call_future("Lookup", pb.LookupRequest(namespace_id=ns.ns_id,
-                                                                     keys=keys))
+                look = client.call_future("Lookup", pb.LookupRequest(
+                    namespace_id=ns.ns_id, keys=keys, for_store=True))
             else:
                 have = 0
             sums = [0] * n
@@ -340,6 +340,14 @@ class Writer:
             parent = keys[i + n - 1]
             i += n
         return stored
+
+
+def cached_prefix(ns: Namespace, keys: list[bytes]) -> int:
+    """Blocks of `keys`' prefix the daemon has: what a store need not write. Marked
+    `for_store`, so the daemon does not count it as a hit or miss of the cache."""
+    r = ns.client.call("Lookup", pb.LookupRequest(namespace_id=ns.ns_id, keys=keys,
+                                                  for_store=True))
+    return int(r.prefix_blocks)
 
 
 def prefix_of(look: Any) -> int:

@@ -197,8 +197,10 @@ class LeaseCalls:
         return pb.RenewLeaseResponse(deadline=s.store.renew(lease_id, ttl))
 
     # -- fused calls: one round trip where the protocol allows ---------------------------------
-    def _fused_lookup(self, req: Any) -> tuple[bytes, list[bytes], str, float, Any]:
-        """The checks and the lookup both fused calls start with."""
+    def _fused_lookup(self, req: Any, counted: bool) -> tuple[bytes, list[bytes], str, float,
+                                                               Any]:
+        """The checks and the lookup both fused calls start with; `counted`: a hit/miss of
+        the cache (LookupAcquire, a load's) or not (LookupReserve, a store's: lookup.py)."""
         s = self.s
         ns = check_ns(req.namespace_id)
         s.auth.check_ns(ns)
@@ -206,13 +208,13 @@ class LeaseCalls:
         tier = check_slot_tier(req.tier, s.gpu_enabled)
         s.auth.check_tier(tier)
         ttl = check_ttl(req.ttl_s, s.max_ttl_s)
-        return ns, keys, tier, ttl, s.lookup(ns, keys)
+        return ns, keys, tier, ttl, s.lookup(ns, keys, counted)
 
     def LookupReserve(self, raw: bytes) -> pb.LookupReserveResponse:
         """Lookup, then Reserve slots for the missing keys (at most max_slots)."""
         s = self.s
         req = parse_request(pb.LookupReserveRequest, raw, distinct_keys=True)
-        ns, keys, tier, ttl, res = self._fused_lookup(req)
+        ns, keys, tier, ttl, res = self._fused_lookup(req, counted=False)
         resp = pb.LookupReserveResponse(
             prefix_blocks=res.prefix_blocks,
             per_tier={str(k): int(v) for k, v in res.per_tier.items()})
@@ -229,7 +231,7 @@ class LeaseCalls:
         s = self.s
         req = parse_request(pb.LookupAcquireRequest, raw, distinct_keys=True)
         self._release_carried(req.release_leases)
-        ns, keys, tier, ttl, res = self._fused_lookup(req)
+        ns, keys, tier, ttl, res = self._fused_lookup(req, counted=True)
         resp = pb.LookupAcquireResponse(
             prefix_blocks=res.prefix_blocks,
             per_tier={str(k): int(v) for k, v in res.per_tier.items()})

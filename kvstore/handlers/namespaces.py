@@ -76,7 +76,7 @@ class NamespaceCalls:
         ns = check_ns(req.namespace_id)
         self.s.auth.check_ns(ns)
         keys = check_keys(req.keys, allow_empty=True, distinct=True)
-        res = self.s.lookup(ns, keys)
+        res = self.s.lookup(ns, keys, counted=not req.for_store)
         return pb.LookupResponse(prefix_blocks=res.prefix_blocks,
                                  per_tier={str(k): int(v) for k, v in res.per_tier.items()})
 
@@ -86,6 +86,10 @@ class NamespaceCalls:
         self.s.auth.check_ns(ns)
         keys = check_keys(req.keys, allow_empty=True, distinct=True)
         where = self.s.store.where(ns, keys)
+        if self.s.tenant_counters is not None:      # a load's lookup, as Lookup (lookup.py)
+            caller = self.s.auth.caller
+            self.s.tenant_counters.lookup(caller.name if caller else None, len(keys),
+                                          len(keys) - where.count(None))
         names = [t for t in TIERS if t in set(where)]
         code = {t: i + 1 for i, t in enumerate(names)}
         resp = pb.LocateResponse(tier_names=names, where=bytes(code.get(t, 0) for t in where))

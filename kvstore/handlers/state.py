@@ -45,10 +45,11 @@ class CallState:
     def remember_block_bytes(self, ns_id: bytes, block_bytes: int) -> None:
         self._block_bytes[ns_id] = block_bytes
 
-    def lookup(self, ns: bytes, keys: list[bytes]) -> Any:
-        """store.lookup, counted per tenant where tenants are configured."""
-        res = self.store.lookup(ns, keys)
-        if self.tenant_counters is not None:
+    def lookup(self, ns: bytes, keys: list[bytes], counted: bool = True) -> Any:
+        """store.lookup, counted per tenant where tenants are configured; `counted`: False for
+        a store's lookup of what not to write (kvstore/lookup.py: not a hit or a miss)."""
+        res = self.store.lookup(ns, keys, counted)
+        if counted and self.tenant_counters is not None:
             caller = self.auth.caller
             self.tenant_counters.lookup(caller.name if caller else None, len(keys),
                                         res.prefix_blocks)

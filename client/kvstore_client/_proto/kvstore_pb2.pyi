@@ -106,12 +106,14 @@ class RegisterNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., gpu_pools: _Optional[_Iterable[_Union[GpuPool, _Mapping]]] = ..., daemon_id: _Optional[str] = ..., protocol: _Optional[int] = ..., wants_token_ids: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys")
+    __slots__ = ("namespace_id", "keys", "for_store")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    FOR_STORE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    for_store: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., for_store: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("prefix_blocks", "per_tier")
