@@ -216,6 +216,44 @@ def format_status(resp: Any) -> str:
     return "\n".join(lines)
 
 
+def _int64_as_numbers(descriptor: Any, d: dict[str, Any]) -> dict[str, Any]:
+    """`d` (MessageToDict of a `descriptor` message) with 64-bit integers as JSON numbers.
+
+    protobuf's JSON mapping quotes them (JavaScript doubles lose digits past 2^53), and its
+    `unquote_int64_if_possible` still quotes the large ones; Python's json writes any int
+    exactly, so a script reads the same type whatever the value."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    wide = {F.TYPE_INT64, F.TYPE_UINT64, F.TYPE_SINT64, F.TYPE_FIXED64, F.TYPE_SFIXED64}
+
+    def value(field: Any, v: Any) -> Any:
+        if field.message_type is not None:
+            return _int64_as_numbers(field.message_type, v)
+        return int(v) if field.type in wide else v
+
+    for f in descriptor.fields:
+        if f.name not in d:
+            continue
+        v = d[f.name]
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            vf = f.message_type.fields_by_name["value"]
+            d[f.name] = {k: value(vf, x) for k, x in v.items()}
+        elif f.is_repeated:
+            d[f.name] = [value(f, x) for x in v]
+        else:
+            d[f.name] = value(f, v)
+    return d
+
+
+def stats_json(resp: Any) -> dict[str, Any]:
+    """A StatsResponse as `status --json` prints it: every field, zeros included (an empty
+    tier has `"blocks": 0`), counts as numbers, proto field names."""
+    from google.protobuf.json_format import MessageToDict
+
+    return _int64_as_numbers(resp.DESCRIPTOR, MessageToDict(
+        resp, always_print_fields_with_no_presence=True, preserving_proto_field_name=True))
+
+
 def _status_credentials(address: str, timeout: float) -> tuple | None:
     """On a daemon with tenants: $KVSTORE_TOKEN, else the uid handshake (docs/security.md)."""
     from kvstore_client.common.handoff import handshake, handshake_path
@@ -231,7 +269,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     import json
 
     import grpc
-    from google.protobuf.json_format import MessageToDict
     from kvstore_client._proto import kvstore_pb2, kvstore_pb2_grpc
     from kvstore_client.common.address import grpc_target
     from kvstore_client.common.errors import KVStoreError, Unauthenticated
@@ -261,7 +298,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "(docs/security.md)" if isinstance(e, Unauthenticated) else "")
         return _fail(f"status at {address}: {e.code}: {e}{hint}", 1)
     if args.json:
-        print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True), indent=2))
+        print(json.dumps(stats_json(resp), indent=2))
     else:
         print(format_status(resp))
     return 0
@@ -423,14 +460,37 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A command whose reader went away (`kvstore status | head -1`) exits with this code: what a
+# shell reports for a C tool killed by SIGPIPE (128 + 13), so `set -o pipefail` and PIPESTATUS
+# see it as they see `cat big | head`'s writer, and nothing is printed.
+BROKEN_PIPE_EXIT = 141
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvstore` script and `python -m kvstore`.
 
     Only a real command line (argv None) tunes malloc, so calling main([...]) from Python
-    never changes the caller's allocator.
+    never changes the caller's allocator. Only a real command line handles a closed stdout:
+    Python ignores SIGPIPE, so a reader that stops early (`| head`) turns the next write or
+    the flush at exit into a BrokenPipeError traceback or an "Exception ignored" message.
     """
-    from_command_line = argv is None
-    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv is not None:
+        return _main(list(argv), from_command_line=False)
+    try:
+        try:
+            return _main(sys.argv[1:], from_command_line=True)
+        finally:
+            sys.stdout.flush()     # a reader gone shows here, not at interpreter exit
+    except BrokenPipeError:
+        # The interpreter flushes stdout again at exit: point it at /dev/null so that flush
+        # of what is still buffered succeeds silently.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return BROKEN_PIPE_EXIT
+
+
+def _main(argv: list[str], from_command_line: bool) -> int:
     if argv[:1] == ["demo"]:       # argparse would eat the demo's own options (--help...)
         return run_demo(argv[1:])
     args = make_parser().parse_args(argv)

@@ -174,6 +174,28 @@ def _chat_text(tok: Any, role: str, text: str) -> Any:
                             add_special_tokens=False).input_ids)
 
 
+def chat_reply(raw: list[int], end: int, suffix: list[int]) -> list[int]:
+    """The reply as the chat keeps it: the greedy tokens cut at the first `end`
+    (`<|im_end|>`), then `suffix` (`<|im_end|>` and a newline) appended."""
+    return (raw[:raw.index(end)] if end in raw else list(raw)) + list(suffix)
+
+
+def shared_prefix(a: Any, b: Any) -> int:
+    """How many leading tokens `a` and `b` share.
+
+    Why the demo needs it: the next turn's history is the prompt plus the reply as the chat
+    keeps it (cut at `<|im_end|>`, then `<|im_end|>` and a newline appended), which can differ
+    from the tokens the cache was computed from (the raw greedy tokens, the last one never fed
+    back). Only the shared prefix has KV that belongs to the history, so only it is stored: KV
+    is never served for tokens it was not computed from; the next turn prefills the rest.
+    """
+    import torch
+
+    n = min(len(a), len(b))
+    differ = (torch.as_tensor(a[:n]) != torch.as_tensor(b[:n])).nonzero()
+    return int(differ[0, 0]) if len(differ) else n
+
+
 def simulate_chat(runner: Any, model: Any, *, turns: int, system_tokens: int, user_tokens: int,
                   reply_tokens: int, repeats: int = 1, seed: int = 1, log: Any = None,
                   tokenizer: Any = None) -> list[TurnResult]:
@@ -182,11 +204,12 @@ def simulate_chat(runner: Any, model: Any, *, turns: int, system_tokens: int, us
     Per turn: prompt = history + a new user message. Baseline: full prefill. kvstore: lookup,
     load, prefill the rest. Each is timed `repeats` times, interleaved, and the fastest kept
     (shared machines are noisy; the minimum is the least disturbed run). Then the assistant's
-    reply (greedy tokens) joins the history, and prompt + reply blocks are stored, as an engine
-    does after generation, so the next turn finds the whole history cached.
+    reply (greedy tokens) joins the history, and the full blocks of prompt + reply whose KV the
+    cache holds are stored, as an engine does after generation, so the next turn finds the
+    history cached up to its last few tokens (`shared_prefix`).
     """
     import torch
-    from kvstore_client.hf import full_prefill, greedy_decode
+    from kvstore_client.hf import cache_seq_length, full_prefill, greedy_decode
 
     from .text import QUESTIONS, document
 
@@ -218,14 +241,19 @@ def simulate_chat(runner: Any, model: Any, *, turns: int, system_tokens: int, us
             res = runner.prefill(prompt, store=False)
             kv_times.append(time.perf_counter() - t0)
         reply, _ = greedy_decode(model, res.logits, res.cache, reply_tokens)
+        # The tokens the cache's KV was computed from: prompt + every greedy token but the last
+        # (never fed back). Taken before the reply is edited below.
+        computed = torch.cat([prompt, torch.tensor(reply, dtype=prompt.dtype)]
+                             )[:cache_seq_length(res.cache)]
         if tok is not None:
             end = tok.convert_tokens_to_ids("<|im_end|>")
-            reply = reply[:reply.index(end)] if end in reply else reply
+            reply = chat_reply(reply, end, tok("<|im_end|>\n", add_special_tokens=False)
+                               .input_ids)
             if log:
-                log(f"  Q: {question}\n  A: {tok.decode(reply).strip()}")
-            reply = reply + tok("<|im_end|>\n", add_special_tokens=False).input_ids
+                log(f"  Q: {question}\n  A: {tok.decode(reply[:reply.index(end)]).strip()}")
+        history = torch.cat([prompt, torch.tensor(reply, dtype=prompt.dtype)])
         t1 = time.perf_counter()
-        runner.store(history, res.cache)
+        runner.store(history[:shared_prefix(history, computed)], res.cache)
         store_s = time.perf_counter() - t1
         r = TurnResult(turn, len(prompt), res.reused_tokens, min(base_times), min(kv_times),
                        store_s, float((base_logits - res.logits).abs().max()))

@@ -118,6 +118,59 @@ def test_serve_reads_env_and_status_shows_it(tmp_path):
         cleanup(d)
 
 
+def _reader_gone(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run `cmd` with a stdout pipe whose read end is closed before it starts, as `| head -1`
+    is once head has its line (here for certain: every write gets EPIPE)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run(cmd, stdout=w, stderr=subprocess.PIPE, text=True, timeout=60,
+                              env=env)
+    finally:
+        os.close(w)
+
+
+def test_status_json_has_every_field_as_numbers(tmp_path):
+    """`status --json`: counts are JSON numbers and fields at 0 are there (an empty tier's
+    `blocks`), so a script reads them without a default; and `status | head` exits quietly."""
+    d = start_daemon(tmp_path)
+    try:
+        status = [sys.executable, "-m", "kvstore", "status", "--socket", d.socket]
+        r = subprocess.run(status + ["--json"], capture_output=True, text=True, timeout=60,
+                           env=d.env)
+        assert r.returncode == 0, r.stderr
+        stats = json.loads(r.stdout)
+        assert stats["namespaces"] == 0 and stats["active_leases"] == 0
+        assert isinstance(stats["counters"], dict) and stats["daemon_id"]
+        tiers = {t["name"]: t for t in stats["tiers"]}
+        assert {"host", "ssd"} <= set(tiers)
+        counts = ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions")
+        for t in tiers.values():
+            assert set(t) == {"name", *counts}, t
+            assert all(type(t[k]) is int for k in counts), t
+        assert tiers["host"]["blocks"] == 0 and tiers["ssd"]["blocks"] == 0   # a fresh daemon
+        assert tiers["host"]["capacity_bytes"] > 0
+
+        for argv in (status, status + ["--json"]):
+            r = _reader_gone(argv, d.env)
+            assert (r.returncode, r.stderr) == (141, ""), r.stderr
+    finally:
+        cleanup(d)
+
+
+@pytest.mark.parametrize("fmt", [[], ["--json"]])
+def test_plan_into_a_closed_pipe_exits_quietly(fmt):
+    """`kvstore plan ... | head -1`: no BrokenPipeError traceback or "Exception ignored"
+    message; exit 141, as a shell reports a C tool killed by SIGPIPE."""
+    cmd = [sys.executable, "-m", "kvstore", "plan", "--layers", "80", "--kv-heads", "8",
+           "--head-dim", "128", "--attention-heads", "64", *fmt]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    full = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert full.returncode == 0 and full.stdout, full.stderr
+    r = _reader_gone(cmd, env)
+    assert (r.returncode, r.stderr) == (141, ""), r.stderr
+
+
 def test_demo_subcommand_dispatches(capsys):
     with pytest.raises(SystemExit) as ei:
         main(["demo", "--help"])

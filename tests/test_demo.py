@@ -3,6 +3,7 @@ to end, and says plainly when the machine is too loaded to show a speedup."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -52,12 +53,43 @@ def test_speedup_verdict():
 def test_demo_end_to_end(tmp_path):
     plot = tmp_path / "ttft.png"
     res = subprocess.run(
-        [sys.executable, "-m", "kvstore", "demo", "--model", "tiny", "--turns", "2",
+        [sys.executable, "-m", "kvstore", "demo", "--model", "tiny", "--turns", "3",
          "--system-tokens", "64", "--user-tokens", "48", "--reply-tokens", "4", "--repeats",
          "1", "--plot", str(plot), "--json"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     turns = json.loads(res.stdout.strip().splitlines()[-1])
-    assert turns[0]["reused_tokens"] == 0 and turns[1]["reused_tokens"] >= 64
+    assert turns[0]["reused_tokens"] == 0
+    # The conversation grows: each turn's context is the previous one + its 4-token reply + a
+    # 48-token user message, and reuse covers the previous context and reply, not just the
+    # 64-token system prompt: the full 16-token blocks of the tokens whose KV was computed (the
+    # previous prompt + all reply tokens but the last, which was never fed back), no more.
+    for prev, cur in itertools.pairwise(turns):
+        assert cur["context_tokens"] == prev["context_tokens"] + 4 + 48, turns
+        assert cur["reused_tokens"] == (prev["context_tokens"] + 3) // 16 * 16, turns
+    assert turns[2]["reused_tokens"] > turns[1]["reused_tokens"] > 64
     assert "median TTFT speedup" in res.stdout or "no speedup shown" in res.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_history_keeps_only_kv_computed_from_its_tokens():
+    """The trained chat cuts the reply at <|im_end|> (id 2 in SmolLM2) and appends <|im_end|>
+    and a newline (id 198): only the prefix the cache's tokens share with that history is
+    stored, so no KV is ever served for tokens it was not computed from."""
+    from kvstore_demo.chat import chat_reply, shared_prefix
+
+    end, suffix = 2, [2, 198]
+    prompt = [5, 6, 7]
+
+    def storable(raw: list[int]) -> tuple[list[int], int]:
+        computed = (prompt + raw)[:len(prompt) + len(raw) - 1]   # the last token is not fed
+        history = prompt + chat_reply(raw, end, suffix)
+        return history, shared_prefix(history, computed)
+
+    # it ended with <|im_end|> and a newline, both computed: the whole history has KV
+    assert storable([10, 11, 2, 198, 12]) == ([5, 6, 7, 10, 11, 2, 198], 7)
+    # it ended, then went on with something else: the appended newline has no KV
+    assert storable([10, 11, 2, 13, 12]) == ([5, 6, 7, 10, 11, 2, 198], 6)
+    # cut off by the token limit: the last reply token and the appended ones have no KV
+    assert storable([10, 11, 12]) == ([5, 6, 7, 10, 11, 12, 2, 198], 5)
+    assert shared_prefix([1, 2], [1, 2, 3]) == 2 and shared_prefix([], [1]) == 0
