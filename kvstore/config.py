@@ -49,7 +49,12 @@ def parse_size(value: Any, key: str = "size") -> int:
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigError(f"{key}: cannot read {value!r} as a size "
                               "(e.g. 4096, '512MiB', '2GB')")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        unit = _UNITS[m.group(2).lower()]
+        if unit == 1 and "." in m.group(1):
+            # (read as bytes, "2.9" became 2: refused later, or worse, taken as meant)
+            raise ConfigError(f"{key}: {value!r} is a fraction of a byte; give a unit "
+                              f"(e.g. '{m.group(1)}GiB') or a whole number of bytes")
+        n = int(float(m.group(1)) * unit)
     if n < 0:
         raise ConfigError(f"{key}: size must not be negative")
     return n

@@ -474,6 +474,10 @@ def test_metrics_beyond_loopback_is_warned_about(tenants_daemon):
     ("[leases]\nmax_ttl_s = nan\n", ["leases.max_ttl_s", "finite"]),
     ("[leases]\nmax_ttl_s = 1e300\n", ["leases", "max_ttl_s <= 86400"]),
     ("[limits]\nrequest_deadline_s = inf\n", ["limits.request_deadline_s", "finite"]),
+    # a size with no unit is bytes: 2.9 was read as 2 (then refused as too small, saying so
+    # of a value nobody wrote); the fraction is what is wrong
+    ("[ssd]\ncapacity = 2.9\n", ["ssd.capacity", "fraction of a byte", "2.9GiB"]),
+    ("[host]\ncapacity = '0.5'\n", ["host.capacity", "fraction of a byte"]),
 ])
 def test_wrong_types_and_endless_values_are_refused(tmp_path, short, toml, words):
     assert_one_line(serve(tmp_path, short, toml=toml), "config error", *words)
