@@ -61,20 +61,10 @@ class Queries:
                     d, run_d = (d + 1, True) if on_d else (d, False)
                 if run_r:
                     r, run_r = (r + 1, True) if on_r else (r, False)
-            per = {"host": h}
-            if st.gpu:
-                per["gpu"] = gg
-            if st.ssd is not None:
-                per["ssd"] = d
-            if st.remote is not None:
-                per["remote"] = r
+            per = self._per_tier(h, gg, d, r)
             if counted:
                 st.counters["lookups"] += 1
-                st.counters["lookup_blocks"] += len(keys)
-                st.counters["lookup_hit_blocks"] += n
-                for t, c in per.items():
-                    st.tier_counters[t]["hits"] += c
-                    st.tier_counters[t]["misses"] += len(keys) - c
+                self._count(len(keys), n, per)
             else:
                 st.counters["store_lookups"] += 1
             for k in keys[n:n + 1]:
@@ -144,6 +134,10 @@ class Queries:
                        d: int, r: int) -> None:
         """A Locate's hits and misses (locked): per tier the keys resident there, overall the
         keys found anywhere (module docstring)."""
+        self._count(len(keys), len(keys) - out.count(None), self._per_tier(h, gg, d, r))
+
+    def _per_tier(self, h: int, gg: int, d: int, r: int) -> dict[str, int]:
+        """The tiers this store has, each with its count."""
         st = self.state
         per = {"host": h}
         if st.gpu:
@@ -152,9 +146,14 @@ class Queries:
             per["ssd"] = d
         if st.remote is not None:
             per["remote"] = r
-        n = len(keys)
-        st.counters["lookup_blocks"] += n
-        st.counters["lookup_hit_blocks"] += n - out.count(None)
+        return per
+
+    def _count(self, asked: int, hit: int, per: dict[str, int]) -> None:
+        """One load's lookup in the hit and miss counts (locked): `hit` of `asked` keys found
+        in any tier, `per` tier's hits (its misses are the rest)."""
+        st = self.state
+        st.counters["lookup_blocks"] += asked
+        st.counters["lookup_hit_blocks"] += hit
         for t, c in per.items():
             st.tier_counters[t]["hits"] += c
-            st.tier_counters[t]["misses"] += n - c
+            st.tier_counters[t]["misses"] += asked - c
