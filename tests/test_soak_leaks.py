@@ -35,6 +35,10 @@ AT_ONCE = 3
 FOREIGN_THREADS = ("event_engine", "grpc_", "ZMQbg")
 STEADY = 5          # baseline: samples in a row (0.2 s apart) with the same counts
 FD_SLACK = 2        # a health check or a metrics scrape in flight at the sample
+# The daemon's thread pools start their threads as work arrives, up to their size, so a pool
+# may reach its size only in a later round (CI saw 14 threads after rounds 0 and 1, 15 after
+# round 2). A leak of a thread per client grows by the round's seven clients: well past this.
+THREAD_SLACK = 3
 
 CHILD = textwrap.dedent("""
     import os, signal, sys
@@ -66,8 +70,8 @@ CHILD = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def soak_daemon(tmp_path_factory: pytest.TempPathFactory):
-    # Two workers: the gRPC pool reaches its size in the first round, so a thread more later
-    # is a leak, not the pool growing.
+    # Two workers: the gRPC pool reaches its size in the first round (the daemon's other
+    # pools may fill later: THREAD_SLACK).
     d = start_daemon(tmp_path_factory.mktemp("soak"), {"leases.expired_write_hold_s": "1",
                                                        "server.workers": "2"})
     try:
@@ -146,13 +150,13 @@ def test_clients_coming_and_going_leave_nothing_behind(soak_daemon: Daemon) -> N
     seen = [(0, leases, base_fds, base_threads)]
     for rnd in range(1, ROUNDS):
         run_round(d, rnd)
-        leases, n_fd, n_thr = settle(d, base_fds + FD_SLACK, base_threads)
+        leases, n_fd, n_thr = settle(d, base_fds + FD_SLACK, base_threads + THREAD_SLACK)
         seen.append((rnd, leases, n_fd, n_thr))
         assert leases == 0, f"leases held after round {rnd}: {seen}"
         assert n_fd <= base_fds + FD_SLACK, (
             f"the daemon's descriptors grew round after round (round, leases, fds, threads): "
             f"{seen}; /proc/{d.proc.pid}/fd: {sorted(_links(d.proc.pid))}")
-        assert n_thr <= base_threads, (
+        assert n_thr <= base_threads + THREAD_SLACK, (
             f"the daemon's threads grew round after round (round, leases, fds, threads): "
             f"{seen}; its tasks: {sorted(_comms(d.proc.pid))}")
     assert d.alive()
