@@ -406,8 +406,8 @@ class LimitsConfig:
     frame_deadline_s: float = 10.0  # a lane request frame, from its first byte
     sessions_per_tenant: int = 4096  # handshake sessions remembered per tenant
     # The store's, per tenant (the implicit one too; 0: no cap): leases held at once and slots
-    # across them (kvstore/leases.py), namespaces registered (each kept for good) and the size
-    # of one namespace spec as persisted (JSON; real ones are well under 1 KiB).
+    # across them (kvstore/leases.py), namespaces held (an empty one is reclaimed at the cap)
+    # and the size of one namespace spec as persisted (JSON; real ones are well under 1 KiB).
     leases_per_tenant: int = 4096
     lease_slots_per_tenant: int = 1 << 18
     namespaces_per_tenant: int = 1024

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
-from kvstore_client.common.errors import DataLoss, InvalidArgument, ResourceExhausted
+from kvstore_client.common.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
 
 from .checksums import xxh3_many
 from .index import Entry
@@ -283,6 +283,11 @@ class HostWrites:
                 for _, off in todo:          # nothing published yet: every slot goes back
                     st.host.free(off)
                 raise
+            if bytes(ns_id) not in st.namespaces:   # reclaimed while the lock was released (its id
+                for _, off in todo:          # is its spec's: a re-registration may publish)
+                    st.host.free(off)
+                raise NotFound(f"namespace {bytes(ns_id).hex()} was reclaimed during this Put; "
+                               "register it again")
             stored = 0
             published = []
             if texts and done:

@@ -124,7 +124,8 @@ class BlockIndex:
         self._children = array("i")
         self._ns = array("H")                       # row -> namespace number
         self._ns_no: dict[bytes, int] = {}
-        self._ns_ids: list[bytes] = []
+        self._ns_ids: list[bytes] = []              # number -> ns_id (b"": a free number)
+        self._ns_free: list[int] = []               # numbers of forgotten namespaces
         # Namespace number -> its rows (no order), row -> its place there (module docstring).
         self._ns_rows: list[array] = []
         self._ns_pos = array("i")
@@ -167,11 +168,7 @@ class BlockIndex:
     def _new_row(self, g: bytes, ns_id: bytes) -> int:
         n = self._ns_no.get(ns_id)
         if n is None:
-            n = self._ns_no[ns_id] = len(self._ns_ids)
-            self._ns_ids.append(ns_id)
-            self._ns_rows.append(array("i"))
-            self._tier_sums.extend((0,) * _SUMS)
-            self._host_n.append(0)
+            n = self._number(ns_id)
         own = self._ns_rows[n]
         if self._free:
             r = self._free.pop()
@@ -191,6 +188,42 @@ class BlockIndex:
         self._ns_pos.append(len(own))
         own.append(r)
         return r
+
+    def _number(self, ns_id: bytes) -> int:
+        """A number for a namespace's first row: a forgotten namespace's, else a new one."""
+        if self._ns_free:
+            n = self._ns_free.pop()
+            self._ns_ids[n] = ns_id
+        else:
+            n = len(self._ns_ids)
+            self._ns_ids.append(ns_id)
+            self._ns_rows.append(array("i"))
+            self._tier_sums.extend((0,) * _SUMS)
+            self._host_n.append(0)
+        self._ns_no[ns_id] = n
+        return n
+
+    def holds(self, ns_id: bytes) -> int:
+        """Blocks the namespace has in any tier (its rows)."""
+        n = self._ns_no.get(ns_id)
+        return 0 if n is None else len(self._ns_rows[n])
+
+    def forget_namespace(self, ns_id: bytes) -> None:
+        """Give a namespace's number back once it holds no block (the store reclaimed it).
+
+        Why numbers are reused: rows keep theirs in 16 bits, and namespaces that come and go
+        (each reclaimed when empty) would otherwise use up 65,536 numbers in a long run."""
+        n = self._ns_no.get(ns_id)
+        if n is None:
+            return
+        if self._ns_rows[n]:
+            raise ValueError(f"namespace {ns_id.hex()} still holds {len(self._ns_rows[n])} "
+                             "blocks")
+        del self._ns_no[ns_id]
+        self._ns_ids[n] = b""
+        self._tier_sums[_SUMS * n:_SUMS * (n + 1)] = array("q", bytes(8 * _SUMS))
+        self._host_n[n] = 0
+        self._ns_free.append(n)
 
     def _free_row(self, r: int) -> None:
         for cb in self.on_free:

@@ -87,6 +87,7 @@ class LeaseTable:
         self._heap: list[tuple[float, str]] = []
         self._held: Counter = Counter()     # owner -> leases held
         self._slots: Counter = Counter()    # owner -> slots across them
+        self._of_ns: Counter = Counter()    # ns_id -> leases held on it
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._remember = remember_expired
 
@@ -106,6 +107,10 @@ class LeaseTable:
     def held(self, owner: str | None) -> tuple[int, int]:
         """(leases, slots) a tenant holds now."""
         return self._held[owner], self._slots[owner]
+
+    def on_namespace(self, ns_id: bytes) -> int:
+        """Leases held on a namespace (one with any is in use: never reclaimed)."""
+        return self._of_ns[ns_id]
 
     def admit(self, ns_id: bytes, slots: int) -> None:
         """ResourceExhausted when a new lease of up to `slots` slots on this namespace would
@@ -132,6 +137,7 @@ class LeaseTable:
                       checksums=checksums or [], owner=owner)
         self._leases[lease.id] = lease
         self._held[owner] += 1
+        self._of_ns[ns_id] += 1
         self._slots[owner] += len(slots)
         heapq.heappush(self._heap, (lease.deadline, lease.id))
         return lease
@@ -147,6 +153,9 @@ class LeaseTable:
         self._slots[owner] -= len(lease.slots)
         if not self._held[owner]:
             del self._held[owner], self._slots[owner]
+        self._of_ns[lease.ns_id] -= 1
+        if not self._of_ns[lease.ns_id]:
+            del self._of_ns[lease.ns_id]
 
     def _live(self, lease_id: str) -> Lease:
         if not isinstance(lease_id, str) or not lease_id:

@@ -63,6 +63,8 @@ STORE_COUNTERS = {"lookups": "Lookup and LookupAcquire calls of loads (not of st
                                                 "stored with other bytes (the block kept its "
                                                 "own)",
                   "deleted_blocks": "Blocks removed by Delete",
+                  "namespaces_reclaimed": "Empty namespaces forgotten to make room for a new "
+                                          "one at limits.namespaces_per_tenant",
                   "retention_hint_blocks": "Stored blocks reached by Retain hints",
                   "corrupt_blocks": "Blocks that failed their checksum and were dropped",
                   "corrupt_host_blocks": "Host copies changed after commit, dropped unserved",

@@ -1,4 +1,5 @@
-"""Namespaces: registered once, kept for good (in memory and in LMDB), capped per tenant.
+"""Namespaces: registered once, kept (in memory and in LMDB) while they hold anything, capped
+per tenant.
 
 Why a record that did not land is written again: a namespace registered while the SSD
 filesystem is full still serves from host, but a restart knows only the namespaces LMDB holds:
@@ -7,9 +8,21 @@ So the record is kept in `StoreState.unpersisted` until it lands: a background t
 again every RETRY_S, a Flush writes it first (and refuses while it cannot: RESOURCE_EXHAUSTED),
 and no flush writes the namespace's blocks to SSD meanwhile (Moves.flush).
 
-Why caps: a namespace is kept in memory and in LMDB for good, and a spec's free-form fields
-(extra, model, revision) could make one cost hundreds of KiB; a tenant could otherwise
-register them without end (docs/security.md, "The store's own checks").
+Why caps: a namespace is kept in memory and in LMDB, and a spec's free-form fields (extra,
+model, revision) could make one cost hundreds of KiB; a tenant could otherwise register them
+without end (docs/security.md, "The store's own checks").
+
+Why empty namespaces are reclaimed at the cap: a long-running daemon sees models, revisions,
+layouts and codecs come and go, and a cap that counted every namespace ever registered would
+end in a tenant that can register nothing new until its data folder is wiped. A namespace that
+holds no block in any tier, no lease and no record still to land costs only its entry, and its
+id is its spec's digest: registering it again gives it back as it was. So a registration past
+the cap forgets the tenant's least recently used such namespace (memory, LMDB record, index
+number) and takes its place. A client that still uses the forgotten one gets NOT_FOUND, which
+the SDK answers by registering it again and retrying (kvstore_client/namespace.py). A bytes
+Put copying into slots while its namespace is reclaimed finds it gone before it publishes
+(HostWrites.put), and a lease keeps its namespace, so no block is ever indexed under an
+unknown namespace.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ from kvstore_client.common.layout import NamespaceSpec
 
 from tiers.ssd import DiskFull
 
+from .leases import LeaseTable
 from .pools import TenantPools
 from .state import NamespaceInfo, StoreState, aligned
 from .tenants import TENANT_KEY
@@ -34,9 +48,10 @@ RETRY_S = 0.5       # how often a namespace record that did not land is written 
 
 
 class Registry:
-    def __init__(self, state: StoreState, pools: TenantPools) -> None:
+    def __init__(self, state: StoreState, pools: TenantPools, leases: LeaseTable) -> None:
         self.state = state
         self.pools = pools
+        self.leases = leases
         self._retrying = False      # the thread writing records that did not land runs
 
     def register(self, spec: NamespaceSpec) -> NamespaceInfo:
@@ -53,6 +68,7 @@ class Registry:
         with st.lock:
             st.check_open()
             info = st.namespaces.get(ns_id)
+            st.ns_used[ns_id] = time.monotonic()
             if info is not None:
                 blob = st.unpersisted.get(ns_id)
                 if blob is None:
@@ -173,10 +189,44 @@ class Registry:
         owner = spec.extra.get(TENANT_KEY)
         cap = lim.namespaces_per_tenant
         have = self.pools.namespace_count(owner)
-        if cap and have >= cap:
+        if cap and have >= cap and not self._reclaim(owner):
             who = f"tenant {owner} has" if owner else "this daemon's clients have"
             raise ResourceExhausted(
                 f"{who} registered {have} namespaces, the limit "
-                f"(limits.namespaces_per_tenant = {cap}); namespaces already registered "
-                "still work")
+                f"(limits.namespaces_per_tenant = {cap}), and every one holds blocks or "
+                "leases; delete the blocks of one no longer needed (an empty one makes room), "
+                "or raise the limit. Namespaces already registered still work")
         return blob
+
+    def _reclaim(self, owner: str | None) -> bool:
+        """Forget the owner's least recently used namespace that holds nothing (module
+        docstring); False when none does (locked). The scan is over the owner's namespaces
+        (the cap bounds them) and runs only at the cap."""
+        st = self.state
+        empty = [ns for ns in self.pools.owned_namespaces(owner)
+                 if not st.index.holds(ns) and not self.leases.on_namespace(ns)
+                 and ns not in st.unpersisted]
+        if not empty:
+            return False
+        used = st.ns_used
+        ns_id = min(empty, key=lambda ns: used.get(ns, 0.0))
+        # (Both read the spec from st.namespaces: before it goes.)
+        self.pools.forget_namespace(ns_id)
+        if st.events is not None:
+            st.events.recorder.forget_namespace(ns_id)
+        del st.namespaces[ns_id]
+        st.ns_used.pop(ns_id, None)
+        st.index.forget_namespace(ns_id)
+        st.counters["namespaces_reclaimed"] += 1
+        if st.ssd is not None:
+            # Under the lock, unlike register's write: a registration of the same id right
+            # after must find the record deleted, not see its own write undone. It runs only
+            # at the cap, one small transaction.
+            try:
+                st.ssd.delete_namespace(ns_id)
+            except Exception as exc:    # noqa: BLE001 - read back empty at the next start,
+                log.warning("reclaimed namespace %s: its record stays in LMDB (%s); the next "
+                            "start reads it back, empty", ns_id.hex(), exc)   # reclaimed again
+        log.info("namespace %s reclaimed (empty, least recently used of %s at "
+                 "limits.namespaces_per_tenant)", ns_id.hex(), owner or "the implicit tenant")
+        return True

@@ -67,11 +67,19 @@ class TenantPools:
         if self.segmented:
             self._ns_of_seg.setdefault(self.segment_of(ns_id), set()).add(ns_id)
 
+    def forget_namespace(self, ns_id: bytes) -> None:
+        """Drop a namespace about to leave `state.namespaces` (reclaimed) from its sets."""
+        own = self._ns_of_owner.get(self.owner(ns_id))
+        if own is not None:
+            own.discard(ns_id)
+        if self.segmented:
+            self._ns_of_seg.get(self.segment_of(ns_id), set()).discard(ns_id)
+
     def namespace_count(self, owner: str | None) -> int:
         """Namespaces registered by `owner` (None: the implicit tenant, or nobody's)."""
         return len(self._ns_of_owner.get(owner, ()))
 
-    def owned_namespaces(self, tenant: str) -> set[bytes]:
+    def owned_namespaces(self, tenant: str | None) -> set[bytes]:
         return set(self._ns_of_owner.get(tenant, ()))
 
     def check_lease_pool(self, ns_id: bytes, tier: str) -> None:

@@ -86,6 +86,9 @@ class StoreState:
         self.tier_counters: dict[str, Counter] = {t: Counter() for t in TIERS}
         self.device_counters: dict[int, Counter] = {}
         self.namespaces: dict[bytes, NamespaceInfo] = {}
+        # When each namespace was last named by a call (time.monotonic()): a tenant at its
+        # namespace cap gets room by reclaiming its least recently used empty one.
+        self.ns_used: dict[bytes, float] = {}
         self.index = BlockIndex()
         self.policies: dict[str, EvictionPolicy] = {}   # "host", "ssd", "gpu<device>"
         self.host: SlotTier = None  # type: ignore[assignment]    # set while opening
@@ -193,6 +196,7 @@ class StoreState:
         info = self.namespaces.get(bytes(ns_id))
         if info is None:
             raise NotFound(f"unknown namespace {bytes(ns_id).hex()}; register it first")
+        self.ns_used[info.ns_id] = time.monotonic()
         return info
 
     def policy_of_device(self, dev: int) -> EvictionPolicy:

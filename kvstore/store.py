@@ -109,7 +109,7 @@ class Store:
             self._evictors["ssd"] = moves.ssd_room.evict
         if moves.gpu_host is not None:
             self._evictors["gpu"] = moves.gpu_host.evict_all
-        self.registry = Registry(st, self.pools)
+        self.registry = Registry(st, self.pools, self.leases)
         self.queries = Queries(st, self.moves.host_remote)
         # The state's parts, for readers of the facade (the same objects; never rebound).
         self.config, self.index, self.counters = st.config, st.index, st.counters

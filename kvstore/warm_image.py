@@ -156,7 +156,8 @@ def load_index(index: BlockIndex, blob: bytes | memoryview) -> None:
             or row_flags.translate(_STATE_BITS) != bytearray([_SSD]) * count \
             or count > n or (count and (kept[-1] >= n or kept[0] < 0)) \
             or any(len(g) <= NS_ID_BYTES for g in gkeys[:1]) \
-            or (count and max(nums) >= len(ns_ids)):
+            or (count and max(nums) >= len(ns_ids)) \
+            or (count and not all(ns_ids[k] for k in set(nums))):
         raise ImageError("index image does not add up")
     full = count == n and (not n or (kept[0] == 0 and kept[-1] == n - 1))
     rows = dict(zip(gkeys, range(count) if full else kept, strict=True))
@@ -192,7 +193,8 @@ def load_index(index: BlockIndex, blob: bytes | memoryview) -> None:
     index._size, index._sum, index._flags, index._children, index._ns = (
         size, csum, flags, children, nums)
     index._ns_ids = ns_ids
-    index._ns_no = {g: k for k, g in enumerate(ns_ids)}
+    index._ns_no = {g: k for k, g in enumerate(ns_ids) if g}
+    index._ns_free = [k for k, g in enumerate(ns_ids) if not g]
     index._free = free
     index._awaited = awaited
     index.rebuild_namespace_rows()

@@ -196,9 +196,10 @@ def test_leases_are_capped_per_tenant(world) -> None:
 
 
 def test_namespaces_are_capped_per_tenant_and_in_size(world) -> None:
-    """A tenant registering namespaces without end is stopped at its cap (and the cap still
-    holds after a restart, counting the persisted ones); a spec of hundreds of KiB is refused;
-    other tenants register as before."""
+    """A tenant registering namespaces without end is stopped at its cap once each holds a
+    block (and the cap still holds after a restart, counting the persisted ones); a spec of
+    hundreds of KiB is refused; other tenants register as before. (Empty ones make room:
+    tests/test_namespace_reclaim.py.)"""
     big = {f"k{i:02d}": "\u4e00" * 1000 for i in range(64)}     # ~375 KiB as stored (JSON)
     with connect(world.address, token=TOKENS["b"], transport="grpc") as b:
         with pytest.raises(InvalidArgument, match="limits.namespace_spec_bytes"):
@@ -206,11 +207,13 @@ def test_namespaces_are_capped_per_tenant_and_in_size(world) -> None:
         made = []
         for i in range(NS_CAP + 4):
             try:
-                made.append(b.namespace(LAYOUT, model=f"flood-{i}").ns_id)
+                ns = b.namespace(LAYOUT, model=f"flood-{i}")
             except ResourceExhausted as e:
                 assert "tenant b has registered 8 namespaces" in str(e), e
                 assert "limits.namespaces_per_tenant = 8" in str(e)
                 break
+            assert ns.store(prompt(i, 1), make_kv(i, 1)) == 1
+            made.append(ns.ns_id)
         assert b.stats()["namespaces"] == NS_CAP
         assert made and b.namespace(LAYOUT, model="flood-0").ns_id == made[0]  # not new
     world.restart()

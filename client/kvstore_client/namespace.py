@@ -92,7 +92,16 @@ class Namespace:
             return fn()
         except (Stale, NotFound, LeaseExpired) as e:
             log.info("kvstore: %s; re-registering and retrying", e)
-            self.client.resync()
+            daemon = self.client.daemon_id
+            if isinstance(e, NotFound) and self.ns_id.hex() in str(e):
+                # This namespace alone is unknown: the daemon reclaimed it while it was empty
+                # (a tenant at its namespace cap), or restarted. Registering every namespace
+                # of this client would reclaim others of its empty ones in turn.
+                self._register()
+                if self.client.daemon_id != daemon:
+                    self.client.resync()        # a restart after all: the pool, the rest
+            else:
+                self.client.resync()
         try:
             return fn()
         except Stale as e:

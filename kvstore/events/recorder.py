@@ -13,13 +13,15 @@ what the daemon holds; a store never waits for it.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any, NamedTuple
 
 from ..entry import GPU, HOST, REMOTE, SSD, Entry
 from .texts import OWN, BlockText, LazyTexts, kind_of
+
+GONE_KEPT = 4096        # reclaimed namespaces whose answer is kept (Recorder._gone)
 
 
 class CommitRun(NamedTuple):
@@ -72,6 +74,10 @@ class Recorder:
         self.overflowed = False                 # set here, cleared by the publisher (locked)
         self.overflows = 0
         self._ns: dict[bytes, tuple[str, int]] = {}
+        # The answers of namespaces reclaimed lately, oldest first, at most GONE_KEPT: a
+        # removal recorded before its namespace was reclaimed is published after, and must
+        # still reach the streams that saw the block stored (a router would keep it).
+        self._gone: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
         # Whether the publisher was woken since it last cleared this (it clears it before
         # draining): one wake-up (a byte to a pipe) per batch of changes, not per change.
         self.woken = False
@@ -85,7 +91,7 @@ class Recorder:
         if got is None:
             info = self.namespaces.get(ns_id)
             if info is None:
-                return OWN, 0
+                return self._gone.get(ns_id, (OWN, 0))
             spec = info.spec
             mask = 0
             if spec.shard_rank == 0:
@@ -94,6 +100,18 @@ class Recorder:
                         mask |= 1 << i
             got = self._ns[ns_id] = (kind_of(spec.hash_scheme), mask)
         return got
+
+    def forget_namespace(self, ns_id: bytes) -> None:
+        """Move the answer of a namespace about to be reclaimed (still registered: locked)
+        from the cache to the bounded list of gone ones: namespaces come and go, and the
+        cache must not keep every one ever seen."""
+        got = self.ns(ns_id)
+        self._ns.pop(ns_id, None)
+        gone = self._gone
+        gone[ns_id] = got
+        gone.move_to_end(ns_id)
+        while len(gone) > GONE_KEPT:
+            gone.popitem(last=False)
 
     def wants_tokens(self, ns_id: bytes) -> bool:
         kind, mask = self.ns(ns_id)

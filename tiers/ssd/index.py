@@ -298,6 +298,9 @@ class LmdbIndex:
     def put_namespace(self, k: bytes, v: bytes) -> None:
         self.write(lambda txn: (txn.put(k, v, db=self._ns), 0)[1])
 
+    def delete_namespace(self, k: bytes) -> None:
+        self.write(lambda txn: (txn.delete(k, db=self._ns), 0)[1])
+
     def namespaces(self) -> dict[bytes, bytes]:
         try:
             with self.read() as txn:

@@ -515,6 +515,10 @@ class SSDTier:
     def put_namespace(self, ns_id: bytes, spec_json: bytes) -> None:
         self._index.put_namespace(_key(ns_id), bytes(_blob(spec_json, "namespace spec")))
 
+    def delete_namespace(self, ns_id: bytes) -> None:
+        """Forget a namespace's record (the store reclaimed it: it holds no block)."""
+        self._index.delete_namespace(_key(ns_id))
+
     def namespaces(self) -> dict[bytes, bytes]:
         return self._index.namespaces()
 
