@@ -191,6 +191,12 @@ class Client:
                 self._invoke(method, request, left, wait=True)
         except grpc.RpcError as e:
             if first and e.code() == grpc.StatusCode.UNAVAILABLE:
+                if any(w in (e.details() or "").lower() for w in _TLS_FAILED):
+                    raise Unavailable(f"the TLS handshake with the daemon at {self.address} "
+                                      f"failed ({e.details()}); check tls_ca_file (the CA "
+                                      "that signed the daemon's certificate) and "
+                                      "tls_server_name, or drop TLS where the daemon's TCP "
+                                      "port serves none") from None
                 raise Unavailable(f"no kvstore daemon at {self.address} ({e.details()}); "
                                   "start one with `kvstore serve` or pass the address it "
                                   "printed") from None
@@ -233,7 +239,38 @@ class Client:
             if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0 \
                     or not any(w in why for w in _DAEMON_THERE):
                 raise
+            if "socket closed" in why and not self.target.startswith("unix:"):
+                return self._closed_again(method, request, t_end)
             return self._invoke(method, request, left, wait=True)
+
+    def _closed_again(self, method: str, request: Any, t_end: float) -> Any:
+        """A TCP connection closed before the first call went through. Once, that is a
+        connection to a daemon run that just ended (above); again and again, it is the daemon's
+        TLS refusing this client before a byte of gRPC: plaintext to a TLS port, or no client
+        certificate (or one of another CA) where the daemon requires mTLS. Waiting for the
+        deadline then said only "Deadline Exceeded", so the call is tried again, CLOSED_PAUSE_S
+        apart: closed the next CLOSED_TRIES times in a row, it fails at once saying why; any
+        other answer is waited for as before."""
+        for _ in range(CLOSED_TRIES):
+            left = t_end - time.monotonic() - CLOSED_PAUSE_S
+            if left <= 0:
+                break
+            time.sleep(CLOSED_PAUSE_S)
+            try:
+                return self._invoke(method, request, left, wait=False)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                if "socket closed" not in (e.details() or "").lower():
+                    break
+        else:
+            raise Unavailable(
+                f"the daemon at {self.address} closed every connection before a call went "
+                "through: its TCP port serves TLS and this client does not match it "
+                "(plaintext to a TLS port, or no client certificate, or one from another "
+                "CA, where the daemon requires mTLS); pass tls_ca_file, and tls_cert_file "
+                "and tls_key_file for mTLS")
+        return self._invoke(method, request, max(t_end - time.monotonic(), 0.001), wait=True)
 
     def _invoke(self, method: str, request: Any, timeout: float | None, wait: bool) -> Any:
         return getattr(self._stub, method)(request, timeout=timeout or self.timeout,
@@ -570,6 +607,10 @@ _RESPONSE = {m: getattr(pb, f"{m}Response") for m in METHOD_ID}
 # What grpc says when a daemon was there to connect to: the first call waits for it then.
 _DAEMON_THERE = ("timed out", "stream removed", "broken pipe", "connection reset",
                  "socket closed")
+# A first call's UNAVAILABLE that is the TLS handshake failing, not a missing daemon.
+_TLS_FAILED = ("tls handshake", "ssl_error", "certificate_verify_failed")
+CLOSED_TRIES = 2            # a first call's retries of a connection closed at once
+CLOSED_PAUSE_S = 0.1
 
 
 def _check_timeout(timeout: float | None) -> float | None:
