@@ -144,8 +144,17 @@ def quota_overcommit(cfg: StoreConfig, tenants: dict[str, Tenant]) -> list[str]:
     there, or the caps add up to more than the tier holds, the tier can fill below every cap
     and then evicts by recency across tenants. The operator may want that (overcommit, as
     with memory); it is said at start rather than discovered in an incident.
+
+    Also one per tier that is off while tenants carry a quota for it: the quota does nothing
+    there (no gpu slabs of their own are made), and a tenants file shared by nodes with and
+    without that tier is legitimate, so it is a warning, not a refusal to start.
     """
     out = []
+    for tier in ("gpu", "ssd", "remote"):
+        capped = sorted(t.name for t in tenants.values() if t.quota.get(tier))
+        if capped and not getattr(cfg, tier).enabled:
+            out.append(f"{tier}_quota of tenant(s) {', '.join(capped)} has no effect: the "
+                       f"{tier} tier is off ({tier}.enabled = false)")
     for tier in ("ssd", "remote"):
         tc = getattr(cfg, tier)
         if not tenants or not tc.enabled:

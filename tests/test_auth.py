@@ -420,3 +420,9 @@ def test_quotas_that_cannot_isolate_tenants_are_said_at_start(world, tmp_path: P
     cfg.remote.enabled = True                                       # no remote quotas at all
     assert len(quota_overcommit(cfg, load_tenants(cfg))) == 2
     assert quota_overcommit(cfg, {}) == []                          # no tenants: one trust domain
+    cfg.remote.enabled = False                                      # quotas of tiers that are off
+    cfg.ssd.enabled = False
+    cfg.tenants["a"]["gpu_quota"] = "1MiB"
+    assert sorted(quota_overcommit(cfg, load_tenants(cfg))) == [
+        "gpu_quota of tenant(s) a has no effect: the gpu tier is off (gpu.enabled = false)",
+        "ssd_quota of tenant(s) a, b has no effect: the ssd tier is off (ssd.enabled = false)"]
