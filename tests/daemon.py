@@ -243,7 +243,9 @@ def start_daemon(tmp_path: Path, config_overrides: dict[str, Any] | None = None,
 
 
 def cleanup(d: Daemon) -> None:
-    """Stop (or kill) the daemon and remove the short socket folder if one was made."""
+    """Stop (or kill) the daemon and remove the short socket folder if one was made, and the
+    shared-memory segments a daemon that did not stop cleanly left (a SIGKILLed one's pool
+    stays in /dev/shm, in RAM, until a daemon starts on its folder again)."""
     try:
         if d.alive():
             d.stop()
@@ -252,6 +254,18 @@ def cleanup(d: Daemon) -> None:
         short = getattr(d, "_short_dir", None)
         if short is not None:
             shutil.rmtree(short, ignore_errors=True)
+        name = segment_name(d)
+        for p in Path("/dev/shm").glob(f"{name}*"):
+            if p.name == name or p.name.startswith(name + "-"):
+                p.unlink(missing_ok=True)
+
+
+def segment_name(d: Daemon) -> str:
+    """The daemon's host pool segment in /dev/shm (kvstore/store.py names it so); its other
+    segments (gpu slabs on the CPU device) start with it and a dash."""
+    import blake3
+    return d.settings.get("host.shm_name") or "kvstore-" + blake3.blake3(
+        str(Path(d.data_dir).resolve()).encode()).hexdigest()[:16]
 
 
 @pytest.fixture(name="daemon")
