@@ -162,3 +162,67 @@ def test_a_removal_recorded_before_a_reclaim_still_reaches_its_streams() -> None
     rec.forget_namespace(info.ns_id)
     del namespaces[info.ns_id]
     assert rec.ns(info.ns_id) == before
+
+
+def test_reclaims_racing_every_call_leave_no_block_without_its_namespace(tmp_path) -> None:
+    """Threads register, store, read, delete, lease and move blocks of seven models under a
+    cap of three for a few seconds, so namespaces are reclaimed under calls in flight (a Put
+    copying without the lock, a lease being filled). Only NOT_FOUND (the namespace went
+    between a thread's register and its call) and RESOURCE_EXHAUSTED may come back; every
+    block read is the one stored, and no block is left indexed under an unknown namespace."""
+    import random
+    import threading
+    import time
+
+    from kvstore_client.common.errors import NotFound
+
+    store = make_store(tmp_path, host_capacity=256 << 10)
+    store.config.limits.namespaces_per_tenant = 3
+    errors: list[BaseException] = []
+    end = time.monotonic() + 3.0
+
+    def worker(seed: int) -> None:
+        r = random.Random(seed)
+        while time.monotonic() < end:
+            try:
+                ns = store.register_namespace(
+                    NamespaceSpec(model=f"m{r.randrange(7)}", layout=SMALL)).ns_id
+                _, keys = random_prompt(np.random.default_rng(r.randrange(20)),
+                                        r.randrange(1, 5))
+                op = r.randrange(7)
+                if op <= 1:
+                    store.put(ns, keys, [kv_block(k) for k in keys])
+                elif op == 2:
+                    for k, v in store.get(ns, keys):
+                        assert v == kv_block(k)
+                elif op == 3:
+                    store.delete(ns)
+                elif op == 4:
+                    lease = store.reserve(ns, len(keys))
+                    for k, s in zip(keys, lease.slots, strict=True):
+                        store.state.host.view(s.offset, s.length)[:] = np.frombuffer(
+                            kv_block(k), np.uint8)
+                    store.commit(lease.id, keys)
+                elif op == 5:
+                    store.release(store.acquire(ns, keys).id)
+                else:
+                    store.evict("host", 64 << 10)
+            except (NotFound, ResourceExhausted):
+                pass
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[:3]
+        st = store.state
+        with st.lock:
+            assert st.counters["namespaces_reclaimed"] > 0
+            assert all(e.ns_id in st.namespaces for e in st.index.entries())
+            assert len(st.namespaces) <= 3
+    finally:
+        store.close()
