@@ -207,13 +207,30 @@ def format_status(resp: Any) -> str:
         rate = f"{100 * t.hits / looked:.1f}%" if looked else "-"
         rows.append((t.name, format_size(t.capacity_bytes), format_size(t.used_bytes), fill,
                      str(t.blocks), str(t.hits), str(t.misses), rate, str(t.evictions)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"daemon {resp.daemon_id}   namespaces {resp.namespaces}   "
              f"active leases {resp.active_leases}", ""]
-    for r in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+    lines += _table(rows)
+    if resp.namespace_list:
+        rows = [("model", "revision", "codec", "shard", "tenant", "blocks", "host", "ssd",
+                 "remote", "leases", "idle")]
+        for n in resp.namespace_list:
+            rows.append((n.model, n.revision or "-", n.codec, f"{n.shard_rank}/{n.shard_size}",
+                         n.tenant or "-", str(n.blocks), str(n.host_blocks), str(n.ssd_blocks),
+                         str(n.remote_blocks), str(n.leases),
+                         f"{n.idle_s:.0f}s" if n.idle_s >= 0 else "-"))
+        lines += ["", *_table(rows, left=5)]
+        if len(resp.namespace_list) < resp.namespaces:
+            lines.append(f"(the {len(resp.namespace_list)} holding most blocks of "
+                         f"{resp.namespaces})")
     return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]], left: int = 1) -> list[str]:
+    """Rows as aligned lines: the first `left` columns flush left, the rest right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i < left else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+            for r in rows]
 
 
 def _int64_as_numbers(descriptor: Any, d: dict[str, Any]) -> dict[str, Any]:
@@ -250,8 +267,11 @@ def stats_json(resp: Any) -> dict[str, Any]:
     tier has `"blocks": 0`), counts as numbers, proto field names."""
     from google.protobuf.json_format import MessageToDict
 
-    return _int64_as_numbers(resp.DESCRIPTOR, MessageToDict(
+    d = _int64_as_numbers(resp.DESCRIPTOR, MessageToDict(
         resp, always_print_fields_with_no_presence=True, preserving_proto_field_name=True))
+    for rec, n in zip(d.get("namespace_list", []), resp.namespace_list, strict=True):
+        rec["namespace_id"] = n.namespace_id.hex()      # (not protobuf's base64)
+    return d
 
 
 def _status_credentials(address: str, timeout: float) -> tuple | None:
@@ -285,9 +305,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         metadata = _status_credentials(address, args.timeout)
         with grpc.insecure_channel(address) as ch:
-            resp = kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(),
-                                                         timeout=args.timeout,
-                                                         metadata=metadata)
+            resp = kvstore_pb2_grpc.KVStoreStub(ch).Stats(
+                kvstore_pb2.StatsRequest(list_namespaces=args.namespaces),
+                timeout=args.timeout, metadata=metadata)
     except grpc.RpcError as e:
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return _fail(f"no kvstore daemon answers at {address} ({e.code().name}: "
@@ -427,6 +447,10 @@ def make_parser() -> argparse.ArgumentParser:
                                           "127.0.0.1:50551 (default: $KVSTORE_ADDRESS, else "
                                           "the config's socket)")
     status.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    status.add_argument("--namespaces", action="store_true",
+                        help="also list each namespace (model, revision, codec, shard, "
+                             "tenant) with its blocks per tier, leases and idle time, most "
+                             "blocks first (a tenant sees its own)")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
     status.set_defaults(func=cmd_status)
 

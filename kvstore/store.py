@@ -43,7 +43,7 @@ from .moves import Moves
 from .namespaces import Registry
 from .opening import close_tiers, open_tiers
 from .state import CallCancelled, NamespaceInfo, StoreState
-from .store_stats import stats
+from .store_stats import namespace_list, stats
 from .upkeep import Upkeep
 from .validate import (
     MAX_KEYS_PER_CALL,
@@ -574,3 +574,8 @@ class Store:
     def stats(self) -> dict:
         with self.state.lock:
             return stats(self.state, self.leases, self.gpu_slots, self.daemon_id)
+
+    def namespace_list(self, only: set[bytes] | None = None) -> list[dict]:
+        """Each namespace (of `only`) and what it holds: kvstore/store_stats.py."""
+        with self.state.lock:
+            return namespace_list(self.state, self.leases, only)

@@ -12,11 +12,15 @@ every thread of the daemon, host hits included, for as long as the freeze (tiers
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .gc_pauses import full_collections
 from .leases import LeaseTable
 from .state import StoreState
+from .tenants import TENANT_KEY
+
+LISTED_MAX = 4096       # namespaces one Stats lists, most blocks first
 
 
 def stats(state: StoreState, leases: LeaseTable, gpu_slots: Any, daemon_id: str) -> dict:
@@ -49,3 +53,30 @@ def stats(state: StoreState, leases: LeaseTable, gpu_slots: Any, daemon_id: str)
     return {"tiers": tiers, "counters": counters, "remote": out_remote,
             "gpu_devices": gpu_devices, "namespaces": len(st.namespaces),
             "active_leases": len(leases), "blocks": len(st.index), "daemon_id": daemon_id}
+
+
+def namespace_list(state: StoreState, leases: LeaseTable, only: set[bytes] | None) -> list[dict]:
+    """One record per namespace (of `only`, a tenant's own), most blocks first, at most
+    LISTED_MAX (locked). Why: the first thing an operator asks of a full cache is which models
+    hold it, and which namespaces sit empty and idle (those a registration at the cap
+    reclaims). Every figure is a running count (no walk of blocks), and a tenant's list looks
+    only at its own namespaces."""
+    idx, used, now = state.index, state.ns_used, time.monotonic()
+    names = state.namespaces if only is None else only
+    out = []
+    for ns_id in names:
+        info = state.namespaces.get(ns_id)
+        if info is None:
+            continue
+        spec, last = info.spec, used.get(ns_id)
+        out.append({"namespace_id": ns_id, "model": spec.model, "revision": spec.revision,
+                    "codec": spec.codec, "shard_rank": spec.shard_rank,
+                    "shard_size": spec.shard_size, "tenant": spec.extra.get(TENANT_KEY, ""),
+                    "block_bytes": info.block_bytes, "blocks": idx.holds(ns_id),
+                    "host_blocks": idx.host_blocks(ns_id),
+                    "ssd_blocks": idx.tier_usage(ns_id, "ssd")[0],
+                    "remote_blocks": idx.tier_usage(ns_id, "remote")[0],
+                    "leases": leases.on_namespace(ns_id),
+                    "idle_s": round(now - last, 3) if last is not None else -1.0})
+    out.sort(key=lambda r: (-r["blocks"], r["model"]))
+    return out[:LISTED_MAX]

@@ -549,14 +549,25 @@ class Client:
         self._namespaces.add(ns)
         return ns
 
-    def stats(self) -> dict[str, Any]:
-        """The daemon's Stats as plain data: {"tiers": {name: {...}}, "counters": ..., ...}."""
-        r = self.call("Stats", pb.StatsRequest())
+    def stats(self, *, namespaces: bool = False) -> dict[str, Any]:
+        """The daemon's Stats as plain data: {"tiers": {name: {...}}, "counters": ..., ...}.
+
+        namespaces: also list each namespace (a tenant's own only) under "namespace_list":
+        model, revision, codec, shard, tenant, blocks in all and per tier, leases held, and
+        seconds since a call last named it (-1: none since the daemon started); most blocks
+        first, at most 4096."""
+        r = self.call("Stats", pb.StatsRequest(list_namespaces=namespaces))
         tiers = {t.name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes,
                           "blocks": t.blocks, "hits": t.hits, "misses": t.misses,
                           "evictions": t.evictions} for t in r.tiers}
-        return {"tiers": tiers, "counters": dict(r.counters), "namespaces": r.namespaces,
-                "active_leases": r.active_leases, "daemon_id": r.daemon_id}
+        out = {"tiers": tiers, "counters": dict(r.counters), "namespaces": r.namespaces,
+               "active_leases": r.active_leases, "daemon_id": r.daemon_id}
+        if namespaces:
+            out["namespace_list"] = [
+                {f.name: (bytes(v) if f.name == "namespace_id" else v)
+                 for f, v in ((f, getattr(n, f.name)) for f in n.DESCRIPTOR.fields)}
+                for n in r.namespace_list]
+        return out
 
     def evict(self, tier: str, nbytes: int = 0, *, timeout: float | None = None
               ) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from kvstore_client.common.errors import InvalidArgument, ResourceExhausted
 
 from ..scoped import scoped_stats
 from . import client_call
-from .replies import stats_to_proto
+from .replies import add_namespaces, stats_to_proto
 from .state import CallState
 from .validate import TIERS, check_keys, check_ns, parse_request
 
@@ -87,9 +87,13 @@ class AdminCalls:
         return pb.FlushResponse(demoted=int(done or 0))
 
     def Stats(self, raw: bytes) -> pb.StatsResponse:
-        parse_request(pb.StatsRequest, raw)
+        req = parse_request(pb.StatsRequest, raw)
         scope = self.s.auth.scope()
         store = self.s.store
         if scope is None:
-            return stats_to_proto(store.stats(), store.daemon_id)
-        return stats_to_proto(scoped_stats(store, scope), store.daemon_id)
+            resp = stats_to_proto(store.stats(), store.daemon_id)
+        else:
+            resp = stats_to_proto(scoped_stats(store, scope), store.daemon_id)
+        if req.list_namespaces:
+            add_namespaces(resp, store.namespace_list(scope))
+        return resp

@@ -38,3 +38,9 @@ def stats_to_proto(stats: dict, daemon_id: str) -> pb.StatsResponse:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             resp.counters[str(name)] = float(v)
     return resp
+
+
+def add_namespaces(resp: pb.StatsResponse, records: list[dict]) -> None:
+    """store.namespace_list() records into a StatsResponse's namespace_list."""
+    for r in records:
+        resp.namespace_list.add(**r)

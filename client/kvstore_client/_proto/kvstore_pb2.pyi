@@ -367,8 +367,42 @@ class FlushResponse(_message.Message):
     def __init__(self, demoted: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("list_namespaces",)
+    LIST_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    list_namespaces: bool
+    def __init__(self, list_namespaces: _Optional[bool] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace_id", "model", "revision", "codec", "shard_rank", "shard_size", "tenant", "block_bytes", "blocks", "host_blocks", "ssd_blocks", "remote_blocks", "leases", "idle_s")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SHARD_RANK_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SSD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    model: str
+    revision: str
+    codec: str
+    shard_rank: int
+    shard_size: int
+    tenant: str
+    block_bytes: int
+    blocks: int
+    host_blocks: int
+    ssd_blocks: int
+    remote_blocks: int
+    leases: int
+    idle_s: float
+    def __init__(self, namespace_id: _Optional[bytes] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., codec: _Optional[str] = ..., shard_rank: _Optional[int] = ..., shard_size: _Optional[int] = ..., tenant: _Optional[str] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., ssd_blocks: _Optional[int] = ..., remote_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., idle_s: _Optional[float] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions")
@@ -389,7 +423,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "counters", "namespaces", "active_leases", "daemon_id")
+    __slots__ = ("tiers", "counters", "namespaces", "active_leases", "daemon_id", "namespace_list")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -402,12 +436,14 @@ class StatsResponse(_message.Message):
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_LIST_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     counters: _containers.ScalarMap[str, float]
     namespaces: int
     active_leases: int
     daemon_id: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., namespaces: _Optional[int] = ..., active_leases: _Optional[int] = ..., daemon_id: _Optional[str] = ...) -> None: ...
+    namespace_list: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., namespaces: _Optional[int] = ..., active_leases: _Optional[int] = ..., daemon_id: _Optional[str] = ..., namespace_list: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
     __slots__ = ("namespace_id", "keys", "prefetch")
