@@ -99,7 +99,37 @@ STORE_COUNTERS = {"lookups": "Lookup and LookupAcquire calls of loads (not of st
                   "stop_flush_dropped_blocks": "Host-only blocks a stop dropped when its flush "
                                                "ran past server.stop_flush_s",
                   "gc_full_collections": "Full (generation 2) cyclic-GC collections since the "
-                                         "daemon started"}
+                                         "daemon started",
+                  "background_demotion_bytes": "Host bytes the background demoter freed",
+                  "background_demotion_errors": "Background demotion rounds that failed "
+                                                "(retried next round; inline eviction remains)",
+                  "demotions_kept_pinned": "Demoted blocks that kept their host copy because "
+                                           "a read lease pinned it meanwhile",
+                  "host_room_wait_timeouts": "Calls refused after waiting for host room: "
+                                             "demotions to SSD did not land in time",
+                  "promotion_reclaimed_bytes": "Host bytes of unread promoted copies freed to "
+                                               "make room",
+                  "gpu_demotions_refused": "GPU evictions stopped because host could not take "
+                                           "the victims",
+                  "locate_blocks": "Keys asked about by Locate",
+                  "prefetched_blocks": "Blocks Locate's prefetch promoted into host",
+                  "prefetch_failed_blocks": "Blocks Locate's prefetch could not promote",
+                  "prefetch_refused_blocks": "Blocks Locate's prefetch skipped: its queue (or "
+                                             "the caller's share) was full",
+                  "remote_demotion_failures": "Demotion batches Redis did not take (down or "
+                                              "full): their blocks stayed local",
+                  "remote_capacity_refused_blocks": "Blocks not demoted to Redis because "
+                                                    "remote.capacity was reached",
+                  "remote_dropped_blocks": "Evicted host blocks dropped because Redis could "
+                                           "not take them",
+                  "remote_read_failed_blocks": "Promotions from Redis that failed or were late "
+                                               "(a miss; the copy is still known)",
+                  "remote_deletes_given_up": "Remote deletes dropped from the retry list at "
+                                             "its cap (their Redis copies linger until evicted)",
+                  "ssd_damaged_records": "Damaged SSD index or namespace records dropped at "
+                                         "open, never served",
+                  "ssd_unpersisted_namespace_blocks": "Blocks kept off SSD because their "
+                                                      "namespace's record had not landed yet"}
 # Store figures that are levels, not counts (kvstore/gc_pauses.py).
 STORE_GAUGES = {"gc_frozen_objects": "Objects frozen out of every collection after the warm-ups",
                 "gc_walked_objects": "Objects a full collection walked once the daemon was warm",

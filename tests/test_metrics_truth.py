@@ -331,6 +331,11 @@ def test_every_series_is_in_the_readme_table_and_back(tmp_path: Path, redis_serv
     finally:
         cleanup(d)
     table, have = readme_table(), exported(vals, types)
+    # The catch-all for counters without a metric of their own stays empty: every counter
+    # this workload touches has its name (a new one shows up here first).
+    assert table.pop("kvstore_store_events_total", None) == ("counter", frozenset({"name"}))
+    assert "kvstore_store_events_total" not in have, [
+        lb for n, lb in vals if n == "kvstore_store_events_total"]
     assert not set(have) - set(table), f"exported, not in README: {sorted(set(have) - set(table))}"
     assert not set(table) - set(have), f"in README, not exported: {sorted(set(table) - set(have))}"
     differ = {k: (table[k], have[k]) for k in table if table[k] != have[k]}
