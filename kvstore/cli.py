@@ -1,4 +1,5 @@
-"""The `kvstore` command: `serve` runs the daemon, `status` shows a running one, `demo` demos.
+"""The `kvstore` command: `serve` runs the daemon, `status` and `delete` call a running one
+(cli_daemon.py), `plan` sizes tiers, `demo` demos.
 
 Why `serve` tunes malloc first: without glibc's MALLOC_* settings every multi-MiB gRPC message
 is a fresh mmap and a round of page faults (3.5× slower for 2 MiB messages,
@@ -22,8 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvstore_client.common.errors import InvalidArgument
-
+from . import cli_daemon
+from .cli_daemon import fail
 from .config import ConfigError, StoreConfig, format_size, load_config
 
 # glibc malloc tunables for large gRPC messages (see module docstring and README.md (Metrics)).
@@ -57,11 +58,6 @@ def version() -> str:
         return dist_version("kvstore")
     except PackageNotFoundError:
         return "0.1.0 (not installed)"
-
-
-def _fail(message: str, code: int = 2) -> int:
-    print(f"kvstore: {message}", file=sys.stderr, flush=True)
-    return code
 
 
 def _set_pair(text: str) -> tuple[list[str], str]:
@@ -163,11 +159,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         cfg = build_config(args)
     except ConfigError as e:
-        return _fail(f"config error: {e}")
+        return fail(f"config error: {e}")
     try:
         preflight(cfg)
     except PreflightError as e:
-        return _fail(f"cannot start: {e}")
+        return fail(f"cannot start: {e}")
     warning = metrics_exposure(cfg)
     if warning:
         print(f"kvstore: WARNING: {warning}", file=sys.stderr, flush=True)
@@ -197,131 +193,12 @@ def metrics_exposure(cfg: StoreConfig) -> str | None:
             "firewall the port")
 
 
-def format_status(resp: Any) -> str:
-    """A StatsResponse as a table a person reads at a terminal."""
-    rows = [("tier", "capacity", "used", "fill", "blocks", "hits", "misses", "hit rate",
-             "evictions")]
-    for t in resp.tiers:
-        fill = f"{100 * t.used_bytes / t.capacity_bytes:.1f}%" if t.capacity_bytes else "-"
-        looked = t.hits + t.misses
-        rate = f"{100 * t.hits / looked:.1f}%" if looked else "-"
-        rows.append((t.name, format_size(t.capacity_bytes), format_size(t.used_bytes), fill,
-                     str(t.blocks), str(t.hits), str(t.misses), rate, str(t.evictions)))
-    lines = [f"daemon {resp.daemon_id}   namespaces {resp.namespaces}   "
-             f"active leases {resp.active_leases}", ""]
-    lines += _table(rows)
-    if resp.namespace_list:
-        rows = [("model", "revision", "codec", "shard", "tenant", "blocks", "host", "ssd",
-                 "remote", "leases", "idle")]
-        for n in resp.namespace_list:
-            rows.append((n.model, n.revision or "-", n.codec, f"{n.shard_rank}/{n.shard_size}",
-                         n.tenant or "-", str(n.blocks), str(n.host_blocks), str(n.ssd_blocks),
-                         str(n.remote_blocks), str(n.leases),
-                         f"{n.idle_s:.0f}s" if n.idle_s >= 0 else "-"))
-        lines += ["", *_table(rows, left=5)]
-        if len(resp.namespace_list) < resp.namespaces:
-            lines.append(f"(the {len(resp.namespace_list)} holding most blocks of "
-                         f"{resp.namespaces})")
-    return "\n".join(lines)
-
-
-def _table(rows: list[tuple[str, ...]], left: int = 1) -> list[str]:
-    """Rows as aligned lines: the first `left` columns flush left, the rest right."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) if i < left else c.rjust(w)
-                      for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
-            for r in rows]
-
-
-def _int64_as_numbers(descriptor: Any, d: dict[str, Any]) -> dict[str, Any]:
-    """`d` (MessageToDict of a `descriptor` message) with 64-bit integers as JSON numbers.
-
-    protobuf's JSON mapping quotes them (JavaScript doubles lose digits past 2^53), and its
-    `unquote_int64_if_possible` still quotes the large ones; Python's json writes any int
-    exactly, so a script reads the same type whatever the value."""
-    from google.protobuf.descriptor import FieldDescriptor as F
-
-    wide = {F.TYPE_INT64, F.TYPE_UINT64, F.TYPE_SINT64, F.TYPE_FIXED64, F.TYPE_SFIXED64}
-
-    def value(field: Any, v: Any) -> Any:
-        if field.message_type is not None:
-            return _int64_as_numbers(field.message_type, v)
-        return int(v) if field.type in wide else v
-
-    for f in descriptor.fields:
-        if f.name not in d:
-            continue
-        v = d[f.name]
-        if f.message_type is not None and f.message_type.GetOptions().map_entry:
-            vf = f.message_type.fields_by_name["value"]
-            d[f.name] = {k: value(vf, x) for k, x in v.items()}
-        elif f.is_repeated:
-            d[f.name] = [value(f, x) for x in v]
-        else:
-            d[f.name] = value(f, v)
-    return d
-
-
-def stats_json(resp: Any) -> dict[str, Any]:
-    """A StatsResponse as `status --json` prints it: every field, zeros included (an empty
-    tier has `"blocks": 0`), counts as numbers, proto field names."""
-    from google.protobuf.json_format import MessageToDict
-
-    d = _int64_as_numbers(resp.DESCRIPTOR, MessageToDict(
-        resp, always_print_fields_with_no_presence=True, preserving_proto_field_name=True))
-    for rec, n in zip(d.get("namespace_list", []), resp.namespace_list, strict=True):
-        rec["namespace_id"] = n.namespace_id.hex()      # (not protobuf's base64)
-    return d
-
-
-def _status_credentials(address: str, timeout: float) -> tuple | None:
-    """On a daemon with tenants: $KVSTORE_TOKEN, else the uid handshake (docs/security.md)."""
-    from kvstore_client.common.handoff import handshake, handshake_path
-
-    token = os.environ.get("KVSTORE_TOKEN", "")
-    path = handshake_path(address[len("unix:"):]) if address.startswith("unix:") else ""
-    if not token and path and os.path.exists(path):
-        token = handshake(path, "", timeout).token
-    return (("authorization", f"Bearer {token}"),) if token else None
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    import json
+    return cli_daemon.status(args, lambda a: build_config(a).socket_path)
 
-    import grpc
-    from kvstore_client._proto import kvstore_pb2, kvstore_pb2_grpc
-    from kvstore_client.common.address import grpc_target
-    from kvstore_client.common.errors import KVStoreError, Unauthenticated
 
-    try:
-        # The SDK's reading of addresses: a bare or relative path is a Unix socket.
-        address = grpc_target(args.address or os.environ.get("KVSTORE_ADDRESS")
-                              or build_config(args).socket_path)[0]
-    except (ConfigError, InvalidArgument) as e:
-        return _fail(f"config error: {e}" if isinstance(e, ConfigError) else str(e))
-    if address.startswith("unix:") and not os.path.exists(address[len("unix:"):]):
-        return _fail(f"no kvstore daemon at {address}: the socket does not exist (start one "
-                     "with `kvstore serve`, or pass --address / --data-dir)", 1)
-    try:
-        metadata = _status_credentials(address, args.timeout)
-        with grpc.insecure_channel(address) as ch:
-            resp = kvstore_pb2_grpc.KVStoreStub(ch).Stats(
-                kvstore_pb2.StatsRequest(list_namespaces=args.namespaces),
-                timeout=args.timeout, metadata=metadata)
-    except grpc.RpcError as e:
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            return _fail(f"no kvstore daemon answers at {address} ({e.code().name}: "
-                         f"{e.details()}); start one with `kvstore serve` or pass --address", 1)
-        return _fail(f"Stats at {address} failed: {e.code().name}: {e.details()}", 1)
-    except KVStoreError as e:       # the handshake (tenants): refused, or no answer
-        hint = ("; pass a tenant's token in $KVSTORE_TOKEN, or run as a uid a tenant lists "
-                "(docs/security.md)" if isinstance(e, Unauthenticated) else "")
-        return _fail(f"status at {address}: {e.code}: {e}{hint}", 1)
-    if args.json:
-        print(json.dumps(stats_json(resp), indent=2))
-    else:
-        print(format_status(resp))
-    return 0
+def cmd_delete(args: argparse.Namespace) -> int:
+    return cli_daemon.delete(args, lambda a: build_config(a).socket_path)
 
 
 def run_demo(demo_args: list[str]) -> int:
@@ -329,7 +206,7 @@ def run_demo(demo_args: list[str]) -> int:
     try:
         from kvstore_demo.chat import main as demo_main
     except ImportError as e:
-        return _fail(f"the demo is not available in this install ({e})", 1)
+        return fail(f"the demo is not available in this install ({e})", 1)
     return int(demo_main(demo_args) or 0)
 
 
@@ -367,9 +244,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         tiers = tiers_from_config(build_config(args))
         result = plan(shape, args.block_tokens, tiers)
     except PlanError as e:
-        return _fail(f"plan: {e}")
+        return fail(f"plan: {e}")
     except ConfigError as e:
-        return _fail(f"config error: {e}")
+        return fail(f"config error: {e}")
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
 
@@ -453,6 +330,21 @@ def make_parser() -> argparse.ArgumentParser:
                              "blocks first (a tenant sees its own)")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
     status.set_defaults(func=cmd_status)
+
+    delete = sub.add_parser(
+        "delete", help="delete a model's blocks from a running daemon",
+        description="Delete every block (host, SSD, remote, gpu) of the namespaces whose model "
+        "matches MODEL (a shell pattern: 'org/llama-*'), e.g. after a model is retired, so "
+        "they stop crowding out live models' blocks. Lists them without --yes. A tenant "
+        "reaches only its own namespaces ($KVSTORE_TOKEN, or its uid).")
+    _config_flags(delete)
+    delete.add_argument("--model", required=True, help="model name or shell pattern")
+    delete.add_argument("--revision", help="only this revision ('' for none)")
+    delete.add_argument("--yes", action="store_true", help="delete (else only list)")
+    delete.add_argument("--address", help="gRPC target (as for status)")
+    delete.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds each call may take")
+    delete.set_defaults(func=cmd_delete)
 
     plan = sub.add_parser(
         "plan", help="how many tokens and blocks of a model fit in each tier",

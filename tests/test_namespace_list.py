@@ -3,7 +3,8 @@
 An operator's first question of a full cache is which models (revisions, codecs, shards,
 tenants) hold it; with namespaces reclaimed when empty at the cap, the second is which ones sit
 empty and idle. `Stats(list_namespaces)` answers both from running counts, a tenant seeing only
-its own namespaces; `kvstore status --namespaces` prints it.
+its own namespaces; `kvstore status --namespaces` prints it, and `kvstore delete --model`
+drops a retired model's blocks.
 """
 
 from __future__ import annotations
@@ -95,5 +96,24 @@ def test_each_tenant_sees_its_namespaces_and_an_admin_sees_all(tmp_path) -> None
         listed = {n["model"]: n for n in json.loads(r.stdout)["namespace_list"]}
         assert listed["org/a-model"]["blocks"] == 3
         assert bytes.fromhex(listed["org/a-model"]["namespace_id"]) == na.ns_id
+
+        # `kvstore delete --model`: lists without --yes, deletes with it, a tenant reaching
+        # only its own namespaces.
+        env_a = {**d.env, "KVSTORE_TOKEN": TOKENS["a"]}
+        delete = [sys.executable, "-m", "kvstore", "delete", "--socket", d.socket]
+        r = subprocess.run(delete + ["--model", "org/b-*"], capture_output=True, text=True,
+                           timeout=60, env=env_a)
+        assert r.returncode == 1 and "no namespace of model 'org/b-*'" in r.stderr, r.stderr
+        r = subprocess.run(delete + ["--model", "org/a-*"], capture_output=True, text=True,
+                           timeout=60, env=env_a)
+        assert r.returncode == 0, r.stderr
+        assert "3 blocks in 2 namespace(s)" in r.stdout and "--yes" in r.stdout, r.stdout
+        r = subprocess.run(delete + ["--model", "org/a-*", "--revision", "v2", "--yes"],
+                           capture_output=True, text=True, timeout=60, env=env_a)
+        assert r.returncode == 0, r.stderr
+        assert "deleted 3 blocks in 1 namespace(s)" in r.stdout, r.stdout
+        with connect(d.address, token=TOKENS["ops"], transport="grpc") as ops:
+            every = {n["model"]: n for n in ops.stats(namespaces=True)["namespace_list"]}
+            assert every["org/a-model"]["blocks"] == 0 and every["org/b-model"]["blocks"] == 2
     finally:
         cleanup(d)
