@@ -226,3 +226,30 @@ def test_reclaims_racing_every_call_leave_no_block_without_its_namespace(tmp_pat
             assert len(st.namespaces) <= 3
     finally:
         store.close()
+
+
+def test_a_gpu_tier_engine_whose_namespace_was_reclaimed_stores_and_loads_on(tmp_path) -> None:
+    """DeviceKV calls Reserve, Commit and Acquire itself: a NOT_FOUND naming its reclaimed
+    namespace must register it again, as the host path does, not fail every call after."""
+    from kvstore_client.device_kv import DeviceKV
+
+    from tests.test_gpu_tier_cpu import LAYOUT as GPU_LAYOUT
+    from tests.test_gpu_tier_cpu import canonical, engine_cache, gpu_daemon, keys_for
+
+    d = gpu_daemon(tmp_path, **{"limits.namespaces_per_tenant": 2})
+    try:
+        with connect(d.address, transport="shm") as c:
+            ns = c.namespace(GPU_LAYOUT, model="gpu/reclaimed")
+            _, cache = engine_cache(8, seed=3)
+            dkv = DeviceKV(ns, cache)
+            c.namespace(GPU_LAYOUT, model="gpu/other")
+            c.namespace(GPU_LAYOUT, model="gpu/third")      # reclaims gpu/reclaimed (LRU)
+            assert reclaimed(c) == 1
+            assert dkv.store_keys(keys_for(ns, 1, 2), [3, 0]) == 2
+            c.namespace(GPU_LAYOUT, model="gpu/fourth")     # reclaims another, not ours
+            _, mine = engine_cache(8, seed=None)
+            assert DeviceKV(ns, mine).load_keys(keys_for(ns, 1, 2), [5, 6]) == 2
+            assert torch.equal(canonical(mine, 5).view(torch.int16),
+                               canonical(cache, 3).view(torch.int16))
+    finally:
+        cleanup(d)

@@ -97,13 +97,18 @@ class DeviceKV:
         return self.store_keys(self.ns.keys(token_ids), block_ids, token_ids=token_ids)
 
     def store_keys(self, keys: Sequence[bytes], block_ids: Any, *,
-                   parent: bytes | None = None, token_ids: Any = None,
-                   _retry: bool = True) -> int:
+                   parent: bytes | None = None, token_ids: Any = None) -> int:
         """Store cache blocks block_ids[i] as keys[i] (the ones not cached yet, in any tier)
         into the gpu tier; returns blocks written. `token_ids`: as Namespace.store_keys (block
         i's at [i*T, (i+1)*T)), sent where the daemon publishes KV events, which announce only
-        blocks whose token ids it knows."""
+        blocks whose token ids it knows. A namespace the daemon reclaimed or forgot is
+        registered again and the store tried once more, as the host path does."""
         keys = list(keys)
+        return self.ns._retrying(lambda: self._store_keys(keys, block_ids, parent=parent,
+                                                          token_ids=token_ids))
+
+    def _store_keys(self, keys: list[bytes], block_ids: Any, *, parent: bytes | None,
+                    token_ids: Any, _retry: bool = True) -> int:
         ids = _ids(block_ids, len(keys))
         tokens = self.ns.token_bytes(token_ids, len(keys))
         self._fresh()
@@ -118,8 +123,8 @@ class DeviceKV:
             device=self.device)).lease
         lid = lease.lease_id
         if _retry and self._stale(lid):
-            return self.store_keys(keys, block_ids, parent=parent, token_ids=token_ids,
-                                   _retry=False)
+            return self._store_keys(keys, block_ids, parent=parent, token_ids=token_ids,
+                                    _retry=False)
         client.leases.add(lid, lease.deadline)
         committed = False
         try:
@@ -144,10 +149,13 @@ class DeviceKV:
                 client.release_later(lid)
 
     # -- load -------------------------------------------------------------------------------
-    def load_keys(self, keys: Sequence[bytes], block_ids: Any, _retry: bool = True) -> int:
+    def load_keys(self, keys: Sequence[bytes], block_ids: Any) -> int:
         """Gather the cached prefix of keys into cache blocks block_ids[i]; returns blocks
         loaded. Blocks the daemon holds only in host or lower tiers are promoted first."""
         keys = list(keys)
+        return self.ns._retrying(lambda: self._load_keys(keys, block_ids))
+
+    def _load_keys(self, keys: list[bytes], block_ids: Any, _retry: bool = True) -> int:
         ids = _ids(block_ids, 0)
         keys = keys[:len(ids)]
         if not keys:
@@ -163,7 +171,7 @@ class DeviceKV:
                 client.release(lid)
             return 0
         if _retry and self._stale(lid):
-            return self.load_keys(keys, block_ids, _retry=False)
+            return self._load_keys(keys, block_ids, _retry=False)
         client.leases.add(lid, lease.deadline)
         try:
             offsets = self._offsets(lease.slots)
