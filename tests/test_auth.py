@@ -18,12 +18,10 @@ import time
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import torch
 from kvstore_client import (
     InvalidArgument,
-    KVLayout,
     PermissionDenied,
     Unauthenticated,
     Unavailable,
@@ -36,20 +34,9 @@ from kvstore_client.wire import encode_put
 from kvstore.tenants import hash_token
 from tests import optional_deps
 from tests.daemon import DaemonError, cleanup, start_daemon
+from tests.kv_data import LAYOUT, T, make_kv, prompt
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="bfloat16")
-T = LAYOUT.block_tokens
 TOKENS = {"team-a": "token-of-a", "team-b": "token-of-b", "ops": "token-of-ops"}
-
-
-def make_kv(seed: int, blocks: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    L, _, _, H, D = LAYOUT.block_shape
-    return torch.randn((L, 2, blocks * T, H, D), generator=g).to(torch.bfloat16)
-
-
-def prompt(seed: int, blocks: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 50_000, size=blocks * T, dtype=np.int64)
 
 
 def tokens_file(tmp_path: Path, extra: str = "") -> Path:

@@ -14,26 +14,13 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
-import torch
-from kvstore_client import KVLayout, connect
+from kvstore_client import connect
 
 from kvstore.tenants import hash_token
 from tests.daemon import cleanup, start_daemon
+from tests.kv_data import LAYOUT, make_kv, prompt
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="bfloat16")
-T = LAYOUT.block_tokens
 TOKENS = {"a": "token-of-a", "b": "token-of-b", "ops": "token-of-ops"}
-
-
-def make_kv(seed: int, blocks: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    L, _, _, H, D = LAYOUT.block_shape
-    return torch.randn((L, 2, blocks * T, H, D), generator=g).to(torch.bfloat16)
-
-
-def prompt(seed: int, blocks: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 50_000, size=blocks * T, dtype=np.int64)
 
 
 def test_each_tenant_sees_its_namespaces_and_an_admin_sees_all(tmp_path) -> None:

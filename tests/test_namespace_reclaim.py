@@ -13,28 +13,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvstore_client import KVLayout, NamespaceSpec, ResourceExhausted, connect
+from kvstore_client import NamespaceSpec, ResourceExhausted, connect
 from kvstore_client._proto import kvstore_pb2 as pb
 
 from kvstore.events.recorder import Recorder
 from kvstore.index import BlockIndex
 from kvstore.state import NamespaceInfo
 from tests.daemon import cleanup, start_daemon
+from tests.kv_data import LAYOUT, T, make_kv, prompt
 from tests.store_helpers import SMALL, kv_block, make_store, random_prompt
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="bfloat16")
-T = LAYOUT.block_tokens
 CAP = 3
-
-
-def make_kv(seed: int, blocks: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    L, _, _, H, D = LAYOUT.block_shape
-    return torch.randn((L, 2, blocks * T, H, D), generator=g).to(torch.bfloat16)
-
-
-def prompt(seed: int, blocks: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 50_000, size=blocks * T, dtype=np.int64)
 
 
 def reclaimed(c) -> int:

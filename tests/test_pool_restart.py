@@ -26,7 +26,7 @@ from kvstore_client.common.handoff import Session, socket_id
 
 from kvstore.tenants import hash_token
 from tests.daemon import Daemon, cleanup, start_daemon
-from tests.test_tenant_restart import LAYOUT, T, make_kv, prompt
+from tests.kv_data import LAYOUT, T, make_kv, prompt
 from tests.test_vllm_tier import _env, _python
 
 ROOT = Path(__file__).resolve().parents[1]

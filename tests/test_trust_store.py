@@ -31,22 +31,11 @@ from kvstore_client._proto import kvstore_pb2_grpc as pbg
 
 from kvstore.tenants import hash_token
 from tests.daemon import cleanup, start_daemon
+from tests.kv_data import LAYOUT, T, make_kv, prompt
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="bfloat16")
-T = LAYOUT.block_tokens
 BB = LAYOUT.block_bytes                     # 16 KiB
 TOKENS = {"a": "token-of-a", "b": "token-of-b", "c": "token-of-c", "ops": "token-of-ops"}
 NS_CAP, LEASE_CAP, SLOT_CAP = 8, 16, 128
-
-
-def make_kv(seed: int, blocks: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    L, _, _, H, D = LAYOUT.block_shape
-    return torch.randn((L, 2, blocks * T, H, D), generator=g).to(torch.bfloat16)
-
-
-def prompt(seed: int, blocks: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 50_000, size=blocks * T, dtype=np.int64)
 
 
 def md(tenant: str) -> tuple:
