@@ -129,7 +129,10 @@ STORE_COUNTERS = {"lookups": "Lookup and LookupAcquire calls of loads (not of st
                   "ssd_damaged_records": "Damaged SSD index or namespace records dropped at "
                                          "open, never served",
                   "ssd_unpersisted_namespace_blocks": "Blocks kept off SSD because their "
-                                                      "namespace's record had not landed yet"}
+                                                      "namespace's record had not landed yet",
+                  "ssd_capacity_full_evictions": "Demotions that found the SSD payload file "
+                                                 "at ssd.capacity with its room in pieces too "
+                                                 "small, and evicted to make a hole"}
 # Store figures that are levels, not counts (kvstore/gc_pauses.py).
 STORE_GAUGES = {"gc_frozen_objects": "Objects frozen out of every collection after the warm-ups",
                 "gc_walked_objects": "Objects a full collection walked once the daemon was warm",

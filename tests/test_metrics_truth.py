@@ -37,6 +37,7 @@ from kvstore_client._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.tenants import hash_token
 from tests.daemon import Daemon, cleanup, start_daemon
 from tests.redis_fixtures import redis_server_fixture  # noqa: F401  (fixture redis_server)
+from tiers.ssd import extent_size
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="float16")
@@ -100,8 +101,15 @@ def kv(blocks: int, seed: int) -> np.ndarray:
     return rng.standard_normal((2, 2, blocks * T, 2, 64)).astype(np.float16)
 
 
+def on_disk(nbytes: int, blocks: int) -> int:
+    """The SSD tier's used bytes for `blocks` values of equal length adding up to `nbytes`:
+    each takes its extent in the payload file."""
+    assert nbytes % blocks == 0
+    return blocks * extent_size(int(nbytes) // blocks)
+
+
 def ssd_truth(data_dir: Path) -> tuple[int, int]:
-    """(records, bytes of their values) in the SSD index; the daemon must be stopped."""
+    """(records, bytes of their extents) in the SSD index; the daemon must be stopped."""
     env = lmdb.open(str(data_dir / "ssd" / "index"), readonly=True, lock=False, max_dbs=8)
     try:
         db = env.open_db(b"index", create=False)
@@ -109,7 +117,7 @@ def ssd_truth(data_dir: Path) -> tuple[int, int]:
         with env.begin(db=db) as txn:
             for _, rec in txn.cursor():
                 n += 1
-                total += struct.unpack_from("<QQQ", rec)[1]      # offset, length, xxh3
+                total += extent_size(struct.unpack_from("<QQQ", rec)[1])  # off, len, xxh3
         return n, total
     finally:
         env.close()
@@ -195,7 +203,8 @@ def test_figures_follow_a_host_and_ssd_workload(daemon: Daemon) -> None:
     assert d_(s2, s3, "kvstore_tier_stored_total", tier="host") == 0
     assert tier(s3, "blocks", "host") == 8 and tier(s3, "used_bytes", "host") >= 8 * BB
 
-    # Evict host: every block demoted to SSD; SSD bytes are what crossed host->ssd
+    # Evict host: every block demoted to SSD; SSD bytes are the extents of what crossed
+    # host->ssd
     freed, n = c.evict("host")
     s4 = snap()
     assert (freed, n) == (8 * BB, 8)
@@ -204,8 +213,8 @@ def test_figures_follow_a_host_and_ssd_workload(daemon: Daemon) -> None:
     assert d_(s3, s4, "kvstore_tier_evictions_total", tier="host") == 8
     assert d_(s3, s4, "kvstore_tier_demotions_total", tier="host") == 8
     assert d_(s3, s4, "kvstore_tier_demotions_in_total", tier="ssd") == 8
-    assert d_(s3, s4, "kvstore_bytes_moved_total", path="host->ssd") == tier(s4, "used_bytes",
-                                                                             "ssd")
+    assert on_disk(d_(s3, s4, "kvstore_bytes_moved_total", path="host->ssd"), 8) == tier(
+        s4, "used_bytes", "ssd")
     assert ns.lookup_result(keys).per_tier == {"host": 0, "ssd": 8}
 
     # Load: promoted from SSD, then read from host
@@ -215,8 +224,8 @@ def test_figures_follow_a_host_and_ssd_workload(daemon: Daemon) -> None:
     s6 = snap()
     assert d_(s5, s6, "kvstore_tier_promotions_total", tier="host") == 8
     assert d_(s5, s6, "kvstore_acquired_blocks_total") == 8
-    assert d_(s5, s6, "kvstore_bytes_moved_total", path="ssd->host") == tier(s6, "used_bytes",
-                                                                             "ssd")
+    assert on_disk(d_(s5, s6, "kvstore_bytes_moved_total", path="ssd->host"), 8) == tier(
+        s6, "used_bytes", "ssd")
     assert tier(s6, "blocks", "host") == 8 and tier(s6, "blocks", "ssd") == 8
     assert ns.load(toks, out) == 8 * T
     s7 = snap()
@@ -245,8 +254,9 @@ def test_figures_follow_a_host_and_ssd_workload(daemon: Daemon) -> None:
     assert tier(s10, "blocks", "ssd") == 15
     assert d_(s9, s10, "kvstore_codec_blocks_total", codec="int8") == 6
     assert d_(s9, s10, "kvstore_codec_bytes_in_total", codec="int8") == 6 * BB
-    assert d_(s9, s10, "kvstore_codec_bytes_out_total", codec="int8") == grew < 6 * BB
-    assert d_(s9, s10, "kvstore_bytes_moved_total", path="host->ssd") == grew
+    out = d_(s9, s10, "kvstore_codec_bytes_out_total", codec="int8")
+    assert on_disk(out, 6) == grew < 6 * BB
+    assert d_(s9, s10, "kvstore_bytes_moved_total", path="host->ssd") == out
 
     # A client SIGKILLed holding a read lease: active leases back to 0 once it expires
     c.stats()                               # carries this client's releases (reserve-ahead)

@@ -36,7 +36,7 @@ from kvstore.metrics import StoreCollector
 from tests.daemon import DaemonError, cleanup, start_daemon
 from tests.store_helpers import SMALL, kv_block, make_store, namespace, random_prompt
 from tests.test_crash import LAYOUT, prompt_kv
-from tiers.ssd import SSDTier
+from tiers.ssd import SSDTier, extent_size
 
 REC = struct.Struct("<QQQ")         # an SSD record: offset, value length, checksum; then meta
 MIB = 1 << 20
@@ -276,8 +276,8 @@ def test_damaged_length_is_data_loss_and_the_record_deletes(tmp_path, length):
         assert got[0] is True and isinstance(got[1], DataLoss) and got[2] is True
         # Nothing was read or allocated for a length past the payload file's end.
         assert max(reads) < MIB, reads
-        assert t.delete_sized([_k(2)]) in (0, length)    # its true length is unknown
-        assert 0 <= t.used_bytes <= 6 * 20000
+        assert t.delete_sized([_k(2)]) in (0, extent_size(length))  # true length unknown
+        assert 0 <= t.used_bytes <= 6 * extent_size(20000)
         assert len(t) == 5
         t.put(_k(3), _val(33), b"m")                    # overwrites and deletes still count
         assert t.delete_many([_k(4)]) == 1
@@ -326,7 +326,7 @@ def test_reopen_drops_records_naming_impossible_extents_and_keeps_the_rest(tmp_p
     try:
         assert t.dropped_at_open == 3
         assert len(t) == 5
-        assert t.used_bytes == 5 * 20000
+        assert t.used_bytes == 5 * extent_size(20000)
         for i in (1, 4, 6):
             assert t.get(_k(i)) is None
         t.put_many([(_k(100 + i), _val(100 + i), b"m") for i in range(8)])
@@ -358,7 +358,7 @@ def test_eviction_of_a_damaged_record_succeeds(tmp_path):
         assert s.get(ns, prompts[1]) == [(k, kv_block(k)) for k in prompts[1]]
         s.evict("ssd")
         assert len(s.ssd) == 0
-        assert 0 <= s.ssd.used_bytes <= raw_len
+        assert 0 <= s.ssd.used_bytes <= extent_size(raw_len)
         assert s.get(ns, prompts[0]) == []
     finally:
         s.close(flush=False)
@@ -404,7 +404,8 @@ def test_stats_and_metrics_scrapes_open_no_lmdb_transaction(tmp_path):
         assert families
         with real.begin() as txn:                   # the counts read are LMDB's own
             assert stats["tiers"]["ssd"]["blocks"] == txn.stat(index.blocks)["entries"]
-            used = sum(REC.unpack_from(v)[1] for _, v in txn.cursor(db=index.blocks))
+            used = sum(extent_size(REC.unpack_from(v)[1])
+                       for _, v in txn.cursor(db=index.blocks))
         assert stats["tiers"]["ssd"]["blocks"] > 0
         assert stats["tiers"]["ssd"]["used_bytes"] == used
     finally:

@@ -9,7 +9,7 @@ import pytest
 from kvstore_client.errors import DataLoss, InvalidArgument, Unavailable
 
 from tiers import frame
-from tiers.ssd import SSDTier, initial_map_size
+from tiers.ssd import CapacityFull, SSDTier, extent_size, initial_map_size
 
 MIB = 1 << 20
 
@@ -48,19 +48,21 @@ def test_put_get_meta_delete_round_trip(ssd):
 
 
 def test_batches_and_accounting(ssd):
+    """used_bytes and delete_sized count extents (what the values take on disk); scan_meta
+    and size_of say the values' lengths."""
     ssd.put_many([(k(i), val(i, 1000 * (i + 1)), b"m%d" % i) for i in range(10)])
-    assert ssd.used_bytes == sum(1000 * (i + 1) for i in range(10))
+    assert ssd.used_bytes == sum(extent_size(1000 * (i + 1)) for i in range(10))
     assert ssd.get_many([k(0), k(99), k(9)]) == [val(0, 1000), None, val(9, 10_000)]
     ssd.put(k(0), val(0, 500), b"m0")             # overwrite replaces the old size
-    assert ssd.used_bytes == sum(1000 * (i + 1) for i in range(1, 10)) + 500
+    assert ssd.used_bytes == sum(extent_size(1000 * (i + 1)) for i in range(1, 10)) + 4096
     assert ssd.delete_many([k(0), k(1), k(42)]) == 2
-    assert ssd.used_bytes == sum(1000 * (i + 1) for i in range(2, 10))
+    assert ssd.used_bytes == sum(extent_size(1000 * (i + 1)) for i in range(2, 10))
     assert len(ssd) == 8
     scanned = {key: (m, size) for key, m, size in ssd.scan_meta()}
     assert scanned == {k(i): (b"m%d" % i, 1000 * (i + 1)) for i in range(2, 10)}
-    assert ssd.delete_sized([k(2), k(3), k(42)]) == 3000 + 4000   # bytes, missing keys: 0
+    assert ssd.delete_sized([k(2), k(3), k(42)]) == 4096 + 4096   # extents, missing keys: 0
     assert ssd.delete_sized([k(2)]) == 0
-    assert ssd.used_bytes == sum(1000 * (i + 1) for i in range(4, 10))
+    assert ssd.used_bytes == sum(extent_size(1000 * (i + 1)) for i in range(4, 10))
 
 
 def test_delete_sized_counts_its_own_bytes_while_another_thread_writes(ssd):
@@ -77,11 +79,11 @@ def test_delete_sized_counts_its_own_bytes_while_another_thread_writes(ssd):
     t = threading.Thread(target=write)
     t.start()
     try:
-        assert [ssd.delete_sized([k(i)]) for i in range(100)] == [10_000] * 100
+        assert [ssd.delete_sized([k(i)]) for i in range(100)] == [extent_size(10_000)] * 100
     finally:
         stop.set()
         t.join()
-    assert ssd.used_bytes == sum(size for _, _, size in ssd.scan_meta())
+    assert ssd.used_bytes == sum(extent_size(size) for _, _, size in ssd.scan_meta())
 
 
 def test_namespaces_and_state(ssd):
@@ -105,7 +107,7 @@ def test_reopen_keeps_everything(tmp_path):
         t.get(k(0))
     t = SSDTier(path, capacity=64 * MIB)
     try:
-        assert t.used_bytes == used == 5 * 300_000
+        assert t.used_bytes == used == 5 * extent_size(300_000)
         assert [t.get(k(i)) for i in range(5)] == [val(i, 300_000) for i in range(5)]
         assert t.namespaces() == {b"A" * 16: b"{}"}
         assert t.get_state("policy") == b"snap"
@@ -127,9 +129,24 @@ def test_scan_meta_spans_batches_and_allows_writes(ssd, monkeypatch):
     assert all(m.endswith(b"!") for _, m, _ in ssd.scan_meta())
 
 
+def put_evicting(t: SSDTier, resident: list[bytes], key: bytes, v: bytes, cap: int) -> None:
+    """The store's pattern: evict oldest until the new value's extent fits, then put; where
+    the room left is in pieces too small for it (CapacityFull: the payload file stays within
+    the cap), evict one more and try again."""
+    while t.used_bytes + extent_size(len(v)) > cap:
+        assert t.delete(resident.pop(0))
+    while True:
+        try:
+            t.put(key, v, b"m")
+            break
+        except CapacityFull:
+            assert t.delete(resident.pop(0))
+    resident.append(key)
+
+
 def test_evict_before_put_loop_never_hits_map_full(tmp_path):
-    """The store's pattern: evict oldest until the new value fits, then put. Many 2 MiB values
-    cycling through a small cap, with varying sizes to stress LMDB's free-page reuse."""
+    """The store's pattern (put_evicting). Many 2 MiB values cycling through a small cap, with
+    varying sizes to stress LMDB's free-page reuse."""
     cap = 24 * MIB
     t = SSDTier(str(tmp_path / "ssd"), capacity=cap)
     try:
@@ -137,13 +154,10 @@ def test_evict_before_put_loop_never_hits_map_full(tmp_path):
         resident: list[bytes] = []
         for i in range(120):
             v = val(i, 2 * MIB + 32 + (i % 5) * 40_000)
-            while t.used_bytes + len(v) > cap:
-                assert t.delete(resident.pop(0))
-            t.put(k(i), v, b"m")
-            resident.append(k(i))
-            assert t.used_bytes <= cap
+            put_evicting(t, resident, k(i), v, cap)
+            assert t.used_bytes <= t.file_bytes <= cap
         assert t.get(resident[-1]) == v
-        assert t.used_bytes == sum(t.size_of(x) for x in resident)
+        assert t.used_bytes == sum(extent_size(t.size_of(x)) for x in resident)
     finally:
         t.close()
 
@@ -151,7 +165,7 @@ def test_evict_before_put_loop_never_hits_map_full(tmp_path):
 def test_map_grows_instead_of_failing(tmp_path, monkeypatch):
     import tiers.ssd.index as mod
     monkeypatch.setattr(mod, "MAP_SLACK", 2 * MIB)          # a tiny index map, on purpose
-    t = SSDTier(str(tmp_path / "ssd"), capacity=1 * MIB)
+    t = SSDTier(str(tmp_path / "ssd"), capacity=4 * MIB)   # 600 4 KiB extents fit
     try:
         before = t.map_size
         t.put_many([(k(i), val(i, 100), b"m" * 3000) for i in range(600)])  # ~2.4 MiB of records
@@ -161,39 +175,35 @@ def test_map_grows_instead_of_failing(tmp_path, monkeypatch):
         t.close()
 
 
-def test_payload_file_grows_past_a_cap_the_caller_ignores(tmp_path):
-    t = SSDTier(str(tmp_path / "ssd"), capacity=1 * MIB)
+def test_payload_file_stops_at_a_cap_the_caller_ignores(tmp_path):
+    """A caller that never evicts gets CapacityFull at the cap, never a file past it (it used
+    to grow to whatever was put); what was stored before stays readable."""
+    t = SSDTier(str(tmp_path / "ssd"), capacity=8 * MIB)
     try:
-        t.put_many([(k(i), val(i, 2 * MIB), b"") for i in range(40)])   # 80 MiB
-        assert t.file_bytes >= 80 * MIB
-        assert [t.get(k(i)) for i in (0, 39)] == [val(0, 2 * MIB), val(39, 2 * MIB)]
+        t.put_many([(k(i), val(i, 2 * MIB), b"") for i in range(3)])   # 3 x (2 MiB + 64 KiB)
+        with pytest.raises(CapacityFull, match="ssd.capacity"):
+            t.put_many([(k(i), val(i, 2 * MIB), b"") for i in range(3, 40)])   # 74 MiB more
+        assert t.file_bytes <= 8 * MIB and os.path.getsize(t.data_files()[0]) <= 8 * MIB
+        assert [t.get(k(i)) for i in (0, 2, 3)] == [val(0, 2 * MIB), val(2, 2 * MIB), None]
+        assert t.used_bytes == 3 * extent_size(2 * MIB)
     finally:
         t.close()
 
 
 def test_freed_extents_are_reused_and_accounting_stays_exact(tmp_path):
-    """Cycling many varied values through a small cap must not grow the file without bound."""
+    """Cycling many varied values through a small cap never grows the file past it."""
     cap = 24 * MIB
     t = SSDTier(str(tmp_path / "ssd"), capacity=cap)
     try:
         resident: list[bytes] = []
         for i in range(300):
-            v = val(i, 2 * MIB + (i % 7) * 33_000)
-            while t.used_bytes + len(v) > cap:
-                t.delete(resident.pop(0))
-            t.put(k(i), v, b"")
-            resident.append(k(i))
-        assert t.file_bytes <= 2 * mod_grow_step() + cap     # not 300 x 2 MiB
-        assert t.used_bytes == sum(t.size_of(x) for x in resident)
+            put_evicting(t, resident, k(i), val(i, 2 * MIB + (i % 7) * 33_000), cap)
+        assert t.file_bytes <= cap                           # not 300 x 2 MiB
+        assert t.used_bytes == sum(extent_size(t.size_of(x)) for x in resident)
         assert t.get(resident[0]) == val(int.from_bytes(resident[0][16:], "big"),
                                          t.size_of(resident[0]))
     finally:
         t.close()
-
-
-def mod_grow_step() -> int:
-    import tiers.ssd.payload as mod
-    return mod.GROW_STEP
 
 
 def test_reopen_rebuilds_free_space_without_clobbering(tmp_path):
@@ -208,7 +218,7 @@ def test_reopen_rebuilds_free_space_without_clobbering(tmp_path):
         for i in range(1, 20, 2):                             # the survivors are intact
             assert t.get(k(i)) == val(i, 100_000 + i)
         assert all(t.get(k(100 + i)) == val(100 + i, 100_000) for i in range(30))
-        assert t.used_bytes == sum(size for _, _, size in t.scan_meta())
+        assert t.used_bytes == sum(extent_size(size) for _, _, size in t.scan_meta())
     finally:
         t.close()
 
@@ -267,7 +277,7 @@ def test_old_format_folder_is_migrated(tmp_path):
     t = SSDTier(str(path), capacity=64 * MIB)
     try:
         assert [t.get(k(i)) for i in range(6)] == old[:5] + [None]
-        assert t.get_meta(k(3)) == b"meta3" and t.used_bytes == 5 * len(old[0])
+        assert t.get_meta(k(3)) == b"meta3" and t.used_bytes == 5 * extent_size(len(old[0]))
         assert t.namespaces() == {b"A" * 16: b"{}"} and t.get_state("policy.ssd") == b"snap"
         assert not (path / "data.mdb").exists()
     finally:

@@ -14,7 +14,7 @@ from kvstore_client.errors import DataLoss, InvalidArgument
 from kvstore.config import ConfigError, StoreConfig
 from kvstore.encode_choice import EncodeChoice
 from tiers import frame
-from tiers.ssd import SSDTier
+from tiers.ssd import SSDTier, extent_size
 
 from .store_helpers import kv_block, make_store, namespace, random_prompt
 
@@ -54,7 +54,8 @@ def test_put_filled_stores_what_fill_wrote_and_leaves_out_refused_values(ssd):
             assert ssd.get(k(i)) is None
         else:
             assert ssd.get(k(i)) == v and ssd.get_meta(k(i)) == b"m%d" % i
-    assert ssd.used_bytes == sum(len(v) for i, v in enumerate(values) if i not in (1, 4))
+    assert ssd.used_bytes == sum(extent_size(len(v)) for i, v in enumerate(values)
+                                 if i not in (1, 4))
     again = [values[1], values[4]]
     assert ssd.put_filled([(k(10 + j), len(v), b"") for j, v in enumerate(again)],
                           _fill_from(again)) == [True, True]
@@ -139,7 +140,7 @@ def test_a_failed_write_among_queued_runs_stores_nothing_and_leaves_none_in_flig
     state["fail"] = False
     assert ssd.put_filled(items, _fill_from(values)) == [True] * 12
     assert [ssd.get(k(i)) for i in range(12)] == values
-    assert ssd.used_bytes == used + sum(map(len, values))
+    assert ssd.used_bytes == used + sum(extent_size(len(v)) for v in values)
 
 
 @pytest.mark.o_direct

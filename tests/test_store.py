@@ -19,7 +19,8 @@ from kvstore_client.errors import (
 )
 
 from kvstore.state import aligned as _aligned
-from tiers.ssd import SSDTier
+from tiers.frame import HEADER_BYTES
+from tiers.ssd import SSDTier, extent_size
 
 from .store_helpers import SMALL, kv_block, make_store, namespace, random_prompt
 
@@ -338,7 +339,8 @@ def test_ssd_eviction_takes_the_oldest_prompt_whole(tmp_path):
         store.evict("host")
         assert store.lookup(ns, older).per_tier["ssd"] == 4
         assert store.lookup(ns, newer).per_tier["ssd"] == 4
-        _, blocks = store.evict("ssd", 4 * SMALL.block_bytes)
+        # (4 blocks' extents: what the SSD tier's bytes count, tiers/ssd/tier.py)
+        _, blocks = store.evict("ssd", 4 * extent_size(HEADER_BYTES + SMALL.block_bytes))
         assert blocks == 4
         assert store.lookup(ns, older).prefix_blocks == 0
         assert all(store.index.get(ns + k) is None for k in older)

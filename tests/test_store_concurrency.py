@@ -19,6 +19,7 @@ import xxhash
 from kvstore_client.errors import LeaseExpired, NotFound, ResourceExhausted, Unavailable
 
 from kvstore.state import aligned as _aligned
+from tiers.ssd import extent_size
 
 from .store_helpers import kv_block, make_store, namespace, quiet, random_prompt
 
@@ -182,7 +183,7 @@ def _check_accounting(store) -> None:
         if store.ssd is not None:
             on_ssd = {g: size for g, _, size in store.ssd.scan_meta()}
             assert set(on_ssd) == {e.gkey for e in entries if e.ssd}, "SSD and index disagree"
-            assert store.ssd.used_bytes == sum(on_ssd.values())
+            assert store.ssd.used_bytes == sum(map(extent_size, on_ssd.values()))
             assert store.ssd.used_bytes <= store.ssd.capacity
 
 

@@ -37,8 +37,9 @@ class StoreMachine(RuleBasedStateMachine):
     @initialize()
     def start(self):
         self.dir = Path(tempfile.mkdtemp(prefix="kvstore-prop-"))
-        # 24 host slots and an SSD small enough that it must evict too.
-        self.store = make_store(self.dir, host_capacity=24 * ALIGN, ssd_capacity=40 * 2300)
+        # 24 host slots and an SSD small enough that it must evict too (40 blocks: each takes
+        # a 4 KiB extent, which the SSD tier's capacity counts).
+        self.store = make_store(self.dir, host_capacity=24 * ALIGN, ssd_capacity=40 * ALIGN)
         self.ns = namespace(self.store)
         self.read_leases: list = []
         self.write_leases: list = []
@@ -139,7 +140,7 @@ class GpuStoreMachine(StoreMachine):
     @initialize()
     def start(self):
         self.dir = Path(tempfile.mkdtemp(prefix="kvstore-prop-gpu-"))
-        self.store = make_store(self.dir, host_capacity=24 * ALIGN, ssd_capacity=40 * 2300,
+        self.store = make_store(self.dir, host_capacity=24 * ALIGN, ssd_capacity=40 * ALIGN,
                                 gpu_capacity=12 * ALIGN)
         self.ns = namespace(self.store)
         self.read_leases = []

@@ -31,7 +31,7 @@ from kvstore_client.common.layout import KVLayout
 from kvstore_client.common.lazy import lazy_module
 
 from tiers import frame
-from tiers.ssd import DiskFull
+from tiers.ssd import CapacityFull, DiskFull, extent_size
 
 from ..encode_choice import EncodeChoice
 from ..index import Entry
@@ -194,21 +194,36 @@ class HostToSSD:
                                       self.ssd_room.evict)
         if not idx:
             return []
-        need = sum(lengths[i] for i in idx)
+        # Room for what the SSD tier will count: each value's extent (tiers/ssd/tier.py).
+        need = sum(extent_size(lengths[i]) for i in idx)
         self.ssd_room.make_room(need)
         texts = st.texts()
         items = [(entries[i].gkey, lengths[i], meta(entries[i], texts)) for i in idx]
         self.ssd_room.pending += need
         try:
-            with st.unlocked():
-                t = time.perf_counter()
-                stored = st.ssd.put_filled(items, lambda k, dst: fill(idx[k], dst))
-                end = time.perf_counter()
+            try:
+                with st.unlocked():
+                    t = time.perf_counter()
+                    stored = st.ssd.put_filled(items, lambda k, dst: fill(idx[k], dst))
+                    end = time.perf_counter()
+            except CapacityFull:
+                # The payload file is at ssd.capacity and its free room is in pieces too
+                # small for this batch (values of mixed sizes), so used_bytes sits under the
+                # watermark and make_room evicts nothing: evict twice the batch's extents and
+                # try once more. Where that still fails, the caller drops the batch as on a
+                # full disk, and the next batch evicts again, so the room comes back.
+                st.counters["ssd_capacity_full_evictions"] += 1
+                self.ssd_room.evict(2 * need)
+                with st.unlocked():
+                    t = time.perf_counter()
+                    stored = st.ssd.put_filled(items, lambda k, dst: fill(idx[k], dst))
+                    end = time.perf_counter()
         finally:
             self.ssd_room.pending -= need
         # Batches overlap (two demoters, inline evictions): one batch's wall time includes the
         # other's writes, so its rate counts only the time since the last batch landed.
-        self.encode_choice.note_write(need, end - max(t, self._last_write_end))
+        self.encode_choice.note_write(sum(lengths[i] for i in idx),
+                                      end - max(t, self._last_write_end))
         self._last_write_end = end
         return list(zip(idx, stored, strict=True))
 

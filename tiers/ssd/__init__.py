@@ -1,7 +1,8 @@
 """SSD tier: block payloads in a preallocated payload file, metadata in LMDB; survives restarts.
 
 Layout of the tier's folder:
-- `payload.dat`  block payloads at 4 KiB-aligned extents (payload.py)
+- `payload.dat`  block payloads at 4 KiB-aligned extents (payload.py); never larger than the
+                 tier's capacity, which bounds the extents (`used_bytes`), not value lengths
 - `index/`       the LMDB environment: a record per block naming its extent, length and
                  checksum, the namespaces, the store's state, the tier's used bytes (index.py)
 - `index.img`    the index image of the last clean stop, so a restart need not scan LMDB
@@ -26,13 +27,14 @@ or refused with one line when that fails; a newer format is refused, never misre
 | `index` | the LMDB environment: records, namespaces, state, used bytes, the map's growth |
 | `image` | the index image's file format and its staleness stamp |
 | `migrate` | the old format (payloads in LMDB) copied into this one |
-| `disk_full` | a full filesystem told apart from the tier's own cap (`DiskFull`) |
+| `disk_full` | no room for a write: the filesystem full (`DiskFull`), the cap (`CapacityFull`) |
 """
 
 from __future__ import annotations
 
-from .disk_full import DiskFull
+from .disk_full import CapacityFull, DiskFull
 from .index import initial_map_size
+from .payload import extent_size
 from .tier import SSDTier
 
-__all__ = ["DiskFull", "SSDTier", "initial_map_size"]
+__all__ = ["CapacityFull", "DiskFull", "SSDTier", "extent_size", "initial_map_size"]

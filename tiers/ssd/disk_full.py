@@ -1,4 +1,5 @@
-"""A full filesystem under the SSD tier, told apart from the tier's own byte cap.
+"""A full filesystem under the SSD tier, told apart from the store's own byte cap; and the
+payload file at that cap with no free extent that fits (`CapacityFull`).
 
 Why its own module: both halves of the tier meet it (the payload file when it grows or a
 pwrite fails, LMDB when a commit cannot extend its map file), and each must turn the errno it
@@ -25,6 +26,23 @@ class DiskFull(ResourceExhausted):
         super().__init__(f"SSD tier write did not land: the filesystem under {path} is full "
                          f"({free} bytes free; {exc}); free space there or lower ssd.capacity")
         self.path, self.free = path, free
+
+
+class CapacityFull(DiskFull):
+    """A write to the SSD tier did not land: no free extent fits within `ssd.capacity` (the
+    payload file is at the cap and the room left in it is in smaller pieces, or still held by
+    reads in progress, tiers/ssd/payload.py).
+
+    Why a DiskFull: the cap is what the operator set to fit the disk, so this is the event a
+    full filesystem was when the file could grow past the cap, and the same answer fits: host
+    keeps serving by dropping eviction victims instead of failing every call that needs host
+    room. Only the message differs: the filesystem may have room to spare."""
+
+    def __init__(self, path: str, why: str) -> None:
+        ResourceExhausted.__init__(
+            self, f"SSD tier write did not land under {path}: {why}; the payload file stays "
+                  "within ssd.capacity (raise it if this repeats)")
+        self.path, self.free = path, free_bytes(path)
 
 
 def free_bytes(path: str) -> int:

@@ -7,8 +7,10 @@ transaction is atomic across them:
                + the caller's msgpack record
   `namespaces` ns_id -> namespace spec JSON
   `state`      name -> blob (policy snapshots and the like, owned by the store)
-  `_tier`      `used_bytes` (updated in the same transaction as every put and delete, so it is
-               exact after a crash), `format`, and the token of the last index image
+  `_tier`      `used_bytes`: the extents the values take in the payload file (updated in the
+               same transaction as every put and delete, so it is exact after a crash; an
+               earlier build kept the sum of value lengths here, which the tier's open
+               replaces, tiers/ssd/tier.py), `format`, and the token of the last index image
 
 Why a read gate: growing the map (`set_mapsize`, on MapFullError) needs no live transaction
 in this process, so readers count themselves in and a resize waits for them to leave. The map
@@ -131,7 +133,7 @@ class LmdbIndex:
     """The LMDB environment of one SSD tier. Thread-safe: commits serialize on a lock, reads
     run concurrently behind the read gate.
 
-    `used_bytes` (the sum of stored value lengths) changes only inside a write transaction,
+    `used_bytes` (the extents of the stored values) changes only inside a write transaction,
     under the write lock, and is published after the commit.
     """
 

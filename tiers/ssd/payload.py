@@ -6,6 +6,16 @@ preallocated file reach 0.7-0.9. The file grows in preallocated steps of GROW_ST
 (posix_fallocate) and is written with O_DIRECT where the filesystem allows (tmpfs and some
 others do not: then plain pwrite).
 
+The file never grows past the tier's capacity (rounded down to ALIGN: `limit`). Why: the
+capacity is what an operator sets to fit the disk; the file used to grow whenever no free
+extent fitted, by whole steps, and the tier counted value lengths rather than extents, so a
+tier of 4 KiB blocks filled twice its capacity plus a step. Now the tier counts extents (what
+the store evicts by, tiers/ssd/tier.py), the last step stops at the limit, and a write for
+which no free extent fits below it waits a moment for extents that readers hold back (below),
+then fails with CapacityFull rather than growing the file. A file already larger (an earlier
+build's, or a capacity lowered since) is cut back at open to the end of its last stored
+extent, or to the limit where that is larger (`trim`), and is not grown again.
+
 Free space: extents come from an ExtentAllocator (tiers/slab.py) that the tier rebuilds from
 its index on open. Sizes are rounded to 32 classes per power of two (at most ~3% slack) so a
 freed extent is usually reused exactly. An extent freed while a reader that may have looked it
@@ -44,7 +54,7 @@ from contextlib import contextmanager
 from kvstore_client.common.errors import InvalidArgument, ResourceExhausted
 
 from ..slab import ExtentAllocator
-from .disk_full import FULL_ERRNOS, DiskFull, free_bytes
+from .disk_full import FULL_ERRNOS, CapacityFull, DiskFull, free_bytes
 
 log = logging.getLogger("kvstore.ssd")
 
@@ -52,6 +62,9 @@ NAME = "payload.dat"
 ALIGN = 4096
 GROW_STEP = 256 << 20               # the payload file grows (preallocated) this much at a time,
 MIN_GROW_STEP = 4 << 20             # or an eighth of the tier's capacity where that is less
+# (and never past the capacity). At the capacity, a write waits at most this long for extents
+# that readers hold back (deferred frees) before it fails with CapacityFull.
+FREED_WAIT_S = 1.0
 # Adjacent extents are joined into one write up to this size: 8 MiB of payload (as fast as
 # the disk's large sequential writes) plus the ~3% an extent may round up, so that four
 # 2 MiB blocks (2 MiB + 64 KiB extents) make one write instead of three and then one.
@@ -87,19 +100,22 @@ class PayloadFile:
 
     Thread-safe: `lock` guards the allocator, the deferred frees and the file's size; writes
     and reads of payload bytes run without it. `alloc` is set by the tier once it knows the
-    stored extents (from the index image or a scan of the index).
+    stored extents (from the index image or a scan of the index). `limit`: the size the file
+    never grows past (module docstring).
     """
 
     def __init__(self, folder: str, capacity: int, sync: bool) -> None:
         self.folder = folder
         self.path = os.path.join(folder, NAME)
         self.capacity = capacity
+        self.limit = capacity // ALIGN * ALIGN
         self._sync = sync
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.dfd = self._dfd_opened = _open_direct(self.path)
         self.size = os.fstat(self.fd).st_size
         self.alloc: ExtentAllocator = ExtentAllocator(0, ALIGN)
         self.lock = threading.Lock()
+        self._freed = threading.Condition(self.lock)     # deferred frees given back
         self.closed = False
         self.last_read = float("-inf")     # time.monotonic() of the latest read
         # Deferred frees and the readers that hold them back (module docstring).
@@ -143,9 +159,12 @@ class PayloadFile:
 
     # -- space --------------------------------------------------------------------------------
     def allocate(self, sizes: list[int]) -> list[int]:
-        """Extents for a batch; the file grows (preallocated) when no free extent fits."""
+        """Extents for a batch, all or none; the file grows (preallocated) when no free extent
+        fits, up to `limit`. There, a write waits up to FREED_WAIT_S for extents readers hold
+        back, then fails with CapacityFull (module docstring)."""
         with self.lock:
             offsets: list[int] = []
+            deadline = None
             try:
                 for size in sizes:
                     while True:
@@ -153,21 +172,38 @@ class PayloadFile:
                             offsets.append(self.alloc.alloc(size))
                             break
                         except ResourceExhausted:
-                            self._grow(size)
+                            if self._grow(size):
+                                continue
+                        now = time.monotonic()
+                        deadline = now + FREED_WAIT_S if deadline is None else deadline
+                        if not self._pending or self.closed or now >= deadline:
+                            raise CapacityFull(self.folder, self._no_room(size)) from None
+                        self._freed.wait(deadline - now)
             except BaseException:
                 for off in offsets:
                     self.alloc.free(off)
                 raise
             return offsets
 
-    def _grow(self, need: int) -> None:
-        """Preallocate GROW_STEP more (or `need`, if larger) at the end of the file; on a
-        filesystem with less room than a step, just `need` (DiskFull when not even that
-        fits). Called with `lock` held."""
-        exact = self.size + -(-need // ALIGN) * ALIGN
+    def _no_room(self, size: int) -> str:
+        held = sum(self.alloc.size_of(off) for _, off in self._pending
+                   if self.alloc.is_allocated(off))
+        return (f"no free extent of {size} bytes in its {self.size}-byte payload file, which "
+                f"is at ssd.capacity ({self.capacity} bytes): {self.alloc.used_bytes} bytes are "
+                f"allocated ({held} of them held back by reads in progress), the rest is in "
+                "smaller pieces")
+
+    def _grow(self, need: int) -> bool:
+        """Preallocate GROW_STEP more (or `need`, if larger) at the end of the file, never past
+        `limit`; on a filesystem with less room than a step, just `need` (DiskFull when not
+        even that fits). False: the file is at `limit` already, nothing grown. Called with
+        `lock` held."""
+        if self.size >= self.limit:
+            return False
+        exact = min(self.size + -(-need // ALIGN) * ALIGN, self.limit)
         # A small tier (tests, a sidecar with little disk) must not pin a whole big step.
         step = min(GROW_STEP, max(MIN_GROW_STEP, self.capacity // 8 // ALIGN * ALIGN))
-        new = max(self.size + step, exact)
+        new = min(max(self.size + step, exact), self.limit)
         if new > ADDRESS_LIMIT:
             raise ResourceExhausted(f"SSD payload file at {self.path} cannot grow further")
         while True:
@@ -188,6 +224,18 @@ class PayloadFile:
                 break
         self.size = new
         self.alloc.grow(new)
+        return True
+
+    def trim(self, end: int) -> None:
+        """Cut a file larger than `limit` back to `end` (the end of its last stored extent) or
+        `limit`, whichever is larger: at open, before the allocator is built for the new size
+        (module docstring)."""
+        new = max(end, self.limit)
+        if self.size > new:
+            os.ftruncate(self.fd, new)
+            log.info("SSD payload file %s cut back from %d to %d bytes (ssd.capacity is %d)",
+                     self.path, self.size, new, self.capacity)
+            self.size = new
 
     def free_now(self, offsets: list[int]) -> None:
         """Give back extents nothing ever pointed at (a batch that failed before commit)."""
@@ -224,6 +272,8 @@ class PayloadFile:
 
     def _drain(self) -> None:
         oldest = min(self._active) if self._active else self._epoch
+        if self._pending and self._pending[0][0] < oldest:
+            self._freed.notify_all()            # a write waiting for room (allocate)
         while self._pending and self._pending[0][0] < oldest:
             off = self._pending.popleft()[1]
             if not self.alloc.is_allocated(off):

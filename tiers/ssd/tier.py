@@ -7,6 +7,21 @@ delete or overwrite frees an extent only after every reader that may have looked
 a read verifies the value's checksum against its record, so a torn or stale payload is DataLoss
 (a miss), never served. The crash order and the layout of the folder: tiers/ssd/__init__.py.
 
+Why used_bytes counts extents (`extent_size` of each value: 4 KiB-aligned, 32 sizes per
+octave), not value lengths: it is what the store evicts by, against `ssd.capacity`, and the
+capacity is what an operator sets to fit the disk. Counting lengths, a tier of 4 KiB blocks
+(8 KiB extents with their frame header) took twice its capacity on disk. The payload file
+itself never grows past the capacity (tiers/ssd/payload.py). Per-tenant SSD quotas are the
+store's, in raw block bytes (kvstore/pools.py), and do not use this figure.
+
+Why an open takes used_bytes from the allocator it builds (`_settle_open`), never from the
+figure LMDB kept: a folder an earlier build wrote kept the sum of value lengths there, and
+the index image's stamp matches that figure all the same, so only the allocator (rebuilt from
+the records, or loaded from the image, which has always counted whole extents) is sure to
+mean extents. Where the two differ, the open commits the allocator's figure, and every put
+and delete moves it in the same transaction as its records from then on (exact after a
+crash, as before).
+
 Why a record's extent is checked before it is used (`_bad_extent`, `value_limit`): the record's
 8-byte length decides how big a buffer a read allocates and what a delete subtracts from
 used_bytes. A damaged one (2**30, 2**44) made a Get allocate a GiB or fail with ENOMEM, and made
@@ -15,7 +30,7 @@ failed. A record whose extent cannot be (unaligned, longer than any value, past 
 file's end, longer than its block can take) is DataLoss on a read, before anything is read or
 allocated, and a delete takes nothing off used_bytes for it. At open, a scan of the index drops
 such records from LMDB, and of two that claim the same bytes keeps the one whose payload
-verifies (`_scan_extents`); used_bytes is then the sum over the records kept.
+verifies (`_scan_extents`); used_bytes is then the sum of the extents kept.
 """
 
 from __future__ import annotations
@@ -24,6 +39,7 @@ import logging
 import mmap
 import os
 import sys
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -93,13 +109,15 @@ class SSDTier:
             alloc = self._alloc_from_image()
             saved = self._index.saved_used
             self._index.used_bytes = saved if saved is not None else 0
+            bad: dict[bytes, str] = {}
             if alloc is None:
                 self._image = None
-                extents, alloc_used, bad = self._scan_extents()
-                alloc = ExtentAllocator.from_extents(
-                    max(self._payload.size, max((o + s for o, s in extents), default=0)),
-                    ALIGN, extents)
-                self._settle_scan(bad, alloc_used)
+                extents, _, bad = self._scan_extents()
+                top = max((o + s for o, s in extents), default=0)
+                self._payload.trim(top)
+                alloc = ExtentAllocator.from_extents(max(self._payload.size, top), ALIGN,
+                                                     extents)
+            self._settle_open(bad, alloc.used_bytes)
             self._payload.alloc = alloc
             if legacy:
                 migrate_legacy(self.path, self._index, self.put_many, self.sync)
@@ -116,7 +134,8 @@ class SSDTier:
 
     @property
     def used_bytes(self) -> int:
-        """The sum of stored value lengths, exact after a crash (kept in the index)."""
+        """Bytes the stored values take in the payload file: the sum of their extents
+        (`extent_size`, module docstring), exact after a crash (kept in the index)."""
         return self._index.used_bytes
 
     # -- blocks -------------------------------------------------------------------------------
@@ -183,12 +202,12 @@ class SSDTier:
             for off, ((k, n, m), csum) in zip(offsets, stored, strict=True):
                 old = txn.get(k, db=blocks)
                 if old is not None:
-                    old_off, old_len = self._charge(old)
+                    old_off, old_size = self._charge(old)
                     if old_off is not None:
                         replaced.append(old_off)
-                    delta -= old_len
+                    delta -= old_size
                 txn.put(k, REC.pack(off, n, csum) + m, db=blocks)
-                delta += n
+                delta += extent_size(n)
             return delta
 
         if stored:
@@ -292,7 +311,8 @@ class SSDTier:
         return self._delete(gkeys)[0]
 
     def delete_sized(self, gkeys: Iterable[bytes]) -> int:
-        """Delete keys in one transaction; returns the bytes their values held.
+        """Delete keys in one transaction; returns the bytes it took off `used_bytes` (their
+        extents).
 
         Why not `used_bytes` before and after: another thread's put may commit in between (the
         store writes demotion batches without its own lock), so only the transaction's own
@@ -314,11 +334,11 @@ class SSDTier:
                 old = txn.get(k, db=blocks)
                 if old is None:
                     continue
-                off, length = self._charge(old)
+                off, size = self._charge(old)
                 txn.delete(k, db=blocks)
                 if off is not None:
                     gone.append(off)
-                delta -= length
+                delta -= size
                 found += 1
             freed = -delta
             return delta
@@ -371,15 +391,16 @@ class SSDTier:
 
     def _charge(self, raw: bytes) -> tuple[int | None, int]:
         """What deleting or overwriting a record gives back: the extent to free (None: it names
-        none) and the bytes to take off used_bytes. A record whose extent cannot be takes
-        nothing off (its true length is unknown; the damaged one made used_bytes negative);
+        none) and the bytes to take off used_bytes (its extent's size). A record whose extent
+        cannot be takes nothing off (its true length is unknown; the damaged one made
+        used_bytes negative; the next open recounts from the allocator);
         its offset, where it can name an extent, is still freed (a damaged length leaves it
         right; one the allocator does not hold is skipped, PayloadFile._drain)."""
         if len(raw) < REC.size:
             return None, 0
         off, length, _ = REC.unpack_from(raw)
         if self._bad_extent(off, length) is None:
-            return off, length
+            return off, extent_size(length)
         return (off if off % ALIGN == 0 and off < self._payload.size else None), 0
 
     def scan_meta(self) -> Iterator[tuple[bytes, bytes, int]]:
@@ -405,7 +426,7 @@ class SSDTier:
                 bar.close()
 
     def _scan_extents(self) -> tuple[list[tuple[int, int]], int, dict[bytes, str]]:
-        """Every stored extent and the bytes they hold, for rebuilding the allocator, and the
+        """Every stored extent and the bytes they take, for rebuilding the allocator, and the
         damaged records left out, with why (module docstring): a record too short, one whose
         extent cannot be, and of extents that overlap, each whose payload fails its checksum
         (then, of those that pass, all but the first)."""
@@ -423,8 +444,9 @@ class SSDTier:
                 if why is not None:
                     bad[k] = why
                     continue
-                extents.append((off, extent_size(length)))
-                used += length
+                size = extent_size(length)
+                extents.append((off, size))
+                used += size
         extents.sort()
         top = 0
         for off, size in extents:
@@ -469,7 +491,7 @@ class SSDTier:
             if rec is not None:
                 group, end = [rec], rec[0] + rec[1]
         self._payload.drop_read_buffer()
-        return [(r[0], r[1]) for r in kept], sum(r[2] for r in kept), bad
+        return [(r[0], r[1]) for r in kept], sum(r[1] for r in kept), bad
 
     def _verifies(self, off: int, length: int, checksum: int) -> bool:
         try:
@@ -478,13 +500,14 @@ class SSDTier:
             return False
         return len(view) == length and xxhash.xxh3_64_intdigest(view) == checksum
 
-    def _settle_scan(self, bad: dict[bytes, str], used: int) -> None:
-        """After a scan of the index: used_bytes is the sum over the records kept, and the
-        damaged ones are deleted from LMDB (one WARNING with their count). Should that write
-        fail, they stay left out of scan_meta, so nothing reads them."""
+    def _settle_open(self, bad: dict[bytes, str], used: int) -> None:
+        """At open: used_bytes is the allocator's figure, the extents of the records kept
+        (module docstring), committed where LMDB's differs, and the damaged records a scan
+        found are deleted from LMDB (one WARNING with their count). Should that write fail,
+        they stay left out of scan_meta, so nothing reads them."""
         index = self._index
         if index.saved_used is not None and index.saved_used != used and not bad:
-            log.info("SSD tier at %s: used bytes recounted from the index, %d (was %d)",
+            log.info("SSD tier at %s: used bytes recounted as the extents stored, %d (was %d)",
                      self.path, used, index.saved_used)
         if not bad and index.saved_used in (None, used):
             index.used_bytes = used
@@ -586,13 +609,23 @@ class SSDTier:
         if blob is None:
             return None
         try:
-            alloc = ExtentAllocator.from_state(msgpack.unpackb(blob))
+            state = msgpack.unpackb(blob)
+            alloc = ExtentAllocator.from_state(state)
+            if alloc.capacity > self._payload.size:   # the file lost its tail since: scan
+                log.warning("ignoring the SSD index image of %s: it maps %d bytes of a "
+                            "%d-byte payload file", self.path, alloc.capacity,
+                            self._payload.size)
+                return None
+            if self._payload.size > self._payload.limit:
+                # Larger than the capacity (PayloadFile.trim): cut back past the last stored
+                # extent, and the map rebuilt from the image's extents for the shorter file.
+                # Rare, so its cost (a step per extent, as a scan) is no start's usual path.
+                extents = _state_extents(state)
+                top = max((o + n for o, n in extents), default=0)
+                self._payload.trim(top)
+                alloc = ExtentAllocator.from_extents(self._payload.size, ALIGN, extents)
         except (InvalidArgument, ValueError, TypeError) as exc:
             log.warning("ignoring the SSD index image of %s: %s", self.path, exc)
-            return None
-        if alloc.capacity > self._payload.size:   # the file lost its tail since: scan
-            log.warning("ignoring the SSD index image of %s: it maps %d bytes of a %d-byte "
-                        "payload file", self.path, alloc.capacity, self._payload.size)
             return None
         if alloc.capacity < self._payload.size:
             alloc.grow(self._payload.size)
@@ -622,6 +655,14 @@ class SSDTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _state_extents(state: dict) -> list[tuple[int, int]]:
+    """The allocated extents of an allocator's state (ExtentAllocator.state)."""
+    off, size = array("Q"), array("Q")
+    off.frombytes(state["used_off"])
+    size.frombytes(state["used_size"])
+    return list(zip(off, size, strict=True))
 
 
 def _key(k: object) -> bytes:
