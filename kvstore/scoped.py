@@ -31,7 +31,7 @@ def scoped_stats(store: Any, ns_ids: set[bytes]) -> dict:
         caps = {"host": store.host.capacity,
                 "ssd": store.ssd.capacity if store.ssd is not None else None,
                 "remote": store.config.remote.capacity if store.remote is not None else None}
-        leases = sum(1 for lease in store.leases.all() if lease.ns_id in ns_ids)
+        leases = sum(store.leases.on_namespace(ns) for ns in ns_ids)
     tiers = {t: {"capacity_bytes": caps[t], "used_bytes": b, "blocks": n, "hits": 0,
                  "misses": 0, "evictions": 0}
              for t, (n, b) in counts.items() if caps[t] is not None}

@@ -201,12 +201,16 @@ class HostToSSD:
         items = [(entries[i].gkey, lengths[i], meta(entries[i], texts)) for i in idx]
         self.ssd_room.pending += need
         try:
-            try:
-                with st.unlocked():
-                    t = time.perf_counter()
-                    stored = st.ssd.put_filled(items, lambda k, dst: fill(idx[k], dst))
-                    end = time.perf_counter()
-            except CapacityFull:
+            for retry in (False, True):
+                try:
+                    with st.unlocked():
+                        t = time.perf_counter()
+                        stored = st.ssd.put_filled(items, lambda k, dst: fill(idx[k], dst))
+                        end = time.perf_counter()
+                    break
+                except CapacityFull:
+                    if retry:
+                        raise
                 # The payload file is at ssd.capacity and its free room is in pieces too
                 # small for this batch (values of mixed sizes), so used_bytes sits under the
                 # watermark and make_room evicts nothing: evict twice the batch's extents and
@@ -214,10 +218,6 @@ class HostToSSD:
                 # full disk, and the next batch evicts again, so the room comes back.
                 st.counters["ssd_capacity_full_evictions"] += 1
                 self.ssd_room.evict(2 * need)
-                with st.unlocked():
-                    t = time.perf_counter()
-                    stored = st.ssd.put_filled(items, lambda k, dst: fill(idx[k], dst))
-                    end = time.perf_counter()
         finally:
             self.ssd_room.pending -= need
         # Batches overlap (two demoters, inline evictions): one batch's wall time includes the
