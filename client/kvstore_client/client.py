@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
 import threading
 import time
@@ -230,14 +231,19 @@ class Client:
         loaded machine), and a connection that broke under the call (grpc shares one
         connection among a process's channels to a target, so a new client's first call can
         go out on the connection to a daemon run that just ended). The call then waits for
-        the daemon, within the same deadline."""
+        the daemon, within the same deadline.
+
+        On a Unix socket grpc's failure can also be stale: the connection state is shared, and
+        a refusal (or a missing file) that another client of this process met while a daemon
+        restarted is answered, until its reconnect backoff ends, to every new call, though the
+        new run listens by now. So a refusal there is checked against the socket itself."""
         try:
             return self._invoke(method, request, timeout, wait=False)
         except grpc.RpcError as e:
             left = t_end - time.monotonic()
             why = (e.details() or "").lower()
-            if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0 \
-                    or not any(w in why for w in _DAEMON_THERE):
+            if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0 or not (
+                    any(w in why for w in _DAEMON_THERE) or self._unix_listening(left)):
                 raise
             if "socket closed" in why and not self.target.startswith("unix:"):
                 return self._closed_again(method, request, t_end)
@@ -275,6 +281,20 @@ class Client:
     def _invoke(self, method: str, request: Any, timeout: float | None, wait: bool) -> Any:
         return getattr(self._stub, method)(request, timeout=timeout or self.timeout,
                                            wait_for_ready=wait, metadata=self.metadata)
+
+    def _unix_listening(self, timeout: float) -> bool:
+        """Whether something accepts connections on this client's Unix socket now."""
+        if not self.target.startswith("unix:"):
+            return False
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(min(timeout, LISTENING_CHECK_S))
+        try:
+            s.connect(self.target[len("unix:"):])
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
 
     def _check_address(self) -> None:
         """A Unix socket that is not there cannot be a daemon: say so without a round trip."""
@@ -622,6 +642,7 @@ _DAEMON_THERE = ("timed out", "stream removed", "broken pipe", "connection reset
 _TLS_FAILED = ("tls handshake", "ssl_error", "certificate_verify_failed")
 CLOSED_TRIES = 2            # a first call's retries of a connection closed at once
 CLOSED_PAUSE_S = 0.1
+LISTENING_CHECK_S = 1.0     # a first call's own connect to its Unix socket (_unix_listening)
 
 
 def _check_timeout(timeout: float | None) -> float | None:
