@@ -93,6 +93,11 @@ def test_full_ssd_filesystem(small_fs: Path, tmp_path: Path) -> None:
             counters = c.stats()["counters"]
             assert counters["ssd_disk_full_errors"] >= 1
             assert counters["ssd_disk_full_dropped_blocks"] >= 1
+            # The drops keep every block held reachable: a parent whose children stay is
+            # kept (lookups walk a prompt from its first block; a child without its parent
+            # would hold room no lookup finds).
+            held = c.stats(namespaces=True)["namespace_list"][0]["blocks"]
+            assert held == sum(ns.lookup(prompt(i, 8)) // T for i in range(12))
             # a write that must land on SSD says where and how much room is left
             with pytest.raises(ResourceExhausted) as ei:
                 c.flush()

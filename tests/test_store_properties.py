@@ -38,7 +38,10 @@ class StoreMachine(RuleBasedStateMachine):
     def start(self):
         self.dir = Path(tempfile.mkdtemp(prefix="kvstore-prop-"))
         # 24 host slots and an SSD small enough that it must evict too (40 blocks: each takes
-        # a 4 KiB extent, which the SSD tier's capacity counts).
+        # a 4 KiB extent, which the SSD tier's capacity counts). Not much smaller: with about
+        # 12 blocks a put's own room-making can evict the parent its lookup found, and the put
+        # then commits children that await that parent, which the index allows (concurrent
+        # writers land out of order) but the orphan invariant below does not.
         self.store = make_store(self.dir, host_capacity=24 * ALIGN, ssd_capacity=40 * ALIGN)
         self.ns = namespace(self.store)
         self.read_leases: list = []
