@@ -6,6 +6,9 @@ garbage, or nothing at all:
 
 - the engine's batches sent before the daemon started come from its replay buffer, and a gap
   in its numbers is filled from it; batches its buffer no longer has are counted as lost;
+- an answer the engine's ROUTER dropped part of (its tail with the end marker, or a hole) is
+  asked for again from the first missing number, and each block still reaches the router
+  once, in order, the resume counted (`replay_resumes`) and not taken for a failure;
 - a garbage answer (malformed frames, numbers out of order, payloads that are not msgpack, an
   answer that never ends) costs the relay what it may hold (`replay_bytes`) at most, and the
   engine's live batches go on;
@@ -183,6 +186,42 @@ def test_the_engines_history_and_a_gap_come_from_its_replay_socket(tmp_path):
         # ...which the store's counters show too
         sub.wait(lambda e: store.stats()["counters"].get("events_relay_replay_missed") == 5,
                  what="the counters in Stats")
+
+
+def dropping(history: dict[int, bytes], lost: set[int]) -> Callable[[int], list[list[bytes]]]:
+    """vLLM's answer as a reader that fell behind gets it: the first answer lacks the batches
+    in `lost` (a ROUTER past its high-water mark drops them; with the last one goes the end
+    marker, and the answer goes quiet), later answers are whole."""
+    asked = []
+
+    def answer(start: int) -> list[list[bytes]]:
+        asked.append(start)
+        msgs = served(history)(start)
+        if len(asked) > 1:
+            return msgs
+        last = max(history)
+        return [m for m in msgs if int.from_bytes(m[1], "big", signed=True) not in lost
+                and not (last in lost and m[1] == END)]
+    return answer
+
+
+@pytest.mark.parametrize("lost", [range(6, 10), range(3, 5)], ids=["tail", "hole"])
+def test_a_replay_the_engine_dropped_part_of_is_asked_again_and_forwarded_once(tmp_path, lost):
+    """The relay's side of a replay in rounds (replay.py asks again from the first missing
+    number): every block reaches the router once and in the engine's order, the repeats of a
+    second round are skipped, and the resume is counted, not taken for a failure."""
+    hs = chain("resume", 11)
+    history = {s: batch(gpu_store(hs[s])) for s in range(10)}
+    with relaying(tmp_path, dropping(history, set(lost))) as (engine, rep, store, sub, relay):
+        engine.seq = 10
+        engine.send([gpu_store(hs[10])])
+        want = {u64(h) for h in hs}
+        evs = sub.wait(lambda e: held(e).get("GPU") == want, what="every batch, resumed")
+        assert rep.requests == [0, min(lost)]
+        assert [e["block_hashes"][0] for e in stored(evs, "GPU")] == [u64(h) for h in hs]
+        c = relay.counters
+        assert (c["replays"], c["replay_resumes"], c["replay_failures"], c["replay_missed"],
+                c["gaps"]) == (1, 1, 0, 0, 0), c
 
 
 FILLER = batch({"type": "BlockRemoved", "block_hashes": [bytes(32)] * 8, "medium": "GPU"})
