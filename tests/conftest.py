@@ -3,11 +3,14 @@
 - under CI (`CI` set) a skip fails its test unless tests/expected_skips.py lists it and its
   condition holds here;
 - no test leaves sys.path changed (a folder such as bench/ left in front shadows real packages:
-  bench/vllm.py once stood in for vLLM and turned a test into a false skip).
+  bench/vllm.py once stood in for vLLM and turned a test into a false skip);
+- a run holds little disk: a passing test's tmp_path goes when it ends (pyproject's
+  tmp_path_retention_policy) and a passing module's tmp_path_factory folders when it ends.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,9 +34,14 @@ def _reason(longrepr: object) -> str:
     return str(longrepr)
 
 
+_FAILED_MODULES: set[str] = set()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
     rep = yield
+    if rep.failed:
+        _FAILED_MODULES.add(item.nodeid.split("::", 1)[0])
     if rep.skipped and not hasattr(rep, "wasxfail") and expected_skips.in_ci():
         expected, text = expected_skips.judge(item, _reason(rep.longrepr))
         if not expected:
@@ -107,6 +115,23 @@ def _sys_path_unchanged() -> Iterator[None]:
         pytest.fail(f"this test changed sys.path (before: {before}, after: {after}); load "
                     "modules by path instead, so later tests import what they mean to",
                     pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_folders_removed(request: pytest.FixtureRequest,
+                            tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The folders a module's fixtures made with tmp_path_factory (a shared daemon's data, a
+    cluster's nodes) go when the module passed, as a passing test's tmp_path does. Each daemon
+    preallocates its SSD file (32 MiB at the test capacity) and the suite starts hundreds:
+    kept to the end of the run, they filled a CI machine's /tmp before it ended. A module
+    with a failure keeps its folders, for reading."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    if request.node.nodeid in _FAILED_MODULES:
+        return
+    for path in set(base.iterdir()) - before:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

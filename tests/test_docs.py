@@ -28,7 +28,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,7 +131,7 @@ def docs_daemon(tmp_path_factory):
         cleanup(d)
 
 
-def _env(daemon) -> dict[str, str]:
+def _env(daemon, tmp_path: Path) -> dict[str, str]:
     """What a newcomer's shell has after `make setup`: the kvstore command on PATH (this
     interpreter's, with this checkout importable) and the daemon's address exported."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
@@ -141,7 +140,8 @@ def _env(daemon) -> dict[str, str]:
     # variable above wins, as the README says.
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "client"),
                                          env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    bin_dir = Path(tempfile.mkdtemp(prefix="kvs-docs-bin-"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
     shim = bin_dir / "kvstore"
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kvstore "$@"\n')
     shim.chmod(0o755)
@@ -152,7 +152,7 @@ def _env(daemon) -> dict[str, str]:
 
 @pytest.mark.parametrize("block", TO_RUN, ids=lambda b: b.name)
 def test_doc_block_runs_twice_from_another_folder(block, docs_daemon, tmp_path):
-    env = _env(docs_daemon)
+    env = _env(docs_daemon, tmp_path)
     argv = (["bash", "-euo", "pipefail", "-c", block.code] if RUNNABLE[block.lang] == "shell"
             else [sys.executable, "-c", block.code])
     for run in range(1, RUNS + 1):
