@@ -39,7 +39,7 @@ def test_a_process_choice_is_kept():
 
 
 ECHO = """
-import sys, tempfile, os
+import os, shutil, sys, tempfile
 import kvstore_client
 from concurrent import futures
 import grpc
@@ -58,6 +58,7 @@ body = os.urandom(3 << 20)
 assert call(body, timeout=30, wait_for_ready=True) == body
 ch.close()
 server.stop(None)
+shutil.rmtree(d)
 print("ECHO OK")
 """
 
