@@ -233,17 +233,17 @@ class Client:
         go out on the connection to a daemon run that just ended). The call then waits for
         the daemon, within the same deadline.
 
-        On a Unix socket grpc's failure can also be stale: the connection state is shared, and
-        a refusal (or a missing file) that another client of this process met while a daemon
-        restarted is answered, until its reconnect backoff ends, to every new call, though the
-        new run listens by now. So a refusal there is checked against the socket itself."""
+        grpc's failure can also be stale: the connection state is shared, and a refusal (or a
+        missing socket file) that another client of this process met while a daemon restarted
+        is answered, until its reconnect backoff ends, to every new call, though the new run
+        listens by now. So a refusal is checked against the address itself."""
         try:
             return self._invoke(method, request, timeout, wait=False)
         except grpc.RpcError as e:
             left = t_end - time.monotonic()
             why = (e.details() or "").lower()
             if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0 or not (
-                    any(w in why for w in _DAEMON_THERE) or self._unix_listening(left)):
+                    any(w in why for w in _DAEMON_THERE) or self._listening(left)):
                 raise
             if "socket closed" in why and not self.target.startswith("unix:"):
                 return self._closed_again(method, request, t_end)
@@ -282,19 +282,35 @@ class Client:
         return getattr(self._stub, method)(request, timeout=timeout or self.timeout,
                                            wait_for_ready=wait, metadata=self.metadata)
 
-    def _unix_listening(self, timeout: float) -> bool:
-        """Whether something accepts connections on this client's Unix socket now."""
-        if not self.target.startswith("unix:"):
-            return False
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(min(timeout, LISTENING_CHECK_S))
-        try:
-            s.connect(self.target[len("unix:"):])
-            return True
-        except OSError:
-            return False
-        finally:
-            s.close()
+    def _listening(self, timeout: float) -> bool:
+        """Whether something accepts connections at this client's address now: its Unix
+        socket, or its TCP host and port (the name resolved, and connected, in a thread that
+        is waited for at most the check's time: a slow resolver does not hold the call)."""
+        wait = min(timeout, LISTENING_CHECK_S)
+        if self.target.startswith("unix:"):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(wait)
+            try:
+                s.connect(self.target[len("unix:"):])
+                return True
+            except OSError:
+                return False
+            finally:
+                s.close()
+        host, _, port = self.target.rpartition(":")
+        accepted: list[bool] = []
+
+        def probe() -> None:
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=wait).close()
+                accepted.append(True)
+            except (OSError, ValueError):
+                pass
+
+        t = threading.Thread(target=probe, name="kvstore-listening-check", daemon=True)
+        t.start()
+        t.join(wait)
+        return bool(accepted)
 
     def _check_address(self) -> None:
         """A Unix socket that is not there cannot be a daemon: say so without a round trip."""
@@ -642,7 +658,7 @@ _DAEMON_THERE = ("timed out", "stream removed", "broken pipe", "connection reset
 _TLS_FAILED = ("tls handshake", "ssl_error", "certificate_verify_failed")
 CLOSED_TRIES = 2            # a first call's retries of a connection closed at once
 CLOSED_PAUSE_S = 0.1
-LISTENING_CHECK_S = 1.0     # a first call's own connect to its Unix socket (_unix_listening)
+LISTENING_CHECK_S = 1.0     # a first call's own connect to its address (_listening)
 
 
 def _check_timeout(timeout: float | None) -> float | None:
