@@ -54,6 +54,31 @@ def test_bad_tokens_are_rejected(bad):
         block_keys(bad * 8 if bad and not isinstance(bad[0], list) else bad, 1)
 
 
+def test_every_sequence_type_gives_the_same_keys():
+    """A list takes the C fast path (array("I")), anything else numpy's: the keys must not
+    depend on which, nor on the integer width of an array."""
+    import numpy as np
+    toks = [0, 2**32 - 1, *range(1, 39)]
+    want = block_keys(toks, 8)
+    assert len(want) == 5
+    for same in (tuple(toks), np.array(toks, dtype=np.int64), np.array(toks, dtype=np.uint32),
+                 [np.int64(t) for t in toks]):
+        assert block_keys(same, 8) == want, type(same)
+    assert block_keys(range(40), 8) == block_keys(list(range(40)), 8)
+    assert block_keys(toks + [2**40], 8) == want      # a partial block is neither hashed nor read
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 1.5, None, "7"])
+def test_a_bad_token_in_a_list_is_named_as_numpy_names_it(bad):
+    import numpy as np
+    toks = [1] * 7 + [bad]
+    with pytest.raises(InvalidArgument) as from_list:
+        block_keys(toks, 8)
+    with pytest.raises(InvalidArgument) as from_array:
+        block_keys(np.asarray(toks), 8)
+    assert str(from_list.value) == str(from_array.value)
+
+
 def test_bad_parameters_are_rejected():
     with pytest.raises(InvalidArgument):
         block_keys([1, 2], 0)
