@@ -184,7 +184,7 @@ test: $(TEST_PREREQS)
 	# compiles them into their on-disk cache rather than inside the first test that uses them,
 	# and fails here, naming it, when one does not load (the tests would run its fallback).
 	$(PY) -m tests.kernel_checks
-	$(PY) -m pytest -q -rs -p no:cacheprovider $(ARGS)
+	$(PY) -m pytest -q -rs --durations=20 -p no:cacheprovider $(ARGS)
 
 lint: dev
 	$(VENV)/bin/ruff check .
