@@ -6,7 +6,8 @@ unknown, or a checksum fails) and re-registers its namespaces and re-maps the po
 retrying the call once, so callers see at most a slower call.
 
 Every RPC carries a deadline and waits for the channel to become ready within it, so a daemon
-that is restarting is waited for, and one that is gone fails within `timeout` seconds. What a
+that is restarting is waited for, and one that is gone fails within `timeout` seconds; until a
+daemon has answered once, a wrong address fails at once instead (`first_call.py`). What a
 namespace does with the connection (hashing, lookup, store, load) is in `namespace.py`
 (and `writes.py`, `reads.py`); the mapping of the host pool is `host_pool.py`.
 """
@@ -15,8 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import stat
 import threading
 import time
 import weakref
@@ -25,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from . import first_call
 from ._proto import kvstore_pb2 as pb
 from ._proto import kvstore_pb2_grpc as pbg
 from .blockcopy import default_threads
@@ -174,7 +174,7 @@ class Client:
             self.leases.flush(spares=_AFTER_RELEASES[method], deadline=t_end)
         first = not self._reached
         if first:
-            self._check_address()
+            first_call.check_address(self.target)
         if not self._session_checked:
             self.ensure_session()
         lane = self._lane
@@ -188,19 +188,12 @@ class Client:
                 why = f" ({e})"             # not sent: over gRPC below
         try:
             left = _left(method, timeout, t_end, why)
-            resp = self._first_invoke(method, request, left, t_end) if first else \
-                self._invoke(method, request, left, wait=True)
+            resp = first_call.invoke(self._invoke, self.target, self.address, method,
+                                     request, left, t_end) if first else \
+                self._invoke(method, request, left, True)
         except grpc.RpcError as e:
             if first and e.code() == grpc.StatusCode.UNAVAILABLE:
-                if any(w in (e.details() or "").lower() for w in _TLS_FAILED):
-                    raise Unavailable(f"the TLS handshake with the daemon at {self.address} "
-                                      f"failed ({e.details()}); check tls_ca_file (the CA "
-                                      "that signed the daemon's certificate) and "
-                                      "tls_server_name, or drop TLS where the daemon's TCP "
-                                      "port serves none") from None
-                raise Unavailable(f"no kvstore daemon at {self.address} ({e.details()}); "
-                                  "start one with `kvstore serve` or pass the address it "
-                                  "printed") from None
+                raise first_call.unavailable(self.address, e) from None
             err = from_rpc_error(e, method, self.target)
             if not (isinstance(err, Unauthenticated) and self._session is not None):
                 raise err from None
@@ -223,110 +216,9 @@ class Client:
             request, timeout=timeout or self.timeout, wait_for_ready=True,
             metadata=self.metadata)
 
-    def _first_invoke(self, method: str, request: Any, timeout: float | None,
-                      t_end: float) -> Any:
-        """The first call fails fast where no daemon listens (a refused connection), so a
-        wrong address is one clear error, not a wait. Two failures are different: a connection
-        attempt that timed out (a daemon is there but slow to answer the HTTP/2 handshake on a
-        loaded machine), and a connection that broke under the call (grpc shares one
-        connection among a process's channels to a target, so a new client's first call can
-        go out on the connection to a daemon run that just ended). The call then waits for
-        the daemon, within the same deadline.
-
-        grpc's failure can also be stale: the connection state is shared, and a refusal (or a
-        missing socket file) that another client of this process met while a daemon restarted
-        is answered, until its reconnect backoff ends, to every new call, though the new run
-        listens by now. So a refusal is checked against the address itself."""
-        try:
-            return self._invoke(method, request, timeout, wait=False)
-        except grpc.RpcError as e:
-            left = t_end - time.monotonic()
-            why = (e.details() or "").lower()
-            if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0 or not (
-                    any(w in why for w in _DAEMON_THERE) or self._listening(left)):
-                raise
-            if "socket closed" in why and not self.target.startswith("unix:"):
-                return self._closed_again(method, request, t_end)
-            return self._invoke(method, request, left, wait=True)
-
-    def _closed_again(self, method: str, request: Any, t_end: float) -> Any:
-        """A TCP connection closed before the first call went through. Once, that is a
-        connection to a daemon run that just ended (above); again and again, it is the daemon's
-        TLS refusing this client before a byte of gRPC: plaintext to a TLS port, or no client
-        certificate (or one of another CA) where the daemon requires mTLS. Waiting for the
-        deadline then said only "Deadline Exceeded", so the call is tried again, CLOSED_PAUSE_S
-        apart: closed the next CLOSED_TRIES times in a row, it fails at once saying why; any
-        other answer is waited for as before."""
-        for _ in range(CLOSED_TRIES):
-            left = t_end - time.monotonic() - CLOSED_PAUSE_S
-            if left <= 0:
-                break
-            time.sleep(CLOSED_PAUSE_S)
-            try:
-                return self._invoke(method, request, left, wait=False)
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                if "socket closed" not in (e.details() or "").lower():
-                    break
-        else:
-            raise Unavailable(
-                f"the daemon at {self.address} closed every connection before a call went "
-                "through: its TCP port serves TLS and this client does not match it "
-                "(plaintext to a TLS port, or no client certificate, or one from another "
-                "CA, where the daemon requires mTLS); pass tls_ca_file, and tls_cert_file "
-                "and tls_key_file for mTLS")
-        return self._invoke(method, request, max(t_end - time.monotonic(), 0.001), wait=True)
-
     def _invoke(self, method: str, request: Any, timeout: float | None, wait: bool) -> Any:
         return getattr(self._stub, method)(request, timeout=timeout or self.timeout,
                                            wait_for_ready=wait, metadata=self.metadata)
-
-    def _listening(self, timeout: float) -> bool:
-        """Whether something accepts connections at this client's address now: its Unix
-        socket, or its TCP host and port (the name resolved, and connected, in a thread that
-        is waited for at most the check's time: a slow resolver does not hold the call)."""
-        wait = min(timeout, LISTENING_CHECK_S)
-        if self.target.startswith("unix:"):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(wait)
-            try:
-                s.connect(self.target[len("unix:"):])
-                return True
-            except OSError:
-                return False
-            finally:
-                s.close()
-        host, _, port = self.target.rpartition(":")
-        accepted: list[bool] = []
-
-        def probe() -> None:
-            try:
-                socket.create_connection((host.strip("[]"), int(port)), timeout=wait).close()
-                accepted.append(True)
-            except (OSError, ValueError):
-                pass
-
-        t = threading.Thread(target=probe, name="kvstore-listening-check", daemon=True)
-        t.start()
-        t.join(wait)
-        return bool(accepted)
-
-    def _check_address(self) -> None:
-        """A Unix socket that is not there cannot be a daemon: say so without a round trip."""
-        if not self.target.startswith("unix:"):
-            return
-        path = self.target[len("unix:"):]
-        try:
-            mode = os.stat(path).st_mode
-        except FileNotFoundError:
-            raise Unavailable(f"no kvstore daemon at {path}: the socket does not exist; start "
-                              "one with `kvstore serve` or pass the socket path it printed"
-                              ) from None
-        except OSError as e:
-            raise Unavailable(f"no kvstore daemon at {path}: {e.strerror}") from None
-        if not stat.S_ISSOCK(mode):
-            raise Unavailable(f"no kvstore daemon at {path}: that is not a socket")
 
     def ensure_session(self, refresh: bool = False) -> None:
         """Handshake with the daemon's Unix socket when it has one (a daemon with tenants):
@@ -651,14 +543,6 @@ class Client:
 
 # The response message of each call the lane carries.
 _RESPONSE = {m: getattr(pb, f"{m}Response") for m in METHOD_ID}
-# What grpc says when a daemon was there to connect to: the first call waits for it then.
-_DAEMON_THERE = ("timed out", "stream removed", "broken pipe", "connection reset",
-                 "socket closed")
-# A first call's UNAVAILABLE that is the TLS handshake failing, not a missing daemon.
-_TLS_FAILED = ("tls handshake", "ssl_error", "certificate_verify_failed")
-CLOSED_TRIES = 2            # a first call's retries of a connection closed at once
-CLOSED_PAUSE_S = 0.1
-LISTENING_CHECK_S = 1.0     # a first call's own connect to its address (_listening)
 
 
 def _check_timeout(timeout: float | None) -> float | None:
