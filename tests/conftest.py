@@ -124,7 +124,8 @@ def _module_folders_removed(request: pytest.FixtureRequest,
     cluster's nodes) go when the module passed, as a passing test's tmp_path does. Each daemon
     preallocates its SSD file (32 MiB at the test capacity) and the suite starts hundreds:
     kept to the end of the run, they filled a CI machine's /tmp before it ended. A module
-    with a failure keeps its folders, for reading."""
+    with a failure keeps its folders, for reading. (So a session-scoped fixture cannot keep
+    a tmp_path_factory folder: it would go with the first module that used it.)"""
     base = tmp_path_factory.getbasetemp()
     before = set(base.iterdir())
     yield

@@ -62,6 +62,7 @@ def test_vllm_fs_tier_contract_passes_against_kvstore(version: str, tmp_path: Pa
         proc = subprocess.run(
             [str(py), "-m", "pytest", "-c", os.devnull, "--rootdir", str(root),
              "-p", "no:cacheprovider", "-p", "tests.vllm_tier_shim", "--import-mode=importlib",
+             "--basetemp", str(tmp_path / "vllm-tmp"),      # goes with this test's tmp_path
              "-q", "-rfEs", "-W", "ignore::DeprecationWarning", str(tests / "test_fs_tier.py")],
             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=RUN_DEADLINE_S,
             stdin=subprocess.DEVNULL)

@@ -22,6 +22,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -409,8 +410,8 @@ def _map_pool(client: Any, e: Engine) -> np.ndarray:
 def sc_down(args: argparse.Namespace) -> dict[str, Any]:
     """A daemon that is not there: lookups MISS within the deadline, stores fail as jobs."""
     keys, data = prompt(4, 4)
-    gone = os.path.join(tempfile.mkdtemp(prefix="kvs-gone-"), "none.sock")
-    e = Engine(f"unix:{gone}", lookup_deadline_s=0.5, timeout_s=1.0)
+    folder = tempfile.mkdtemp(prefix="kvs-gone-")
+    e = Engine(f"unix:{os.path.join(folder, 'none.sock')}", lookup_deadline_s=0.5, timeout_s=1.0)
     try:
         e.store(keys, data)
         settled = e.settle(20.0)
@@ -422,6 +423,7 @@ def sc_down(args: argparse.Namespace) -> dict[str, Any]:
                 "exceptions": e.exceptions}
     finally:
         e.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def sc_hung(args: argparse.Namespace) -> dict[str, Any]:
