@@ -95,7 +95,8 @@ def block_keys(token_ids: Sequence[int] | np.ndarray, block_tokens: int, *,
     if parent is not None and len(parent) > 255:
         raise InvalidArgument("parent key longer than 255 bytes")
     # One pass over the tokens (checked and encoded once), then one short message per block:
-    # the per-block Python work is a join and a blake3 call (docs/hashing.md, ~20 M tokens/s).
+    # the per-block Python work is a join and a blake3 call, ~1 us that dominates small blocks
+    # (docs/sdk.md gives the rates).
     tb = _token_bytes(token_ids[:n * block_tokens])
     head = block_tokens.to_bytes(4, "little")
     common = _extra_bytes(extra_keys)
